@@ -1,0 +1,550 @@
+"""Job configuration: typed dataclasses, TOML + command-line loading, validation, ``--help``.
+
+Load order: dataclass defaults < TOML file (``--job.config_file``) < command-line overrides
+(``--section.key value``, ``--section.key=value``, ``--section.flag`` / ``--section.no-flag``,
+lists comma-separated). Every value is checked before any process group or model exists; a bad
+one raises :class:`ConfigError` with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError",
+    "JobConfig",
+    "load_job_config",
+    "format_help",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: one line, naming the key, the value and what is allowed."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections. The string under each field is its documentation (shown by --help).
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file with the job's settings; command-line overrides are applied on top."""
+    dump_folder: str = "./outputs"
+    """Folder for everything the job writes (metrics, TensorBoard logs)."""
+    description: str = "default job"
+    """Free-text description of the job, logged at start."""
+    print_config: bool = False
+    """Log the fully resolved configuration at start (rank 0)."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family; one of the registered models (llama3)."""
+    flavor: str = "debugmodel"
+    """Model shape within the family (llama3: tiny, debugmodel, 1B, 8B, 70B)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class."""
+    lr: float = 8e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    beta1: float = 0.9
+    """Adam beta1 (first-moment decay)."""
+    beta2: float = 0.95
+    """Adam beta2 (second-moment decay)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """Optimizer kernel: foreach (multi-tensor), fused (single kernel) or for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero up to optimizer.lr."""
+    decay_ratio: float | None = None
+    """Fraction of training.steps spent decaying at the end (warmup-stable-decay); unset: decay over all steps after warmup."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay phase."""
+    min_lr_factor: float = 0.0
+    """Learning rate at the end of decay, as a fraction of optimizer.lr."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 8
+    """Samples per rank per micro-batch (one forward/backward)."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all ranks; -1 means local_batch_size × data-parallel degree. A multiple of that gives gradient accumulation."""
+    seq_len: int = 2048
+    """Tokens per sample (the model is fed seq_len tokens and predicts the next seq_len)."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    steps: int = 10000
+    """Number of optimizer steps."""
+    dataset: str = "python_stdlib"
+    """Dataset name; python_stdlib reads the Python installation's own standard library sources (no download)."""
+    dataset_path: str | None = None
+    """Local path for datasets that read one (unused by python_stdlib)."""
+    enable_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
+    mixed_precision_param: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of all-gathered parameters and of compute; sharded parameters stay float32."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which gradients are reduced across ranks."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world."""
+    data_parallel_shard_degree: int = -1
+    """Ranks each parameter is sharded over; -1 means the rest of the world."""
+    reshard_after_forward_mode: str | int = "default"
+    """default (reshard all units but the last), always, never, or an integer N: reshard to groups of N ranks (e.g. within a node)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at the first and last step)."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files (rank 0)."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder inside job.dump_folder; each run writes its own timestamped subfolder."""
+
+
+@dataclass
+class Debug:
+    seed: int = 42
+    """Seed for weights and data order; the same seed gives the same run on any world size."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower; bit-reproducible runs)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def validate(self, *, world_size: int | None = None) -> None:
+        """Check values and cross-field rules; with ``world_size`` also the parallel degrees."""
+        _validate(self, world_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Introspection helpers
+# --------------------------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(JobConfig)
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (read from the source)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) < len(typing.get_args(tp)):
+            if len(args) != 1:
+                raise TypeError(f"unsupported optional union {tp}")
+            return True, args[0]
+    return False, tp
+
+
+def _type_name(tp: Any) -> str:
+    optional, inner = _is_optional(tp)
+    if optional:
+        return f"{_type_name(inner)} | None"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _allowed(tp: Any) -> str:
+    origin = typing.get_origin(_is_optional(tp)[1])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(_is_optional(tp)[1]))
+    return f"a value of type {_type_name(tp)}"
+
+
+def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
+    """Convert ``value`` (a TOML value, or a string from the command line) to ``tp``."""
+    optional, inner = _is_optional(tp)
+    if optional:
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+            return None
+        return _coerce(key, value, inner, from_cli=from_cli)
+    origin = typing.get_origin(inner)
+    bad = ConfigError(f"{key}: invalid value {value!r}; expected {_allowed(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(inner)
+        if value in allowed:
+            return value
+        raise bad
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(inner):
+            try:
+                return _coerce(key, value, option, from_cli=from_cli)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is list:
+        (elem,) = typing.get_args(inner)
+        if from_cli and isinstance(value, str):
+            items: list[Any] = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise bad
+        return [_coerce(key, v, elem, from_cli=from_cli) for v in items]
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            lowered = value.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+        raise ConfigError(f"{key}: invalid value {value!r}; expected true or false")
+    if inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: invalid value {value!r}; expected an integer")
+    if inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: invalid value {value!r}; expected a number")
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: invalid value {value!r}; expected a string")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")  # pragma: no cover
+
+
+def _suggest(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
+    if section not in _SECTIONS:
+        raise ConfigError(
+            f"unknown section [{section}] in {where}{_suggest(section, list(_SECTIONS))} "
+            f"(sections: {', '.join(_SECTIONS)})"
+        )
+    cls = _SECTIONS[section]
+    types_ = _field_types(cls)
+    if key is None:
+        return cls, None
+    if key not in types_:
+        raise ConfigError(
+            f"unknown key '{section}.{key}' in {where}"
+            f"{_suggest(key, list(types_)).replace(chr(39), chr(39) + section + '.', 1)} "
+            f"(keys of [{section}]: {', '.join(types_)})"
+        )
+    return cls, types_[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
+    """Return ``(section, key, raw value)`` overrides in order."""
+    overrides: list[tuple[str, str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument {arg!r}; options look like --section.key value "
+                "(see --help)"
+            )
+        name, eq, inline = arg[2:].partition("=")
+        section, _, key = name.partition(".")
+        section = section.replace("-", "_")
+        negated = False
+        if key.startswith("no-") or key.startswith("no_"):
+            candidate = key[3:].replace("-", "_")
+            if section in _SECTIONS and candidate in _field_types(_SECTIONS[section]):
+                negated = True
+                key = candidate
+        key = key.replace("-", "_")
+        _, tp = _lookup(section, key, where="command line")
+        is_bool = _is_optional(tp)[1] is bool
+        if negated:
+            if not is_bool:
+                raise ConfigError(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
+            if eq:
+                raise ConfigError(f"--{section}.no-{key} takes no value")
+            overrides.append((section, key, "false"))
+            i += 1
+            continue
+        if eq:
+            overrides.append((section, key, inline))
+            i += 1
+            continue
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if is_bool and (nxt is None or nxt.startswith("--")):
+            overrides.append((section, key, "true"))
+            i += 1
+            continue
+        if nxt is None or (nxt.startswith("--") and "." in nxt and not _is_number(nxt)):
+            raise ConfigError(f"--{section}.{key} expects a value ({_allowed(tp)})")
+        overrides.append((section, key, nxt))
+        i += 2
+    return overrides
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
+    """Every option with its type, default and documentation."""
+    defaults = JobConfig()
+    lines = [
+        f"usage: torchrun [torchrun options] -m torchtitan_lite.train --job.config_file FILE "
+        f"[--section.key value ...]\n       {prog} [--section.key value ...]",
+        "",
+        "Settings load as: defaults < TOML file < command line. Booleans: --section.flag, "
+        "--section.no-flag or an explicit true/false; lists are comma-separated.",
+    ]
+    for section, cls in _SECTIONS.items():
+        lines.append("")
+        lines.append(f"[{section}]")
+        docs = _field_docs(cls)
+        for name, tp in _field_types(cls).items():
+            default = getattr(getattr(defaults, section), name)
+            lines.append(f"  --{section}.{name} {_type_name(tp)}  (default: {default!r})")
+            if name in docs:
+                lines.append(f"      {docs[name]}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_job_config(argv: list[str] | None = None, *, world_size: int | None = None) -> JobConfig:
+    """Build a validated :class:`JobConfig` from defaults, a TOML file and ``argv`` overrides.
+
+    ``world_size`` (when known, e.g. from torchrun's environment) enables the checks that
+    depend on it: parallel degrees, batch sizes, integer reshard mode.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = _parse_cli(argv)
+    config = JobConfig()
+
+    config_file = None
+    for section, key, raw in overrides:
+        if (section, key) == ("job", "config_file"):
+            config_file = raw
+    if config_file:
+        _apply_toml(config, Path(config_file))
+    for section, key, raw in overrides:
+        _, tp = _lookup(section, key, where="command line")
+        value = _coerce(f"{section}.{key}", raw, tp, from_cli=True)
+        setattr(getattr(config, section), key, value)
+    config.validate(world_size=world_size)
+    return config
+
+
+def _apply_toml(config: JobConfig, path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"job.config_file: file not found: {str(path)!r}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"job.config_file: {str(path)!r} is not valid TOML: {exc}") from None
+    where = f"'{path}'"
+    for section, values in data.items():
+        _lookup(section, None, where=where)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: '{section}' must be a [section] table, got {values!r}")
+        for key, value in values.items():
+            _, tp = _lookup(section, key, where=where)
+            setattr(getattr(config, section), key, _coerce(f"{section}.{key}", value, tp, from_cli=False))
+    config.job.config_file = str(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
+
+
+def _validate(c: JobConfig, world_size: int | None) -> None:
+    # Type/enum checks already ran on load; re-run them here for configs built in code.
+    for section, cls in _SECTIONS.items():
+        sec = getattr(c, section)
+        for name, tp in _field_types(cls).items():
+            value = getattr(sec, name)
+            _coerce(f"{section}.{name}", value, tp, from_cli=False)
+
+    from torchtitan_lite.models import MODEL_REGISTRY
+
+    _require(c.model.name in MODEL_REGISTRY, "model.name", c.model.name,
+             f"expected one of {', '.join(map(repr, MODEL_REGISTRY))}")
+    flavors = MODEL_REGISTRY[c.model.name][1]
+    _require(c.model.flavor in flavors, "model.flavor", c.model.flavor,
+             f"expected one of {', '.join(map(repr, flavors))}")
+
+    o = c.optimizer
+    _require(o.lr > 0, "optimizer.lr", o.lr, "expected a number > 0")
+    _require(0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "expected 0 <= beta1 < 1")
+    _require(0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "expected 0 <= beta2 < 1")
+    _require(o.eps > 0, "optimizer.eps", o.eps, "expected a number > 0")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "expected a number >= 0")
+
+    s = c.lr_scheduler
+    _require(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "expected an integer >= 0")
+    if s.decay_ratio is not None:
+        _require(0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
+                 "expected a number in [0, 1] or unset")
+    _require(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", s.min_lr_factor,
+             "expected a number in [0, 1]")
+
+    t = c.training
+    _require(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "expected an integer >= 1")
+    _require(t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
+             t.global_batch_size, "expected an integer >= 1, or -1")
+    _require(t.seq_len >= 1, "training.seq_len", t.seq_len, "expected an integer >= 1")
+    _require(t.max_norm >= 0, "training.max_norm", t.max_norm, "expected a number >= 0 (0 disables clipping)")
+    _require(t.steps >= 1, "training.steps", t.steps, "expected an integer >= 1")
+    max_seq_len = flavors[c.model.flavor].max_seq_len
+    _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
+             f"expected at most {max_seq_len} (max_seq_len of {c.model.name} {c.model.flavor})")
+    from torchtitan_lite.data import DATASETS
+
+    _require(t.dataset in DATASETS, "training.dataset", t.dataset,
+             f"expected one of {', '.join(map(repr, DATASETS))}")
+
+    p = c.parallelism
+    _require(p.data_parallel_replicate_degree == -1 or p.data_parallel_replicate_degree >= 1,
+             "parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree,
+             "expected an integer >= 1, or -1 (the rest of the world)")
+    _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+             "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree,
+             "expected an integer >= 1, or -1 (the rest of the world)")
+    mode = p.reshard_after_forward_mode
+    if isinstance(mode, str) and mode not in ("default", "always", "never"):
+        try:
+            p.reshard_after_forward_mode = mode = int(mode)
+        except ValueError:
+            raise ConfigError(
+                f"parallelism.reshard_after_forward_mode: invalid value {mode!r}; expected one of "
+                "'default', 'always', 'never' or an integer group size"
+            ) from None
+
+    m = c.metrics
+    _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")
+
+    if world_size is not None:
+        _validate_world(c, world_size)
+
+
+def _validate_world(c: JobConfig, world_size: int) -> None:
+    from torchtitan_lite.distributed import ParallelDims
+    from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
+
+    p, t = c.parallelism, c.training
+    try:
+        dims = ParallelDims.resolve(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            world_size=world_size,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        validate_reshard_after_forward_mode(p.reshard_after_forward_mode, dims.dp_shard)
+    except ValueError as exc:
+        raise ConfigError(f"parallelism.{exc}") from None
+    per_step = t.local_batch_size * dims.dp_size
+    if t.global_batch_size != -1:
+        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
+                 f"expected a multiple of local_batch_size × data-parallel degree = "
+                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")

@@ -1,0 +1,164 @@
+"""Process group, device choice and the data-parallel ``DeviceMesh``."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "ParallelDims",
+    "choose_device",
+    "backend_for",
+    "init_distributed",
+    "build_mesh",
+    "world_info_from_env",
+    "destroy_distributed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def world_info_from_env() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from torchrun's environment (``0, 0, 1`` without it)."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, local_rank, world_size
+
+
+def choose_device(local_rank: int | None = None) -> torch.device:
+    """The one place the compute device is chosen: this rank's CUDA device if any, else CPU."""
+    if torch.cuda.is_available():
+        if local_rank is None:
+            local_rank = world_info_from_env()[1]
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device, *, cpu_collectives: bool = False) -> str:
+    """The one place the backend string is built.
+
+    ``nccl`` on CUDA, ``gloo`` on CPU, and ``cuda:nccl,cpu:gloo`` on CUDA when CPU tensors take
+    part in collectives too (CPU offload: gradient-norm clipping reduces CPU gradients).
+    """
+    if device.type == "cuda":
+        return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+    if device.type == "cpu":
+        return "gloo"
+    raise ValueError(f"unsupported device type {device.type!r}; expected cuda or cpu")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Data-parallel degrees resolved against the world size (``-1`` already filled in)."""
+
+    dp_replicate: int
+    dp_shard: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int) -> ParallelDims:
+        """Fill in a ``-1`` degree and check ``dp_replicate × dp_shard == world_size``.
+
+        Raises ``ValueError`` naming the keys and values when they do not fit.
+        """
+        if dp_replicate == 0 or dp_replicate < -1:
+            raise ValueError(
+                f"parallelism.data_parallel_replicate_degree={dp_replicate} must be >= 1 or -1"
+            )
+        if dp_shard == 0 or dp_shard < -1:
+            raise ValueError(
+                f"parallelism.data_parallel_shard_degree={dp_shard} must be >= 1 or -1"
+            )
+        if dp_replicate == -1 and dp_shard == -1:
+            raise ValueError(
+                "parallelism.data_parallel_replicate_degree and data_parallel_shard_degree "
+                "cannot both be -1"
+            )
+        if dp_shard == -1:
+            if world_size % dp_replicate:
+                raise ValueError(
+                    f"parallelism.data_parallel_replicate_degree={dp_replicate} does not divide "
+                    f"the world size {world_size}"
+                )
+            dp_shard = world_size // dp_replicate
+        if dp_replicate == -1:
+            if world_size % dp_shard:
+                raise ValueError(
+                    f"parallelism.data_parallel_shard_degree={dp_shard} does not divide the "
+                    f"world size {world_size}"
+                )
+            dp_replicate = world_size // dp_shard
+        if dp_replicate * dp_shard != world_size:
+            raise ValueError(
+                f"parallelism.data_parallel_replicate_degree={dp_replicate} × "
+                f"data_parallel_shard_degree={dp_shard} = {dp_replicate * dp_shard} does not "
+                f"equal the world size {world_size}"
+            )
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def init_distributed(
+    device: torch.device, *, cpu_collectives: bool = False, timeout_s: float = 600.0
+) -> None:
+    """Create the default process group from torchrun's environment.
+
+    Without torchrun (no ``WORLD_SIZE``), a single-process group is created on a free local
+    port so that FSDP and DTensor work the same way as in a multi-process run.
+    """
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device, cpu_collectives=cpu_collectives)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    logger.info(
+        "process group: backend=%s world_size=%d device=%s", backend, dist.get_world_size(), device
+    )
+
+
+def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
+    """1-D ``("dp_shard",)`` mesh when not replicating, 2-D ``("dp_replicate", "dp_shard")`` (HSDP)."""
+    if dims.dp_replicate > 1:
+        return init_device_mesh(
+            device.type,
+            (dims.dp_replicate, dims.dp_shard),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+    return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def destroy_distributed() -> None:
+    """Tear the process group down; the barrier first keeps a fast rank from closing
+    connections that a slower one is still using (gloo aborts the process otherwise)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,119 @@
+"""Seeded, shard-aware weight initialisation.
+
+The values a parameter receives depend only on the global RNG state when its initialiser is
+called, never on how the parameter is sharded: each parameter is filled block by block along
+dim 0 (blocks of a fixed size), every block from its own generator seeded from one draw of the
+global generator. A rank that holds rows ``[a, b)`` of a sharded parameter generates only the
+blocks overlapping those rows, so the full parameter is never materialised and the result is
+the same on 1, 2 or 4 ranks.
+
+This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["normal_", "trunc_normal_", "ones_", "zeros_"]
+
+# Elements generated per block; fixed so that values do not depend on sharding.
+_BLOCK_ELEMENTS = 1 << 18
+_SEED_MODULUS = 1 << 62
+
+
+def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Return the local tensor and the global row (dim 0) offset of its first row."""
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = tensor.to_local()
+        for placement in tensor.placements:
+            if placement.is_shard() and placement.dim != 0:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"seeded init supports parameters sharded on dim 0 only, got {tensor.placements}"
+                )
+        _, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        return local, int(offset[0]) if len(offset) else 0
+    return tensor, 0
+
+
+@torch.no_grad()
+def _fill_blockwise(
+    tensor: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator], None]
+) -> torch.Tensor:
+    local, row_offset = _local_rows(tensor)
+    # One draw from the global generator per parameter: identical on every rank.
+    base_seed = int(torch.randint(0, _SEED_MODULUS, (1,), dtype=torch.int64).item())
+    if local.numel() == 0:
+        return tensor
+    full_shape = tuple(tensor.shape)
+    if len(full_shape) == 0:
+        generator = torch.Generator(device=local.device).manual_seed(base_seed)
+        tmp = torch.empty((), dtype=torch.float32, device=local.device)
+        fill(tmp, generator)
+        local.copy_(tmp)
+        return tensor
+    row_numel = math.prod(full_shape[1:]) or 1
+    rows_per_block = max(1, _BLOCK_ELEMENTS // row_numel)
+    n_local = local.shape[0]
+    first_block = row_offset // rows_per_block
+    last_block = (row_offset + n_local - 1) // rows_per_block
+    for block in range(first_block, last_block + 1):
+        block_start = block * rows_per_block
+        block_rows = min(rows_per_block, full_shape[0] - block_start)
+        generator = torch.Generator(device=local.device)
+        generator.manual_seed((base_seed + 1_000_003 * (block + 1)) % _SEED_MODULUS)
+        values = torch.empty(
+            (block_rows, *full_shape[1:]), dtype=torch.float32, device=local.device
+        )
+        fill(values, generator)
+        lo = max(row_offset, block_start)
+        hi = min(row_offset + n_local, block_start + block_rows)
+        local[lo - row_offset : hi - row_offset].copy_(values[lo - block_start : hi - block_start])
+    return tensor
+
+
+def normal_(tensor: torch.Tensor, *, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+    """Fill ``tensor`` (plain or sharded) from N(mean, std²), independent of sharding."""
+    return _fill_blockwise(
+        tensor, lambda t, g: torch.nn.init.normal_(t, mean=mean, std=std, generator=g)
+    )
+
+
+def trunc_normal_(
+    tensor: torch.Tensor,
+    *,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float | None = None,
+    b: float | None = None,
+) -> torch.Tensor:
+    """Truncated normal on ``[a, b]`` (default ±2 std around the mean), independent of sharding."""
+    lo = mean - 2 * std if a is None else a
+    hi = mean + 2 * std if b is None else b
+    return _fill_blockwise(
+        tensor,
+        lambda t, g: torch.nn.init.trunc_normal_(t, mean=mean, std=std, a=lo, b=hi, generator=g),
+    )
+
+
+@torch.no_grad()
+def ones_(tensor: torch.Tensor) -> torch.Tensor:
+    """Fill with ones (plain or sharded)."""
+    local, _ = _local_rows(tensor)
+    local.fill_(1.0)
+    return tensor
+
+
+@torch.no_grad()
+def zeros_(tensor: torch.Tensor) -> torch.Tensor:
+    """Fill with zeros (plain or sharded)."""
+    local, _ = _local_rows(tensor)
+    local.zero_()
+    return tensor

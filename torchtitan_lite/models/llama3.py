@@ -1,0 +1,254 @@
+"""A Llama-3-style decoder-only Transformer.
+
+RMSNorm, rotary position embeddings (interleaved pairs, as in Meta's Llama reference; the
+cos/sin table lives in a non-persistent buffer), grouped-query attention through
+``scaled_dot_product_attention`` and a SwiGLU feed-forward. Parameter names follow the Llama-3
+checkpoint convention. Nothing here knows about FSDP: the model can be built on the meta device,
+sharded by :mod:`torchtitan_lite.parallelize`, materialised with ``to_empty`` and then filled by
+:meth:`Transformer.init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_lite.models import init
+
+__all__ = ["ModelArgs", "Transformer", "LLAMA3_FLAVORS", "precompute_freqs_cis"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape of a Llama-3-style model."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    depth_init: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_vocab_and_seq(self, *, vocab_size: int, max_seq_len: int) -> ModelArgs:
+        return replace(self, vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Exact parameter count of :class:`Transformer` with these args."""
+        d, h = self.dim, self.ffn_hidden_dim
+        attn = d * d * 2 + 2 * d * self.kv_heads * self.head_dim
+        block = attn + 3 * d * h + 2 * d
+        total = self.n_layers * block + d + d * self.vocab_size
+        if include_embedding:
+            total += self.vocab_size * d
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 × non-embedding params plus the attention matmuls."""
+        dense = 6 * self.num_params(include_embedding=False)
+        attention = 12 * self.n_layers * self.dim * seq_len
+        return dense + attention
+
+
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # Small enough for unit tests: GQA (4 query heads share 2 kv heads).
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258,
+                      multiple_of=32, rope_theta=10000.0, max_seq_len=512),
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=258,
+                            rope_theta=500000.0, max_seq_len=2048),
+    # Llama-3.2-1B shape (untied embeddings).
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                    multiple_of=256, rope_theta=500000.0),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                    multiple_of=1024, rope_theta=500000.0),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=4096, rope_theta=500000.0),
+}
+
+
+def precompute_freqs_cis(
+    head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Return the ``(max_seq_len, head_dim // 2)`` complex64 rotations ``exp(i · pos · freq)``.
+
+    Complex (not real) on purpose: FSDP's mixed precision casts floating-point forward inputs
+    to the compute dtype, which would round a real cos/sin table to bf16; complex tensors are
+    left alone.
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    )
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (bs, seq, heads, head_dim)``."""
+    seq_len, head_dim = x.shape[1], x.shape[-1]
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))
+    rotated = pairs * freqs_cis[:seq_len].view(1, seq_len, 1, head_dim // 2)
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        q = self.wq(x).view(bs, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        q = apply_rotary_emb(q, freqs_cis)
+        k = apply_rotary_emb(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init.trunc_normal_(linear.weight, std=0.02)
+        init.trunc_normal_(self.wo.weight, std=out_std)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float) -> None:
+        init.trunc_normal_(self.w1.weight, std=0.02)
+        init.trunc_normal_(self.w2.weight, std=out_std)
+        init.trunc_normal_(self.w3.weight, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+
+class Transformer(nn.Module):
+    """Llama-3 decoder. ``forward(tokens)`` returns logits ``(bs, seq, vocab)``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer.
+
+        Parameters are filled in place (sharded or not) from the global RNG, so the result
+        depends only on the seed. ``buffer_device`` is where buffers are (re)built: the compute
+        device, which differs from the parameters' device under CPU offload.
+        """
+        device = torch.device(buffer_device) if buffer_device is not None else self.freqs_cis.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.freqs_cis = precompute_freqs_cis(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device
+        )
+        init.normal_(self.tok_embeddings.weight, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()  # type: ignore[operator]
+        self.norm.init_weights()
+        final_std = self.args.dim**-0.5
+        init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)

@@ -1,0 +1,89 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan_lite.config import LRScheduler as LRSchedulerConfig
+from torchtitan_lite.config import Optimizer as OptimizerConfig
+
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor"]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Adam or AdamW over ``model``'s parameters (the sharded fp32 ones under FSDP)."""
+    classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+    impl = {
+        "foreach": {"foreach": True, "fused": False},
+        "fused": {"foreach": False, "fused": True},
+        "for-loop": {"foreach": False, "fused": False},
+    }[cfg.implementation]
+    return classes[cfg.name](
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        **impl,
+    )
+
+
+def lr_factor(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
+    """Multiplier of the peak LR for 0-based optimizer step ``step``.
+
+    Warmup: ``(step + 1) / warmup_steps``. Then a stable phase at 1.0 (only when ``decay_ratio``
+    is set: the last ``round(decay_ratio · total_steps)`` steps decay), then decay with progress
+    ``p = (step - decay_start + 1) / decay_steps`` ∈ (0, 1]: ``linear`` 1 - p, ``sqrt``
+    1 - √p, ``cosine`` ½(1 + cos πp); mapped to ``min + (1 - min) · curve``. The last step
+    therefore runs at ``min_lr_factor``.
+    """
+    warmup = min(warmup_steps, total_steps)
+    if decay_ratio is None:
+        decay_steps = total_steps - warmup
+    else:
+        decay_steps = min(round(total_steps * decay_ratio), total_steps - warmup)
+    decay_start = total_steps - decay_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    if decay_type == "linear":
+        curve = 1.0 - progress
+    elif decay_type == "sqrt":
+        curve = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        curve = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_type: unknown value {decay_type!r}")
+    return min_lr_factor + (1.0 - min_lr_factor) * curve
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, *, total_steps: int
+) -> LambdaLR:
+    """``LambdaLR`` following :func:`lr_factor`; call ``step()`` once after each optimizer step."""
+    return LambdaLR(
+        optimizer,
+        functools.partial(
+            lr_factor,
+            total_steps=total_steps,
+            warmup_steps=cfg.warmup_steps,
+            decay_ratio=cfg.decay_ratio,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        ),
+    )

@@ -1,0 +1,202 @@
+"""Apply FSDP2 (``fully_shard``) to a model: units, reshard policy, mixed precision, CPU offload.
+
+Works on our Llama model and on any ``nn.Module`` whose blocks the caller names::
+
+    from torchtitan_lite.parallelize import apply_fsdp
+    apply_fsdp(model, mesh, blocks=model.blocks, reshard_after_forward_mode="default")
+
+Units are wrapped bottom-up in forward order: an optional first unit (e.g. the token
+embedding), each block, an optional last unit (e.g. final norm + output projection, which may
+be several modules sharded as one group), then the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+__all__ = [
+    "RESHARD_MODES",
+    "ReshardMode",
+    "UnitRole",
+    "apply_fsdp",
+    "resolve_reshard_after_forward",
+    "validate_reshard_after_forward_mode",
+]
+
+RESHARD_MODES = ("default", "always", "never")
+ReshardMode = Literal["default", "always", "never"] | int
+UnitRole = Literal["first", "block", "last"]
+
+ModuleOrGroup = nn.Module | Sequence[nn.Module]
+
+
+def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int) -> str | int:
+    """Return the mode normalised (``"2"`` → ``2``) or raise ``ValueError`` naming what is allowed.
+
+    An integer mode reshards to groups of that many ranks after forward (e.g. the GPUs of one
+    node); it must be a proper divisor of the shard degree: greater than 1, smaller than the
+    shard degree and dividing it.
+    """
+    if isinstance(mode, bool):
+        raise ValueError(
+            f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
+            f"{', '.join(RESHARD_MODES)} or an integer group size"
+        )
+    if isinstance(mode, str):
+        if mode in RESHARD_MODES:
+            return mode
+        try:
+            mode = int(mode)
+        except ValueError:
+            raise ValueError(
+                f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
+                f"{', '.join(RESHARD_MODES)} or an integer group size"
+            ) from None
+    divisors = [d for d in range(2, shard_degree) if shard_degree % d == 0]
+    if mode not in divisors:
+        allowed = ", ".join(map(str, divisors)) if divisors else "none at this shard degree"
+        raise ValueError(
+            f"reshard_after_forward_mode={mode} must be a proper divisor of the data-parallel "
+            f"shard degree {shard_degree} (allowed integers: {allowed})"
+        )
+    return mode
+
+
+def resolve_reshard_after_forward(mode: str | int, role: UnitRole) -> bool | int:
+    """The one place where a reshard mode becomes a unit's ``reshard_after_forward``.
+
+    - ``always``: every unit reshards after forward.
+    - ``never``: no unit does (parameters stay unsharded from forward to backward).
+    - ``default``: every unit reshards except the one that runs last in forward (final norm +
+      output): backward needs it again at once, so freeing it would only buy an all-gather.
+    - an integer ``N``: like ``default``, but the resharding units keep 1/N of the parameters
+      (reshard within groups of N ranks, e.g. one node) instead of freeing down to the shard.
+    """
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    if role == "last":
+        return False
+    if mode == "default":
+        return True
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return mode
+    raise ValueError(f"unknown reshard_after_forward_mode {mode!r}")
+
+
+def _as_list(unit: ModuleOrGroup) -> list[nn.Module]:
+    return [unit] if isinstance(unit, nn.Module) else list(unit)
+
+
+def _find_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None
+) -> list[nn.Module]:
+    if blocks is None:
+        layers = getattr(model, "layers", None)
+        if isinstance(layers, nn.ModuleDict):
+            return list(layers.values())
+        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            return list(layers)
+        raise ValueError(
+            "apply_fsdp could not find the model's blocks: pass blocks= as a list of modules "
+            "or a predicate (name, module) -> bool"
+        )
+    if callable(blocks) and not isinstance(blocks, nn.Module):
+        predicate = blocks
+        found = [m for name, m in model.named_modules() if name and predicate(name, m)]
+        if not found:
+            raise ValueError("apply_fsdp: the blocks predicate matched no submodule")
+        return found
+    return list(blocks)  # type: ignore[arg-type]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward_mode: str | int = "default",
+    param_dtype: torch.dtype | None = torch.float32,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None = None,
+    first_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+    last_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+) -> FSDPModule:
+    """Shard ``model`` with FSDP2 in place and return it (now also an ``FSDPModule``).
+
+    Args:
+        model: the module to shard; may live on the meta device (materialise afterwards with
+            ``to_empty`` and initialise the parameters).
+        mesh: 1-D mesh (FSDP) or 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP).
+        reshard_after_forward_mode: ``default``, ``always``, ``never`` or an integer group size
+            (see :func:`resolve_reshard_after_forward`).
+        param_dtype: dtype of all-gathered parameters and of compute (sharded parameters and
+            optimizer state keep the model's dtype, normally fp32).
+        reduce_dtype: dtype in which gradients are reduced.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (pinned only
+            when CUDA is available). The process group then needs a CPU backend for clipping.
+        blocks: the repeated blocks, as modules or a predicate ``(qualified_name, module) ->
+            bool``; default ``model.layers``.
+        first_unit: module(s) that run before the blocks, sharded as one unit; ``"auto"`` means
+            ``model.tok_embeddings`` when present, ``None`` means none.
+        last_unit: module(s) that run after the blocks, sharded as one unit; ``"auto"`` means
+            ``[model.norm, model.output]`` when present, ``None`` means none.
+    """
+    shard_degree = mesh.size(-1) if mesh.ndim > 1 else mesh.size()
+    mode = validate_reshard_after_forward_mode(reshard_after_forward_mode, shard_degree)
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp expects a 1-D or 2-D device mesh, got {mesh.ndim}-D")
+
+    if first_unit == "auto":
+        emb = getattr(model, "tok_embeddings", None)
+        first_unit = emb if isinstance(emb, nn.Module) else None
+    if last_unit == "auto":
+        norm, output = getattr(model, "norm", None), getattr(model, "output", None)
+        last_unit = (
+            [norm, output]
+            if isinstance(norm, nn.Module) and isinstance(output, nn.Module)
+            else None
+        )
+    block_list = _find_blocks(model, blocks)
+
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+    common = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": offload,
+    }
+
+    def shard(unit: ModuleOrGroup, role: UnitRole) -> None:
+        modules = _as_list(unit)
+        target: nn.Module | list[nn.Module] = modules[0] if len(modules) == 1 else modules
+        fully_shard(
+            target,  # type: ignore[arg-type]
+            reshard_after_forward=resolve_reshard_after_forward(mode, role),
+            **common,  # type: ignore[arg-type]
+        )
+
+    if first_unit is not None:
+        shard(first_unit, "first")
+    for block in block_list:
+        shard(block, "block")
+    if last_unit is not None:
+        shard(last_unit, "last")
+    # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
+    # at once). With every submodule in a unit it usually owns no parameters at all.
+    fully_shard(model, **common)  # type: ignore[arg-type]
+    return model  # type: ignore[return-value]
