@@ -293,9 +293,9 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")  # pragma: no cover
 
 
-def _suggest(name: str, choices: list[str]) -> str:
+def _suggest(name: str, choices: list[str], *, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
@@ -310,8 +310,7 @@ def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
         return cls, None
     if key not in types_:
         raise ConfigError(
-            f"unknown key '{section}.{key}' in {where}"
-            f"{_suggest(key, list(types_)).replace(chr(39), chr(39) + section + '.', 1)} "
+            f"unknown key '{section}.{key}' in {where}{_suggest(key, list(types_), prefix=section + '.')} "
             f"(keys of [{section}]: {', '.join(types_)})"
         )
     return cls, types_[key]

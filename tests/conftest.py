@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_utils import REPO_ROOT
+
+# Settings for a tiny but real job: the tiny Llama flavor (GQA, 2 layers) on short windows of
+# the embedded corpus, fp32 and deterministic so that runs can be compared to 1e-5.
+TINY_ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.steps", "4",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "1",
+    "--debug.deterministic",
+]
+
+
+@pytest.fixture
+def repo_root():
+    return REPO_ROOT
