@@ -1,0 +1,81 @@
+"""LR schedule values against the formulas, and the optimizer built from config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchtitan_lite.config import LRScheduler, Optimizer
+from torchtitan_lite.optim import build_lr_scheduler, build_optimizer, lr_factor
+
+
+def _factor(step, **kw):
+    args = dict(total_steps=100, warmup_steps=10, decay_ratio=None, decay_type="linear",
+                min_lr_factor=0.0)
+    args.update(kw)
+    return lr_factor(step, **args)
+
+
+def test_warmup_is_linear_and_reaches_peak():
+    assert _factor(0) == pytest.approx(1 / 10)
+    assert _factor(4) == pytest.approx(5 / 10)
+    assert _factor(9) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+@pytest.mark.parametrize("min_lr", [0.0, 0.1])
+def test_decay_curves_match_formulas(decay_type, min_lr):
+    curves = {
+        "linear": lambda p: 1 - p,
+        "sqrt": lambda p: 1 - math.sqrt(p),
+        "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+    }
+    # No stable phase: decay spans steps 10..99 (90 steps).
+    for step in (10, 30, 54, 99):
+        progress = (step - 10 + 1) / 90
+        expected = min_lr + (1 - min_lr) * curves[decay_type](progress)
+        assert _factor(step, decay_type=decay_type, min_lr_factor=min_lr) == pytest.approx(expected)
+    assert _factor(99, decay_type=decay_type, min_lr_factor=min_lr) == pytest.approx(min_lr)
+
+
+def test_warmup_stable_decay():
+    # decay_ratio 0.2 of 100 steps: warmup 0..9, stable 10..79, decay 80..99.
+    kw = dict(decay_ratio=0.2, decay_type="cosine", min_lr_factor=0.0)
+    assert all(_factor(s, **kw) == 1.0 for s in range(10, 80))
+    assert _factor(80, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 1 / 20)))
+    assert _factor(89, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 20)))
+    assert _factor(99, **kw) == pytest.approx(0.0)
+
+
+def test_no_warmup():
+    assert _factor(0, warmup_steps=0) == pytest.approx(1 - 1 / 100)
+    assert _factor(49, warmup_steps=0) == pytest.approx(0.5)
+
+
+def test_scheduler_drives_optimizer_lr():
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, Optimizer(lr=1e-2, implementation="for-loop"))
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4, decay_type="linear"), total_steps=8)
+    seen = []
+    for _ in range(8):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [1e-2 * _factor(s, total_steps=8, warmup_steps=4) for s in range(8)]
+    assert seen == pytest.approx(expected)
+    assert seen[3] == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
+def test_build_optimizer(name, cls, impl):
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, Optimizer(name=name, lr=1e-3, beta1=0.8, beta2=0.9,
+                                           weight_decay=0.05, implementation=impl))
+    assert isinstance(opt, cls)
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.05
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
