@@ -416,7 +416,7 @@ def load_job_config(argv: list[str] | None = None, *, world_size: int | None = N
     config_file = None
     for section, key, raw in overrides:
         if (section, key) == ("job", "config_file"):
-            config_file = raw
+            config_file = _coerce("job.config_file", raw, str | None, from_cli=True)
     if config_file:
         _apply_toml(config, Path(config_file))
     for section, key, raw in overrides:

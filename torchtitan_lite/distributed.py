@@ -97,9 +97,9 @@ class ParallelDims:
             dp_replicate = world_size // dp_shard
         if dp_replicate * dp_shard != world_size:
             raise ValueError(
-                f"parallelism.data_parallel_replicate_degree={dp_replicate} × "
-                f"data_parallel_shard_degree={dp_shard} = {dp_replicate * dp_shard} does not "
-                f"equal the world size {world_size}"
+                f"parallelism.data_parallel_shard_degree={dp_shard} × "
+                f"parallelism.data_parallel_replicate_degree={dp_replicate} = "
+                f"{dp_replicate * dp_shard} does not equal the world size {world_size}"
             )
         return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size)
 

@@ -1,0 +1,312 @@
+"""The command line: the real entry points (``torchrun -m`` / ``python -m torchtitan_lite.train``),
+config errors as one clean line with exit code 2, CLI syntax and TOML precedence, ``--help``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist_utils import REPO_ROOT, run_command, run_torchrun
+from torchtitan_lite.config import ConfigError, JobConfig, load_job_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEBUG_TOML = REPO_ROOT / "train_configs" / "debug_model.toml"
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The default job path, through torchrun on 2 processes
+# --------------------------------------------------------------------------------------------
+
+
+def test_debug_model_torchrun_two_ranks(tmp_path: Path) -> None:
+    steps = 30
+    result = run_torchrun(
+        ["--job.config_file", "train_configs/debug_model.toml", "--training.steps", str(steps),
+         "--job.dump_folder", str(tmp_path)],
+        nproc=2,
+    )
+    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert "Traceback" not in result.stderr, output
+    assert "world_size=2" in result.stdout, output
+
+    # The command-line dump folder overrides the TOML's; log_freq 10 comes from the TOML.
+    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 10, 20, 30], output
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert losses[-1] < math.log(258) - 1.0, losses
+    # The TOML turns TensorBoard on: one run folder with an event file.
+    assert list((tmp_path / "tb").glob("*/events.out.tfevents.*")), list(tmp_path.rglob("*"))
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Bad configs: exit code 2, exactly one stderr line naming the key, no traceback
+# --------------------------------------------------------------------------------------------
+
+
+def _bad_toml_unknown_key(tmp: Path) -> list[str]:
+    path = tmp / "bad.toml"
+    path.write_text('[training]\nsteps = 3\nstepz = 4\n')
+    return ["--job.config_file", str(path)]
+
+
+def _literal(*argv: str):
+    return lambda _tmp: list(argv)
+
+
+BAD_CONFIGS = [
+    # id, argv builder, extra env, strings the single stderr line must contain
+    pytest.param(_literal("--trainin.steps", "3"), {}, ["[trainin]", "did you mean"], id="unknown-section"),
+    pytest.param(_literal("--training.stepz", "3"), {}, ["training.stepz", "did you mean 'training.steps'"],
+                 id="unknown-key"),
+    pytest.param(_literal("--training.steps", "abc"), {}, ["training.steps", "'abc'"], id="wrong-type"),
+    pytest.param(_literal("--training.mixed_precision_param", "fp8"), {},
+                 ["training.mixed_precision_param", "'fp8'", "float32"], id="bad-enum"),
+    pytest.param(_literal("--parallelism.data_parallel_shard_degree", "3"), {},
+                 ["data_parallel_shard_degree=3", "world size 1"], id="shard-degree-3-on-1-process"),
+    pytest.param(_literal("--parallelism.data_parallel_replicate_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "3"), {"WORLD_SIZE": "4"},
+                 ["data_parallel_replicate_degree=2", "data_parallel_shard_degree=3", "world size 4"],
+                 id="degrees-2x3-on-world-4"),
+    pytest.param(_literal("--parallelism.reshard_after_forward_mode", "3"), {},
+                 ["parallelism.reshard_after_forward_mode"], id="bad-int-reshard-mode"),
+    pytest.param(_literal("--job.config_file", "does/not/exist.toml"), {},
+                 ["job.config_file", "does/not/exist.toml"], id="missing-config-file"),
+    pytest.param(_bad_toml_unknown_key, {}, ["training.stepz", "bad.toml", "did you mean 'training.steps'"],
+                 id="unknown-key-in-toml"),
+]
+
+
+def _run_bad(argv: list[str], env: dict[str, str]):
+    result = run_command([sys.executable, "-m", "torchtitan_lite.train", *argv], timeout=120, extra_env=env)
+    output = f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 2, output
+    assert "Traceback" not in result.stderr, output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    assert len(result.stderr.strip().splitlines()) == 1, output
+    assert result.stdout == "", output  # rejected before anything started
+    return lines[0], output
+
+
+@pytest.mark.parametrize(("build_argv", "env", "expected"), BAD_CONFIGS)
+def test_bad_config_exits_2_with_one_line(tmp_path: Path, build_argv, env: dict[str, str],
+                                          expected: list[str]) -> None:
+    line, output = _run_bad(build_argv(tmp_path), env)
+    assert line.startswith("error: "), output
+    for text in expected:
+        assert text in line, f"{text!r} not in the error line\n{output}"
+
+
+def test_bad_shard_degree_names_the_full_key() -> None:
+    line, output = _run_bad(["--parallelism.data_parallel_shard_degree", "3"], {})
+    assert "parallelism.data_parallel_shard_degree" in line, output
+
+
+def test_config_file_none_means_no_file() -> None:
+    from torchtitan_lite.config import load_job_config
+
+    assert load_job_config(["--job.config_file", "none"]).job.config_file is None
+
+
+# The same error classes, and a few more, in-process (fast): each is a ConfigError whose single
+# line names the key.
+IN_PROCESS_BAD = [
+    (["--optimizer.lr", "fast"], None, "optimizer.lr"),
+    (["--debug.deterministic", "maybe"], None, "debug.deterministic"),
+    (["--job.no-dump_folder"], None, "job.dump_folder"),
+    (["--training.steps"], None, "training.steps"),
+    (["--training.steps", "0"], None, "training.steps"),
+    (["--training.seq_len", "4096", "--model.flavor", "tiny"], None, "training.seq_len"),
+    (["--model.flavor", "huge"], None, "model.flavor"),
+    (["--parallelism.reshard_after_forward_mode", "sometimes"], None, "parallelism.reshard_after_forward_mode"),
+    (["--parallelism.reshard_after_forward_mode", "2"], 2, "parallelism.reshard_after_forward_mode"),
+    (["--training.local_batch_size", "4", "--training.global_batch_size", "6"], 1, "training.global_batch_size"),
+    (["--training.local_batch_size", "2", "--training.global_batch_size", "6"], 2, "training.global_batch_size"),
+    (["steps"], None, "'steps'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "world_size", "key"), IN_PROCESS_BAD)
+def test_bad_config_in_process(argv: list[str], world_size: int | None, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_job_config(argv, world_size=world_size)
+    message = str(info.value)
+    assert key in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("toml_text", "key"),
+    [
+        ("[trainin]\nsteps = 3\n", "[trainin]"),
+        ('[training]\nsteps = "ten"\n', "training.steps"),
+        ("[training]\nsteps = 3.5\n", "training.steps"),
+        ("[debug]\ndeterministic = 1\n", "debug.deterministic"),
+        ('[optimizer]\nname = "SGD"\n', "optimizer.name"),
+        ("[training]\nsteps = \n", "job.config_file"),
+        ("training = 3\n", "training"),
+    ],
+)
+def test_bad_toml_in_process(tmp_path: Path, toml_text: str, key: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(toml_text)
+    with pytest.raises(ConfigError) as info:
+        load_job_config(["--job.config_file", str(path)])
+    assert key in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. CLI syntax and precedence (in-process), and --help
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_key_value_forms() -> None:
+    c = load_job_config([
+        "--training.steps=7",
+        "--optimizer.lr", "1e-4",
+        "--training.global_batch_size", "-1",
+        "--job.description=a b=c",
+        "--lr_scheduler.decay_ratio", "0.25",
+        "--training.dataset_path", "none",
+        "--parallelism.reshard_after_forward_mode=always",
+    ])
+    assert c.training.steps == 7 and isinstance(c.training.steps, int)
+    assert c.optimizer.lr == 1e-4 and isinstance(c.optimizer.lr, float)
+    assert c.training.global_batch_size == -1
+    assert c.job.description == "a b=c"
+    assert c.lr_scheduler.decay_ratio == 0.25
+    assert c.training.dataset_path is None
+    assert c.parallelism.reshard_after_forward_mode == "always"
+    # Untouched keys keep their defaults.
+    assert c.training.seq_len == JobConfig().training.seq_len
+    # An integer reshard mode becomes an int.
+    c = load_job_config(["--parallelism.reshard_after_forward_mode", "2"], world_size=4)
+    assert c.parallelism.reshard_after_forward_mode == 2
+    # The last occurrence wins; hyphens in keys are accepted.
+    c = load_job_config(["--training.steps", "3", "--training.steps", "5", "--training.local-batch-size", "3"])
+    assert c.training.steps == 5 and c.training.local_batch_size == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], False),
+        (["--debug.deterministic"], True),
+        (["--debug.deterministic", "--training.steps", "3"], True),
+        (["--debug.deterministic", "true"], True),
+        (["--debug.deterministic", "false"], False),
+        (["--debug.deterministic=true"], True),
+        (["--debug.deterministic=False"], False),
+        (["--debug.deterministic", "--debug.no-deterministic"], False),
+        (["--debug.no-deterministic", "--debug.deterministic"], True),
+        (["--debug.no_deterministic"], False),
+        (["--debug.deterministic", "0"], False),
+        (["--debug.deterministic", "yes"], True),
+    ],
+)
+def test_cli_boolean_flags(argv: list[str], expected: bool) -> None:
+    c = load_job_config(argv)
+    assert c.debug.deterministic is expected
+    if "--training.steps" in argv:
+        assert c.training.steps == 3
+
+
+def test_no_flag_on_a_non_boolean_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="training.steps"):
+        load_job_config(["--training.no-steps"])
+    with pytest.raises(ConfigError, match="takes no value"):
+        load_job_config(["--debug.no-deterministic=true"])
+
+
+def test_toml_then_cli_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[training]\nsteps = 5\nseq_len = 128\n\n"
+        "[optimizer]\nlr = 1e-3\n\n"
+        "[debug]\ndeterministic = true\nseed = 7\n\n"
+        "[parallelism]\nreshard_after_forward_mode = 2\n"
+    )
+    defaults = JobConfig()
+
+    c = load_job_config(["--job.config_file", str(path)])
+    assert (c.training.steps, c.training.seq_len, c.optimizer.lr) == (5, 128, 1e-3)
+    assert c.debug.deterministic is True and c.debug.seed == 7
+    assert c.parallelism.reshard_after_forward_mode == 2
+    assert c.job.config_file == str(path)
+    assert c.training.local_batch_size == defaults.training.local_batch_size
+
+    # The command line wins over the file, wherever --job.config_file appears.
+    for argv in (
+        ["--job.config_file", str(path), "--training.steps", "9", "--debug.no-deterministic"],
+        ["--training.steps=9", "--debug.no-deterministic", f"--job.config_file={path}"],
+    ):
+        c = load_job_config(argv)
+        assert c.training.steps == 9
+        assert c.debug.deterministic is False
+        # Keys only in the file still come from the file; the rest are defaults.
+        assert (c.training.seq_len, c.optimizer.lr, c.debug.seed) == (128, 1e-3, 7)
+        assert c.optimizer.beta2 == defaults.optimizer.beta2
+
+
+def test_debug_model_toml_loads() -> None:
+    data = tomllib.loads(DEBUG_TOML.read_text())
+    c = load_job_config(["--job.config_file", str(DEBUG_TOML)], world_size=2)
+    for section, values in data.items():
+        for key, value in values.items():
+            assert getattr(getattr(c, section), key) == value, f"{section}.{key}"
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def test_help_lists_every_field_with_default() -> None:
+    result = run_command([sys.executable, "-m", "torchtitan_lite.train", "--help"], timeout=120)
+    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert "Traceback" not in result.stderr, output
+    lines = result.stdout.splitlines()
+    option_lines = {line.split()[0]: line for line in lines if line.startswith("  --")}
+
+    expected_options = set()
+    for section_field in dataclasses.fields(JobConfig):
+        section = section_field.name
+        assert f"[{section}]" in lines, f"no [{section}] header\n{output}"
+        for f in dataclasses.fields(section_field.default_factory()):  # type: ignore[misc]
+            option = f"--{section}.{f.name}"
+            expected_options.add(option)
+            assert option in option_lines, f"{option} missing from --help\n{output}"
+            default = _field_default(f)
+            assert f"(default: {default!r})" in option_lines[option], option_lines[option]
+            # Each option is followed by its documentation line.
+            index = lines.index(option_lines[option])
+            assert lines[index + 1].startswith("      ") and lines[index + 1].strip(), option
+    assert set(option_lines) == expected_options
+
+
+def test_short_help_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    from torchtitan_lite.train import main
+
+    assert main(["-h"]) == 0
+    out = capsys.readouterr().out
+    assert "--training.steps" in out and "usage:" in out
