@@ -65,7 +65,7 @@ def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int) -> s
                 f"{', '.join(RESHARD_MODES)} or an integer group size"
             ) from None
     divisors = [d for d in range(2, shard_degree) if shard_degree % d == 0]
-    if mode not in divisors:
+    if not isinstance(mode, int) or mode not in divisors:
         allowed = ", ".join(map(str, divisors)) if divisors else "none at this shard degree"
         raise ValueError(
             f"reshard_after_forward_mode={mode} must be a proper divisor of the data-parallel "
