@@ -26,20 +26,25 @@ from torchtitan_lite.config import load_job_config
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
 from torchtitan_lite.train import Trainer, clip_grad_norm_
 
-_C10D = torch.ops.c10d
-_KINDS = {
-    _C10D._allgather_base_: "all_gather",
-    _C10D.allgather_: "all_gather",
-    _C10D.allgather_into_tensor_coalesced_: "all_gather",
-    _C10D._reduce_scatter_base_: "reduce_scatter",
-    _C10D.reduce_scatter_: "reduce_scatter",
-    _C10D.reduce_scatter_tensor_coalesced_: "reduce_scatter",
-    _C10D.allreduce_: "all_reduce",
-}
+
+def _kind(op_name: str) -> str | None:
+    if "allgather" in op_name or "all_gather" in op_name:
+        return "all_gather"
+    if "reduce_scatter" in op_name:
+        return "reduce_scatter"
+    if "allreduce" in op_name or "all_reduce" in op_name:
+        return "all_reduce"
+    return None
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts c10d collectives and the bytes each rank sends into them."""
+    """Counts c10d collectives and the bytes each rank contributes (input tensors).
+
+    ProcessGroup collectives go through the dispatcher as ``c10d::*`` ops; on CPU autograd
+    runs backward in the calling thread, so backward collectives are seen too. Collectives that
+    DTensor issues inside its own dispatch (the gradient-norm reduction) run below this mode and
+    are not counted: the all_reduce column is the loss reduction.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,11 +52,13 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kind = _KINDS.get(func)
+        kind = _kind(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") else None
         if kind is not None:
             self.calls[kind] += 1
-            tensors = [a for a in torch.utils._pytree.tree_leaves(args[1:2])
-                       if isinstance(a, torch.Tensor)]
+            # all-gather / reduce-scatter: (output, input, ...); all-reduce: (tensors, ...)
+            source = args[0] if kind == "all_reduce" else args[1]
+            tensors = [t for t in torch.utils._pytree.tree_leaves(source)
+                       if isinstance(t, torch.Tensor)]
             self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
         return func(*args, **(kwargs or {}))
 
