@@ -310,3 +310,13 @@ def test_short_help_in_process(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["-h"]) == 0
     out = capsys.readouterr().out
     assert "--training.steps" in out and "usage:" in out
+
+
+def test_list_values_are_comma_separated() -> None:
+    from torchtitan_lite.config import ConfigError, _coerce
+
+    assert _coerce("s.k", "a, b,c", list[str], from_cli=True) == ["a", "b", "c"]
+    assert _coerce("s.k", "1,2", list[int], from_cli=True) == [1, 2]
+    assert _coerce("s.k", [1, 2], list[int], from_cli=False) == [1, 2]
+    with pytest.raises(ConfigError, match="s.k"):
+        _coerce("s.k", "1,x", list[int], from_cli=True)
