@@ -109,8 +109,8 @@ class Training:
     """Local path for datasets that read one (unused by python_stdlib)."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
-    mixed_precision_param: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of all-gathered parameters and of compute; sharded parameters stay float32."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of all-gathered parameters and of compute; sharded parameters and optimizer state stay float32 (float16 is not offered: it would need loss scaling)."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which gradients are reduced across ranks."""
 

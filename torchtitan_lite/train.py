@@ -37,7 +37,7 @@ __all__ = ["Trainer", "main", "clip_grad_norm_"]
 
 logger = logging.getLogger("torchtitan_lite")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @torch.no_grad()
