@@ -183,8 +183,12 @@ def _trainer_job(runs: list[tuple[str, list[str]]], dump: str, keep_local: tuple
     import torch.distributed as dist
 
     results: dict[str, Any] = {}
+    from torch.distributed.distributed_c10d import _world
+
     for label, argv in runs:
+        groups_before = len(_world.pg_map)
         trainer = _make_trainer(argv, Path(dump) / label)
+        new_process_groups = len(_world.pg_map) - groups_before
         model = trainer.model
         units = _llama_units(model)
         states = {name: m._get_fsdp_state() for name, m in units.items()}
@@ -194,6 +198,12 @@ def _trainer_job(runs: list[tuple[str, list[str]]], dump: str, keep_local: tuple
         history = trainer.train()
         result = {
             "reshard": {name: _reshard_kind(g) for name, g in groups.items()},
+            "new_process_groups": new_process_groups,
+            "post_forward_mesh_objects": len({
+                id(g.post_forward_mesh_info) for g in groups.values()
+                if g.post_forward_mesh_info is not None
+                and g.post_forward_mesh_info is not g.mesh_info
+            }),
             "unit_params": {
                 name: sorted(fp._param_fqn for fp in g.fsdp_params) for name, g in groups.items()
             },
@@ -306,6 +316,10 @@ def test_reshard_mode_integer_group_four_ranks(four_rank_runs):
         assert run["params"]["output.weight"]["mesh_dim_names"] == ("dp_shard",)
         _check_units_and_gathers(rank_result["default"], "default", world=4)
         _check_units_and_gathers(run, "2", world=4)
+        # All units share one post-forward mesh: its 2 process groups are made once, not per
+        # unit (FSDP alone would make 2 per unit: one NCCL communicator each on GPUs).
+        assert run["post_forward_mesh_objects"] == 1
+        assert run["new_process_groups"] - rank_result["default"]["new_process_groups"] <= 2
 
 
 def test_losses_identical_across_reshard_modes(two_rank_runs, four_rank_runs):

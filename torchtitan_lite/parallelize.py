@@ -12,8 +12,9 @@ be several modules sharded as one group), then the root.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Literal
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -95,6 +96,40 @@ def resolve_reshard_after_forward(mode: str | int, role: UnitRole) -> bool | int
     if isinstance(mode, int) and not isinstance(mode, bool):
         return mode
     raise ValueError(f"unknown reshard_after_forward_mode {mode!r}")
+
+
+@contextlib.contextmanager
+def _shared_post_forward_mesh() -> Iterator[None]:
+    """Let every unit with an integer reshard size share one post-forward mesh.
+
+    ``fully_shard`` builds a new ``DeviceMesh`` (two new process groups) for each unit given an
+    integer ``reshard_after_forward``; on GPUs each is an NCCL communicator with its own memory,
+    i.e. dozens for a 32-layer model. The groups are the same for every unit, so the mesh info
+    is built once per (size, mesh) and reused. Falls back to FSDP's behaviour if its internals
+    change.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard import _fully_shard as fsdp_module
+
+        original = fsdp_module._get_post_forward_mesh_info
+    except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+        yield
+        return
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def cached(reshard_after_forward: bool | int, mesh_info: Any) -> Any:
+        if isinstance(reshard_after_forward, bool):
+            return original(reshard_after_forward, mesh_info)
+        key = (reshard_after_forward, id(mesh_info.mesh), mesh_info.shard_mesh_dim)
+        if key not in cache:
+            cache[key] = original(reshard_after_forward, mesh_info)
+        return cache[key]
+
+    fsdp_module._get_post_forward_mesh_info = cached
+    try:
+        yield
+    finally:
+        fsdp_module._get_post_forward_mesh_info = original
 
 
 def _as_list(unit: ModuleOrGroup) -> list[nn.Module]:
@@ -190,12 +225,13 @@ def apply_fsdp(
             **common,  # type: ignore[arg-type]
         )
 
-    if first_unit is not None:
-        shard(first_unit, "first")
-    for block in block_list:
-        shard(block, "block")
-    if last_unit is not None:
-        shard(last_unit, "last")
+    with _shared_post_forward_mesh() if isinstance(mode, int) else contextlib.nullcontext():
+        if first_unit is not None:
+            shard(first_unit, "first")
+        for block in block_list:
+            shard(block, "block")
+        if last_unit is not None:
+            shard(last_unit, "last")
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
     fully_shard(model, **common)  # type: ignore[arg-type]
