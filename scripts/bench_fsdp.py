@@ -63,7 +63,7 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _bare_model(flavor: str, seq_len: int, mesh: Any) -> Transformer:
+def _bare_model(flavor: str, seq_len: int, mesh: Any, device: torch.device) -> Transformer:
     args = LLAMA3_FLAVORS[flavor].with_vocab_and_seq(vocab_size=258, max_seq_len=max(seq_len, 512))
     with torch.device("meta"):
         model = Transformer(args)
@@ -73,9 +73,9 @@ def _bare_model(flavor: str, seq_len: int, mesh: Any) -> Transformer:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(0)
-    model.init_weights()
+    model.init_weights(buffer_device=device)
     return model
 
 
@@ -97,12 +97,13 @@ def main() -> None:
     ]
     trainer = Trainer(load_job_config(common))
     rank = dist.get_rank()
-    bare = _bare_model(opts.flavor, opts.seq_len, trainer.mesh)
+    bare = _bare_model(opts.flavor, opts.seq_len, trainer.mesh, trainer.device)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=8e-4, weight_decay=0.1, foreach=True)
 
     def bare_step() -> None:
         micro = trainer.loader.next_batch()  # same data path cost as ours
         for inputs, labels in micro:
+            inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
             loss = F.cross_entropy(bare(inputs).flatten(0, 1).float(), labels.flatten())
             loss.backward()
         clip_grad_norm_(list(bare.parameters()), 1.0)
@@ -110,10 +111,14 @@ def main() -> None:
         bare_opt.zero_grad(set_to_none=True)
 
     def timed(fn: Any) -> float:
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(opts.steps):
             fn()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
         dist.barrier()
         return (time.perf_counter() - start) / opts.steps
 

@@ -140,6 +140,13 @@ IN_PROCESS_BAD = [
     (["--training.local_batch_size", "4", "--training.global_batch_size", "6"], 1, "training.global_batch_size"),
     (["--training.local_batch_size", "2", "--training.global_batch_size", "6"], 2, "training.global_batch_size"),
     (["steps"], None, "'steps'"),
+    (["--debug.seed", "-1"], None, "debug.seed"),
+    (["--debug.seed", str(2**64)], None, "debug.seed"),
+    (["--optimizer.lr", "inf"], None, "optimizer.lr"),
+    (["--optimizer.weight_decay", "nan"], None, "optimizer.weight_decay"),
+    (["--training.max_norm", "inf"], None, "training.max_norm"),
+    (["--job.dump_folder", "/proc/version/run"], None, "job.dump_folder"),
+    (["--job.description", "--foo.bar"], None, "job.description"),
 ]
 
 
@@ -162,6 +169,7 @@ def test_bad_config_in_process(argv: list[str], world_size: int | None, key: str
         ('[optimizer]\nname = "SGD"\n', "optimizer.name"),
         ("[training]\nsteps = \n", "job.config_file"),
         ("training = 3\n", "training"),
+        ('[job]\nconfig_file = "other.toml"\n', "job.config_file"),
     ],
 )
 def test_bad_toml_in_process(tmp_path: Path, toml_text: str, key: str) -> None:

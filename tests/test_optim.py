@@ -79,3 +79,14 @@ def test_build_optimizer(name, cls, impl):
     assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.05
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
+
+
+def test_small_decay_ratio_still_decays():
+    # 10% of 5 steps rounds to 0; a decay that was asked for keeps at least one step.
+    kw = dict(total_steps=5, warmup_steps=0, decay_ratio=0.1, min_lr_factor=0.0)
+    assert [_factor(s, **kw) for s in range(5)] == pytest.approx([1, 1, 1, 1, 0])
+
+
+def test_warmup_longer_than_run_is_cut():
+    assert [_factor(s, total_steps=4, warmup_steps=200) for s in range(4)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0])

@@ -351,3 +351,34 @@ def test_metrics_jsonl_and_tensorboard(tiny_run: dict[str, Any]) -> None:
     assert [e.step for e in tb_loss] == expected_steps
     for event, record in zip(tb_loss, records, strict=True):
         assert event.value == pytest.approx(record["loss"], rel=1e-6, abs=1e-6), (event, record)
+
+
+def _fail_on_rank1(dump: str) -> dict:
+    import time
+
+    from torchtitan_lite import train
+
+    original = train.Trainer.train_step
+
+    def flaky(self):
+        if self.rank == 1 and self.step == 2:
+            raise RuntimeError("injected failure")
+        return original(self)
+
+    train.Trainer.train_step = flaky
+    start = time.monotonic()
+    try:
+        train.main([*TINY_ARGS, "--training.steps", "6", "--job.dump_folder", dump])
+        outcome = "finished"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_failing_rank_does_not_hang_the_job(tmp_path):
+    """A rank that fails mid-run leaves at once, and its peer's collective fails instead of
+    waiting for the process-group timeout (600 s)."""
+    r0, r1 = run_distributed(_fail_on_rank1, 2, str(tmp_path), timeout=200)
+    assert "injected failure" in r1["outcome"]
+    assert r0["outcome"] != "finished"
+    assert max(r0["seconds"], r1["seconds"]) < 120, (r0, r1)

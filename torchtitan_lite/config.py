@@ -12,6 +12,8 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
+import os
 import sys
 import types
 import typing
@@ -138,7 +140,7 @@ class Metrics:
 @dataclass
 class Debug:
     seed: int = 42
-    """Seed for weights and data order; the same seed gives the same run on any world size."""
+    """Seed for weights and data order; with a fixed training.global_batch_size the same seed gives the same run on any world size."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower; bit-reproducible runs)."""
 
@@ -361,19 +363,14 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
             overrides.append((section, key, "true"))
             i += 1
             continue
-        if nxt is None or (nxt.startswith("--") and "." in nxt and not _is_number(nxt)):
-            raise ConfigError(f"--{section}.{key} expects a value ({_allowed(tp)})")
+        if nxt is None or nxt.startswith("--"):
+            raise ConfigError(
+                f"--{section}.{key} expects a value ({_allowed(tp)}); "
+                f"write --{section}.{key}=VALUE for a value that starts with --"
+            )
         overrides.append((section, key, nxt))
         i += 2
     return overrides
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
@@ -441,6 +438,11 @@ def _apply_toml(config: JobConfig, path: Path) -> None:
             raise ConfigError(f"{where}: '{section}' must be a [section] table, got {values!r}")
         for key, value in values.items():
             _, tp = _lookup(section, key, where=where)
+            if (section, key) == ("job", "config_file"):
+                raise ConfigError(
+                    f"job.config_file cannot be set inside a config file ({where}); "
+                    "pass it on the command line"
+                )
             setattr(getattr(config, section), key, _coerce(f"{section}.{key}", value, tp, from_cli=False))
     config.job.config_file = str(path)
 
@@ -472,11 +474,12 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
              f"expected one of {', '.join(map(repr, flavors))}")
 
     o = c.optimizer
-    _require(o.lr > 0, "optimizer.lr", o.lr, "expected a number > 0")
+    _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", o.lr, "expected a finite number > 0")
     _require(0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "expected 0 <= beta1 < 1")
     _require(0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "expected 0 <= beta2 < 1")
-    _require(o.eps > 0, "optimizer.eps", o.eps, "expected a number > 0")
-    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "expected a number >= 0")
+    _require(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", o.eps, "expected a finite number > 0")
+    _require(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay",
+             o.weight_decay, "expected a finite number >= 0")
 
     s = c.lr_scheduler
     _require(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "expected an integer >= 0")
@@ -491,7 +494,8 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(t.global_batch_size == -1 or t.global_batch_size >= 1, "training.global_batch_size",
              t.global_batch_size, "expected an integer >= 1, or -1")
     _require(t.seq_len >= 1, "training.seq_len", t.seq_len, "expected an integer >= 1")
-    _require(t.max_norm >= 0, "training.max_norm", t.max_norm, "expected a number >= 0 (0 disables clipping)")
+    _require(math.isfinite(t.max_norm) and t.max_norm >= 0, "training.max_norm", t.max_norm,
+             "expected a finite number >= 0 (0 disables clipping)")
     _require(t.steps >= 1, "training.steps", t.steps, "expected an integer >= 1")
     max_seq_len = flavors[c.model.flavor].max_seq_len
     _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
@@ -521,8 +525,25 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")
 
+    _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
+    _check_writable_folder("job.dump_folder", c.job.dump_folder)
+
     if world_size is not None:
         _validate_world(c, world_size)
+
+
+def _check_writable_folder(key: str, folder: str) -> None:
+    """The folder exists as a writable directory or can be created (nothing is created here)."""
+    path = Path(folder).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} exists and is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} is not writable")
 
 
 def _validate_world(c: JobConfig, world_size: int) -> None:

@@ -37,7 +37,16 @@ def choose_device(local_rank: int | None = None) -> torch.device:
     if torch.cuda.is_available():
         if local_rank is None:
             local_rank = world_info_from_env()[1]
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if local_rank < count:
+            return torch.device("cuda", local_rank)
+        if count == 1:
+            # One visible GPU per process (CUDA_VISIBLE_DEVICES set per rank by a launcher).
+            return torch.device("cuda", 0)
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible; start at "
+            f"most {count} processes per node (torchrun --nproc_per_node)"
+        )
     return torch.device("cpu")
 
 
@@ -117,6 +126,13 @@ def init_distributed(
     port so that FSDP and DTensor work the same way as in a multi-process run.
     """
     if dist.is_initialized():
+        if device.type == "cuda" and cpu_collectives:
+            config = str(dist.get_backend_config())
+            if "cpu:" not in config:
+                raise RuntimeError(
+                    f"the existing process group ({config}) has no CPU backend, which CPU offload "
+                    "needs for gradient clipping; create it with backend 'cuda:nccl,cpu:gloo'"
+                )
         return
     if "MASTER_ADDR" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -148,11 +164,16 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
     return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
 
 
-def destroy_distributed() -> None:
-    """Tear the process group down; the barrier first keeps a fast rank from closing
-    connections that a slower one is still using (gloo aborts the process otherwise)."""
+def destroy_distributed(*, barrier: bool = True) -> None:
+    """Tear the process group down.
+
+    On a clean exit the barrier first keeps a fast rank from closing connections that a slower
+    one is still using (gloo aborts the process otherwise); after an error pass
+    ``barrier=False`` so a failing rank does not wait for peers stuck in a collective.
+    """
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

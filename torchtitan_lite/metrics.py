@@ -20,9 +20,10 @@ logger = logging.getLogger("torchtitan_lite")
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Peak memory in GiB: CUDA max active/reserved on GPU, process peak RSS on CPU."""
     if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
         return {
-            "memory_max_active_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "memory_max_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "memory_max_active_gib": stats.get("active_bytes.all.peak", 0) / 2**30,
+            "memory_max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
         }
     # ru_maxrss is in KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -47,7 +48,8 @@ class MetricsLogger:
         run_config: dict[str, Any] | None = None,
     ) -> None:
         self.rank = rank
-        self.run_id = time.strftime("%Y%m%d-%H%M%S")
+        now = time.time()
+        self.run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
         self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
         self._tb: Any = None
         self._jsonl: Any = None

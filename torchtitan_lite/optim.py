@@ -44,17 +44,20 @@ def lr_factor(
 ) -> float:
     """Multiplier of the peak LR for 0-based optimizer step ``step``.
 
-    Warmup: ``(step + 1) / warmup_steps``. Then a stable phase at 1.0 (only when ``decay_ratio``
-    is set: the last ``round(decay_ratio · total_steps)`` steps decay), then decay with progress
-    ``p = (step - decay_start + 1) / decay_steps`` ∈ (0, 1]: ``linear`` 1 - p, ``sqrt``
-    1 - √p, ``cosine`` ½(1 + cos πp); mapped to ``min + (1 - min) · curve``. The last step
-    therefore runs at ``min_lr_factor``.
+    Warmup: ``(step + 1) / warmup_steps`` (warmup is cut to ``total_steps`` when longer). Then a
+    stable phase at 1.0 (only when ``decay_ratio`` is set: the last ``ceil(decay_ratio ·
+    total_steps)`` steps decay), then decay with progress ``p = (step - decay_start + 1) /
+    decay_steps`` ∈ (0, 1]: ``linear`` 1 - p, ``sqrt`` 1 - √p, ``cosine`` ½(1 + cos πp);
+    mapped to ``min + (1 - min) · curve``. Whenever there is a decay phase the last step runs
+    at ``min_lr_factor``.
     """
     warmup = min(warmup_steps, total_steps)
     if decay_ratio is None:
         decay_steps = total_steps - warmup
     else:
-        decay_steps = min(round(total_steps * decay_ratio), total_steps - warmup)
+        # At least one decay step whenever a decay is asked for (a small ratio must not vanish).
+        wanted = math.ceil(total_steps * decay_ratio) if decay_ratio > 0 else 0
+        decay_steps = min(wanted, total_steps - warmup)
     decay_start = total_steps - decay_steps
     if step < warmup:
         return (step + 1) / warmup

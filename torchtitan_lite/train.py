@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -127,6 +126,12 @@ class Trainer:
         model.train()
         self.model = model
 
+        if config.lr_scheduler.warmup_steps >= t.steps and self.rank == 0:
+            logger.warning(
+                "lr_scheduler.warmup_steps=%d >= training.steps=%d: warmup is cut to %d steps "
+                "and the learning rate never decays",
+                config.lr_scheduler.warmup_steps, t.steps, t.steps,
+            )
         self.optimizer = build_optimizer(model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer, config.lr_scheduler, total_steps=t.steps
@@ -215,9 +220,15 @@ class Trainer:
         self.metrics.close()
         return history
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
+        """Release the metrics files and the process group.
+
+        ``clean=False`` (after an error) skips the closing barrier: the other ranks may be
+        blocked in a collective this rank will never join, and waiting for them would only
+        hang the job until the process-group timeout.
+        """
         self.metrics.close()
-        destroy_distributed()
+        destroy_distributed(barrier=clean)
 
 
 def _setup_logging() -> None:
@@ -244,11 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return 2
     _setup_logging()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
     trainer = Trainer(config)
-    with contextlib.ExitStack() as stack:
-        stack.callback(trainer.close)
+    try:
         trainer.train()
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
     return 0
 
 

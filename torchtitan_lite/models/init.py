@@ -5,7 +5,7 @@ called, never on how the parameter is sharded: each parameter is filled block by
 dim 0 (blocks of a fixed size), every block from its own generator seeded from one draw of the
 global generator. A rank that holds rows ``[a, b)`` of a sharded parameter generates only the
 blocks overlapping those rows, so the full parameter is never materialised and the result is
-the same on 1, 2 or 4 ranks.
+the same on 1, 2 or 4 ranks, and on CPU or GPU (values are always drawn on the CPU and copied).
 
 This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP.
 """
@@ -54,9 +54,8 @@ def _fill_blockwise(
         return tensor
     full_shape = tuple(tensor.shape)
     if len(full_shape) == 0:
-        generator = torch.Generator(device=local.device).manual_seed(base_seed)
-        tmp = torch.empty((), dtype=torch.float32, device=local.device)
-        fill(tmp, generator)
+        tmp = torch.empty((), dtype=torch.float32)
+        fill(tmp, torch.Generator().manual_seed(base_seed))
         local.copy_(tmp)
         return tensor
     row_numel = math.prod(full_shape[1:]) or 1
@@ -67,11 +66,12 @@ def _fill_blockwise(
     for block in range(first_block, last_block + 1):
         block_start = block * rows_per_block
         block_rows = min(rows_per_block, full_shape[0] - block_start)
-        generator = torch.Generator(device=local.device)
-        generator.manual_seed((base_seed + 1_000_003 * (block + 1)) % _SEED_MODULUS)
-        values = torch.empty(
-            (block_rows, *full_shape[1:]), dtype=torch.float32, device=local.device
+        # Always a CPU generator: CPU (mt19937) and CUDA (Philox) streams differ, and the
+        # weights must not depend on where the parameters live (GPU, CPU offload or CPU).
+        generator = torch.Generator().manual_seed(
+            (base_seed + 1_000_003 * (block + 1)) % _SEED_MODULUS
         )
+        values = torch.empty((block_rows, *full_shape[1:]), dtype=torch.float32)
         fill(values, generator)
         lo = max(row_offset, block_start)
         hi = min(row_offset + n_local, block_start + block_rows)
