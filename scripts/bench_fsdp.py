@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_lite.config import load_job_config
-from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+from torchtitan_lite.models.llama3 import ModelArgs, Transformer
 from torchtitan_lite.train import Trainer, clip_grad_norm_
 
 
@@ -63,8 +63,7 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _bare_model(flavor: str, seq_len: int, mesh: Any, device: torch.device) -> Transformer:
-    args = LLAMA3_FLAVORS[flavor].with_vocab_and_seq(vocab_size=258, max_seq_len=max(seq_len, 512))
+def _bare_model(args: ModelArgs, mesh: Any, device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -97,7 +96,7 @@ def main() -> None:
     ]
     trainer = Trainer(load_job_config(common))
     rank = dist.get_rank()
-    bare = _bare_model(opts.flavor, opts.seq_len, trainer.mesh, trainer.device)
+    bare = _bare_model(trainer.model_args, trainer.mesh, trainer.device)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=8e-4, weight_decay=0.1, foreach=True)
 
     def bare_step() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import traceback
@@ -18,13 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchtitan_lite.distributed import free_port
+
+__all__ = ["REPO_ROOT", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun"]
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (e.g. a job's metrics.jsonl)."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int,

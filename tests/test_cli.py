@@ -4,7 +4,6 @@ config errors as one clean line with exit code 2, CLI syntax and TOML precedence
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT, run_command, run_torchrun
+from tests.dist_utils import REPO_ROOT, read_jsonl, run_command, run_torchrun
 from torchtitan_lite.config import ConfigError, JobConfig, load_job_config
 
 if sys.version_info >= (3, 11):
@@ -21,10 +20,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEBUG_TOML = REPO_ROOT / "train_configs" / "debug_model.toml"
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,7 +40,7 @@ def test_debug_model_torchrun_two_ranks(tmp_path: Path) -> None:
     assert "world_size=2" in result.stdout, output
 
     # The command-line dump folder overrides the TOML's; log_freq 10 comes from the TOML.
-    records = _read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 10, 20, 30], output
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses), losses

@@ -6,7 +6,6 @@ groups, environment variables and RNG state never leak between runs or into pyte
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import run_distributed
+from tests.dist_utils import read_jsonl, run_distributed
 
 # --------------------------------------------------------------------------------------------
 # Rank functions (module level, so that spawned processes can import them)
@@ -312,16 +311,12 @@ def test_loss_falls_on_embedded_corpus(tiny_run: dict[str, Any]) -> None:
     assert last5 < first - 1.0, losses
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_metrics_jsonl_and_tensorboard(tiny_run: dict[str, Any]) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     dump: Path = tiny_run["dump"]
     history = {h["step"]: h for h in tiny_run["history"]}
-    records = _read_jsonl(dump / "metrics.jsonl")
+    records = read_jsonl(dump / "metrics.jsonl")
 
     expected_steps = sorted({1, CURVE_STEPS, *range(CURVE_LOG_FREQ, CURVE_STEPS + 1, CURVE_LOG_FREQ)})
     assert [r["step"] for r in records] == expected_steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -174,6 +175,7 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -270,24 +272,18 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
             if lowered in ("false", "0", "no", "off"):
                 return False
         raise ConfigError(f"{key}: invalid value {value!r}; expected true or false")
-    if inner is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    if inner in (int, float):
+        # TOML ints are valid floats, never the other way round; bools are not numbers.
+        accepted = (int, float) if inner is float else int
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return inner(value)
         if from_cli and isinstance(value, str):
             try:
-                return int(value)
+                return inner(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: invalid value {value!r}; expected an integer")
-    if inner is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: invalid value {value!r}; expected a number")
+        what = "an integer" if inner is int else "a number"
+        raise ConfigError(f"{key}: invalid value {value!r}; expected {what}")
     if inner is str:
         if isinstance(value, str):
             return value
@@ -323,9 +319,9 @@ def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
-    """Return ``(section, key, raw value)`` overrides in order."""
-    overrides: list[tuple[str, str, Any]] = []
+def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any, str]]:
+    """Return ``(section, key, field type, raw value)`` overrides in order."""
+    overrides: list[tuple[str, str, Any, str]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -351,16 +347,16 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
                 raise ConfigError(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
             if eq:
                 raise ConfigError(f"--{section}.no-{key} takes no value")
-            overrides.append((section, key, "false"))
+            overrides.append((section, key, tp, "false"))
             i += 1
             continue
         if eq:
-            overrides.append((section, key, inline))
+            overrides.append((section, key, tp, inline))
             i += 1
             continue
         nxt = argv[i + 1] if i + 1 < len(argv) else None
         if is_bool and (nxt is None or nxt.startswith("--")):
-            overrides.append((section, key, "true"))
+            overrides.append((section, key, tp, "true"))
             i += 1
             continue
         if nxt is None or nxt.startswith("--"):
@@ -368,7 +364,7 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any]]:
                 f"--{section}.{key} expects a value ({_allowed(tp)}); "
                 f"write --{section}.{key}=VALUE for a value that starts with --"
             )
-        overrides.append((section, key, nxt))
+        overrides.append((section, key, tp, nxt))
         i += 2
     return overrides
 
@@ -410,15 +406,17 @@ def load_job_config(argv: list[str] | None = None, *, world_size: int | None = N
     overrides = _parse_cli(argv)
     config = JobConfig()
 
-    config_file = None
-    for section, key, raw in overrides:
-        if (section, key) == ("job", "config_file"):
-            config_file = _coerce("job.config_file", raw, str | None, from_cli=True)
+    values = [
+        (section, key, _coerce(f"{section}.{key}", raw, tp, from_cli=True))
+        for section, key, tp, raw in overrides
+    ]
+    config_file = next(
+        (v for section, key, v in reversed(values) if (section, key) == ("job", "config_file")),
+        None,
+    )
     if config_file:
         _apply_toml(config, Path(config_file))
-    for section, key, raw in overrides:
-        _, tp = _lookup(section, key, where="command line")
-        value = _coerce(f"{section}.{key}", raw, tp, from_cli=True)
+    for section, key, value in values:
         setattr(getattr(config, section), key, value)
     config.validate(world_size=world_size)
     return config
@@ -505,31 +503,33 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(t.dataset in DATASETS, "training.dataset", t.dataset,
              f"expected one of {', '.join(map(repr, DATASETS))}")
 
+    from torchtitan_lite.distributed import ParallelDims
+    from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
+
     p = c.parallelism
-    _require(p.data_parallel_replicate_degree == -1 or p.data_parallel_replicate_degree >= 1,
-             "parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree,
-             "expected an integer >= 1, or -1 (the rest of the world)")
-    _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-             "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree,
-             "expected an integer >= 1, or -1 (the rest of the world)")
-    mode = p.reshard_after_forward_mode
-    if isinstance(mode, str) and mode not in ("default", "always", "never"):
-        try:
-            p.reshard_after_forward_mode = mode = int(mode)
-        except ValueError:
-            raise ConfigError(
-                f"parallelism.reshard_after_forward_mode: invalid value {mode!r}; expected one of "
-                "'default', 'always', 'never' or an integer group size"
-            ) from None
+    degrees = {"dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree}
+    try:
+        ParallelDims.check_degrees(**degrees)
+        dims = None if world_size is None else ParallelDims.resolve(**degrees, world_size=world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        p.reshard_after_forward_mode = validate_reshard_after_forward_mode(
+            p.reshard_after_forward_mode, None if dims is None else dims.dp_shard
+        )
+    except ValueError as exc:
+        raise ConfigError(f"parallelism.{exc}") from None
+    if dims is not None and t.global_batch_size != -1:
+        per_step = t.local_batch_size * dims.dp_size
+        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
+                 f"expected a multiple of local_batch_size × data-parallel degree = "
+                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")
 
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
     _check_writable_folder("job.dump_folder", c.job.dump_folder)
-
-    if world_size is not None:
-        _validate_world(c, world_size)
 
 
 def _check_writable_folder(key: str, folder: str) -> None:
@@ -544,27 +544,3 @@ def _check_writable_folder(key: str, folder: str) -> None:
         raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} exists and is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} is not writable")
-
-
-def _validate_world(c: JobConfig, world_size: int) -> None:
-    from torchtitan_lite.distributed import ParallelDims
-    from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
-
-    p, t = c.parallelism, c.training
-    try:
-        dims = ParallelDims.resolve(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            world_size=world_size,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        validate_reshard_after_forward_mode(p.reshard_after_forward_mode, dims.dp_shard)
-    except ValueError as exc:
-        raise ConfigError(f"parallelism.{exc}") from None
-    per_step = t.local_batch_size * dims.dp_size
-    if t.global_batch_size != -1:
-        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
-                 f"expected a multiple of local_batch_size × data-parallel degree = "
-                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")

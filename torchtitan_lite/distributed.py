@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "build_mesh",
     "world_info_from_env",
     "destroy_distributed",
+    "free_port",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,39 +73,36 @@ class ParallelDims:
     dp_shard: int
     world_size: int
 
+    @staticmethod
+    def check_degrees(*, dp_replicate: int, dp_shard: int) -> None:
+        """Each degree is >= 1 or -1 ("the rest of the world"), and not both -1."""
+        for key, value in (("replicate", dp_replicate), ("shard", dp_shard)):
+            if value == 0 or value < -1:
+                raise ValueError(
+                    f"parallelism.data_parallel_{key}_degree={value} must be >= 1 or -1"
+                )
+        if dp_replicate == -1 and dp_shard == -1:
+            raise ValueError(
+                "parallelism.data_parallel_replicate_degree and data_parallel_shard_degree "
+                "cannot both be -1"
+            )
+
     @classmethod
     def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int) -> ParallelDims:
         """Fill in a ``-1`` degree and check ``dp_replicate × dp_shard == world_size``.
 
         Raises ``ValueError`` naming the keys and values when they do not fit.
         """
-        if dp_replicate == 0 or dp_replicate < -1:
-            raise ValueError(
-                f"parallelism.data_parallel_replicate_degree={dp_replicate} must be >= 1 or -1"
-            )
-        if dp_shard == 0 or dp_shard < -1:
-            raise ValueError(
-                f"parallelism.data_parallel_shard_degree={dp_shard} must be >= 1 or -1"
-            )
-        if dp_replicate == -1 and dp_shard == -1:
-            raise ValueError(
-                "parallelism.data_parallel_replicate_degree and data_parallel_shard_degree "
-                "cannot both be -1"
-            )
-        if dp_shard == -1:
-            if world_size % dp_replicate:
+        cls.check_degrees(dp_replicate=dp_replicate, dp_shard=dp_shard)
+        if -1 in (dp_replicate, dp_shard):
+            key, known = ("replicate", dp_replicate) if dp_shard == -1 else ("shard", dp_shard)
+            if world_size % known:
                 raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree={dp_replicate} does not divide "
-                    f"the world size {world_size}"
+                    f"parallelism.data_parallel_{key}_degree={known} does not divide the world "
+                    f"size {world_size}"
                 )
-            dp_shard = world_size // dp_replicate
-        if dp_replicate == -1:
-            if world_size % dp_shard:
-                raise ValueError(
-                    f"parallelism.data_parallel_shard_degree={dp_shard} does not divide the "
-                    f"world size {world_size}"
-                )
-            dp_replicate = world_size // dp_shard
+            rest = world_size // known
+            dp_replicate, dp_shard = (known, rest) if dp_shard == -1 else (rest, known)
         if dp_replicate * dp_shard != world_size:
             raise ValueError(
                 f"parallelism.data_parallel_shard_degree={dp_shard} × "
@@ -135,8 +134,8 @@ def init_distributed(
                 )
         return
     if "MASTER_ADDR" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -177,9 +176,8 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -29,7 +29,6 @@ from torch.distributed.fsdp import (
 
 __all__ = [
     "RESHARD_MODES",
-    "ReshardMode",
     "UnitRole",
     "apply_fsdp",
     "resolve_reshard_after_forward",
@@ -37,36 +36,32 @@ __all__ = [
 ]
 
 RESHARD_MODES = ("default", "always", "never")
-ReshardMode = Literal["default", "always", "never"] | int
 UnitRole = Literal["first", "block", "last"]
 
 ModuleOrGroup = nn.Module | Sequence[nn.Module]
 
 
-def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int) -> str | int:
+def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int | None) -> str | int:
     """Return the mode normalised (``"2"`` → ``2``) or raise ``ValueError`` naming what is allowed.
 
     An integer mode reshards to groups of that many ranks after forward (e.g. the GPUs of one
     node); it must be a proper divisor of the shard degree: greater than 1, smaller than the
-    shard degree and dividing it.
+    shard degree and dividing it. With ``shard_degree=None`` (not known yet) only the form of
+    the mode is checked.
     """
-    if isinstance(mode, bool):
+    if isinstance(mode, str) and mode in RESHARD_MODES:
+        return mode
+    if isinstance(mode, str) and mode.strip().lstrip("-").isdigit():
+        mode = int(mode)
+    if not isinstance(mode, int) or isinstance(mode, bool):
         raise ValueError(
             f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
             f"{', '.join(RESHARD_MODES)} or an integer group size"
         )
-    if isinstance(mode, str):
-        if mode in RESHARD_MODES:
-            return mode
-        try:
-            mode = int(mode)
-        except ValueError:
-            raise ValueError(
-                f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
-                f"{', '.join(RESHARD_MODES)} or an integer group size"
-            ) from None
+    if shard_degree is None:
+        return mode
     divisors = [d for d in range(2, shard_degree) if shard_degree % d == 0]
-    if not isinstance(mode, int) or mode not in divisors:
+    if mode not in divisors:
         allowed = ", ".join(map(str, divisors)) if divisors else "none at this shard degree"
         raise ValueError(
             f"reshard_after_forward_mode={mode} must be a proper divisor of the data-parallel "
@@ -190,10 +185,9 @@ def apply_fsdp(
         last_unit: module(s) that run after the blocks, sharded as one unit; ``"auto"`` means
             ``[model.norm, model.output]`` when present, ``None`` means none.
     """
-    shard_degree = mesh.size(-1) if mesh.ndim > 1 else mesh.size()
-    mode = validate_reshard_after_forward_mode(reshard_after_forward_mode, shard_degree)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp expects a 1-D or 2-D device mesh, got {mesh.ndim}-D")
+    mode = validate_reshard_after_forward_mode(reshard_after_forward_mode, mesh.shape[-1])
 
     if first_unit == "auto":
         emb = getattr(model, "tok_embeddings", None)

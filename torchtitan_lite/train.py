@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -105,9 +106,8 @@ class Trainer:
 
         # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
         model_cls, flavors = MODEL_REGISTRY[config.model.name]
-        self.model_args = flavors[config.model.flavor].with_vocab_and_seq(
-            vocab_size=self.tokenizer.vocab_size,
-            max_seq_len=flavors[config.model.flavor].max_seq_len,
+        self.model_args = dataclasses.replace(
+            flavors[config.model.flavor], vocab_size=self.tokenizer.vocab_size
         )
         with torch.device("meta"):
             model = model_cls(self.model_args)
@@ -217,7 +217,6 @@ class Trainer:
                 or self.step == cfg.training.steps
             ):
                 self.metrics.log(self.step, {**values, **memory_stats(self.device)})
-        self.metrics.close()
         return history
 
     def close(self, *, clean: bool = True) -> None:
@@ -231,8 +230,7 @@ class Trainer:
         destroy_distributed(barrier=clean)
 
 
-def _setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
+def _setup_logging(rank: int) -> None:
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="[%(asctime)s] %(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
@@ -247,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(format_help())
         return 0
-    _, local_rank, world_size = world_info_from_env()
+    rank, local_rank, world_size = world_info_from_env()
     try:
         config = load_job_config(argv, world_size=world_size)
     except ConfigError as exc:
         if local_rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    _setup_logging()
+    _setup_logging(rank)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

@@ -53,11 +53,8 @@ def _fill_blockwise(
     if local.numel() == 0:
         return tensor
     full_shape = tuple(tensor.shape)
-    if len(full_shape) == 0:
-        tmp = torch.empty((), dtype=torch.float32)
-        fill(tmp, torch.Generator().manual_seed(base_seed))
-        local.copy_(tmp)
-        return tensor
+    if not full_shape:  # a scalar is one row of one element (never sharded)
+        local, full_shape = local.view(1), (1,)
     row_numel = math.prod(full_shape[1:]) or 1
     rows_per_block = max(1, _BLOCK_ELEMENTS // row_numel)
     n_local = local.shape[0]

@@ -11,7 +11,7 @@ sharded by :mod:`torchtitan_lite.parallelize`, materialised with ``to_empty`` an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +60,6 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-    def with_vocab_and_seq(self, *, vocab_size: int, max_seq_len: int) -> ModelArgs:
-        return replace(self, vocab_size=vocab_size, max_seq_len=max_seq_len)
 
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count of :class:`Transformer` with these args."""
