@@ -28,11 +28,12 @@ DEBUG_TOML = REPO_ROOT / "train_configs" / "debug_model.toml"
 
 
 def test_debug_model_torchrun_two_ranks(tmp_path: Path) -> None:
-    steps = 30
+    """The README's default job, unchanged (100 steps of the debug model on the embedded corpus,
+    validation every 50 steps), through torchrun on 2 processes; only the dump folder moves."""
     result = run_torchrun(
-        ["--job.config_file", "train_configs/debug_model.toml", "--training.steps", str(steps),
-         "--job.dump_folder", str(tmp_path)],
+        ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)],
         nproc=2,
+        timeout=600,
     )
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, output
@@ -41,11 +42,16 @@ def test_debug_model_torchrun_two_ranks(tmp_path: Path) -> None:
 
     # The command-line dump folder overrides the TOML's; log_freq 10 comes from the TOML.
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 10, 20, 30], output
+    assert [r["step"] for r in records] == [1, *range(10, 101, 10)], output
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses), losses
-    assert losses[-1] < losses[0] - 1.0, losses
-    assert losses[-1] < math.log(258) - 1.0, losses
+    uniform = math.log(258)
+    # Clearly below a uniform guess over the byte vocabulary after 100 steps.
+    assert losses[-1] < uniform - 2.5, losses
+    assert losses[-1] < losses[0] - 2.5, losses
+    validation = {r["step"]: r["validation_loss"] for r in records if r["validation_loss"] is not None}
+    assert sorted(validation) == [50, 100], records
+    assert validation[100] < validation[50] < uniform, validation
     # The TOML turns TensorBoard on: one run folder with an event file.
     assert list((tmp_path / "tb").glob("*/events.out.tfevents.*")), list(tmp_path.rglob("*"))
 
@@ -63,6 +69,18 @@ def _bad_toml_unknown_key(tmp: Path) -> list[str]:
 
 def _literal(*argv: str):
     return lambda _tmp: list(argv)
+
+
+def _empty_text_dataset(tmp: Path) -> list[str]:
+    (tmp / "empty.txt").write_text("")
+    return ["--training.dataset", "text", "--training.dataset_path", str(tmp / "empty.txt")]
+
+
+def _tokens_beyond_vocab(tmp: Path) -> list[str]:
+    import numpy as np
+
+    np.save(tmp / "gpt2_tokens.npy", np.array([464, 2068, 50256], dtype=np.uint16))
+    return ["--training.dataset", "tokens", "--training.dataset_path", str(tmp / "gpt2_tokens.npy")]
 
 
 BAD_CONFIGS = [
@@ -85,6 +103,16 @@ BAD_CONFIGS = [
                  ["job.config_file", "does/not/exist.toml"], id="missing-config-file"),
     pytest.param(_bad_toml_unknown_key, {}, ["training.stepz", "bad.toml", "did you mean 'training.steps'"],
                  id="unknown-key-in-toml"),
+    # Data: the path is checked with the config; content before any process group exists.
+    pytest.param(_literal("--training.dataset", "text", "--training.dataset_path", "no/such/corpus"), {},
+                 ["training.dataset_path", "no/such/corpus", "not found"], id="bad-dataset-path"),
+    pytest.param(_empty_text_dataset, {}, ["training.dataset_path", "empty.txt", "is empty"], id="empty-dataset"),
+    pytest.param(_tokens_beyond_vocab, {}, ["training.dataset_path", "gpt2_tokens.npy", "token id 50256", "258"],
+                 id="tokens-beyond-tokenizer-vocab"),
+    pytest.param(_literal("--model.vocab_size", "200"), {}, ["model.vocab_size", "200", "258"],
+                 id="vocab-smaller-than-tokenizer"),
+    pytest.param(_literal("--model.flavor", "tiny", "--training.seq_len", "1024"), {},
+                 ["training.seq_len", "1024", "at most 512"], id="seq-len-beyond-model"),
 ]
 
 

@@ -1,12 +1,77 @@
-"""Embedded corpus, byte tokenizer and the global-batch loader's slicing."""
+"""Tokenizers, every dataset kind, the loader's slicing, its state, and the data errors."""
 
 from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from torchtitan_lite.data import ByteTokenizer, GlobalBatchLoader, TokenWindows, build_token_stream
+from torchtitan_lite.config import ConfigError, load_job_config
+from torchtitan_lite.data import (
+    ByteTokenizer,
+    DataError,
+    GlobalBatchLoader,
+    HFTokenizer,
+    TokenWindows,
+    build_token_stream,
+    build_tokenizer,
+    check_dataset,
+)
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé text survives the round trip: ∑ αβγ ✓",
+    "A fourth document, a little longer than the others, to make the windows interesting.",
+]
+
+
+def train_hf_tokenizer(folder: Path, *, special: tuple[str, ...] = ("<s>", "</s>"), vocab: int = 300) -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained by the ``tokenizers`` library on DOCS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=list(special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(DOCS * 20, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def expected_stream(tokenizer, docs: list[str]) -> np.ndarray:
+    return np.concatenate(tokenizer.encode_batch(docs)).astype(np.int64)
+
+
+def stream_array(stream) -> np.ndarray:
+    return stream.read(0, len(stream))
+
+
+def _loader(windows, *, global_bs, local_bs, rank, dp, seed=7):
+    return GlobalBatchLoader(windows, global_batch_size=global_bs, local_batch_size=local_bs,
+                             dp_rank=rank, dp_size=dp, seed=seed)
+
+
+def _step_rows(loader):
+    return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in loader.next_batch()])
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
 
 
 def test_byte_tokenizer_round_trip():
@@ -14,22 +79,137 @@ def test_byte_tokenizer_round_trip():
     ids = tok.encode("héllo")
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert tok.decode(ids) == "héllo"
-    assert list(tok.encode_array("héllo")) == ids
+    (arr,) = tok.encode_batch(["héllo"])
+    assert arr.tolist() == ids
+
+
+def test_hf_tokenizer_from_tokenizer_json(tmp_path):
+    path = train_hf_tokenizer(tmp_path / "tok")
+    tok = build_tokenizer(str(path))
+    assert isinstance(tok, HFTokenizer)
+    assert 258 < tok.vocab_size <= 300
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path)).get_vocab()
+    assert tok.bos_id == vocab["<s>"] and tok.eos_id == vocab["</s>"]
+    for doc in DOCS:
+        (ids,) = tok.encode_batch([doc])
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+        assert int(ids.max()) < tok.vocab_size
+        assert tok.decode(ids.tolist()) == doc
+    # BPE really merges: fewer tokens than bytes.
+    (ids,) = tok.encode_batch([DOCS[0]])
+    assert len(ids) - 2 < len(DOCS[0].encode())
+    # A folder holding tokenizer.json works too.
+    assert build_tokenizer(str(tmp_path / "tok")).vocab_size == tok.vocab_size
+
+
+def test_hf_tokenizer_special_tokens_from_config(tmp_path):
+    path = train_hf_tokenizer(tmp_path, special=("<|start|>", "<|stop|>", "</s>"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|start|>", "eos_token": {"content": "<|stop|>"}})
+    )
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path)).get_vocab()
+    tok = HFTokenizer(path)
+    assert (tok.bos_id, tok.eos_id) == (vocab["<|start|>"], vocab["<|stop|>"])
+
+
+def test_hf_tokenizer_without_bos_or_eos_is_rejected(tmp_path):
+    path = train_hf_tokenizer(tmp_path, special=("<pad>",))
+    with pytest.raises(DataError, match=r"model.tokenizer_path: .*no BOS or EOS"):
+        HFTokenizer(path)
+
+
+def test_hf_tokenizer_bad_file(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="model.tokenizer_path: .*not a valid tokenizer.json"):
+        HFTokenizer(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------
 
 
 def test_embedded_corpus_is_real_and_large():
-    stream = build_token_stream("python_stdlib", None, ByteTokenizer())
+    stream = stream_array(build_token_stream("python_stdlib", None, ByteTokenizer()))
     assert len(stream) > 1_000_000  # megabytes of text: not a few memorisable lines
     assert (stream == ByteTokenizer.bos_id).sum() > 50  # many documents
+    assert b"def " in bytes(stream[stream < 256].astype(np.uint8)[:100_000])
 
 
-def _loader(windows, *, global_bs, local_bs, rank, dp):
-    return GlobalBatchLoader(windows, global_batch_size=global_bs, local_batch_size=local_bs,
-                             dp_rank=rank, dp_size=dp, seed=7)
+def test_validation_split_is_held_out():
+    train = set(check_dataset("python_stdlib", None))
+    held_out = set(check_dataset("python_stdlib_validation", None, section="validation"))
+    assert len(held_out) > 20
+    assert not train & held_out
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert all(f.parent != stdlib for f in held_out)
 
 
-def _step_rows(loader):
-    return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in loader.next_batch()])
+@pytest.mark.parametrize("tokenizer_kind", ["byte", "hf"])
+def test_text_file_jsonl_file_and_folder(tmp_path, tokenizer_kind):
+    tok = ByteTokenizer() if tokenizer_kind == "byte" else HFTokenizer(train_hf_tokenizer(tmp_path / "tok"))
+    data = tmp_path / "data"
+    (data / "nested").mkdir(parents=True)
+    (data / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    with (data / "nested" / "b.jsonl").open("w", encoding="utf-8") as fh:
+        for doc in DOCS[1:3]:
+            fh.write(json.dumps({"text": doc, "meta": 1}) + "\n")
+        fh.write("\n")  # blank lines are skipped
+    (data / "nested" / "c.txt").write_text(DOCS[3], encoding="utf-8")
+    (data / "ignored.md").write_text("not read")
+
+    txt = stream_array(build_token_stream("text", str(data / "a.txt"), tok))
+    assert np.array_equal(txt, expected_stream(tok, DOCS[:1]))
+    jsonl = stream_array(build_token_stream("text", str(data / "nested" / "b.jsonl"), tok))
+    assert np.array_equal(jsonl, expected_stream(tok, DOCS[1:3]))
+    # Folder: files in sorted path order (a.txt, nested/b.jsonl, nested/c.txt); .md ignored.
+    folder = stream_array(build_token_stream("text", str(data), tok))
+    assert np.array_equal(folder, expected_stream(tok, DOCS))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_files_npy_bin_and_folder_are_memory_mapped(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 258, size=n).astype(dtype) for n in (1000, 37, 2500)]
+    data = tmp_path / "tokens"
+    data.mkdir()
+    np.save(data / "00.npy", parts[0])
+    parts[1].tofile(data / "01.bin")
+    np.save(data / "02.npy", parts[2])
+    tok = ByteTokenizer()
+
+    single = build_token_stream("tokens", str(data / "00.npy"), tok)
+    assert np.array_equal(stream_array(single), parts[0])
+    raw = build_token_stream("tokens", str(data / "01.bin"), tok, token_dtype=dtype)
+    assert np.array_equal(stream_array(raw), parts[1])
+
+    stream = build_token_stream("tokens", str(data), tok, token_dtype=dtype)
+    assert all(isinstance(p, np.memmap) for p in stream.parts)  # never loaded whole
+    whole = np.concatenate(parts).astype(np.int64)
+    assert np.array_equal(stream_array(stream), whole)
+    # Windows crossing file boundaries read the right tokens.
+    windows = TokenWindows(stream, seq_len=99)
+    assert len(windows) == len(whole) // 100
+    for i in range(len(windows)):
+        assert np.array_equal(windows[i], whole[i * 100 : (i + 1) * 100])
+
+
+def test_hf_tokenizer_with_pretokenized_uint32(tmp_path):
+    tok = HFTokenizer(train_hf_tokenizer(tmp_path / "tok"))
+    ids = expected_stream(tok, DOCS * 10).astype(np.uint32)
+    np.save(tmp_path / "docs.npy", ids)
+    stream = build_token_stream("tokens", str(tmp_path / "docs.npy"), tok)
+    assert np.array_equal(stream_array(stream), ids)
+
+
+# --------------------------------------------------------------------------------------------
+# The loader
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dp, local_bs", [(1, 8), (1, 2), (2, 4), (4, 1), (2, 2)])
@@ -48,26 +228,170 @@ def test_inputs_and_labels_are_shifted_by_one():
     windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=9)
     (inputs, labels), = _loader(windows, global_bs=2, local_bs=2, rank=0, dp=1).next_batch()
     assert inputs.shape == labels.shape == (2, 9)
+    assert inputs.dtype == labels.dtype == torch.int64
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
 
 
-def test_epoch_covers_every_window_once():
-    windows = TokenWindows(np.arange(2000, dtype=np.uint16), seq_len=19)  # 100 windows
-    loader = _loader(windows, global_bs=10, local_bs=10, rank=0, dp=1)
-    firsts = [int(r[0]) for _ in range(10) for r in _step_rows(loader)]
-    assert sorted(firsts) == [i * 20 for i in range(100)]
+@pytest.mark.parametrize("num_windows, global_bs", [(100, 10), (103, 8)])
+def test_ranks_see_disjoint_windows_covering_each_epoch(num_windows, global_bs):
+    """Two data-parallel ranks never read the same window within an epoch, and together read
+    every window of it (also when the epoch does not end on a step boundary)."""
+    seq = 19
+    windows = TokenWindows(np.arange(num_windows * (seq + 1), dtype=np.uint32), seq_len=seq)
+    loaders = [_loader(windows, global_bs=global_bs, local_bs=global_bs // 2, rank=r, dp=2) for r in (0, 1)]
+    steps = 3 * num_windows // global_bs + 1
+    per_rank = [[], []]  # (sample number, window) read by each rank
+    for step in range(steps):
+        for r, ld in enumerate(loaders):
+            rows = _step_rows(ld)
+            first = step * global_bs + r * (global_bs // 2)
+            per_rank[r] += [(first + i, int(row[0]) // (seq + 1)) for i, row in enumerate(rows)]
+    for epoch in range(3):
+        seen = [[w for s, w in per_rank[r] if s // num_windows == epoch] for r in (0, 1)]
+        assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
+        assert not set(seen[0]) & set(seen[1]), f"epoch {epoch}: a window read by both ranks"
+        assert sorted(seen[0] + seen[1]) == list(range(num_windows)), f"epoch {epoch} not covered"
+    # Epochs are shuffled differently.
+    order = [w for _, w in sorted(per_rank[0] + per_rank[1])]
+    assert order[:num_windows] != order[num_windows : 2 * num_windows]
 
 
-def test_state_dict_resumes_position():
-    windows = TokenWindows(np.arange(5000, dtype=np.uint16), seq_len=9)
-    a = _loader(windows, global_bs=4, local_bs=2, rank=0, dp=1)
-    for _ in range(3):
-        a.next_batch()
-    b = _loader(windows, global_bs=4, local_bs=2, rank=0, dp=1)
-    b.load_state_dict(a.state_dict())
-    assert torch.equal(_step_rows(a), _step_rows(b))
+@pytest.mark.parametrize("stop_after", [1, 5, 13])  # 13 steps of 8 cross the 100-window epoch
+def test_state_round_trip_is_bit_identical(stop_after):
+    windows = TokenWindows(np.arange(100 * 10, dtype=np.uint16), seq_len=9)
+    uninterrupted = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
+    interrupted = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
+    for _ in range(stop_after):
+        for a, b in zip(uninterrupted, interrupted, strict=True):
+            a.next_batch()
+            b.next_batch()
+    # The state is plain data: it survives JSON (no pickled objects).
+    states = [json.loads(json.dumps(ld.state_dict())) for ld in interrupted]
+    assert states[0] == states[1]
+    restored = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
+    for ld, state in zip(restored, states, strict=True):
+        ld.load_state_dict(state)
+    for _ in range(15):
+        for a, b in zip(uninterrupted, restored, strict=True):
+            for (xa, ya), (xb, yb) in zip(a.next_batch(), b.next_batch(), strict=True):
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+    # The same state continues a run on another world size with the same global batches.
+    single = _loader(windows, global_bs=8, local_bs=4, rank=0, dp=1)
+    single.load_state_dict(states[0])
+    reference = _loader(windows, global_bs=8, local_bs=8, rank=0, dp=1)
+    for _ in range(stop_after):
+        reference.next_batch()
+    assert torch.equal(_step_rows(single), _step_rows(reference))
 
 
-def test_too_short_dataset_names_seq_len():
-    with pytest.raises(ValueError, match="training.seq_len"):
-        TokenWindows(np.arange(10, dtype=np.uint16), seq_len=64)
+def test_state_from_another_dataset_or_batch_is_rejected():
+    windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=9)
+    loader = _loader(windows, global_bs=4, local_bs=2, rank=0, dp=1)
+    state = loader.state_dict()
+    for name, value in [("global_batch_size", 8), ("seed", 1), ("num_windows", 5), ("seq_len", 7)]:
+        with pytest.raises(DataError, match=f"{name}={value!r}"):
+            loader.load_state_dict({**state, name: value})
+    with pytest.raises(DataError, match="invalid step"):
+        loader.load_state_dict({**state, "step": -1})
+
+
+# --------------------------------------------------------------------------------------------
+# Errors, before training starts
+# --------------------------------------------------------------------------------------------
+
+
+def _config_error(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_job_config(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_dataset_paths_are_config_errors(tmp_path):
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "notes.md").write_text("x")
+    cases = [
+        (["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "missing.txt")],
+         ["training.dataset_path", "missing.txt", "not found"]),
+        (["--training.dataset", "text"], ["training.dataset_path", "needs a path"]),
+        (["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "empty_folder")],
+         ["training.dataset_path", "empty_folder", ".txt or .jsonl"]),
+        (["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path / "notes.md")],
+         ["training.dataset_path", "notes.md", ".bin or .npy"]),
+        (["--training.dataset", "texts"], ["training.dataset", "'texts'", "'text'"]),
+        (["--training.dataset_path", str(tmp_path / "notes.md")],
+         ["training.dataset_path", "reads no path", "'text' or 'tokens'"]),
+        (["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
+          str(tmp_path / "nope")], ["validation.dataset_path", "nope", "not found"]),
+        (["--model.tokenizer_path", str(tmp_path / "none.json")], ["model.tokenizer_path", "none.json"]),
+        (["--model.flavor", "tiny", "--training.seq_len", "4096"],
+         ["training.seq_len", "4096", "at most 512"]),
+    ]
+    for argv, expected in cases:
+        message = _config_error(argv)
+        for part in expected:
+            assert part in message, (argv, message)
+
+
+def test_empty_and_malformed_datasets(tmp_path):
+    tok = ByteTokenizer()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    (tmp_path / "zero.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    np.save(tmp_path / "float.npy", np.zeros(10, dtype=np.float32))
+    cases = [
+        ("text", "empty.txt", "is empty"),
+        ("text", "blank.jsonl", "is empty"),
+        ("text", "bad.jsonl", "line 2 is not a JSON object with a string 'text' field"),
+        ("tokens", "zero.bin", "is empty"),
+        ("tokens", "odd.bin", "not a whole number of uint16 tokens"),
+        ("tokens", "float.npy", "float32"),
+    ]
+    for dataset, name, expected in cases:
+        with pytest.raises(DataError, match="training.dataset_path") as info:
+            build_token_stream(dataset, str(tmp_path / name), tok)
+        assert expected in str(info.value), (name, str(info.value))
+        assert name in str(info.value)
+
+
+def test_tokens_outside_the_vocabulary_are_rejected(tmp_path):
+    np.save(tmp_path / "gpt2.npy", np.array([1, 2, 50256], dtype=np.uint16))
+    with pytest.raises(DataError, match=r"token id 50256 but the tokenizer's vocabulary has 258 ids"):
+        build_token_stream("tokens", str(tmp_path / "gpt2.npy"), ByteTokenizer())
+
+
+def test_dataset_shorter_than_one_window_names_seq_len(tmp_path):
+    (tmp_path / "short.txt").write_text("tiny")
+    stream = build_token_stream("text", str(tmp_path / "short.txt"), ByteTokenizer())
+    with pytest.raises(DataError, match=r"training.seq_len=64: the dataset has only 6 tokens"):
+        TokenWindows(stream, seq_len=64)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin"])
+def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
+    import subprocess
+    import sys
+
+    from tests.dist_utils import REPO_ROOT
+
+    tok_path = train_hf_tokenizer(tmp_path / "tok")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(DOCS[0])
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[1:]))
+    out = tmp_path / f"corpus{suffix}"
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "pretokenize.py"), "--input", str(corpus),
+           "--output", str(out), "--tokenizer_path", str(tok_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4 documents" in done.stdout
+    tok = HFTokenizer(tok_path)
+    direct = stream_array(build_token_stream("text", str(corpus), tok))
+    mapped = stream_array(build_token_stream("tokens", str(out), tok))
+    assert np.array_equal(direct, mapped)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "exists" in again.stderr  # never overwritten unasked

@@ -79,3 +79,41 @@ def test_cpu_offload_on_cuda(tmp_path: Path) -> None:
     # Same math, different devices for the optimizer step: equal up to bf16/GPU rounding.
     for a, b in zip(off["losses"], ref["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-3)
+
+
+def _profile_on_gpu(dump: str) -> dict:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.train import Trainer
+
+    base = [a for a in TINY_ARGS if a != "--debug.deterministic"]
+    argv = [*base, "--training.steps", "4", "--job.dump_folder", dump, "--metrics.log_freq", "1",
+            "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
+            "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0"]
+    trainer = Trainer(load_job_config(argv))
+    try:
+        history = trainer.train()
+        return {"rank": trainer.rank, "peak": trainer.peak_tflops, "history": history}
+    finally:
+        trainer.close()
+
+
+def test_cuda_metrics_traces_and_memory_snapshots(tmp_path: Path) -> None:
+    """On a GPU: CUDA memory peaks and (for a known GPU) MFU in the records, a trace per rank
+    with CUDA kernels, and allocator snapshots every profile_freq steps."""
+    import json
+
+    from tests.dist_utils import read_jsonl
+
+    world = _world()
+    results = run_distributed(_profile_on_gpu, world, str(tmp_path), timeout=300)
+    for record in read_jsonl(tmp_path / "metrics.jsonl"):
+        assert record["memory_max_active_gib"] > 0 and record["memory_max_reserved_gib"] > 0
+        if results[0]["peak"] is not None:
+            assert record["mfu_pct"] == pytest.approx(100 * record["tflops"] / results[0]["peak"])
+    for step in (2, 4):
+        for rank in range(world):
+            trace = tmp_path / "profile_traces" / f"iteration_{step}" / f"rank{rank}_trace.json"
+            events = json.loads(trace.read_text())["traceEvents"]
+            assert any(e.get("cat") == "kernel" for e in events), trace
+            snapshot = tmp_path / "memory_snapshot" / f"iteration_{step}" / f"rank{rank}_memory_snapshot.pickle"
+            assert snapshot.stat().st_size > 0

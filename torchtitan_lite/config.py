@@ -62,6 +62,10 @@ class Model:
     """Model family; one of the registered models (llama3)."""
     flavor: str = "debugmodel"
     """Model shape within the family (llama3: tiny, debugmodel, 1B, 8B, 70B)."""
+    tokenizer_path: str | None = None
+    """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids, needs no files)."""
+    vocab_size: int = -1
+    """Rows of the embedding and output layers; -1 follows the tokenizer. A larger value pads the vocabulary (e.g. to a multiple of 64); a smaller one is an error."""
 
 
 @dataclass
@@ -77,9 +81,11 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam), applied to weight matrices and embeddings."""
+    weight_decay_norms_and_biases: bool = False
+    """Also apply weight decay to 1-D parameters (norm scales, biases); off, as is usual."""
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
-    """Optimizer kernel: foreach (multi-tensor), fused (single kernel) or for-loop."""
+    """Optimizer kernel: foreach (multi-tensor), fused (single kernel; on devices PyTorch has fused Adam kernels for) or for-loop."""
 
 
 @dataclass
@@ -107,9 +113,13 @@ class Training:
     steps: int = 10000
     """Number of optimizer steps."""
     dataset: str = "python_stdlib"
-    """Dataset name; python_stdlib reads the Python installation's own standard library sources (no download)."""
+    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl files) or tokens (pre-tokenized .bin/.npy files)."""
     dataset_path: str | None = None
-    """Local path for datasets that read one (unused by python_stdlib)."""
+    """File or folder read by the text and tokens datasets (folders are searched recursively)."""
+    dataset_token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Dtype of raw .bin token files (.npy files carry their own)."""
+    gc_freq: int = 50
+    """Python's automatic garbage collection is off during training; collect every this many steps (so step times do not jitter)."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
@@ -136,6 +146,44 @@ class Metrics:
     """Write TensorBoard event files (rank 0)."""
     save_tb_folder: str = "tb"
     """TensorBoard folder inside job.dump_folder; each run writes its own timestamped subfolder."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; unset: from the table of known GPUs (on CPU and unknown devices MFU is not reported)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute a validation loss (no gradients, over all ranks) every validation.freq steps and at the last step."""
+    dataset: str = "python_stdlib_validation"
+    """Validation dataset; same names as training.dataset. The default is held out from python_stdlib."""
+    dataset_path: str | None = None
+    """File or folder read by the text and tokens datasets."""
+    freq: int = 100
+    """Run validation every this many training steps."""
+    steps: int = 20
+    """Batches per validation run, each local_batch_size × data-parallel degree windows, read in order; -1: the whole validation set."""
+    local_batch_size: int = -1
+    """Windows per rank per validation batch; -1: training.local_batch_size."""
+    seq_len: int = -1
+    """Tokens per validation window; -1: training.seq_len."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces, one file per rank, for a window of steps every profile_freq steps."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder inside job.dump_folder; each window writes iteration_<step>/rank<r>_trace.json."""
+    profile_freq: int = 10
+    """Steps between trace windows; a trace ends at every multiple of it."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs untraced before each recorded window."""
+    profiler_active: int = 1
+    """Steps recorded per window."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a memory snapshot every profile_freq steps (and on out-of-memory)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder inside job.dump_folder."""
 
 
 @dataclass
@@ -155,6 +203,8 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -498,10 +548,39 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     max_seq_len = flavors[c.model.flavor].max_seq_len
     _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
              f"expected at most {max_seq_len} (max_seq_len of {c.model.name} {c.model.flavor})")
-    from torchtitan_lite.data import DATASETS
+    _require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "expected an integer >= 1")
+    _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
+             "expected an integer >= 1, or -1 (follow the tokenizer)")
+    if c.model.tokenizer_path is not None:
+        tok = Path(c.model.tokenizer_path).expanduser()
+        _require(tok.is_file() or (tok / "tokenizer.json").is_file(), "model.tokenizer_path",
+                 c.model.tokenizer_path, "expected a tokenizer.json file or a folder holding one")
 
-    _require(t.dataset in DATASETS, "training.dataset", t.dataset,
-             f"expected one of {', '.join(map(repr, DATASETS))}")
+    from torchtitan_lite.data import check_dataset
+
+    check_dataset(t.dataset, t.dataset_path, section="training")
+    v = c.validation
+    if v.enable:
+        check_dataset(v.dataset, v.dataset_path, section="validation")
+        _require(v.freq >= 1, "validation.freq", v.freq, "expected an integer >= 1")
+        _require(v.steps == -1 or v.steps >= 1, "validation.steps", v.steps, "expected an integer >= 1, or -1")
+        _require(v.local_batch_size == -1 or v.local_batch_size >= 1, "validation.local_batch_size",
+                 v.local_batch_size, "expected an integer >= 1, or -1")
+        _require(v.seq_len == -1 or 1 <= v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,
+                 f"expected -1 or 1..{max_seq_len} (max_seq_len of {c.model.name} {c.model.flavor})")
+
+    pr = c.profiling
+    if pr.enable_profiling or pr.enable_memory_snapshot:
+        _require(pr.profile_freq >= 1, "profiling.profile_freq", pr.profile_freq, "expected an integer >= 1")
+    if pr.enable_profiling:
+        _require(pr.profiler_active >= 1, "profiling.profiler_active", pr.profiler_active,
+                 "expected an integer >= 1")
+        _require(pr.profiler_warmup >= 0, "profiling.profiler_warmup", pr.profiler_warmup,
+                 "expected an integer >= 0")
+        _require(pr.profiler_warmup + pr.profiler_active <= pr.profile_freq, "profiling.profile_freq",
+                 pr.profile_freq,
+                 f"expected at least profiler_warmup + profiler_active = "
+                 f"{pr.profiler_warmup} + {pr.profiler_active}")
 
     from torchtitan_lite.distributed import ParallelDims
     from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
@@ -527,6 +606,9 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")
+    if m.peak_tflops is not None:
+        _require(math.isfinite(m.peak_tflops) and m.peak_tflops > 0, "metrics.peak_tflops",
+                 m.peak_tflops, "expected a finite number > 0, or unset")
 
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
     _check_writable_folder("job.dump_folder", c.job.dump_folder)

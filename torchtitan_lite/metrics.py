@@ -1,9 +1,10 @@
-"""Step metrics to the console, a JSON-lines file and TensorBoard."""
+"""Step metrics: throughput, TFLOP/s and MFU, memory; to the console, JSON lines and TensorBoard."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -12,30 +13,122 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "memory_stats"]
+__all__ = [
+    "PEAK_BF16_TFLOPS",
+    "RECORD_KEYS",
+    "MetricsLogger",
+    "device_peak_tflops",
+    "memory_stats",
+    "reset_peak_memory",
+]
 
 logger = logging.getLogger("torchtitan_lite")
 
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets, matched
+# against torch.cuda.get_device_name() in order (the first substring that occurs wins).
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.4),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM
+    ("H800", 989.4),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.05),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("MI300X", 1307.4),
+    ("MI250X", 383.0),
+]
 
-def memory_stats(device: torch.device) -> dict[str, float]:
-    """Peak memory in GiB: CUDA max active/reserved on GPU, process peak RSS on CPU."""
-    if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        return {
-            "memory_max_active_gib": stats.get("active_bytes.all.peak", 0) / 2**30,
-            "memory_max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
-        }
+# Every record of metrics.jsonl has exactly these keys, in this order (None where a value does
+# not apply to the device or was not measured at that step), so consumers can rely on them.
+RECORD_KEYS = (
+    "step",
+    "run_id",
+    "time",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_seen",
+    "tps",
+    "tokens_per_rank",
+    "tflops",
+    "mfu_pct",
+    "step_time_s",
+    "data_time_s",
+    "compute_time_s",
+    "memory_max_active_gib",
+    "memory_max_reserved_gib",
+    "memory_peak_rss_gib",
+    "validation_loss",
+    "validation_perplexity",
+    "validation_tokens",
+    "validation_time_s",
+)
+
+
+def device_peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float | None, str]:
+    """Peak TFLOP/s for MFU and where it comes from: the configured value, else the table for a
+    known GPU, else ``None`` (CPU and unknown devices: no MFU rather than a made-up one)."""
+    if configured is not None:
+        return configured, "metrics.peak_tflops"
+    if device.type != "cuda":
+        return None, f"no peak known for {device.type} (set metrics.peak_tflops)"
+    name = torch.cuda.get_device_name(device)
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in name:
+            return peak, f"{name} bf16 dense peak"
+    return None, f"no peak known for {name!r} (set metrics.peak_tflops)"
+
+
+def memory_stats(device: torch.device) -> dict[str, float | None]:
+    """Peak memory in GiB: CUDA max active/reserved since the last reset (None off CUDA), and the
+    process's peak resident set size (host memory, which CPU offload and the CPU backend use)."""
     # ru_maxrss is in KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024
-    return {"memory_peak_rss_gib": rss * scale / 2**30}
+    out: dict[str, float | None] = {
+        "memory_max_active_gib": None,
+        "memory_max_reserved_gib": None,
+        "memory_peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / 2**30,
+    }
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        out["memory_max_active_gib"] = stats.get("active_bytes.all.peak", 0) / 2**30
+        out["memory_max_reserved_gib"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
+    return out
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory interval (CUDA; the RSS peak is per process and cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class _Style:
+    """ANSI colours, only when the console is a terminal and NO_COLOR is not set."""
+
+    def __init__(self, stream: Any) -> None:
+        self.enabled = bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+
+def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
 
 
 class MetricsLogger:
     """Writes one record per logged step; only rank 0 writes anything.
 
-    Records go to ``<dump_folder>/metrics.jsonl`` (appended; each record carries the run id)
-    and, when enabled, to TensorBoard under ``<dump_folder>/<tb_folder>/<run_id>``.
+    Records go to ``<dump_folder>/metrics.jsonl`` (appended; each record carries the run id and
+    the keys of :data:`RECORD_KEYS`), to TensorBoard under ``<dump_folder>/<tb_folder>/<run_id>``
+    when enabled, and as one aligned line to the console.
     """
 
     def __init__(
@@ -51,8 +144,10 @@ class MetricsLogger:
         now = time.time()
         self.run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
         self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
+        self.tb_dir: Path | None = None
         self._tb: Any = None
         self._jsonl: Any = None
+        self._style = _Style(sys.stdout)
         if rank != 0:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,25 +166,47 @@ class MetricsLogger:
             if run_config is not None:
                 self._tb.add_text("config", f"```\n{json.dumps(run_config, indent=2)}\n```")
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    def log(self, step: int, values: dict[str, Any]) -> dict[str, Any] | None:
+        """Write the record of ``step`` (rank 0); returns it, or None on other ranks."""
         if self.rank != 0:
-            return
-        record = {"step": step, "run_id": self.run_id, **values}
+            return None
+        record: dict[str, Any] = {key: values.get(key) for key in RECORD_KEYS}
+        record.update(step=step, run_id=self.run_id, time=time.time())
+        record.update({k: v for k, v in values.items() if k not in record})  # caller's extras last
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, step)
+            for key, value in record.items():
+                if key not in ("step", "run_id", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        parts = [f"step {step:>6d}", f"loss {values['loss']:8.4f}"]
-        if "grad_norm" in values:
-            parts.append(f"grad_norm {values['grad_norm']:8.4f}")
-        parts.append(f"lr {values['lr']:.3e}")
-        parts.append(f"tps {values['tps']:>9,.0f}")
-        mem = next((v for k, v in values.items() if k.startswith("memory_")), None)
+        logger.info(self._console_line(record))
+        return record
+
+    def _console_line(self, r: dict[str, Any]) -> str:
+        s = self._style
+        parts = [s(f"step {r['step']:>6d}", "1")]
+        if r["loss"] is not None:
+            parts.append(s(f"loss {r['loss']:8.4f}", "36"))
+        if r["grad_norm"] is not None:
+            parts.append(f"grad_norm {r['grad_norm']:8.4f}")
+        if r["lr"] is not None:
+            parts.append(f"lr {r['lr']:.3e}")
+        if r["tps"] is not None:
+            parts.append(s(f"tps {r['tps']:>9,.0f}", "34"))
+            parts.append(f"tflops {_fmt(r['tflops'], '7.2f', '      -')}")
+            if r["mfu_pct"] is not None:
+                parts.append(f"mfu {r['mfu_pct']:5.2f}%")
+        mem = r["memory_max_active_gib"] if r["memory_max_active_gib"] is not None else r["memory_peak_rss_gib"]
         if mem is not None:
-            parts.append(f"mem {mem:6.2f}GiB")
-        logger.info("  ".join(parts))
+            parts.append(s(f"mem {mem:6.2f}GiB", "33"))
+        if r["step_time_s"]:
+            data_pct = 100.0 * (r["data_time_s"] or 0.0) / r["step_time_s"]
+            parts.append(f"data {data_pct:4.1f}%")
+        if r["validation_loss"] is not None:
+            ppl = r["validation_perplexity"]
+            parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))
+        return "  ".join(parts)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -98,3 +215,4 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+

@@ -9,10 +9,26 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtitan_lite.config import ConfigError
 from torchtitan_lite.config import LRScheduler as LRSchedulerConfig
 from torchtitan_lite.config import Optimizer as OptimizerConfig
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor"]
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor", "param_groups"]
+
+
+def param_groups(model: nn.Module, *, weight_decay: float, decay_norms_and_biases: bool) -> list[dict]:
+    """Two parameter groups: weight matrices and embeddings (decayed), and 1-D parameters
+    (norm scales, biases: decayed only when ``decay_norms_and_biases``). Empty groups are dropped.
+
+    Dimensions are those of the full parameter (a sharded DTensor keeps its global shape).
+    """
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 or decay_norms_and_biases else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -23,14 +39,34 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         "fused": {"foreach": False, "fused": True},
         "for-loop": {"foreach": False, "fused": False},
     }[cfg.implementation]
+    groups = param_groups(
+        model, weight_decay=cfg.weight_decay, decay_norms_and_biases=cfg.weight_decay_norms_and_biases
+    )
+    if cfg.implementation == "fused":
+        supported = _fused_devices()
+        devices = {p.device.type for g in groups for p in g["params"]}
+        unsupported = sorted(devices - set(supported))
+        if unsupported:
+            raise ConfigError(
+                f"optimizer.implementation: invalid value 'fused' for parameters on "
+                f"{', '.join(unsupported)}; fused kernels exist for {', '.join(supported)} "
+                "(use 'foreach')"
+            )
     return classes[cfg.name](
-        [p for p in model.parameters() if p.requires_grad],
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
         **impl,
     )
+
+
+def _fused_devices() -> list[str]:
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # pragma: no cover - private helper moved
+        return ["cuda", "cpu"]
+    return list(_get_fused_kernels_supported_devices())
 
 
 def lr_factor(

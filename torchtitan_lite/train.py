@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -15,11 +16,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.config import ConfigError, JobConfig, format_help, load_job_config
-from torchtitan_lite.data import ByteTokenizer, GlobalBatchLoader, TokenWindows, build_token_stream
+from torchtitan_lite.data import (
+    GlobalBatchLoader,
+    Tokenizer,
+    TokenWindows,
+    build_token_stream,
+    build_tokenizer,
+)
 from torchtitan_lite.distributed import (
     ParallelDims,
     build_mesh,
@@ -28,12 +34,14 @@ from torchtitan_lite.distributed import (
     init_distributed,
     world_info_from_env,
 )
-from torchtitan_lite.metrics import MetricsLogger, memory_stats
+from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
 from torchtitan_lite.models import MODEL_REGISTRY
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.parallelize import apply_fsdp
+from torchtitan_lite.profiling import Profiler
+from torchtitan_lite.validate import Validator, token_loss_sum
 
-__all__ = ["Trainer", "main", "clip_grad_norm_"]
+__all__ = ["GarbageCollection", "Trainer", "main", "clip_grad_norm_"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -59,6 +67,27 @@ def clip_grad_norm_(
     return total
 
 
+class GarbageCollection:
+    """Automatic collection off while training, one young-generation collection every
+    ``gc_freq`` steps: a collection landing in the middle of a step makes step times jitter and,
+    across ranks, stalls every rank waiting for the slowest. :meth:`close` restores the
+    interpreter's setting (the trainer may be one part of a longer program)."""
+
+    def __init__(self, gc_freq: int) -> None:
+        self.gc_freq = gc_freq
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+        gc.collect(1)
+
+    def run(self, step: int) -> None:
+        if step % self.gc_freq == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self._was_enabled:
+            gc.enable()
+
+
 class Trainer:
     """Builds everything a job needs from a validated :class:`JobConfig` and runs the loop."""
 
@@ -66,7 +95,28 @@ class Trainer:
         self.config = config
         rank, local_rank, world_size = world_info_from_env()
         config.validate(world_size=world_size)
-        t, p = config.training, config.parallelism
+        t, p, v = config.training, config.parallelism, config.validation
+
+        # Data first, before any process group or model: a bad path, an empty dataset or a
+        # tokenizer that does not fit fails here, on every rank alike, in seconds.
+        self.tokenizer = build_tokenizer(config.model.tokenizer_path)
+        model_cls, flavors = MODEL_REGISTRY[config.model.name]
+        self.model_args = dataclasses.replace(
+            flavors[config.model.flavor], vocab_size=_vocab_size(config, self.tokenizer)
+        )
+        train_windows = TokenWindows(
+            build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
+                               token_dtype=t.dataset_token_dtype),
+            t.seq_len,
+        )
+        val_windows = None
+        if v.enable:
+            val_windows = TokenWindows(
+                build_token_stream(v.dataset, v.dataset_path, self.tokenizer, section="validation",
+                                   token_dtype=t.dataset_token_dtype),
+                v.seq_len if v.seq_len > 0 else t.seq_len,
+                section="validation",
+            )
 
         self.device = choose_device(local_rank)
         if config.debug.deterministic:
@@ -89,26 +139,31 @@ class Trainer:
             if config.job.print_config:
                 logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
 
-        # Data. Every rank holds the same token stream; each takes its slice of a global batch.
-        self.tokenizer = ByteTokenizer()
-        tokens = build_token_stream(t.dataset, t.dataset_path, self.tokenizer)
+        # Every rank maps the same token stream; each takes its slice of every global batch.
+        # The mesh is all data-parallel, so the data-parallel rank is the global rank.
         self.global_batch_size = (
             t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dims.dp_size
         )
         self.loader = GlobalBatchLoader(
-            TokenWindows(tokens, t.seq_len),
+            train_windows,
             global_batch_size=self.global_batch_size,
             local_batch_size=t.local_batch_size,
             dp_rank=self.rank,
             dp_size=self.dims.dp_size,
             seed=config.debug.seed,
         )
+        self.validator = None
+        if val_windows is not None:
+            self.validator = Validator(
+                val_windows,
+                local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
+                dp_rank=self.rank,
+                dp_size=self.dims.dp_size,
+                steps=v.steps,
+                device=self.device,
+            )
 
         # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
-        model_cls, flavors = MODEL_REGISTRY[config.model.name]
-        self.model_args = dataclasses.replace(
-            flavors[config.model.flavor], vocab_size=self.tokenizer.vocab_size
-        )
         with torch.device("meta"):
             model = model_cls(self.model_args)
         apply_fsdp(
@@ -138,6 +193,8 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
+        self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops)
         self.metrics = MetricsLogger(
             rank=self.rank,
             dump_folder=config.job.dump_folder,
@@ -148,13 +205,24 @@ class Trainer:
         if self.rank == 0:
             n_params = sum(p.numel() for p in model.parameters())
             logger.info(
-                "model %s %s: %.2fM parameters; mesh %s; global batch %d = %d ranks × %d × %d "
-                "accumulation steps; seq_len %d",
-                config.model.name, config.model.flavor, n_params / 1e6,
+                "model %s %s: %.2fM parameters, vocab %d (%s); mesh %s; global batch %d = %d ranks "
+                "× %d × %d accumulation steps; seq_len %d",
+                config.model.name, config.model.flavor, n_params / 1e6, self.model_args.vocab_size,
+                type(self.tokenizer).__name__,
                 dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False)),
                 self.global_batch_size, self.dims.dp_size, t.local_batch_size,
                 self.loader.grad_accum_steps, t.seq_len,
             )
+            logger.info(
+                "data: %s, %d tokens, %d windows of %d (%.2f epochs in %d steps)%s",
+                t.dataset_path or t.dataset, len(train_windows.tokens), len(train_windows),
+                t.seq_len + 1, t.steps * self.global_batch_size / len(train_windows), t.steps,
+                "" if self.validator is None else
+                f"; validation: {v.dataset_path or v.dataset}, {len(val_windows)} windows, "
+                f"{self.validator.steps} batches every {v.freq} steps",
+            )
+            logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
+                        if self.peak_tflops else f"not reported: {peak_source}")
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch; returns its metrics (same on every rank)."""
@@ -168,10 +236,7 @@ class Trainer:
         for inputs, labels in micro_batches:
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            logits = self.model(inputs)
-            token_loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"
-            )
+            token_loss = token_loss_sum(self.model(inputs), labels)
             # Normalised by all tokens this rank sees in the step; FSDP averages over ranks,
             # so the gradient is that of the mean loss over every token of the global batch.
             (token_loss / tokens_this_rank).backward()
@@ -195,29 +260,52 @@ class Trainer:
             "tokens_per_rank": float(tokens_this_rank),
         }
 
+    def validate(self) -> dict[str, float]:
+        """Validation metrics at the current weights (empty when validation is off)."""
+        return {} if self.validator is None else self.validator.run(self.model)
+
     def train(self) -> list[dict[str, float]]:
-        """Run ``training.steps`` steps; returns every step's metrics."""
+        """Run until ``training.steps``; returns every step's metrics (validation included)."""
         cfg = self.config
         history: list[dict[str, float]] = []
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        while self.step < cfg.training.steps:
-            start = time.perf_counter()
-            values = self.train_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - start
-            values["step_time_s"] = elapsed
-            values["tps"] = values["tokens_per_rank"] / elapsed
-            values["tokens_seen"] = float(self.tokens_seen)
-            history.append({"step": self.step, **values})
-            if (
-                self.step == 1
-                or self.step % cfg.metrics.log_freq == 0
-                or self.step == cfg.training.steps
-            ):
-                self.metrics.log(self.step, {**values, **memory_stats(self.device)})
+        reset_peak_memory(self.device)
+        gc_handler = GarbageCollection(cfg.training.gc_freq)
+        try:
+            with Profiler(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
+                          device=self.device, start_step=self.step) as profiler:
+                while self.step < cfg.training.steps:
+                    history.append(self._timed_step(gc_handler))
+                    profiler.step()
+        finally:
+            gc_handler.close()
         return history
+
+    def _timed_step(self, gc_handler: GarbageCollection) -> dict[str, float]:
+        cfg = self.config
+        start = time.perf_counter()
+        values = self.train_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        tps = values["tokens_per_rank"] / elapsed
+        values.update(
+            step_time_s=elapsed,
+            compute_time_s=elapsed - values["data_time_s"],
+            tps=tps,
+            tflops=tps * self.flops_per_token / 1e12,
+            tokens_seen=float(self.tokens_seen),
+        )
+        if self.peak_tflops:
+            values["mfu_pct"] = 100.0 * values["tflops"] / self.peak_tflops
+        last = self.step == cfg.training.steps
+        v = cfg.validation
+        if self.validator is not None and (self.step % v.freq == 0 or last):
+            values.update(self.validate())
+        if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or "validation_loss" in values:
+            self.metrics.log(self.step, {**values, **memory_stats(self.device)})
+            reset_peak_memory(self.device)
+        gc_handler.run(self.step)
+        return {"step": self.step, **values}
 
     def close(self, *, clean: bool = True) -> None:
         """Release the metrics files and the process group.
@@ -228,6 +316,20 @@ class Trainer:
         """
         self.metrics.close()
         destroy_distributed(barrier=clean)
+
+
+def _vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The model's vocabulary: the tokenizer's, or ``model.vocab_size`` when that pads it."""
+    wanted = config.model.vocab_size
+    if wanted == -1:
+        return tokenizer.vocab_size
+    if wanted < tokenizer.vocab_size:
+        source = config.model.tokenizer_path or "the byte tokenizer"
+        raise ConfigError(
+            f"model.vocab_size: invalid value {wanted}; the tokenizer ({source}) has "
+            f"{tokenizer.vocab_size} ids, so the model needs at least that many (or -1 to follow it)"
+        )
+    return wanted
 
 
 def _setup_logging(rank: int) -> None:
@@ -256,7 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    trainer = Trainer(config)
+    try:
+        trainer = Trainer(config)
+    except ConfigError as exc:  # data, tokenizer or vocabulary: found before training started
+        destroy_distributed(barrier=False)
+        if local_rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.train()
     except BaseException:
