@@ -29,32 +29,33 @@ def pretokenize(input_path: str, output: str, *, tokenizer_path: str | None = No
         raise SystemExit(f"error: --output: {output!r} must end in .npy or .bin")
     if out.exists() and not overwrite:
         raise SystemExit(f"error: --output: {output!r} exists; pass --overwrite to replace it")
-    files = check_dataset("text", input_path)
+    files = check_dataset("text", input_path, key="--input")
     tokenizer = build_tokenizer(tokenizer_path)
     dtype = np.dtype(token_dtype_for(tokenizer.vocab_size))
     raw = out.with_name(out.name + ".partial")
     documents = tokens = 0
-    with raw.open("wb") as fh:
-        batch: list[str] = []
-        for doc in read_documents(files, "--input"):
-            batch.append(doc)
-            if len(batch) == batch_documents:
+    try:
+        with raw.open("wb") as fh:
+            batch: list[str] = []
+            for doc in read_documents(files, "--input"):
+                batch.append(doc)
+                if len(batch) == batch_documents:
+                    tokens += _write(fh, tokenizer.encode_batch(batch), dtype)
+                    documents, batch = documents + len(batch), []
+            if batch:
                 tokens += _write(fh, tokenizer.encode_batch(batch), dtype)
-                documents, batch = documents + len(batch), []
-        if batch:
-            tokens += _write(fh, tokenizer.encode_batch(batch), dtype)
-            documents += len(batch)
-    if tokens == 0:
-        raw.unlink()
-        raise SystemExit(f"error: --input: {input_path!r} holds no text")
-    if out.suffix == ".bin":
-        raw.replace(out)
-    else:  # wrap the raw stream in an .npy header without loading it
-        array = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(tokens,))
-        array[:] = np.memmap(raw, dtype=dtype, mode="r")
-        array.flush()
-        del array
-        raw.unlink()
+                documents += len(batch)
+        if tokens == 0:
+            raise SystemExit(f"error: --input: {input_path!r} holds no text")
+        if out.suffix == ".bin":
+            raw.replace(out)
+        else:  # wrap the raw stream in an .npy header without loading it
+            array = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(tokens,))
+            array[:] = np.memmap(raw, dtype=dtype, mode="r")
+            array.flush()
+            del array
+    finally:
+        raw.unlink(missing_ok=True)
     return documents, tokens, dtype.name
 
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         documents, tokens, dtype = pretokenize(args.input, args.output, tokenizer_path=args.tokenizer_path,
                                                overwrite=args.overwrite)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{documents} documents, {tokens} tokens ({dtype}) -> {args.output}")

@@ -116,6 +116,24 @@ def test_hf_tokenizer_special_tokens_from_config(tmp_path):
     assert (tok.bos_id, tok.eos_id) == (vocab["<|start|>"], vocab["<|stop|>"])
 
 
+def test_hf_tokenizer_single_separator_and_null_bos(tmp_path):
+    # GPT-2 style: one <|endoftext|> token; it separates documents once, not twice.
+    path = train_hf_tokenizer(tmp_path / "gpt2", special=("<|endoftext|>",))
+    tok = HFTokenizer(path)
+    assert tok.bos_id is None and tok.eos_id is not None
+    (ids,) = tok.encode_batch(["abc"])
+    assert ids[-1] == tok.eos_id and (ids == tok.eos_id).sum() == 1
+    # A tokenizer_config.json that sets bos_token to null means no BOS (no fallback).
+    path = train_hf_tokenizer(tmp_path / "qwen", special=("<s>", "</s>"))
+    (tmp_path / "qwen" / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
+    tok = HFTokenizer(path)
+    assert tok.bos_id is None and tok.eos_id is not None
+    # A configured token the vocabulary lacks is an error, not a silent fallback.
+    (tmp_path / "qwen" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(DataError, match=r"names eos_token '<\|im_end\|>'"):
+        HFTokenizer(path)
+
+
 def test_hf_tokenizer_without_bos_or_eos_is_rejected(tmp_path):
     path = train_hf_tokenizer(tmp_path, special=("<pad>",))
     with pytest.raises(DataError, match=r"model.tokenizer_path: .*no BOS or EOS"):
@@ -369,6 +387,28 @@ def test_dataset_shorter_than_one_window_names_seq_len(tmp_path):
     stream = build_token_stream("text", str(tmp_path / "short.txt"), ByteTokenizer())
     with pytest.raises(DataError, match=r"training.seq_len=64: the dataset has only 6 tokens"):
         TokenWindows(stream, seq_len=64)
+    # Through the config: the key the value came from and the file are named.
+    short = str(tmp_path / "short.txt")
+    argv = ["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path", short,
+            "--training.seq_len", "16", "--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "out")]
+    from torchtitan_lite.train import Trainer
+
+    with pytest.raises(DataError) as info:
+        Trainer(load_job_config(argv))
+    assert str(info.value).startswith("training.seq_len=16: validation dataset")
+    assert "short.txt" in str(info.value)
+
+
+class _WideTokenizer(ByteTokenizer):
+    vocab_size = 128_256  # a Llama-3-sized vocabulary: ids need uint32
+
+
+def test_uint32_bin_read_as_uint16_is_rejected(tmp_path):
+    np.array([1, 70_000, 128_000], dtype=np.uint32).tofile(tmp_path / "wide.bin")
+    with pytest.raises(DataError, match=r"training.dataset_token_dtype: invalid value 'uint16' .* need 'uint32'"):
+        build_token_stream("tokens", str(tmp_path / "wide.bin"), _WideTokenizer())
+    stream = build_token_stream("tokens", str(tmp_path / "wide.bin"), _WideTokenizer(), token_dtype="uint32")
+    assert stream_array(stream).tolist() == [1, 70_000, 128_000]
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".bin"])
@@ -395,3 +435,7 @@ def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
     assert np.array_equal(direct, mapped)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "exists" in again.stderr  # never overwritten unasked
+    (corpus / "c.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    broken = subprocess.run([*cmd[:-2], "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert broken.returncode == 2 and broken.stderr.startswith("error: --input: ")
+    assert not list(tmp_path.glob("*.partial"))  # no half-written file left behind

@@ -79,8 +79,11 @@ def _validation_text(folder: Path) -> tuple[Path, int]:
 def validation_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("validation")
     val_path, windows = _validation_text(root)
+    # 2 batches of 10 windows: 20 of the 30, in 3 forward passes of 2 × 4 on 2 ranks (the
+    # last one padded) and 5 of 4 on 1 rank.
     val_args = [
-        "--validation.enable", "--validation.freq", str(VAL_FREQ), "--validation.steps", "-1",
+        "--validation.enable", "--validation.freq", str(VAL_FREQ), "--validation.steps", "2",
+        "--validation.global_batch_size", "10",
         "--validation.dataset", "text", "--validation.dataset_path", str(val_path),
         "--validation.local_batch_size", "4",
     ]
@@ -108,8 +111,8 @@ def test_validation_runs_at_its_frequency_and_reaches_both_sinks(validation_runs
         if r["step"] in validated:
             assert math.isfinite(r["validation_loss"]) and r["validation_loss"] > 0, r
             assert r["validation_perplexity"] == pytest.approx(math.exp(r["validation_loss"]))
-            # steps = -1: the whole validation set, every window exactly once, padding not counted.
-            assert r["validation_tokens"] == validation_runs["windows"] * VAL_SEQ, r
+            # 2 batches of 10 windows, each window once, padding not counted.
+            assert r["validation_tokens"] == 20 * VAL_SEQ, r
         else:
             assert r["validation_loss"] is None, r
     val_losses = [r["validation_loss"] for r in records if r["step"] in validated]
@@ -122,11 +125,12 @@ def test_validation_runs_at_its_frequency_and_reaches_both_sinks(validation_runs
     assert [e.step for e in events] == validated
     assert [e.value for e in events] == pytest.approx(val_losses, rel=1e-6)
 
-    # The same validation loss on 1 rank (padding makes it world-size independent) ...
+    # The same windows, so the same validation loss, on 1 rank ...
     two_hist = {h["step"]: h for h in validation_runs["two"][0]["history"]}
     one_hist = {h["step"]: h for h in validation_runs["one"]["history"]}
     for step in validated:
         assert one_hist[step]["validation_loss"] == pytest.approx(two_hist[step]["validation_loss"], rel=1e-5)
+        assert one_hist[step]["validation_tokens"] == two_hist[step]["validation_tokens"]
     # ... and validating does not change training: same losses as the run without it.
     off = [h["loss"] for h in validation_runs["off"]["history"]]
     assert [one_hist[s]["loss"] for s in sorted(one_hist)] == off
@@ -174,10 +178,12 @@ def test_garbage_collection_every_gc_freq_steps(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)
     handler = GarbageCollection(3)
-    assert not gc.isenabled()
-    for step in range(1, 10):
-        handler.run(step)
-    handler.close()
+    try:
+        assert not gc.isenabled()
+        for step in range(1, 10):
+            handler.run(step)
+    finally:
+        handler.close()
     assert gc.isenabled()
     assert calls == [1, 1, 1, 1]  # at start, then steps 3, 6, 9
 
@@ -190,6 +196,11 @@ def test_peak_tflops_table(monkeypatch):
     assert device_peak_tflops(cuda)[0] == pytest.approx(756.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert device_peak_tflops(cuda)[0] == pytest.approx(312.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40")
+    assert device_peak_tflops(cuda)[0] == pytest.approx(181.05)
+    # The table holds bf16 peaks: with fp32 compute there is no MFU unless a peak is given.
+    assert device_peak_tflops(cuda, compute_dtype=torch.float32)[0] is None
+    assert device_peak_tflops(cuda, 50.0, compute_dtype=torch.float32)[0] == 50.0
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery Accelerator")
     assert device_peak_tflops(cuda)[0] is None
     assert device_peak_tflops(cuda, 123.0) == (123.0, "metrics.peak_tflops")
@@ -265,3 +276,58 @@ def test_console_line_is_coloured_only_on_a_terminal(tmp_path, monkeypatch, capl
     assert "\033[" not in lines["pipe"] and "\033[" in lines["tty"]
     assert lines["pipe"].startswith("step     12  loss   2.5000  grad_norm   0.7000")
     assert "data  2.0%" in lines["pipe"] and "mem   1.00GiB" in lines["pipe"]
+
+
+def test_whole_validation_set_matches_a_direct_computation(tmp_path):
+    """``steps = -1`` visits every window exactly once; the loss is the plain mean over them."""
+    from torchtitan_lite.data import ByteTokenizer, TokenWindows, build_token_stream
+    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+    from torchtitan_lite.validate import Validator
+
+    val_path, windows_expected = _validation_text(tmp_path)
+    windows = TokenWindows(build_token_stream("text", str(val_path), ByteTokenizer()), VAL_SEQ)
+    assert len(windows) == windows_expected == 30
+    torch.manual_seed(0)
+    model = Transformer(LLAMA3_FLAVORS["tiny"])
+    model.init_weights()
+    validator = Validator(windows, local_batch_size=4, global_batch_size=4, dp_rank=0, dp_size=1,
+                          steps=-1, device=torch.device("cpu"))
+    assert validator.num_windows == 30 and validator.passes == 8  # the last pass holds 2 + 2 padding
+    result = validator.run(model)
+    rows = torch.stack([torch.from_numpy(windows[i]) for i in range(30)])
+    with torch.no_grad():
+        logits = model(rows[:, :-1])
+        direct = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    assert result["validation_tokens"] == 30 * VAL_SEQ
+    assert result["validation_loss"] == pytest.approx(direct.item(), rel=1e-5)
+    assert model.training  # put back in training mode
+
+
+def _matmuls(n: int) -> None:
+    a = torch.randn(32, 32)
+    for _ in range(n):
+        a = torch.tanh(a @ a)
+
+
+@pytest.mark.parametrize("start, warmup, active, expected", [
+    (0, 0, 2, [2, 4, 6]),   # no wait steps: the window after the last one must not overwrite it
+    (0, 1, 1, [2, 4, 6]),
+    (1, 0, 1, [2, 4, 6]),   # resumed at step 1: the window ending at 2 still fits
+    (3, 1, 1, [6]),         # resumed at 3: only step 4 is left before 4, too few for warmup + active
+    (4, 1, 1, [6]),
+])
+def test_profiler_windows_end_at_multiples_of_freq(tmp_path, start, warmup, active, expected):
+    from torchtitan_lite.config import Profiling
+    from torchtitan_lite.profiling import Profiler
+
+    cfg = Profiling(enable_profiling=True, profile_freq=2, profiler_warmup=warmup, profiler_active=active)
+    with Profiler(cfg, dump_folder=tmp_path, rank=0, device=torch.device("cpu"), start_step=start) as prof:
+        for _ in range(start, 7):
+            _matmuls(3)
+            prof.step()
+    folders = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "profile_traces").iterdir())
+    assert folders == expected
+    assert len(prof.trace_files) == len(expected)
+    for step in expected:
+        trace = json.loads((tmp_path / "profile_traces" / f"iteration_{step}" / "rank0_trace.json").read_text())
+        assert any(e.get("name", "").startswith("aten::mm") for e in trace["traceEvents"]), step

@@ -161,9 +161,11 @@ class Validation:
     freq: int = 100
     """Run validation every this many training steps."""
     steps: int = 20
-    """Batches per validation run, each local_batch_size × data-parallel degree windows, read in order; -1: the whole validation set."""
+    """Batches per validation run, each validation.global_batch_size windows, read in order from the start of the set; -1: the whole validation set."""
+    global_batch_size: int = -1
+    """Windows per validation batch over all ranks; -1: local_batch_size × data-parallel degree. Set it to get the same validation windows, and so comparable losses, on any world size."""
     local_batch_size: int = -1
-    """Windows per rank per validation batch; -1: training.local_batch_size."""
+    """Windows per rank per forward pass; -1: training.local_batch_size."""
     seq_len: int = -1
     """Tokens per validation window; -1: training.seq_len."""
 
@@ -564,6 +566,8 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
         check_dataset(v.dataset, v.dataset_path, section="validation")
         _require(v.freq >= 1, "validation.freq", v.freq, "expected an integer >= 1")
         _require(v.steps == -1 or v.steps >= 1, "validation.steps", v.steps, "expected an integer >= 1, or -1")
+        _require(v.global_batch_size == -1 or v.global_batch_size >= 1, "validation.global_batch_size",
+                 v.global_batch_size, "expected an integer >= 1, or -1")
         _require(v.local_batch_size == -1 or v.local_batch_size >= 1, "validation.local_batch_size",
                  v.local_batch_size, "expected an integer >= 1, or -1")
         _require(v.seq_len == -1 or 1 <= v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,

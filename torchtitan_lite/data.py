@@ -134,9 +134,12 @@ class HFTokenizer:
         self.path = file
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
-        named = _special_tokens_from_config(file.parent / "tokenizer_config.json")
-        self.bos_id = self._find(named.get("bos_token"), _BOS_NAMES, vocab)
-        self.eos_id = self._find(named.get("eos_token"), _EOS_NAMES, vocab)
+        config = file.parent / "tokenizer_config.json"
+        named = _special_tokens_from_config(config)
+        self.bos_id = self._find("bos_token", named, _BOS_NAMES, vocab, config, key)
+        self.eos_id = self._find("eos_token", named, _EOS_NAMES, vocab, config, key)
+        if self.bos_id is not None and self.bos_id == self.eos_id:
+            self.bos_id = None  # one token (GPT-2's <|endoftext|>) separates documents once
         if self.bos_id is None and self.eos_id is None:
             raise DataError(
                 f"{key}: {str(file)!r} has no BOS or EOS token (looked for "
@@ -145,11 +148,19 @@ class HFTokenizer:
             )
 
     @staticmethod
-    def _find(named: str | None, candidates: tuple[str, ...], vocab: dict[str, int]) -> int | None:
-        for name in ((named,) if named else ()) + candidates:
-            if name in vocab:
-                return vocab[name]
-        return None
+    def _find(which: str, named: dict[str, str | None], candidates: tuple[str, ...],
+              vocab: dict[str, int], config: Path, key: str) -> int | None:
+        if which in named:  # tokenizer_config.json decides, null included
+            token = named[which]
+            if token is None:
+                return None
+            if token not in vocab:
+                raise DataError(
+                    f"{key}: {str(config)!r} names {which} {token!r}, which the tokenizer's "
+                    "vocabulary does not have"
+                )
+            return vocab[token]
+        return next((vocab[name] for name in candidates if name in vocab), None)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._tok.encode_batch(texts, add_special_tokens=False)
@@ -161,20 +172,23 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def _special_tokens_from_config(path: Path) -> dict[str, str]:
+def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
+    """``bos_token``/``eos_token`` of a tokenizer_config.json: a string, or None where the file
+    sets it to null; a key the file does not have is left out."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    out = {}
+    out: dict[str, str | None] = {}
     for name in ("bos_token", "eos_token"):
-        value = data.get(name)
+        if name not in data:
+            continue
+        value = data[name]
         if isinstance(value, dict):
             value = value.get("content")
-        if isinstance(value, str):
-            out[name] = value
+        out[name] = value if isinstance(value, str) else None
     return out
 
 
@@ -215,10 +229,13 @@ def _stdlib_files(dataset: str) -> list[Path]:
     return files
 
 
-def check_dataset(dataset: str, dataset_path: str | None, *, section: str = "training") -> list[Path]:
+def check_dataset(
+    dataset: str, dataset_path: str | None, *, section: str = "training", key: str | None = None
+) -> list[Path]:
     """The files a dataset reads; cheap checks only (names, existence, suffixes).
 
-    Raises :class:`DataError` naming ``<section>.dataset`` / ``<section>.dataset_path``.
+    Raises :class:`DataError` naming ``<section>.dataset`` / ``<section>.dataset_path`` (or
+    ``key`` for the path, for callers with their own option names).
     """
     if dataset not in DATASETS:
         allowed = ", ".join(map(repr, DATASETS))
@@ -230,7 +247,7 @@ def check_dataset(dataset: str, dataset_path: str | None, *, section: str = "tra
                 f"reads no path; set {section}.dataset to 'text' or 'tokens' to read it"
             )
         return _stdlib_files(dataset)
-    key = f"{section}.dataset_path"
+    key = key or f"{section}.dataset_path"
     suffixes = _SUFFIXES[dataset]
     if dataset_path is None:
         raise DataError(f"{key}: {section}.dataset={dataset!r} needs a path to {DATASETS[dataset]}")
@@ -278,7 +295,7 @@ def read_documents(files: list[Path], key: str = "training.dataset_path") -> Ite
                 yield text
 
 
-def _token_file(file: Path, token_dtype: str, key: str) -> np.ndarray:
+def _token_file(file: Path, token_dtype: str, key: str, vocab_size: int) -> np.ndarray:
     if file.suffix == ".npy":
         try:
             array = np.load(file, mmap_mode="r", allow_pickle=False)
@@ -291,6 +308,12 @@ def _token_file(file: Path, token_dtype: str, key: str) -> np.ndarray:
             )
         return array
     dtype = _TOKEN_DTYPES[token_dtype]
+    if dtype.itemsize * 8 < int(vocab_size - 1).bit_length():
+        # A uint32 file read as uint16 gives in-range halves of ids: no range check would notice.
+        raise DataError(
+            f"training.dataset_token_dtype: invalid value {token_dtype!r} for {str(file)!r}; the "
+            f"tokenizer has {vocab_size} ids, which need 'uint32'"
+        )
     size = file.stat().st_size
     if size % dtype.itemsize:
         raise DataError(
@@ -356,7 +379,7 @@ def build_token_stream(
     key = f"{section}.dataset_path" if dataset_path is not None else f"{section}.dataset"
     where = repr(dataset_path) if dataset_path is not None else repr(dataset)
     if dataset == "tokens":
-        stream = TokenStream([_token_file(f, token_dtype, key) for f in files])
+        stream = TokenStream([_token_file(f, token_dtype, key, tokenizer.vocab_size) for f in files])
         if len(stream) == 0:
             raise DataError(f"{key}: {where} is empty (no tokens)")
         top = stream.max_token()
@@ -397,14 +420,15 @@ class TokenWindows:
 
     tokens: TokenStream | np.ndarray
     seq_len: int
-    section: str = "training"
+    seq_len_key: str = "training.seq_len"
+    source: str = "the dataset"
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, np.ndarray):
             self.tokens = TokenStream([self.tokens])
         if len(self) == 0:
             raise DataError(
-                f"{self.section}.seq_len={self.seq_len}: the dataset has only {len(self.tokens)} "
+                f"{self.seq_len_key}={self.seq_len}: {self.source} has only {len(self.tokens)} "
                 "tokens, fewer than one window of seq_len + 1"
             )
 

@@ -38,6 +38,7 @@ PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.05),
+    ("L40", 181.05),
     ("L4", 121.0),
     ("A10G", 70.0),
     ("A10", 125.0),
@@ -72,13 +73,18 @@ RECORD_KEYS = (
 )
 
 
-def device_peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float | None, str]:
+def device_peak_tflops(
+    device: torch.device, configured: float | None = None, *, compute_dtype: torch.dtype = torch.bfloat16
+) -> tuple[float | None, str]:
     """Peak TFLOP/s for MFU and where it comes from: the configured value, else the table for a
-    known GPU, else ``None`` (CPU and unknown devices: no MFU rather than a made-up one)."""
+    known GPU when compute runs in bf16, else ``None`` (CPU, unknown devices, fp32 compute: no
+    MFU rather than one against the wrong peak)."""
     if configured is not None:
         return configured, "metrics.peak_tflops"
     if device.type != "cuda":
         return None, f"no peak known for {device.type} (set metrics.peak_tflops)"
+    if compute_dtype != torch.bfloat16:
+        return None, f"the table holds bf16 peaks and compute runs in {compute_dtype} (set metrics.peak_tflops)"
     name = torch.cuda.get_device_name(device)
     for pattern, peak in PEAK_BF16_TFLOPS:
         if pattern in name:

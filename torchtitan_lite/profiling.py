@@ -35,6 +35,7 @@ class Profiler:
         self.trace_dir = Path(dump_folder) / cfg.save_traces_folder
         self.snapshot_dir = Path(dump_folder) / cfg.save_memory_snapshot_folder
         self.trace_files: list[Path] = []
+        self._written: set[int] = set()
         self._torch_profiler: torch.profiler.profile | None = None
         self._snapshots = cfg.enable_memory_snapshot and device.type == "cuda"
         if cfg.enable_memory_snapshot and not self._snapshots and rank == 0:
@@ -48,16 +49,22 @@ class Profiler:
                 activities=activities,
                 schedule=torch.profiler.schedule(
                     wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active,
-                    # a resumed run keeps its windows ending at multiples of profile_freq
-                    skip_first=(-start_step) % cfg.profile_freq,
+                    # Windows end at multiples of profile_freq, also for a run resumed at
+                    # start_step: skip to the first window that fits, then cycle.
+                    skip_first=((-start_step) % cfg.profile_freq - cfg.profiler_warmup
+                                - cfg.profiler_active) % cfg.profile_freq,
+                    skip_first_wait=1,
                 ),
                 on_trace_ready=self._write_trace,
                 record_shapes=True,
             )
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
-        if self.step_num % self.cfg.profile_freq:
-            return  # the run ended inside a window: nothing complete to write
+        if self.step_num % self.cfg.profile_freq or self.step_num in self._written:
+            # The run ended inside a window (or right after one, with the next one already
+            # recording): nothing complete to write, and never over a complete trace.
+            return
+        self._written.add(self.step_num)
         folder = self.trace_dir / f"iteration_{self.step_num}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}_trace.json"

@@ -108,6 +108,7 @@ class Trainer:
             build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
                                token_dtype=t.dataset_token_dtype),
             t.seq_len,
+            source=f"training dataset {t.dataset_path or t.dataset!r}",
         )
         val_windows = None
         if v.enable:
@@ -115,7 +116,8 @@ class Trainer:
                 build_token_stream(v.dataset, v.dataset_path, self.tokenizer, section="validation",
                                    token_dtype=t.dataset_token_dtype),
                 v.seq_len if v.seq_len > 0 else t.seq_len,
-                section="validation",
+                seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
+                source=f"validation dataset {v.dataset_path or v.dataset!r}",
             )
 
         self.device = choose_device(local_rank)
@@ -154,9 +156,11 @@ class Trainer:
         )
         self.validator = None
         if val_windows is not None:
+            val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
             self.validator = Validator(
                 val_windows,
-                local_batch_size=v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size,
+                local_batch_size=val_local,
+                global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * self.dims.dp_size,
                 dp_rank=self.rank,
                 dp_size=self.dims.dp_size,
                 steps=v.steps,
@@ -194,7 +198,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
-        self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops)
+        self.peak_tflops, peak_source = device_peak_tflops(
+            self.device, config.metrics.peak_tflops, compute_dtype=_DTYPES[t.mixed_precision_param]
+        )
         self.metrics = MetricsLogger(
             rank=self.rank,
             dump_folder=config.job.dump_folder,
@@ -218,8 +224,8 @@ class Trainer:
                 t.dataset_path or t.dataset, len(train_windows.tokens), len(train_windows),
                 t.seq_len + 1, t.steps * self.global_batch_size / len(train_windows), t.steps,
                 "" if self.validator is None else
-                f"; validation: {v.dataset_path or v.dataset}, {len(val_windows)} windows, "
-                f"{self.validator.steps} batches every {v.freq} steps",
+                f"; validation: {v.dataset_path or v.dataset}, {self.validator.num_windows} of "
+                f"{len(val_windows)} windows every {v.freq} steps",
             )
             logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
                         if self.peak_tflops else f"not reported: {peak_source}")

@@ -23,13 +23,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Validator:
-    """Runs the model over the validation windows in order.
+    """Runs the model over the first ``num_windows`` validation windows, in order.
 
-    Batch ``s`` holds windows ``[s·G, (s+1)·G)`` with ``G = local_batch_size × dp_size``; rank
-    ``r`` takes the ``local_batch_size`` of them from ``s·G + r·local_batch_size``. Past the end
-    of the set, rows are padding whose labels count nothing, so every rank runs the same number
-    of forward passes (FSDP's all-gathers need every rank) and the loss is the exact mean over the
-    windows visited, whatever the world size.
+    ``num_windows`` is ``steps × global_batch_size`` (or the whole set for ``steps = -1``),
+    capped at the set's size: it does not depend on the world size when ``global_batch_size``
+    does not. Forward pass ``p`` of rank ``r`` reads windows from ``(p·dp_size + r) ·
+    local_batch_size``; rows past ``num_windows`` are padding whose labels count nothing, so
+    every rank runs the same number of forward passes (FSDP's all-gathers need every rank) and
+    the loss is the exact mean over those windows.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Validator:
         windows: TokenWindows,
         *,
         local_batch_size: int,
+        global_batch_size: int,
         dp_rank: int,
         dp_size: int,
         steps: int,
@@ -47,12 +49,14 @@ class Validator:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.device = device
-        available = num_batches(len(windows), local_batch_size * dp_size)
-        self.steps = available if steps == -1 else min(steps, available)
+        wanted = len(windows) if steps == -1 else steps * global_batch_size
+        self.num_windows = min(len(windows), wanted)
+        self.passes = num_batches(self.num_windows, local_batch_size * dp_size)
 
-    def rank_indices(self, batch: int) -> list[int]:
-        first = batch * self.local_batch_size * self.dp_size + self.dp_rank * self.local_batch_size
-        return [i for i in range(first, first + self.local_batch_size) if i < len(self.windows)]
+    def rank_indices(self, forward_pass: int) -> list[int]:
+        """Window indices this rank reads in ``forward_pass`` (fewer than a batch at the end)."""
+        first = (forward_pass * self.dp_size + self.dp_rank) * self.local_batch_size
+        return list(range(first, min(first + self.local_batch_size, self.num_windows)))
 
     @torch.no_grad()
     def run(self, model: nn.Module) -> dict[str, float | None]:
@@ -62,8 +66,9 @@ class Validator:
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         try:
-            for batch in range(self.steps):
-                inputs, labels = padded_batch(self.windows, self.rank_indices(batch), self.local_batch_size)
+            for forward_pass in range(self.passes):
+                indices = self.rank_indices(forward_pass)
+                inputs, labels = padded_batch(self.windows, indices, self.local_batch_size)
                 inputs = inputs.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
                 totals[0] += token_loss_sum(model(inputs), labels).double()
