@@ -189,6 +189,22 @@ class Profiling:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints with torch.distributed.checkpoint and resume from the latest one in checkpoint.folder at start."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside job.dump_folder; each checkpoint is a step-<N> subfolder."""
+    interval: int = 500
+    """Save every this many steps, and at the last step."""
+    keep_latest_k: int = 0
+    """Keep only the newest k committed checkpoints (older ones are deleted after a new one is committed); 0 keeps all."""
+    load_step: int = -1
+    """Step to resume from; -1: the latest committed checkpoint (none: start from scratch)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to restore: model, optimizer, lr_scheduler, dataloader, train_state."""
+
+
+@dataclass
 class Debug:
     seed: int = 42
     """Seed for weights and data order; with a fixed training.global_batch_size the same seed gives the same run on any world size."""
@@ -207,6 +223,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -613,6 +630,17 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     if m.peak_tflops is not None:
         _require(math.isfinite(m.peak_tflops) and m.peak_tflops > 0, "metrics.peak_tflops",
                  m.peak_tflops, "expected a finite number > 0, or unset")
+
+    ck = c.checkpoint
+    _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "expected an integer >= 1")
+    _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,
+             "expected an integer >= 0 (0 keeps all)")
+    _require(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, "expected an integer >= 0, or -1")
+    from torchtitan_lite.checkpoint import LOADABLE_PARTS
+
+    unknown = sorted(set(ck.exclude_from_loading) - set(LOADABLE_PARTS))
+    _require(not unknown, "checkpoint.exclude_from_loading", ck.exclude_from_loading,
+             f"expected names among {', '.join(LOADABLE_PARTS)}")
 
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
     _check_writable_folder("job.dump_folder", c.job.dump_folder)

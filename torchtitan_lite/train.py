@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.checkpoint import CheckpointManager
 from torchtitan_lite.config import ConfigError, JobConfig, format_help, load_job_config
 from torchtitan_lite.data import (
     GlobalBatchLoader,
@@ -197,6 +198,25 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self.checkpointer: CheckpointManager | None = None
+        ck = config.checkpoint
+        if ck.enable:
+            self.checkpointer = CheckpointManager(
+                folder=os.path.join(config.job.dump_folder, ck.folder),
+                interval=ck.interval,
+                keep_latest_k=ck.keep_latest_k,
+                load_step=ck.load_step,
+                exclude_from_loading=ck.exclude_from_loading,
+                model=model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                loader=self.loader,
+                rank=self.rank,
+            )
+            state = self.checkpointer.load()
+            if state:
+                self.step = int(state.get("step", 0))
+                self.tokens_seen = int(state.get("tokens_seen", 0))
         self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
         self.peak_tflops, peak_source = device_peak_tflops(
             self.device, config.metrics.peak_tflops, compute_dtype=_DTYPES[t.mixed_precision_param]
@@ -310,6 +330,8 @@ class Trainer:
         if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or "validation_loss" in values:
             self.metrics.log(self.step, {**values, **memory_stats(self.device)})
             reset_peak_memory(self.device)
+        if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):
+            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen})
         gc_handler.run(self.step)
         return {"step": self.step, **values}
 
