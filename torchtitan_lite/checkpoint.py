@@ -58,10 +58,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith("torch.distributed.checkpoint."):
             return super().find_class(module, name)
-        if module == "torch" and name in {"Size", "layout", "memory_format", "dtype"}:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and (name == "Size" or isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
             return super().find_class(module, name)
         if module == "builtins" and name in _SAFE_BUILTINS:
             return super().find_class(module, name)
@@ -71,8 +69,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "collections" and name == "OrderedDict":
             return super().find_class(module, name)
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            raise pickle.UnpicklingError("tensors in checkpoint metadata are not allowed")
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
@@ -127,7 +123,8 @@ def _fsync_dir(path: Path) -> None:
 class CheckpointManager:
     """Saves and restores the model, optimizer, LR scheduler, data loader and train state.
 
-    All ranks call :meth:`save` and :meth:`load` together (they are collectives).
+    All ranks call :meth:`save` and :meth:`load` together (they are collectives). The
+    arguments are those of a validated ``[checkpoint]`` section.
     """
 
     def __init__(
@@ -144,12 +141,6 @@ class CheckpointManager:
         loader: Any,
         rank: int,
     ) -> None:
-        unknown = sorted(set(exclude_from_loading) - set(LOADABLE_PARTS))
-        if unknown:
-            raise ConfigError(
-                f"checkpoint.exclude_from_loading: invalid value {unknown}; expected names among "
-                f"{', '.join(LOADABLE_PARTS)}"
-            )
         self.folder = Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k

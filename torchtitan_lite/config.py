@@ -570,12 +570,10 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "expected an integer >= 1")
     _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
              "expected an integer >= 1, or -1 (follow the tokenizer)")
-    if c.model.tokenizer_path is not None:
-        tok = Path(c.model.tokenizer_path).expanduser()
-        _require(tok.is_file() or (tok / "tokenizer.json").is_file(), "model.tokenizer_path",
-                 c.model.tokenizer_path, "expected a tokenizer.json file or a folder holding one")
+    from torchtitan_lite.data import check_dataset, tokenizer_file
 
-    from torchtitan_lite.data import check_dataset
+    if c.model.tokenizer_path is not None:
+        tokenizer_file(c.model.tokenizer_path)
 
     check_dataset(t.dataset, t.dataset_path, section="training")
     v = c.validation

@@ -51,8 +51,8 @@ __all__ = [
     "check_dataset",
     "num_batches",
     "padded_batch",
-    "python_stdlib_documents",
     "read_documents",
+    "tokenizer_file",
     "token_dtype_for",
 ]
 
@@ -123,10 +123,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:  # pragma: no cover - tokenizers is a dependency
             raise DataError(f"{key}: reading tokenizer.json files needs the 'tokenizers' package") from exc
-        path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise DataError(f"{key}: tokenizer file not found: {str(file)!r}")
+        file = tokenizer_file(path, key=key)
         try:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as exc:  # the library raises its own exception types
@@ -170,6 +167,17 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def tokenizer_file(path: str | Path, *, key: str = "model.tokenizer_path") -> Path:
+    """The ``tokenizer.json`` that ``path`` names: the file itself, or the one in a folder."""
+    path = Path(path).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(
+            f"{key}: invalid value {str(path)!r}; expected a tokenizer.json file or a folder holding one"
+        )
+    return file
 
 
 def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
@@ -404,11 +412,6 @@ def build_token_stream(
     return TokenStream([np.concatenate(parts).astype(token_dtype_for(tokenizer.vocab_size))])
 
 
-def python_stdlib_documents() -> Iterator[str]:
-    """The documents of the embedded default corpus (one per standard-library module)."""
-    yield from read_documents(_stdlib_files("python_stdlib"), "training.dataset")
-
-
 # --------------------------------------------------------------------------------------------
 # Windows and the loader
 # --------------------------------------------------------------------------------------------
@@ -482,15 +485,6 @@ class GlobalBatchLoader:
         self._epoch = -1
         self._perm: np.ndarray | None = None
 
-    @property
-    def samples_seen(self) -> int:
-        return self.step * self.global_batch_size
-
-    @property
-    def epoch(self) -> float:
-        """Epochs completed so far, fractional."""
-        return self.samples_seen / len(self.windows)
-
     def _window_index(self, sample: int) -> int:
         n = len(self.windows)
         if not self.shuffle:
@@ -518,10 +512,6 @@ class GlobalBatchLoader:
             chunk = data[m * self.local_batch_size : (m + 1) * self.local_batch_size]
             micro.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
         return micro
-
-    def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """The exact position as plain data: global batches consumed, plus what gives it meaning."""
