@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +15,30 @@ from torchtitan_lite.checkpoint import committed_steps
 
 
 def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
-    """Train with ``argv``; with ``crash_at``, raise inside that step (a crash mid-run)."""
+    """Train with ``argv``; with ``crash_at``, raise inside that step (a crash mid-run).
+
+    Each step also records the windows this rank read and one draw from the global RNG (the
+    model uses none, so the draw shows whether a resume restored the generator)."""
+    import torch
+
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.train import Trainer
 
     trainer = Trainer(load_job_config(argv))
     start = trainer.step
-    if crash_at is not None:
-        original = trainer.train_step
+    original = trainer.train_step
+    samples: dict[int, list[int]] = {}
+    draws: list[int] = []
 
-        def crashing() -> dict[str, float]:
-            if trainer.step + 1 == crash_at:
-                raise RuntimeError("injected crash")
-            return original()
+    def recording_step() -> dict[str, float]:
+        if crash_at is not None and trainer.step + 1 == crash_at:
+            raise RuntimeError("injected crash")
+        samples[trainer.step + 1] = trainer.loader.sample_indices(trainer.loader.step)
+        values = original()
+        draws.append(int(torch.randint(0, 2**62, ())))
+        return values
 
-        trainer.train_step = crashing  # type: ignore[method-assign]
+    trainer.train_step = recording_step  # type: ignore[method-assign]
     history: list[dict[str, float]] = []
     try:
         history = trainer.train()
@@ -37,13 +47,23 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
         outcome = str(exc)
     finally:
         trainer.close(clean=crash_at is None)
-    return {"start": start, "history": history, "outcome": outcome}
+    return {"start": start, "history": history, "outcome": outcome, "samples": samples, "draws": draws,
+            "blocked_s": None if trainer.checkpointer is None else trainer.checkpointer.last_blocked_s}
 
 
 def _argv(dump: Path, *extra: str) -> list[str]:
     return [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", "10",
             "--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5",
             *extra]
+
+
+def _losses(result: dict[str, Any], first: int) -> list[float]:
+    return [h["loss"] for h in result["history"] if h["step"] >= first]
+
+
+def _global_samples(results: list[dict[str, Any]], steps: range) -> dict[int, list[int]]:
+    """Per step, every window read by any rank (sorted): the global batch."""
+    return {s: sorted(i for r in results for i in r["samples"][s]) for s in steps}
 
 
 def test_resume_after_a_crash_is_bit_identical(tmp_path):
@@ -55,11 +75,42 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path):
     (resumed,) = run_distributed(_train, 1, _argv(tmp_path / "split"))
     assert resumed["start"] == 5
     assert [h["step"] for h in resumed["history"]] == list(range(6, 11))
-    expected = [h["loss"] for h in full["history"][5:]]
-    got = [h["loss"] for h in resumed["history"]]
+    expected = _losses(full, 6)
+    got = _losses(resumed, 6)
     assert got == expected, (got, expected)  # bit-identical, not approximately equal
     assert [h["lr"] for h in resumed["history"]] == [h["lr"] for h in full["history"][5:]]
+    # The RNG continues where it stopped (without restoring it, step 6 would repeat step 1's draw).
+    assert resumed["draws"] == full["draws"][5:]
+    assert {s: resumed["samples"][s] for s in range(6, 11)} == {s: full["samples"][s] for s in range(6, 11)}
     assert committed_steps(tmp_path / "split" / "checkpoint") == [5, 10]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """10 steps on 2 ranks with checkpoints at 5 and 10: (dump folder, per-rank results)."""
+    dump = tmp_path_factory.mktemp("two_rank")
+    return dump, run_distributed(_train, 2, _argv(dump))
+
+
+@pytest.mark.parametrize("world,extra", [
+    (1, []),
+    (4, ["--training.local_batch_size", "1"]),
+    (4, ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2"]),
+], ids=["fsdp1", "fsdp4", "hsdp2x2"])
+def test_resume_at_another_world_size(tmp_path, two_rank_run, world, extra):
+    """Saved on 2 ranks, resumed on 1, 4 (FSDP) or 2 × 2 (HSDP): the losses continue those of the
+    2-rank run and the global batches of steps 6-10 are exactly the ones it read."""
+    base, two = two_rank_run
+    resumed_dump = tmp_path / "resumed"
+    shutil.copytree(base / "checkpoint" / "step-5", resumed_dump / "checkpoint" / "step-5")
+    results = run_distributed(_train, world, _argv(resumed_dump, *extra))
+    assert all(r["start"] == 5 for r in results)
+    expected, got = _losses(two[0], 6), _losses(results[0], 6)
+    assert len(got) == 5
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
+    steps = range(6, 11)
+    assert _global_samples(results, steps) == _global_samples(two, steps)  # none skipped or repeated
 
 
 def test_keep_latest_k_and_two_rank_resume(tmp_path):

@@ -1,17 +1,26 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): save, commit, prune, resume.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): save, commit, prune, resume, import.
 
 Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/`` holds the DCP files (model and optimizer
 state, each rank writing only its shards) and ``train_state.json`` (plain data: step, tokens
-seen, data loader position, LR scheduler state). A checkpoint is written under a temporary name
-and renamed to ``step-<N>`` by rank 0 only after every rank's data and the metadata are on disk,
-so a crash mid-save never leaves a half-written ``step-<N>``: the previous one stays the latest.
+seen, data loader position, LR scheduler state, every rank's RNG state, the model's shape). A
+checkpoint is written under a temporary name (``.step-<N>.partial``) and renamed to
+``step-<N>`` by rank 0 only after every rank's data and the metadata are on disk, so a crash
+mid-save never leaves a half-written ``step-<N>``: the previous one stays the latest. A
+``step-<N>`` folder that is nevertheless incomplete (files deleted by hand) is an error, never
+a silent fresh start.
+
+Model-only checkpoints (the seed checkpoint at step 0, ``last_save_model_only``) hold the
+weights in ``export_dtype``; ``last_save_in_hf`` writes them as Hugging Face safetensors.
 
 Loading never unpickles arbitrary objects: DCP's metadata file is read with an unpickler that
-only builds DCP's own metadata classes, and everything that is not a tensor lives in JSON.
+only builds DCP's own metadata classes, non-tensor values (the optimizer's hyper-parameters)
+are read with ``torch.load(weights_only=True)``, and everything else lives in JSON.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import io
 import json
 import logging
@@ -19,6 +28,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +36,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from torchtitan_lite.config import ConfigError
+from torchtitan_lite.config import Checkpoint, ConfigError
 
-__all__ = ["CheckpointError", "CheckpointManager", "SafeFileSystemReader", "committed_steps"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "check_initial_load_path",
+    "committed_steps",
+]
 
 logger = logging.getLogger("torchtitan_lite")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE_FILE = "train_state.json"
 LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(ConfigError):
@@ -89,22 +115,53 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values (saved by ``torch.save``, e.g.
+    the optimizer's ``param_groups``) are read with ``weights_only=True``: plain data only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise pickle.UnpicklingError(
+                f"value {read_item.dest_index.fqn!r} is not plain data: {first}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
 # --------------------------------------------------------------------------------------------
 # Folders
 # --------------------------------------------------------------------------------------------
 
 
 def committed_steps(folder: str | Path) -> list[int]:
-    """Steps with a committed checkpoint (``step-N`` holding DCP metadata and the train state)."""
+    """Steps with a committed checkpoint: every ``step-N`` folder (only a commit creates one)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    steps = []
-    for entry in folder.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / ".metadata").is_file() and (entry / TRAIN_STATE_FILE).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for e in folder.iterdir()
+                  if (m := _STEP_DIR.match(e.name)) and e.is_dir())
+
+
+def check_initial_load_path(path: str, *, in_hf: bool) -> None:
+    """``checkpoint.initial_load_path`` names a DCP checkpoint folder (or, with ``in_hf``, a
+    folder of safetensors files); raises :class:`ConfigError` otherwise."""
+    folder = Path(path)
+    key = "checkpoint.initial_load_path"
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: invalid value {path!r}; no such folder")
+    if in_hf:
+        if not any(folder.glob("*.safetensors")):
+            raise ConfigError(f"{key}: invalid value {path!r}; the folder holds no .safetensors files "
+                              "(checkpoint.initial_load_in_hf is set)")
+    elif not (folder / ".metadata").is_file():
+        hint = (" (it holds .safetensors files: set checkpoint.initial_load_in_hf)"
+                if any(folder.glob("*.safetensors")) else "")
+        raise ConfigError(f"{key}: invalid value {path!r}; not a DCP checkpoint folder (no .metadata "
+                          f"file){hint}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,128 +177,309 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _read_train_state(path: Path) -> dict[str, Any]:
+    """``train_state.json`` of a committed checkpoint, checked for completeness."""
+    file = path / TRAIN_STATE_FILE
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {TRAIN_STATE_FILE} is missing "
+                              "(move the folder away or set checkpoint.load_step)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {str(file)!r} cannot be read: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"checkpoint {str(file)!r} is not a train state (no integer 'step')")
+    if state.get("format", "dcp") == "hf":
+        if not any(path.glob("*.safetensors")):
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: no .safetensors files")
+    elif not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: its DCP .metadata file is missing")
+    return state
+
+
+def _rng_state() -> dict[str, str]:
+    """This process's CPU (and current CUDA device's) generator state, base64 for JSON."""
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict[str, str]) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["cpu"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(state["cuda"]))
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    step: int
+    staging: Path
+    final: Path
+    future: Any
+    started: float
+
+
 class CheckpointManager:
     """Saves and restores the model, optimizer, LR scheduler, data loader and train state.
 
-    All ranks call :meth:`save` and :meth:`load` together (they are collectives). The
-    arguments are those of a validated ``[checkpoint]`` section.
+    ``config`` is a validated ``[checkpoint]`` section; checkpoints live in
+    ``<dump_folder>/<config.folder>``. All ranks call :meth:`load`, :meth:`save`,
+    :meth:`wait` and :meth:`close` together (they are collectives).
     """
 
     def __init__(
         self,
+        config: Checkpoint,
         *,
-        folder: str | Path,
-        interval: int,
-        keep_latest_k: int,
-        load_step: int,
-        exclude_from_loading: list[str],
+        dump_folder: str | Path,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         loader: Any,
-        rank: int,
     ) -> None:
-        self.folder = Path(folder)
-        self.interval = interval
-        self.keep_latest_k = keep_latest_k
-        self.load_step = load_step
-        self.exclude = set(exclude_from_loading)
+        self.config = config
+        self.folder = Path(dump_folder) / config.folder
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loader = loader
-        self.rank = rank
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._pending: _PendingSave | None = None
+        self.last_blocked_s = 0.0  # how long the last save held up training
+        # Background saves talk over their own gloo group: collectives of the training loop on
+        # the default group and those of the save thread must never interleave.
+        self._async_group = (dist.new_group(backend="gloo")
+                             if config.enable and config.async_mode == "async" else None)
 
+    # ----------------------------------------------------------------------------------------
+    # Saving
     # ----------------------------------------------------------------------------------------
 
     def should_save(self, step: int, *, last: bool) -> bool:
-        return step % self.interval == 0 or last
+        return self.config.enable and (step % self.config.interval == 0 or last)
 
-    def save(self, step: int, train_state: dict[str, Any]) -> Path:
-        """Write ``step-<step>`` (all ranks); returns its path once committed."""
+    def save(self, step: int, train_state: dict[str, Any], *, last: bool = False) -> Path:
+        """Write ``step-<step>``; returns its path. Synchronous saves return once it is
+        committed; asynchronous ones once the state is copied to CPU memory (the commit
+        happens in :meth:`wait`, which the next save and the end of training call).
+
+        Step 0 (the seed checkpoint) and, with ``last_save_model_only``, the last step save
+        only the model weights, in ``export_dtype``; ``last_save_in_hf`` writes those as
+        Hugging Face safetensors.
+        """
+        self.wait()
+        started = time.perf_counter()
+        cfg = self.config
+        model_only = step == 0 or (last and cfg.last_save_model_only)
+        in_hf = model_only and last and cfg.last_save_in_hf
         final = self.folder / f"step-{step}"
         staging = self.folder / f".step-{step}.partial"
+        rng = [None] * self.world_size
+        dist.all_gather_object(rng, _rng_state())
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if staging.exists():
                 shutil.rmtree(staging)  # left by an earlier crash; never a committed checkpoint
-        dist.barrier()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(staging))
-        # dcp.save returns on every rank only after rank 0 has written the metadata, which it
-        # does only after every rank reported its shards written.
-        if self.rank == 0:
-            state = {
+            staging.mkdir()
+            args = getattr(self.model, "args", None)
+            _write_json(staging / TRAIN_STATE_FILE, {
                 **train_state,
                 "step": step,
+                "format": "hf" if in_hf else "dcp",
+                "model_only": model_only,
+                "export_dtype": cfg.export_dtype if model_only else None,
+                "world_size": self.world_size,
+                "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
                 "dataloader": self.loader.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict(),
-                "world_size": dist.get_world_size(),
-            }
-            path = staging / TRAIN_STATE_FILE
-            with path.open("w", encoding="utf-8") as fh:
-                json.dump(state, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(staging)
-            if final.exists():
-                shutil.rmtree(final)  # the same step saved again (e.g. a re-run of a finished job)
-            os.replace(staging, final)  # the commit: atomic on one filesystem
-            _fsync_dir(self.folder)
-            self._prune()
-            logger.info("checkpoint step %d saved to %s", step, final)
+                "rng": rng,
+            })
         dist.barrier()
+        dtype = EXPORT_DTYPES[cfg.export_dtype]
+        if in_hf:
+            from torchtitan_lite.hf import save_hf_weights
+
+            save_hf_weights(self.model, staging, dtype=dtype)
+            self._commit(step, staging, final, started)
+            dist.barrier()
+            return final
+        if model_only:
+            model_sd = get_model_state_dict(self.model)
+            state: dict[str, Any] = {"model": {k: v.to(dtype) for k, v in model_sd.items()}}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+        if self._async_group is not None:
+            response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
+            future = getattr(response, "upload_completion", response)
+            self._pending = _PendingSave(step, staging, final, future, started)
+            self.last_blocked_s = time.perf_counter() - started
+            if self.rank == 0:
+                logger.info("checkpoint step %d: training blocked %.3f s to stage it; writing in the "
+                            "background", step, self.last_blocked_s)
+            return final
+        # dcp.save returns on every rank only after rank 0 has written the metadata, which it
+        # does only after every rank reported its shards written.
+        dcp.save(state, checkpoint_id=str(staging))
+        self._commit(step, staging, final, started)
+        dist.barrier()
+        self.last_blocked_s = time.perf_counter() - started
         return final
 
-    def _prune(self) -> None:
-        if self.keep_latest_k <= 0:
+    def wait(self) -> None:
+        """Wait for the background save (if any) to finish and commit it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        for old in committed_steps(self.folder)[: -self.keep_latest_k]:
-            shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"saving checkpoint step {pending.step} to {str(pending.staging)!r} "
+                                  f"failed: {_reason(exc)}") from None
+        self._commit(pending.step, pending.staging, pending.final, pending.started)
 
+    def close(self) -> None:
+        """Finish a pending background save and release the save group."""
+        self.wait()
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
+
+    def _commit(self, step: int, staging: Path, final: Path, started: float) -> None:
+        """Rank 0 renames the complete staging folder to ``step-<N>`` (atomic on one
+        filesystem), then prunes to ``keep_latest_k``."""
+        if self.rank != 0:
+            return
+        _fsync_dir(staging)
+        replaced = self.folder / f".step-{step}.replaced"
+        if final.exists():  # the same step saved again (a run resumed from an earlier step)
+            os.replace(final, replaced)
+        os.replace(staging, final)
+        _fsync_dir(self.folder)
+        shutil.rmtree(replaced, ignore_errors=True)
+        if self.config.keep_latest_k > 0:
+            for old in committed_steps(self.folder)[: -self.config.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+        logger.info("checkpoint step %d saved to %s (%.2f s)", step, final, time.perf_counter() - started)
+
+    # ----------------------------------------------------------------------------------------
+    # Loading
     # ----------------------------------------------------------------------------------------
 
     def load(self) -> dict[str, Any] | None:
-        """Restore the chosen checkpoint (``load_step``, else the latest); returns its train state,
-        or None when the folder holds no committed checkpoint (a fresh start)."""
-        steps = committed_steps(self.folder)
-        if self.load_step >= 0:
-            if self.load_step not in steps:
-                raise CheckpointError(
-                    f"checkpoint.load_step: invalid value {self.load_step}; {str(self.folder)!r} "
-                    f"holds committed steps {steps or 'none'}"
-                )
-            step = self.load_step
-        elif not steps:
-            return None
-        else:
-            step = steps[-1]
-        path = self.folder / f"step-{step}"
-        state = json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8"))
-        to_load: dict[str, Any] = {}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if "model" not in self.exclude:
-            to_load["model"] = model_sd
-        if "optimizer" not in self.exclude:
-            to_load["optimizer"] = optim_sd
-        if to_load:
-            try:
-                dcp.load(to_load, storage_reader=SafeFileSystemReader(str(path)))
-            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-                raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model: "
-                                      f"{_reason(exc)}") from None
-            set_state_dict(
-                self.model, self.optimizer,
-                model_state_dict=to_load.get("model", {}),
-                optim_state_dict=to_load.get("optimizer", {}),
+        """Restore the job's own checkpoint (``load_step``, else the latest in the folder), or
+        else ``initial_load_path``; returns the restored train state ({} for weights only), or
+        None when there is nothing to load (a fresh start)."""
+        cfg = self.config
+        parts = set(LOADABLE_PARTS) - set(cfg.exclude_from_loading)
+        steps = committed_steps(self.folder) if cfg.enable or cfg.create_seed_checkpoint else []
+        if cfg.enable and cfg.load_step >= 0 and cfg.load_step not in steps:
+            raise CheckpointError(
+                f"checkpoint.load_step: invalid value {cfg.load_step}; {str(self.folder)!r} "
+                f"holds committed steps {steps or 'none'}"
             )
-        if "lr_scheduler" not in self.exclude:
+        if steps:
+            step = cfg.load_step if cfg.load_step >= 0 else steps[-1]
+            return self._load_from(self.folder / f"step-{step}", parts)
+        if cfg.initial_load_path is None:
+            return None
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            from torchtitan_lite.hf import load_hf_weights
+
+            load_hf_weights(self.model, path)
+            if self.rank == 0:
+                logger.info("model weights loaded from Hugging Face checkpoint %s", path)
+            return {}
+        if cfg.initial_load_model_only:
+            self._load_dcp(path, {"model"})
+            if self.rank == 0:
+                logger.info("model weights loaded from %s", path)
+            return {}
+        return self._load_from(path, parts)
+
+    def _load_from(self, path: Path, parts: set[str]) -> dict[str, Any]:
+        state = _read_train_state(path)
+        if state.get("model_only") and "optimizer" in parts:
+            parts = parts - {"optimizer"}
+            if state["step"] > 0 and self.rank == 0:
+                logger.warning("checkpoint %s holds model weights only (%s): the optimizer state "
+                               "starts fresh", path, state.get("export_dtype"))
+        if state.get("format", "dcp") == "hf":
+            if "model" in parts:
+                from torchtitan_lite.hf import load_hf_weights
+
+                load_hf_weights(self.model, path)
+        else:
+            self._load_dcp(path, parts)
+        if "lr_scheduler" in parts and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if "dataloader" not in self.exclude:
+        if "dataloader" in parts and "dataloader" in state:
             self.loader.load_state_dict(state["dataloader"])
         if self.rank == 0:
-            logger.info("resumed from %s (saved at world size %s)", path, state.get("world_size"))
-        return {} if "train_state" in self.exclude else state
+            logger.info("resumed from %s (step %d, saved at world size %s)",
+                        path, state["step"], state.get("world_size"))
+        if "train_state" not in parts:
+            return {}
+        saved_rng = state.get("rng")
+        if saved_rng:
+            # The same world size gets each rank's own generator back; another one gets rank 0's.
+            _set_rng_state(saved_rng[self.rank] if len(saved_rng) == self.world_size else saved_rng[0])
+        return state
+
+    def _load_dcp(self, path: Path, parts: set[str]) -> None:
+        """Load the model and/or optimizer from DCP files, each rank reading only its shards."""
+        reader = SafeFileSystemReader(str(path))
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        to_load: dict[str, Any] = {}
+        if "model" in parts:
+            to_load["model"] = model_sd
+        if "optimizer" in parts:
+            to_load["optimizer"] = optim_sd
+        if not to_load:
+            return
+        try:
+            metadata = reader.read_metadata()
+            if "model" in to_load:
+                _check_model_tensors(path, metadata.state_dict_metadata, model_sd)
+            dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model: "
+                                  f"{_reason(exc)}") from None
+        if "model" in to_load:
+            set_model_state_dict(self.model, to_load["model"])
+        if "optimizer" in to_load:
+            set_optimizer_state_dict(self.model, self.optimizer, to_load["optimizer"])
+
+
+def _check_model_tensors(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:
+    """Every model tensor is in the checkpoint with the same shape (else one clear error)."""
+    saved_model = sorted(k[len("model."):] for k in saved if k.startswith("model."))
+    for name, tensor in model_sd.items():
+        meta = saved.get(f"model.{name}")
+        if meta is None:
+            held = (f"it holds {len(saved_model)} model tensors, e.g. {saved_model[0]!r}"
+                    if saved_model else "it holds no model weights")
+            raise CheckpointError(f"checkpoint {str(path)!r} has no model tensor {name!r}: it was "
+                                  f"saved from another model ({held})")
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {str(path)!r}: model tensor {name!r} has shape "
+                                  f"{list(size)} there but {list(tensor.shape)} in this model")
 
 
 def _reason(exc: BaseException) -> str:

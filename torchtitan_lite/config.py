@@ -202,6 +202,22 @@ class Checkpoint:
     """Step to resume from; -1: the latest committed checkpoint (none: start from scratch)."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of a checkpoint not to restore: model, optimizer, lr_scheduler, dataloader, train_state."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """disabled: training waits for each save; async: training waits only while the state is copied to CPU memory, the write runs in the background (over a gloo group) and the next save or the end of the run waits for it."""
+    last_save_model_only: bool = False
+    """The save at the last step holds only the model weights (in export_dtype): for export, not for continuing training."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the weights in a model-only last save (last_save_model_only / last_save_in_hf)."""
+    last_save_in_hf: bool = False
+    """Write the last save as Hugging Face Llama safetensors (+ config.json); needs last_save_model_only."""
+    initial_load_path: str | None = None
+    """Checkpoint to start from when checkpoint.folder holds none: a step-<N> folder (DCP), or a Hugging Face safetensors folder with initial_load_in_hf."""
+    initial_load_model_only: bool = True
+    """Take only the model weights from initial_load_path (the run starts at step 0); false also restores optimizer, schedule, data position and step."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face Llama safetensors folder (names mapped, q/k permuted to our RoPE layout)."""
+    create_seed_checkpoint: bool = False
+    """Write the initialised weights as step-0 in checkpoint.folder on one process and exit; runs at any world size can start from it."""
 
 
 @dataclass
@@ -634,11 +650,23 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,
              "expected an integer >= 0 (0 keeps all)")
     _require(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, "expected an integer >= 0, or -1")
-    from torchtitan_lite.checkpoint import LOADABLE_PARTS
+    from torchtitan_lite.checkpoint import LOADABLE_PARTS, check_initial_load_path
 
     unknown = sorted(set(ck.exclude_from_loading) - set(LOADABLE_PARTS))
     _require(not unknown, "checkpoint.exclude_from_loading", ck.exclude_from_loading,
              f"expected names among {', '.join(LOADABLE_PARTS)}")
+    if ck.initial_load_path is not None:
+        check_initial_load_path(ck.initial_load_path, in_hf=ck.initial_load_in_hf)
+    _require(not ck.initial_load_in_hf or ck.initial_load_path is not None, "checkpoint.initial_load_in_hf",
+             True, "expected checkpoint.initial_load_path to name the Hugging Face folder")
+    _require(not ck.initial_load_in_hf or ck.initial_load_model_only, "checkpoint.initial_load_model_only",
+             False, "a Hugging Face folder holds only weights: expected true with initial_load_in_hf")
+    _require(not ck.last_save_in_hf or ck.last_save_model_only, "checkpoint.last_save_in_hf", True,
+             "a Hugging Face export holds only weights: expected checkpoint.last_save_model_only = true too")
+    if ck.create_seed_checkpoint and world_size is not None:
+        _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
+                 f"expected one process (this job has {world_size}): the seed checkpoint is written by "
+                 "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
 
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
     _check_writable_folder("job.dump_folder", c.job.dump_folder)

@@ -529,10 +529,12 @@ class GlobalBatchLoader:
         mine = self.state_dict()
         for name in ("global_batch_size", "seed", "shuffle", "num_windows", "seq_len"):
             if name in state and state[name] != mine[name]:
+                hint = (f"; to resume at another world size, set training.global_batch_size = "
+                        f"{state[name]}" if name == "global_batch_size" else "")
                 raise DataError(
                     f"data loader state does not match this run: it was saved with {name}="
                     f"{state[name]!r}, this run has {mine[name]!r}; the saved position would "
-                    "point at other samples"
+                    f"point at other samples{hint}"
                 )
         step = state.get("step")
         if not isinstance(step, int) or step < 0:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.checkpoint import CheckpointManager
+from torchtitan_lite.checkpoint import CheckpointManager, committed_steps
 from torchtitan_lite.config import ConfigError, JobConfig, format_help, load_job_config
 from torchtitan_lite.data import (
     GlobalBatchLoader,
@@ -98,6 +98,15 @@ class Trainer:
         config.validate(world_size=world_size)
         t, p, v = config.training, config.parallelism, config.validation
 
+        ck = config.checkpoint
+        if ck.create_seed_checkpoint:
+            existing = committed_steps(os.path.join(config.job.dump_folder, ck.folder))
+            if existing:
+                raise ConfigError(
+                    f"checkpoint.create_seed_checkpoint: {os.path.join(config.job.dump_folder, ck.folder)!r} "
+                    f"already holds checkpoints (steps {existing}); a seed checkpoint starts a new run: "
+                    "use an empty job.dump_folder or checkpoint.folder"
+                )
         # Data first, before any process group or model: a bad path, an empty dataset or a
         # tokenizer that does not fit fails here, on every rank alike, in seconds.
         self.tokenizer = build_tokenizer(config.model.tokenizer_path)
@@ -200,20 +209,13 @@ class Trainer:
         self.tokens_seen = 0
         self.checkpointer: CheckpointManager | None = None
         ck = config.checkpoint
-        if ck.enable:
+        if ck.enable or ck.create_seed_checkpoint or ck.initial_load_path is not None:
             self.checkpointer = CheckpointManager(
-                folder=os.path.join(config.job.dump_folder, ck.folder),
-                interval=ck.interval,
-                keep_latest_k=ck.keep_latest_k,
-                load_step=ck.load_step,
-                exclude_from_loading=ck.exclude_from_loading,
-                model=model,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                loader=self.loader,
-                rank=self.rank,
+                ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler, loader=self.loader,
             )
-            state = self.checkpointer.load()
+            # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
+            state = None if ck.create_seed_checkpoint else self.checkpointer.load()
             if state:
                 self.step = int(state.get("step", 0))
                 self.tokens_seen = int(state.get("tokens_seen", 0))
@@ -302,9 +304,17 @@ class Trainer:
                 while self.step < cfg.training.steps:
                     history.append(self._timed_step(gc_handler))
                     profiler.step()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # the last background save is committed before we return
         finally:
             gc_handler.close()
         return history
+
+    def save_seed_checkpoint(self) -> str:
+        """Write the initialised weights as ``step-0`` (one process); returns its path."""
+        if self.checkpointer is None or not self.config.checkpoint.create_seed_checkpoint:
+            raise RuntimeError("save_seed_checkpoint needs checkpoint.create_seed_checkpoint = true")
+        return str(self.checkpointer.save(0, {"tokens_seen": 0}))
 
     def _timed_step(self, gc_handler: GarbageCollection) -> dict[str, float]:
         cfg = self.config
@@ -331,7 +341,7 @@ class Trainer:
             self.metrics.log(self.step, {**values, **memory_stats(self.device)})
             reset_peak_memory(self.device)
         if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):
-            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen})
+            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
         gc_handler.run(self.step)
         return {"step": self.step, **values}
 
@@ -343,6 +353,8 @@ class Trainer:
         hang the job until the process-group timeout.
         """
         self.metrics.close()
+        if clean and self.checkpointer is not None:
+            self.checkpointer.close()
         destroy_distributed(barrier=clean)
 
 
@@ -394,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            path = trainer.save_seed_checkpoint()
+            print(f"seed checkpoint written to {path}")
+        else:
+            trainer.train()
     except BaseException:
         trainer.close(clean=False)
         raise
