@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, run_torchrun
 from torchtitan_lite.checkpoint import committed_steps
 
 
@@ -125,6 +126,95 @@ def test_keep_latest_k_and_two_rank_resume(tmp_path):
     assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
 
 
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, two_rank_run):
+    """SIGKILL one rank of a 2-rank torchrun job while step 10 is being written: step 5 stays
+    the latest committed checkpoint, and the next run resumes from it and ends like an
+    uninterrupted run."""
+    import sys
+
+    from tests.dist_utils import free_port, read_jsonl, run_command
+
+    dump = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "--max-restarts=0",
+           "tests/kill_during_save.py", *_argv(dump)]
+    killed = run_command(cmd, timeout=180, extra_env={"KILL_AT_STEP": "10", "KILL_RANK": "1"})
+    assert killed.returncode != 0
+    assert "Signals.SIGKILL" in killed.stderr or "-9" in killed.stderr, killed.stderr[-2000:]
+    folder = dump / "checkpoint"
+    assert committed_steps(folder) == [5]
+    assert (folder / ".step-10.partial").is_dir()  # the half-written save, never a step-10
+    (folder / ".step-10.partial" / ".metadata").exists() and pytest.fail("metadata written by a killed save")
+
+    resumed = run_distributed(_train, 2, _argv(dump))
+    assert resumed[0]["start"] == 5
+    assert committed_steps(folder) == [5, 10]
+    assert not (folder / ".step-10.partial").exists()
+    _, full = two_rank_run
+    assert _losses(resumed[0], 6) == _losses(full[0], 6)
+    assert [r["step"] for r in read_jsonl(dump / "metrics.jsonl")][-1] == 10
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_keep_latest_k_with_sync_and_async_saves(tmp_path, mode):
+    """keep_latest_k = 2 keeps exactly the two newest checkpoints; async saves write the same
+    files as sync ones, and resuming from them gives the same losses."""
+    dump = tmp_path / mode
+    full = run_distributed(_train, 2, _argv(dump, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
+                                            "--checkpoint.async_mode", mode))
+    folder = dump / "checkpoint"
+    assert committed_steps(folder) == [8, 10]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
+    files = {step: sorted(p.name for p in (folder / f"step-{step}").iterdir()) for step in (8, 10)}
+    assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"], files
+    # Resume an explicit earlier step: training continues from step 8 with the same losses.
+    results = run_distributed(_train, 2, _argv(dump, "--checkpoint.load_step", "8", "--checkpoint.keep_latest_k", "2",
+                                               "--checkpoint.async_mode", mode))
+    assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
+    assert _losses(results[0], 9) == _losses(full[0], 9)
+    (tmp_path / f"{mode}.json").write_text(json.dumps({"losses": _losses(results[0], 9), "files": files}))
+    other = tmp_path / f"{'disabled' if mode == 'async' else 'async'}.json"
+    if other.exists():  # both modes ran in this session's tmp_path: identical
+        assert json.loads(other.read_text()) == {"losses": _losses(results[0], 9), "files": files}
+
+
+def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
+    import sys
+
+    from tests.dist_utils import run_command
+
+    seed_dump = tmp_path / "seed"
+    made = run_command([sys.executable, "-m", "torchtitan_lite.train", *_argv(seed_dump),
+                        "--checkpoint.create_seed_checkpoint", "--debug.seed", "7"], timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert committed_steps(seed_dump / "checkpoint") == [0]
+    state = json.loads((seed_dump / "checkpoint" / "step-0" / "train_state.json").read_text())
+    assert state["model_only"] is True and state["model_args"]["dim"] == 64
+    # Once written, it is never overwritten by another seed run.
+    again = run_command([sys.executable, "-m", "torchtitan_lite.train", *_argv(seed_dump),
+                         "--checkpoint.create_seed_checkpoint"], timeout=120)
+    assert again.returncode == 2 and "already holds checkpoints" in again.stderr
+    on_two = run_torchrun(_argv(seed_dump, "--checkpoint.create_seed_checkpoint"), nproc=2, timeout=120)
+    assert on_two.returncode != 0  # torchrun reports its workers' exit code 2 as 1
+    assert "error: checkpoint.create_seed_checkpoint: invalid value True; expected one process (this job " \
+        "has 2)" in on_two.stderr, on_two.stderr
+
+    runs = {}
+    for world in (1, 2):
+        dump = tmp_path / f"from_seed_{world}"
+        shutil.copytree(seed_dump / "checkpoint", dump / "checkpoint")
+        # --debug.seed 42 would give other weights: these must come from the seed checkpoint.
+        runs[world] = run_distributed(_train, world, _argv(dump, "--training.steps", "3"))[0]
+        assert runs[world]["start"] == 0
+    (scratch,) = run_distributed(_train, 1, _argv(tmp_path / "scratch", "--training.steps", "3"))
+    one, two = _losses(runs[1], 1), _losses(runs[2], 1)
+    for a, b in zip(one, two, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, two)
+    # Same data as the seed-42 run from scratch, other weights: they came from the checkpoint.
+    assert runs[1]["samples"] == scratch["samples"]
+    assert abs(one[0] - _losses(scratch, 1)[0]) > 1e-3
+
+
 def test_metadata_with_foreign_objects_is_refused(tmp_path):
     """DCP metadata is a pickle; loading refuses anything but DCP's own classes."""
     import io
@@ -139,7 +229,25 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
 
 
-def test_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
+def _one_error_line(result: Any) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _foreign_checkpoint(path: Path) -> None:
+    """A committed-looking checkpoint of another model (one Linear layer), made without a
+    process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": torch.nn.Linear(4, 3).state_dict()}, checkpoint_id=str(path), no_dist=True)
+    (path / "train_state.json").write_text(json.dumps({"step": 3}))
+
+
+def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
+    """Each broken checkpoint stops the job before training with one line naming the checkpoint
+    and what is wrong; none of them silently trains from scratch."""
     import sys
 
     from tests.dist_utils import run_command
@@ -147,12 +255,157 @@ def test_checkpoint_of_another_shape_is_one_clear_error(tmp_path):
     dump = tmp_path / "run"
     base = [sys.executable, "-m", "torchtitan_lite.train", *_argv(dump, "--training.steps", "2")]
     assert run_command(base, timeout=120).returncode == 0
+    step2 = dump / "checkpoint" / "step-2"
     assert committed_steps(dump / "checkpoint") == [2]
-    # The same folder with a larger vocabulary: embedding shapes differ; never trains from scratch.
-    bad = run_command([*base, "--model.vocab_size", "300", "--training.steps", "4"], timeout=120)
-    lines = [line for line in bad.stderr.splitlines() if line.strip()]
-    assert bad.returncode == 2, bad.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: checkpoint "), bad.stderr
-    assert "step-2" in lines[0]
-    missing = run_command([*base, "--checkpoint.load_step", "7"], timeout=120)
-    assert missing.returncode == 2 and "checkpoint.load_step: invalid value 7" in missing.stderr
+
+    def error(*extra: str, folder: Path = dump) -> str:
+        argv = [*base[:3], *_argv(folder, "--training.steps", "4"), *extra]
+        return _one_error_line(run_command(argv, timeout=120))
+
+    # Another shape: the same folder with a larger vocabulary (embedding shapes differ).
+    line = error("--model.vocab_size", "300")
+    assert line == (f"error: checkpoint {str(step2)!r}: model tensor 'tok_embeddings.weight' has shape "
+                    "[258, 64] there but [300, 64] in this model")
+    assert "checkpoint.load_step: invalid value 7" in error("--checkpoint.load_step", "7")
+
+    # Another model's weights, given as the starting point.
+    foreign = tmp_path / "foreign" / "step-3"
+    _foreign_checkpoint(foreign)
+    line = error("--checkpoint.initial_load_path", str(foreign), folder=tmp_path / "fresh")
+    assert "has no model tensor 'tok_embeddings.weight': it was saved from another model (it holds 2 " \
+        "model tensors, e.g. 'bias')" in line, line
+
+    # A shard file deleted by hand, or cut short.
+    broken = tmp_path / "missing_file"
+    shutil.copytree(dump, broken)
+    (broken / "checkpoint" / "step-2" / "__0_0.distcp").unlink()
+    assert error(folder=broken).endswith("is incomplete: data file '__0_0.distcp' is missing")
+    broken = tmp_path / "truncated"
+    shutil.copytree(dump, broken)
+    with (broken / "checkpoint" / "step-2" / "__0_0.distcp").open("r+b") as fh:
+        fh.truncate(1000)
+    assert "is corrupt: data file '__0_0.distcp' has 1000 bytes, its metadata needs at least" in error(folder=broken)
+
+    # A committed folder missing its metadata or with an unreadable train state.
+    for name, damage in [("no_metadata", ".metadata"), ("bad_state", "train_state.json")]:
+        broken = tmp_path / name
+        shutil.copytree(dump, broken)
+        target = broken / "checkpoint" / "step-2" / damage
+        if damage == ".metadata":
+            target.unlink()
+        else:
+            target.write_text("{not json")
+        line = error(folder=broken)
+        assert str(broken / "checkpoint" / "step-2") in line, line
+        assert ("is incomplete: its DCP .metadata file is missing" in line if damage == ".metadata"
+                else "cannot be read" in line), line
+
+    # Settings that cannot work are refused by config validation, before anything is built.
+    assert "checkpoint.initial_load_path: invalid value" in error(
+        "--checkpoint.initial_load_path", str(tmp_path / "nowhere"), folder=tmp_path / "fresh")
+    assert "not a DCP checkpoint folder (no .metadata file)" in error(
+        "--checkpoint.initial_load_path", str(tmp_path), folder=tmp_path / "fresh")
+    assert "checkpoint.last_save_in_hf: invalid value True; a Hugging Face export holds only weights" in error(
+        "--checkpoint.last_save_in_hf")
+    assert "checkpoint.initial_load_in_hf: invalid value True" in error("--checkpoint.initial_load_in_hf")
+
+
+def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):
+    """A checkpoint whose optimizer hyper-parameters carry a pickled object is refused."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_lite.checkpoint import SafeFileSystemReader, SafeLoadPlanner, _reason
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    path = tmp_path / "evil"
+    dcp.save({"optimizer": {"lr": Evil(), "w": torch.ones(2)}}, checkpoint_id=str(path), no_dist=True)
+    target = {"optimizer": {"lr": 0.0, "w": torch.zeros(2)}}
+    with pytest.raises(BaseException, match="not plain data") as info:  # DCP's is a BaseException
+        dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
+    reason = _reason(info.value)
+    assert reason.startswith("value 'optimizer.lr' is not plain data") and "print" in reason, reason
+    assert target["optimizer"]["lr"] == 0.0
+    # Plain values load as before.
+    dcp.save({"optimizer": {"lr": 0.5, "betas": (0.9, 0.95), "w": torch.ones(2)}},
+             checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    target = {"optimizer": {"lr": 0.0, "betas": (0.0, 0.0), "w": torch.zeros(2)}}
+    dcp.load(target, storage_reader=SafeFileSystemReader(str(tmp_path / "plain")), planner=SafeLoadPlanner(),
+             no_dist=True)
+    assert target["optimizer"]["lr"] == 0.5 and target["optimizer"]["betas"] == (0.9, 0.95)
+    assert torch.equal(target["optimizer"]["w"], torch.ones(2))
+
+
+def test_model_only_last_save_and_initial_load(tmp_path):
+    """last_save_model_only writes bf16 weights only; a new run starts from them through
+    initial_load_path (step 0, fresh optimizer); initial_load_model_only = false continues a
+    full checkpoint from another folder."""
+    import torch
+
+    from torchtitan_lite.checkpoint import SafeFileSystemReader
+
+    dump = tmp_path / "export"
+    full = run_distributed(_train, 2, _argv(dump, "--checkpoint.last_save_model_only",
+                                            "--checkpoint.export_dtype", "bfloat16"))[0]
+    folder = dump / "checkpoint"
+    assert committed_steps(folder) == [5, 10]
+    meta = SafeFileSystemReader(str(folder / "step-10")).read_metadata().state_dict_metadata
+    assert all(k.startswith("model.") for k in meta), sorted(meta)[:5]
+    assert {m.properties.dtype for m in meta.values()} == {torch.bfloat16}
+    assert any(k.startswith("optimizer.") for k in
+               SafeFileSystemReader(str(folder / "step-5")).read_metadata().state_dict_metadata)
+    state = json.loads((folder / "step-10" / "train_state.json").read_text())
+    assert state["model_only"] and state["export_dtype"] == "bfloat16" and state["step"] == 10
+
+    # Fine-tune from the exported weights: step 0, fp32 master weights equal to the bf16 export.
+    (tuned,) = run_distributed(_train, 1, _argv(tmp_path / "tune", "--training.steps", "2",
+                                                "--checkpoint.initial_load_path", str(folder / "step-10")))
+    assert tuned["start"] == 0 and [h["step"] for h in tuned["history"]] == [1, 2]
+    (scratch,) = run_distributed(_train, 1, _argv(tmp_path / "scratch", "--training.steps", "2"))
+    assert tuned["history"][0]["loss"] < scratch["history"][0]["loss"] - 1.0  # trained weights
+
+    # A full checkpoint from another folder continues exactly (model, optimizer, data, step).
+    cont = run_distributed(_train, 2, _argv(tmp_path / "cont", "--checkpoint.initial_load_path",
+                                            str(folder / "step-5"), "--checkpoint.no-initial_load_model_only"))[0]
+    assert cont["start"] == 5
+    assert _losses(cont, 6) == _losses(full, 6)
+
+
+def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
+    """A 2-rank job's last save in Hugging Face layout starts a new job (initial_load_in_hf); the
+    same folder converted to DCP by scripts/convert_checkpoint.py starts an identical one."""
+    import sys
+
+    from tests.dist_utils import run_command
+    from torchtitan_lite.hf import check_hf_config
+
+    dump = tmp_path / "export"
+    run_distributed(_train, 2, _argv(dump, "--training.steps", "4", "--checkpoint.interval", "2",
+                                     "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"))
+    hf_dir = dump / "checkpoint" / "step-4"
+    assert committed_steps(dump / "checkpoint") == [2, 4]
+    assert sorted(p.name for p in hf_dir.iterdir()) == [
+        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json"]
+    assert json.loads((hf_dir / "train_state.json").read_text())["format"] == "hf"
+    from torchtitan_lite.models import MODEL_REGISTRY
+
+    check_hf_config(hf_dir, MODEL_REGISTRY["llama3"][1]["tiny"])
+    # Re-running the finished job resumes from the HF-format step 4: nothing left to train.
+    again = run_distributed(_train, 1, _argv(dump, "--training.steps", "4"))[0]
+    assert again["start"] == 4 and again["history"] == []
+
+    converted = tmp_path / "converted" / "step-0"
+    done = run_command([sys.executable, "scripts/convert_checkpoint.py", "from-hf", str(hf_dir), str(converted)],
+                       timeout=120)
+    assert done.returncode == 0, done.stderr
+    from_hf = run_distributed(_train, 2, _argv(tmp_path / "a", "--training.steps", "2", "--checkpoint.initial_load_path",
+                                               str(hf_dir), "--checkpoint.initial_load_in_hf"))[0]
+    from_dcp = run_distributed(_train, 2, _argv(tmp_path / "b", "--training.steps", "2", "--checkpoint.initial_load_path",
+                                                str(converted)))[0]
+    scratch = run_distributed(_train, 2, _argv(tmp_path / "c", "--training.steps", "2"))[0]
+    assert from_hf["start"] == from_dcp["start"] == 0
+    assert _losses(from_hf, 1) == _losses(from_dcp, 1)
+    assert _losses(from_hf, 1)[0] < _losses(scratch, 1)[0] - 0.5  # the trained weights, not a fresh init

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -123,9 +124,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
             raise pickle.UnpicklingError(
-                f"value {read_item.dest_index.fqn!r} is not plain data: {first}") from None
+                f"value {read_item.dest_index.fqn!r} is not plain data: {why}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -294,7 +296,7 @@ class CheckpointManager:
                 shutil.rmtree(staging)  # left by an earlier crash; never a committed checkpoint
             staging.mkdir()
             args = getattr(self.model, "args", None)
-            _write_json(staging / TRAIN_STATE_FILE, {
+            state_json = {
                 **train_state,
                 "step": step,
                 "format": "hf" if in_hf else "dcp",
@@ -302,10 +304,11 @@ class CheckpointManager:
                 "export_dtype": cfg.export_dtype if model_only else None,
                 "world_size": self.world_size,
                 "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
-                "dataloader": self.loader.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "rng": rng,
-            })
+            }
+            if step > 0:  # a seed checkpoint is weights only: runs from it choose their own data/schedule
+                state_json.update(dataloader=self.loader.state_dict(),
+                                  lr_scheduler=self.lr_scheduler.state_dict(), rng=rng)
+            _write_json(staging / TRAIN_STATE_FILE, state_json)
         dist.barrier()
         dtype = EXPORT_DTYPES[cfg.export_dtype]
         if in_hf:
@@ -442,16 +445,18 @@ class CheckpointManager:
     def _load_dcp(self, path: Path, parts: set[str]) -> None:
         """Load the model and/or optimizer from DCP files, each rank reading only its shards."""
         reader = SafeFileSystemReader(str(path))
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         to_load: dict[str, Any] = {}
         if "model" in parts:
-            to_load["model"] = model_sd
+            to_load["model"] = model_sd = get_model_state_dict(self.model)
         if "optimizer" in parts:
-            to_load["optimizer"] = optim_sd
+            # Only when it is loaded: building the optimizer's state dict creates its state (a
+            # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
+            to_load["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         if not to_load:
             return
         try:
             metadata = reader.read_metadata()
+            _check_files(path, metadata.storage_data)
             if "model" in to_load:
                 _check_model_tensors(path, metadata.state_dict_metadata, model_sd)
             dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
@@ -482,10 +487,28 @@ def _check_model_tensors(path: Path, saved: dict[str, Any], model_sd: dict[str, 
                                   f"{list(size)} there but {list(tensor.shape)} in this model")
 
 
+def _check_files(path: Path, storage_data: Any) -> None:
+    """Every data file the metadata points to exists and is long enough (else one clear error)."""
+    needed: dict[str, int] = {}
+    for info in (storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: data file {name!r} is missing")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: data file {name!r} has "
+                                  f"{file.stat().st_size} bytes, its metadata needs at least {size}")
+
+
 def _reason(exc: BaseException) -> str:
     """The first rank failure inside a DCP exception, as one line."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         exc = next(iter(failures.values()))
+        if isinstance(exc, tuple):  # (exception, traceback frames)
+            exc = exc[0]
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

@@ -1,0 +1,381 @@
+"""Convert model weights between our DCP checkpoints, Hugging Face Llama folders and single files.
+
+    python scripts/convert_checkpoint.py to-hf     CHECKPOINT/step-N  OUT_DIR   [--dtype bfloat16]
+    python scripts/convert_checkpoint.py to-file   CHECKPOINT/step-N  OUT.pt|OUT.safetensors [--dtype ...]
+    python scripts/convert_checkpoint.py from-hf   HF_DIR             OUT_STEP_DIR
+    python scripts/convert_checkpoint.py from-file FILE               OUT_STEP_DIR
+
+Runs in one process, without a process group; the whole model is held in memory once.
+
+A DCP step folder is what training writes (``step-N/`` with DCP files holding ``{"model": ...,
+"optimizer": ...}`` and ``train_state.json``); only the model part is read. The model's shape
+comes from ``train_state.json``'s ``model_args`` when present, otherwise from ``--flavor`` (and
+``--vocab_size``). A Hugging Face folder holds ``*.safetensors`` files and ``config.json``
+(``LlamaForCausalLM`` names and RoPE layout). Files written by ``to-file`` keep our parameter
+names; ``from-file`` also accepts a file with Hugging Face names. A step folder written by
+``from-hf``/``from-file`` holds the model only (``train_state.json``: ``{"step": 0,
+"model_only": true, "model_args": ...}``).
+
+Nothing is unpickled: DCP metadata goes through an allow-list, ``.pt`` files are read with
+``torch.load(weights_only=True)``. Outputs are written under ``<name>.partial`` and renamed when
+complete; an existing output is replaced only with ``--overwrite``. Errors are one line on stderr
+naming the path and the problem, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchtitan_lite import hf
+from torchtitan_lite.checkpoint import TRAIN_STATE_FILE, CheckpointError, SafeFileSystemReader
+from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HF_WEIGHTS_FILE = "model.safetensors"
+MODEL_ARGS_KEY = "model_args"
+
+
+class ConvertError(ValueError):
+    """A user-facing conversion error: one line naming the path and the problem."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape
+# --------------------------------------------------------------------------------------------
+
+
+def model_args_from_dict(values: Mapping[str, Any], source: str) -> ModelArgs:
+    """``ModelArgs`` from a dict of its fields (unknown keys are ignored)."""
+    if not isinstance(values, Mapping):
+        raise ConvertError(f"{source}: {MODEL_ARGS_KEY} is not a JSON object")
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    try:
+        return ModelArgs(**{k: v for k, v in values.items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise ConvertError(f"{source}: {MODEL_ARGS_KEY} is not a valid model shape: {exc}") from None
+
+
+def model_args_from_flavor(flavor: str | None, vocab_size: int | None, why: str) -> ModelArgs:
+    """``ModelArgs`` of ``--flavor`` (with ``--vocab_size``); ``why`` says, when no flavor was
+    given, why one is needed."""
+    if flavor is None:
+        raise ConvertError(f"{why}; pass --flavor (one of {', '.join(LLAMA3_FLAVORS)}) and "
+                           "--vocab_size")
+    args = LLAMA3_FLAVORS[flavor]
+    return args if vocab_size is None else dataclasses.replace(args, vocab_size=vocab_size)
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our parameter name → shape for a model with ``args``."""
+    return {hf.from_hf_name(name): shape for name, shape in hf.expected_hf_shapes(args).items()}
+
+
+def check_state_dict(shapes: Mapping[str, tuple[int, ...]], args: ModelArgs, source: str) -> None:
+    """The names and shapes found in ``source`` are exactly those of a model with ``args``."""
+    expected = expected_shapes(args)
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConvertError(f"{source}: tensor {missing[0]!r} is missing{more}")
+    for name, shape in shapes.items():
+        if name not in expected:
+            raise ConvertError(f"{source}: tensor {name!r} is not a parameter of this model")
+        if tuple(shape) != expected[name]:
+            raise ConvertError(f"{source}: tensor {name!r} has shape {list(shape)} but the model "
+                               f"needs {list(expected[name])}")
+
+
+# --------------------------------------------------------------------------------------------
+# DCP step folders
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's note that it runs without a process group (the intent here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
+                  ) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+    """The model part of a DCP step folder as plain tensors, and the model's shape."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    source = repr(str(step_dir))
+    if not (step_dir / ".metadata").is_file():
+        what = "does not exist" if not step_dir.exists() else "holds no DCP checkpoint (no .metadata)"
+        raise ConvertError(f"{source}: {what}")
+    args = None
+    state_file = step_dir / TRAIN_STATE_FILE
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConvertError(f"{str(state_file)!r}: cannot be read: {exc}") from None
+        if isinstance(state, dict) and state.get(MODEL_ARGS_KEY) is not None:
+            args = model_args_from_dict(state[MODEL_ARGS_KEY], repr(str(state_file)))
+    if args is None:
+        args = model_args_from_flavor(flavor, vocab_size,
+                                      f"{str(state_file)!r} does not record {MODEL_ARGS_KEY}")
+    elif flavor is not None:
+        flavor_args = model_args_from_flavor(flavor, vocab_size, "")
+        if expected_shapes(flavor_args) != expected_shapes(args):
+            raise ConvertError(f"{str(state_file)!r}: {MODEL_ARGS_KEY} (dim={args.dim}, "
+                               f"n_layers={args.n_layers}, vocab_size={args.vocab_size}) disagree "
+                               f"with --flavor {flavor}")
+    try:
+        metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - unpickling and I/O errors come in many types
+        raise ConvertError(f"{source}: DCP metadata cannot be read: {_first_line(exc)}") from None
+    found: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            found[key.removeprefix("model.")] = (item.size, item.properties.dtype)
+    if not found:
+        raise ConvertError(f"{source}: the checkpoint holds no model weights")
+    check_state_dict({name: tuple(size) for name, (size, _) in found.items()}, args, source)
+    state_dict = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in found.items()}
+    try:
+        with _quiet():
+            dcp.load({"model": state_dict}, storage_reader=SafeFileSystemReader(str(step_dir)))
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            exc = next(iter(failures.values()))
+        raise ConvertError(f"{source}: cannot be read: {_first_line(exc)}") from None
+    return state_dict, args
+
+
+def write_step_dir(state_dict: Mapping[str, torch.Tensor], args: ModelArgs, out: Path) -> None:
+    """A model-only DCP step folder at ``out`` (written as ``out.partial``, then renamed)."""
+    import torch.distributed.checkpoint as dcp
+
+    partial = _partial(out)
+    with _quiet():
+        dcp.save({"model": dict(state_dict)}, checkpoint_id=str(partial))
+    state = {"step": 0, "model_only": True, MODEL_ARGS_KEY: dataclasses.asdict(args)}
+    (partial / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------
+
+
+def _partial(out: Path) -> Path:
+    partial = out.with_name(out.name + ".partial")
+    if partial.is_dir():
+        shutil.rmtree(partial)
+    elif partial.exists():
+        partial.unlink()
+    return partial
+
+
+def _check_output(out: Path, *, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise ConvertError(f"{str(out)!r}: exists; pass --overwrite to replace it")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConvertError(f"{str(out.parent)!r}: exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _commit(out: Path) -> None:
+    """Replace ``out`` by ``out.partial``."""
+    partial = out.with_name(out.name + ".partial")
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    os.replace(partial, out)
+
+
+def _cast(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {k: (v if dtype is None else v.to(dtype)).contiguous() for k, v in state_dict.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def to_hf(step_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
+          vocab_size: int | None, overwrite: bool) -> None:
+    from safetensors.torch import save_file
+
+    _check_output(out, overwrite=overwrite)
+    state_dict, args = read_step_dir(step_dir, flavor=flavor, vocab_size=vocab_size)
+    hf_state = _cast(hf.state_dict_to_hf(state_dict, args), dtype)
+    partial = _partial(out)
+    partial.mkdir()
+    save_file(hf_state, str(partial / HF_WEIGHTS_FILE), metadata={"format": "pt"})
+    config = hf.hf_config(args, next(iter(hf_state.values())).dtype)
+    (partial / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    _commit(out)
+
+
+def to_file(step_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
+            vocab_size: int | None, overwrite: bool) -> None:
+    from safetensors.torch import save_file
+
+    if out.suffix not in (".pt", ".safetensors"):
+        raise ConvertError(f"{str(out)!r}: the output file must end in .pt or .safetensors")
+    _check_output(out, overwrite=overwrite)
+    state_dict, args = read_step_dir(step_dir, flavor=flavor, vocab_size=vocab_size)
+    state_dict = _cast(state_dict, dtype)
+    partial = _partial(out)
+    if out.suffix == ".pt":
+        torch.save(state_dict, partial)
+    else:
+        metadata = {"format": "pt", MODEL_ARGS_KEY: json.dumps(dataclasses.asdict(args))}
+        save_file(state_dict, str(partial), metadata=metadata)
+    _commit(out)
+
+
+def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
+            vocab_size: int | None, overwrite: bool) -> None:
+    _check_output(out, overwrite=overwrite)
+    config_file = hf_dir / hf.CONFIG_FILE
+    if flavor is not None or not config_file.is_file():
+        args = model_args_from_flavor(flavor, vocab_size, f"{str(config_file)!r} does not exist")
+    else:
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            args = hf.model_args_from_hf_config(config)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as exc:
+            raise ConvertError(f"{str(config_file)!r}: {exc}") from None
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    hf.load_hf_weights(model, hf_dir)  # checks names, shapes and config.json first
+    state_dict = _cast(model.state_dict(), dtype or torch.float32)
+    write_step_dir(state_dict, args, out)
+    _commit(out)
+
+
+def read_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors of a ``.pt`` or ``.safetensors`` file, and the safetensors metadata."""
+    source = repr(str(file))
+    if not file.is_file():
+        raise ConvertError(f"{source}: does not exist" if not file.exists() else f"{source}: is not a file")
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                metadata = fh.metadata() or {}
+                return {k: fh.get_tensor(k) for k in fh.keys()}, metadata  # noqa: SIM118
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConvertError(f"{source}: not a readable safetensors file: {_first_line(exc)}") from None
+    if file.suffix == ".pt":
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
+            raise ConvertError(f"{source}: cannot be read with weights_only=True: "
+                               f"{_first_line(exc)}") from None
+        if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
+            loaded = loaded["model"]
+        if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+            raise ConvertError(f"{source}: expected a dict of parameter name → tensor")
+        return dict(loaded), {}
+    raise ConvertError(f"{source}: the input file must end in .pt or .safetensors")
+
+
+def from_file(file: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
+              vocab_size: int | None, overwrite: bool) -> None:
+    _check_output(out, overwrite=overwrite)
+    state_dict, metadata = read_file(file)
+    source = repr(str(file))
+    if flavor is None and MODEL_ARGS_KEY in metadata:
+        try:
+            recorded = json.loads(metadata[MODEL_ARGS_KEY])
+        except json.JSONDecodeError as exc:
+            raise ConvertError(f"{source}: {MODEL_ARGS_KEY} metadata is not JSON: {exc}") from None
+        args = model_args_from_dict(recorded, source)
+    else:
+        args = model_args_from_flavor(flavor, vocab_size, f"{source} does not record the model's shape")
+    if any(name.startswith("model.") or name == "lm_head.weight" for name in state_dict):
+        try:
+            state_dict = hf.state_dict_from_hf(state_dict, args.n_heads, args.kv_heads)
+        except ValueError as exc:
+            raise ConvertError(f"{source}: {exc}") from None
+    check_state_dict({k: tuple(v.shape) for k, v in state_dict.items()}, args, source)
+    write_step_dir(_cast(state_dict, dtype or torch.float32), args, out)
+    _commit(out)
+
+
+COMMANDS = {"to-hf": to_hf, "to-file": to_file, "from-hf": from_hf, "from-file": from_file}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    helps = {
+        "to-hf": ("DCP step folder → Hugging Face folder (safetensors + config.json)",
+                  "DCP step folder (e.g. checkpoint/step-100)", "output folder"),
+        "to-file": ("DCP step folder → one .pt or .safetensors file (our names)",
+                    "DCP step folder", "output file ending in .pt or .safetensors"),
+        "from-hf": ("Hugging Face folder → model-only DCP step folder",
+                    "Hugging Face folder", "output step folder"),
+        "from-file": ("one .pt or .safetensors file (our or Hugging Face names) → model-only "
+                      "DCP step folder", "input file", "output step folder"),
+    }
+    for name, (text, source_help, out_help) in helps.items():
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("source", help=source_help)
+        sub.add_argument("output", help=out_help)
+        sub.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                         help="dtype of the written weights (default: as stored for to-*, float32 "
+                              "for from-*)")
+        sub.add_argument("--flavor", choices=sorted(LLAMA3_FLAVORS), default=None,
+                         help="model flavor, when the input does not record the model's shape")
+        sub.add_argument("--vocab_size", type=int, default=None,
+                         help="vocabulary size with --flavor (default: the flavor's)")
+        sub.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = COMMANDS[args.command]
+    try:
+        command(Path(args.source), Path(args.output),
+                dtype=DTYPES[args.dtype] if args.dtype else None, flavor=args.flavor,
+                vocab_size=args.vocab_size, overwrite=args.overwrite)
+    except (ConvertError, CheckpointError, ValueError, OSError) as exc:
+        print(f"error: {_first_line(exc)}", file=sys.stderr)
+        return 2
+    finally:  # a failed conversion leaves nothing half-written behind
+        output = Path(args.output)
+        partial = output.with_name(output.name + ".partial")
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial.exists():
+            partial.unlink()
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
