@@ -155,27 +155,44 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, tw
     assert [r["step"] for r in read_jsonl(dump / "metrics.jsonl")][-1] == 10
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async"])
-def test_keep_latest_k_with_sync_and_async_saves(tmp_path, mode):
+def _model_tensors(step_dir: Path) -> dict[str, Any]:
+    """The model tensors of a DCP checkpoint, read in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    from torchtitan_lite.checkpoint import SafeFileSystemReader
+
+    state: dict[str, Any] = {}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)),
+             planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
+def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
     """keep_latest_k = 2 keeps exactly the two newest checkpoints; async saves write the same
-    files as sync ones, and resuming from them gives the same losses."""
-    dump = tmp_path / mode
-    full = run_distributed(_train, 2, _argv(dump, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
-                                            "--checkpoint.async_mode", mode))
-    folder = dump / "checkpoint"
-    assert committed_steps(folder) == [8, 10]
-    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
-    files = {step: sorted(p.name for p in (folder / f"step-{step}").iterdir()) for step in (8, 10)}
-    assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"], files
-    # Resume an explicit earlier step: training continues from step 8 with the same losses.
-    results = run_distributed(_train, 2, _argv(dump, "--checkpoint.load_step", "8", "--checkpoint.keep_latest_k", "2",
-                                               "--checkpoint.async_mode", mode))
-    assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
-    assert _losses(results[0], 9) == _losses(full[0], 9)
-    (tmp_path / f"{mode}.json").write_text(json.dumps({"losses": _losses(results[0], 9), "files": files}))
-    other = tmp_path / f"{'disabled' if mode == 'async' else 'async'}.json"
-    if other.exists():  # both modes ran in this session's tmp_path: identical
-        assert json.loads(other.read_text()) == {"losses": _losses(results[0], 9), "files": files}
+    files with the same tensors as sync ones, and resuming from them gives the same losses."""
+    import torch
+
+    outcome = {}
+    for mode in ("disabled", "async"):
+        dump = tmp_path / mode
+        args = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", mode)
+        full = run_distributed(_train, 2, _argv(dump, *args))
+        folder = dump / "checkpoint"
+        assert committed_steps(folder) == [8, 10]
+        assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
+        files = {step: sorted(p.name for p in (folder / f"step-{step}").iterdir()) for step in (8, 10)}
+        assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"], files
+        # Resume an explicit earlier step: training continues from step 8 with the same losses.
+        resumed = run_distributed(_train, 2, _argv(dump, "--checkpoint.load_step", "8", *args))
+        assert resumed[0]["start"] == 8 and [h["step"] for h in resumed[0]["history"]] == [9, 10]
+        assert _losses(resumed[0], 9) == _losses(full[0], 9)
+        outcome[mode] = {"files": files, "losses": _losses(resumed[0], 9),
+                         "tensors": _model_tensors(folder / "step-8")}
+    sync, background = outcome["disabled"], outcome["async"]
+    assert background["files"] == sync["files"] and background["losses"] == sync["losses"]
+    assert sync["tensors"].keys() == background["tensors"].keys()
+    assert all(torch.equal(sync["tensors"][k], background["tensors"][k]) for k in sync["tensors"])
 
 
 def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
