@@ -40,21 +40,22 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtitan_lite import hf
-from torchtitan_lite.checkpoint import TRAIN_STATE_FILE, CheckpointError, SafeFileSystemReader
+from torchtitan_lite.checkpoint import (
+    EXPORT_DTYPES,
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    failure_reason,
+)
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_WEIGHTS_FILE = "model.safetensors"
 MODEL_ARGS_KEY = "model_args"
 
 
 class ConvertError(ValueError):
     """A user-facing conversion error: one line naming the path and the problem."""
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
     try:
         metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - unpickling and I/O errors come in many types
-        raise ConvertError(f"{source}: DCP metadata cannot be read: {_first_line(exc)}") from None
+        raise ConvertError(f"{source}: DCP metadata cannot be read: {failure_reason(exc)}") from None
     found: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
@@ -158,12 +159,10 @@ def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
     state_dict = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in found.items()}
     try:
         with _quiet():
-            dcp.load({"model": state_dict}, storage_reader=SafeFileSystemReader(str(step_dir)))
+            dcp.load({"model": state_dict}, storage_reader=SafeFileSystemReader(str(step_dir)),
+                     planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-        failures = getattr(exc, "failures", None)
-        if isinstance(failures, dict) and failures:
-            exc = next(iter(failures.values()))
-        raise ConvertError(f"{source}: cannot be read: {_first_line(exc)}") from None
+        raise ConvertError(f"{source}: cannot be read: {failure_reason(exc)}") from None
     return state_dict, args
 
 
@@ -286,13 +285,13 @@ def read_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                 metadata = fh.metadata() or {}
                 return {k: fh.get_tensor(k) for k in fh.keys()}, metadata  # noqa: SIM118
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise ConvertError(f"{source}: not a readable safetensors file: {_first_line(exc)}") from None
+            raise ConvertError(f"{source}: not a readable safetensors file: {failure_reason(exc)}") from None
     if file.suffix == ".pt":
         try:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
             raise ConvertError(f"{source}: cannot be read with weights_only=True: "
-                               f"{_first_line(exc)}") from None
+                               f"{failure_reason(exc)}") from None
         if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
             loaded = loaded["model"]
         if not isinstance(loaded, dict) or not all(
@@ -345,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("source", help=source_help)
         sub.add_argument("output", help=out_help)
-        sub.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+        sub.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None,
                          help="dtype of the written weights (default: as stored for to-*, float32 "
                               "for from-*)")
         sub.add_argument("--flavor", choices=sorted(LLAMA3_FLAVORS), default=None,
@@ -361,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS[args.command]
     try:
         command(Path(args.source), Path(args.output),
-                dtype=DTYPES[args.dtype] if args.dtype else None, flavor=args.flavor,
+                dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, flavor=args.flavor,
                 vocab_size=args.vocab_size, overwrite=args.overwrite)
     except (ConvertError, CheckpointError, ValueError, OSError) as exc:
-        print(f"error: {_first_line(exc)}", file=sys.stderr)
+        print(f"error: {failure_reason(exc)}", file=sys.stderr)
         return 2
     finally:  # a failed conversion leaves nothing half-written behind
         output = Path(args.output)

@@ -157,15 +157,16 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, tw
 
 def _model_tensors(step_dir: Path) -> dict[str, Any]:
     """The model tensors of a DCP checkpoint, read in one process."""
+    import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 
     from torchtitan_lite.checkpoint import SafeFileSystemReader
 
-    state: dict[str, Any] = {}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)),
-             planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    return state["model"]
+    meta = SafeFileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.")}
+    dcp.load({"model": model}, storage_reader=SafeFileSystemReader(str(step_dir)), no_dist=True)
+    return model
 
 
 def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
@@ -332,7 +333,7 @@ def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_lite.checkpoint import SafeFileSystemReader, SafeLoadPlanner, _reason
+    from torchtitan_lite.checkpoint import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 
     class Evil:
         def __reduce__(self):
@@ -343,7 +344,7 @@ def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):
     target = {"optimizer": {"lr": 0.0, "w": torch.zeros(2)}}
     with pytest.raises(BaseException, match="not plain data") as info:  # DCP's is a BaseException
         dcp.load(target, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=True)
-    reason = _reason(info.value)
+    reason = failure_reason(info.value)
     assert reason.startswith("value 'optimizer.lr' is not plain data") and "print" in reason, reason
     assert target["optimizer"]["lr"] == 0.0
     # Plain values load as before.

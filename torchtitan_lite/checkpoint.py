@@ -57,6 +57,7 @@ __all__ = [
     "SafeLoadPlanner",
     "check_initial_load_path",
     "committed_steps",
+    "failure_reason",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
@@ -350,7 +351,7 @@ class CheckpointManager:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"saving checkpoint step {pending.step} to {str(pending.staging)!r} "
-                                  f"failed: {_reason(exc)}") from None
+                                  f"failed: {failure_reason(exc)}") from None
         self._commit(pending.step, pending.staging, pending.final, pending.started)
 
     def close(self) -> None:
@@ -464,7 +465,7 @@ class CheckpointManager:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model: "
-                                  f"{_reason(exc)}") from None
+                                  f"{failure_reason(exc)}") from None
         if "model" in to_load:
             set_model_state_dict(self.model, to_load["model"])
         if "optimizer" in to_load:
@@ -503,8 +504,8 @@ def _check_files(path: Path, storage_data: Any) -> None:
                                   f"{file.stat().st_size} bytes, its metadata needs at least {size}")
 
 
-def _reason(exc: BaseException) -> str:
-    """The first rank failure inside a DCP exception, as one line."""
+def failure_reason(exc: BaseException) -> str:
+    """One line for an exception: for DCP's (which wraps one per rank), the first rank's."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         exc = next(iter(failures.values()))
