@@ -130,8 +130,8 @@ class Training:
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world."""
+    data_parallel_replicate_degree: int = 0
+    """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world; 0 (default): one replica per node, i.e. shard within a node and replicate across nodes (plain FSDP on one node; set 1 to shard over every rank of every node)."""
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
     reshard_after_forward_mode: str | int = "default"
@@ -221,6 +221,14 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout of collectives until the first training step has finished: process-group creation, model and checkpoint loading (a slow filesystem or a first compilation needs room)."""
+    train_timeout_seconds: int = 100
+    """Timeout of every collective from the end of the first step on: when a rank dies or hangs, the others fail with an error within it instead of hanging."""
+
+
+@dataclass
 class Debug:
     seed: int = 42
     """Seed for weights and data order; with a fixed training.global_batch_size the same seed gives the same run on any world size."""
@@ -240,6 +248,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -617,14 +626,15 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
                  f"expected at least profiler_warmup + profiler_active = "
                  f"{pr.profiler_warmup} + {pr.profiler_active}")
 
-    from torchtitan_lite.distributed import ParallelDims
+    from torchtitan_lite.distributed import ParallelDims, local_world_size_from_env
     from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
 
     p = c.parallelism
     degrees = {"dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree}
     try:
         ParallelDims.check_degrees(**degrees)
-        dims = None if world_size is None else ParallelDims.resolve(**degrees, world_size=world_size)
+        dims = None if world_size is None else ParallelDims.resolve(
+            **degrees, world_size=world_size, local_world_size=local_world_size_from_env())
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -668,6 +678,8 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "
                  "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
 
+    for key in ("init_timeout_seconds", "train_timeout_seconds"):
+        _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
     _check_writable_folder("job.dump_folder", c.job.dump_folder)
 

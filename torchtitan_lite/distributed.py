@@ -17,8 +17,10 @@ __all__ = [
     "choose_device",
     "backend_for",
     "init_distributed",
+    "set_collective_timeout",
     "build_mesh",
     "world_info_from_env",
+    "local_world_size_from_env",
     "destroy_distributed",
     "free_port",
 ]
@@ -32,6 +34,11 @@ def world_info_from_env() -> tuple[int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return rank, local_rank, world_size
+
+
+def local_world_size_from_env() -> int:
+    """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``; the world size without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
 def choose_device(local_rank: int | None = None) -> torch.device:
@@ -75,12 +82,13 @@ class ParallelDims:
 
     @staticmethod
     def check_degrees(*, dp_replicate: int, dp_shard: int) -> None:
-        """Each degree is >= 1 or -1 ("the rest of the world"), and not both -1."""
-        for key, value in (("replicate", dp_replicate), ("shard", dp_shard)):
-            if value == 0 or value < -1:
-                raise ValueError(
-                    f"parallelism.data_parallel_{key}_degree={value} must be >= 1 or -1"
-                )
+        """Each degree is >= 1 or -1 ("the rest of the world"), and not both -1; the replicate
+        degree may also be 0 ("one replica per node")."""
+        if dp_replicate < -1:
+            raise ValueError(f"parallelism.data_parallel_replicate_degree={dp_replicate} must be >= 1, "
+                             "-1 (the rest of the world) or 0 (one replica per node)")
+        if dp_shard == 0 or dp_shard < -1:
+            raise ValueError(f"parallelism.data_parallel_shard_degree={dp_shard} must be >= 1 or -1")
         if dp_replicate == -1 and dp_shard == -1:
             raise ValueError(
                 "parallelism.data_parallel_replicate_degree and data_parallel_shard_degree "
@@ -88,12 +96,24 @@ class ParallelDims:
             )
 
     @classmethod
-    def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int) -> ParallelDims:
+    def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int,
+                local_world_size: int | None = None) -> ParallelDims:
         """Fill in a ``-1`` degree and check ``dp_replicate × dp_shard == world_size``.
+
+        ``dp_replicate = 0`` means one replica per node: with ``dp_shard = -1``, parameters are
+        sharded over the ``local_world_size`` ranks of a node (its fast links carry the
+        all-gathers and reduce-scatters) and replicated across the ``world_size /
+        local_world_size`` nodes (only gradient all-reduces cross nodes); with a given
+        ``dp_shard`` it is the rest of the world. torchrun numbers the ranks of a node
+        contiguously, and the mesh's inner (shard) dimension is made of contiguous ranks.
 
         Raises ``ValueError`` naming the keys and values when they do not fit.
         """
         cls.check_degrees(dp_replicate=dp_replicate, dp_shard=dp_shard)
+        if dp_replicate == 0:
+            local = local_world_size or world_size
+            nodes = world_size // local if local and world_size % local == 0 else 1
+            dp_replicate = -1 if dp_shard != -1 else nodes
         if -1 in (dp_replicate, dp_shard):
             key, known = ("replicate", dp_replicate) if dp_shard == -1 else ("shard", dp_shard)
             if world_size % known:
@@ -150,6 +170,23 @@ def init_distributed(
     logger.info(
         "process group: backend=%s world_size=%d device=%s", backend, dist.get_world_size(), device
     )
+
+
+def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> None:
+    """Set the timeout of the default process group and of every group of ``mesh`` (FSDP's
+    collectives run on the mesh's groups): a collective that a dead or hung peer never joins
+    then fails with an error after ``seconds`` instead of waiting for the creation timeout."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    timeout = datetime.timedelta(seconds=seconds)
+    groups = [dist.group.WORLD]
+    if mesh is not None:
+        groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    seen: set[int] = set()
+    for group in groups:
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            _set_pg_timeout(timeout, group)
 
 
 def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:

@@ -33,6 +33,8 @@ from torchtitan_lite.distributed import (
     choose_device,
     destroy_distributed,
     init_distributed,
+    local_world_size_from_env,
+    set_collective_timeout,
     world_info_from_env,
 )
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
@@ -136,7 +138,8 @@ class Trainer:
             if self.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         init_distributed(
-            self.device, cpu_collectives=t.enable_cpu_offload and self.device.type == "cuda"
+            self.device, cpu_collectives=t.enable_cpu_offload and self.device.type == "cuda",
+            timeout_s=config.comm.init_timeout_seconds,
         )
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -144,6 +147,7 @@ class Trainer:
             dp_replicate=p.data_parallel_replicate_degree,
             dp_shard=p.data_parallel_shard_degree,
             world_size=self.world_size,
+            local_world_size=local_world_size_from_env(),
         )
         self.mesh = build_mesh(self.device, self.dims)
         if self.rank == 0:
@@ -304,6 +308,8 @@ class Trainer:
                 while self.step < cfg.training.steps:
                     history.append(self._timed_step(gc_handler))
                     profiler.step()
+                    if len(history) == 1:  # start-up is over: from now on a missing peer is an error soon
+                        set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last background save is committed before we return
         finally:

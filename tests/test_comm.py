@@ -1,0 +1,80 @@
+"""Process-group timeouts: when a rank dies or hangs, the others exit with an error in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_ARGS
+from tests.dist_utils import REPO_ROOT, free_port
+
+TRAIN_TIMEOUT = 5  # seconds
+
+
+def _start_ranks(dump: Path, world: int = 2) -> list[subprocess.Popen[str]]:
+    """The trainer on ``world`` processes started by hand (as torchrun would, without its agent,
+    which would otherwise stop the survivors itself)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+        cmd = [sys.executable, "-m", "torchtitan_lite.train", *TINY_ARGS, "--job.dump_folder", str(dump),
+               "--training.steps", "100000", "--comm.train_timeout_seconds", str(TRAIN_TIMEOUT)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, start_new_session=True))
+    return procs
+
+
+def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+    metrics = dump / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        assert not dead, f"a rank exited early with {dead}: {procs[0].stderr.read() if procs[0].stderr else ''}"
+        time.sleep(0.2)
+    raise AssertionError(f"training did not reach step {step} within {timeout}s")
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
+    """Rank 1 is SIGKILLed (or SIGSTOPped: alive but silent) mid-training; rank 0 must exit
+    non-zero within comm.train_timeout_seconds (+ a margin for this 2-core machine) instead of
+    hanging for the 300 s init timeout or forever."""
+    dump = tmp_path / how
+    procs = _start_ranks(dump)
+    try:
+        _wait_for_step(dump, 3, procs)
+        victim = procs[1]
+        victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            rc = procs[0].wait(timeout=TRAIN_TIMEOUT + 40)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0 still running {TRAIN_TIMEOUT + 40}s after rank 1 was {how}")
+        elapsed = time.monotonic() - start
+        stderr = procs[0].stderr.read() if procs[0].stderr else ""
+        print(f"rank 1 {how}: rank 0 exited with {rc} after {elapsed:.1f}s")
+        assert rc != 0, stderr[-2000:]
+        assert elapsed < TRAIN_TIMEOUT + 25, (elapsed, stderr[-2000:])
+        if how == "hung":
+            # Nothing told rank 0 that its peer was gone: the collective's timeout did.
+            assert elapsed >= TRAIN_TIMEOUT - 1, elapsed
+            assert "Timed out" in stderr or "timed out" in stderr or "Timeout" in stderr, stderr[-2000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
