@@ -36,9 +36,10 @@ def world_info_from_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def local_world_size_from_env() -> int:
-    """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``; the world size without it)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+def local_world_size_from_env() -> int | None:
+    """Processes on this node: torchrun's ``LOCAL_WORLD_SIZE`` (None without it: one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def choose_device(local_rank: int | None = None) -> torch.device:
