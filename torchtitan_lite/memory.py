@@ -1,0 +1,77 @@
+"""Measured memory of a training step, per rank and by category.
+
+:func:`measure_step_memory` runs real training steps under PyTorch's ``FSDPMemTracker`` (a
+``TorchDispatchMode`` that attributes every live tensor to a category) and reports, in bytes:
+
+- ``peak``: each category at the moment the total peaked, and that total;
+- ``state``: the persistent training state once a step has finished (sharded parameters,
+  sharded gradients just before the optimizer step, optimizer state after it).
+
+It works on CPU and GPU tensors alike, so the figures on a CPU machine are the tensor bytes a
+GPU would hold (allocator caching and fragmentation are not included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CATEGORIES", "measure_step_memory"]
+
+# Our names for FSDPMemTracker's categories (its _FSDPRefType values).
+CATEGORIES = {
+    "Sharded Param": "sharded_params",
+    "Unsharded Param": "unsharded_params",
+    "Buffer": "buffers",
+    "Sharded Grad": "sharded_grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "All Gather": "all_gather_buffers",
+    "Reduce Scatter": "reduce_scatter_buffers",
+    "OptState": "optimizer_state",
+    "Inputs": "inputs",
+}
+
+
+def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """Sum a tracker snapshot over devices, keyed by our category names plus ``total``."""
+    out = dict.fromkeys([*CATEGORIES.values(), "total"], 0)
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = "total" if key == "Total" else CATEGORIES.get(getattr(key, "value", str(key)))
+            if name is not None:
+                out[name] += int(value)
+    return out
+
+
+def measure_step_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[], torch.Tensor],
+    *,
+    steps: int = 2,
+) -> dict[str, dict[str, int]]:
+    """Run ``steps`` training steps (``loss_fn()`` → backward → optimizer step → zero_grad)
+    under ``FSDPMemTracker``; return ``{"peak": {...}, "state": {...}}`` in bytes per category.
+
+    The peak is over all steps; from the second step on it includes the optimizer state (the
+    first step creates it only at its end), so ``steps >= 2`` gives a steady-state peak.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    state: dict[str, int] = {}
+    with tracker:
+        for _ in range(steps):
+            loss_fn().backward()
+            grads = _by_category(tracker.get_tracker_snapshot("current"))["sharded_grads"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            current = _by_category(tracker.get_tracker_snapshot("current"))
+            state = {"sharded_params": current["sharded_params"], "sharded_grads": grads,
+                     "optimizer_state": current["optimizer_state"]}
+    return {"peak": _by_category(tracker.get_tracker_snapshot("peak")), "state": state}
