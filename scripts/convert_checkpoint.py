@@ -25,14 +25,12 @@ naming the path and the problem, with exit status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +107,6 @@ def check_state_dict(shapes: Mapping[str, tuple[int, ...]], args: ModelArgs, sou
 # --------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence DCP's note that it runs without a process group (the intent here)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
                   ) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """The model part of a DCP step folder as plain tensors, and the model's shape."""
@@ -158,7 +148,7 @@ def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
     check_state_dict({name: tuple(size) for name, (size, _) in found.items()}, args, source)
     state_dict = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in found.items()}
     try:
-        with _quiet():
+        with hf.quiet_without_process_group():
             dcp.load({"model": state_dict}, storage_reader=SafeFileSystemReader(str(step_dir)),
                      planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
@@ -171,7 +161,7 @@ def write_step_dir(state_dict: Mapping[str, torch.Tensor], args: ModelArgs, out:
     import torch.distributed.checkpoint as dcp
 
     partial = _partial(out)
-    with _quiet():
+    with hf.quiet_without_process_group():
         dcp.save({"model": dict(state_dict)}, checkpoint_id=str(partial))
     state = {"step": 0, "model_only": True, MODEL_ARGS_KEY: dataclasses.asdict(args)}
     (partial / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")

@@ -120,7 +120,8 @@ def test_keep_latest_k_and_two_rank_resume(tmp_path):
     folder = dump / "checkpoint"
     assert committed_steps(folder) == [8, 10]
     assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
-    # Resume an explicit earlier step on 2 ranks: training continues from step 8.
+    # Resume an explicit earlier step on 2 ranks (step 10 moved away: it would be overwritten).
+    shutil.move(str(folder / "step-10"), str(dump / "kept-step-10"))
     results = run_distributed(_train, 2, _argv(dump, "--checkpoint.load_step", "8",
                                                "--checkpoint.keep_latest_k", "2"))
     assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
@@ -184,7 +185,9 @@ def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
         assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
         files = {step: sorted(p.name for p in (folder / f"step-{step}").iterdir()) for step in (8, 10)}
         assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"], files
-        # Resume an explicit earlier step: training continues from step 8 with the same losses.
+        # Resume an explicit earlier step: training continues from step 8 with the same losses
+        # (once step 10, which it would overwrite, is moved out of the folder).
+        shutil.move(str(folder / "step-10"), str(dump / "kept-step-10"))
         resumed = run_distributed(_train, 2, _argv(dump, "--checkpoint.load_step", "8", *args))
         assert resumed[0]["start"] == 8 and [h["step"] for h in resumed[0]["history"]] == [9, 10]
         assert _losses(resumed[0], 9) == _losses(full[0], 9)
@@ -285,6 +288,12 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     assert line == (f"error: checkpoint {str(step2)!r}: model tensor 'tok_embeddings.weight' has shape "
                     "[258, 64] there but [300, 64] in this model")
     assert "checkpoint.load_step: invalid value 7" in error("--checkpoint.load_step", "7")
+    assert error("--checkpoint.exclude_from_loading", "train_state") == (
+        f"error: checkpoint.load_step: resuming at step 0 would overwrite the later checkpoints [2] in "
+        f"{str(dump / 'checkpoint')!r}; move them out of the folder (or use another checkpoint.folder) "
+        "to continue from there")
+    assert "checkpoint.load_step: invalid value 2; resuming a step needs checkpoint.enable = true" in error(
+        "--checkpoint.load_step", "2", "--checkpoint.no-enable")
 
     # Another model's weights, given as the starting point.
     foreign = tmp_path / "foreign" / "step-3"
@@ -367,9 +376,10 @@ def test_model_only_last_save_and_initial_load(tmp_path):
 
     dump = tmp_path / "export"
     full = run_distributed(_train, 2, _argv(dump, "--checkpoint.last_save_model_only",
-                                            "--checkpoint.export_dtype", "bfloat16"))[0]
+                                            "--checkpoint.export_dtype", "bfloat16",
+                                            "--checkpoint.keep_latest_k", "1"))[0]
     folder = dump / "checkpoint"
-    assert committed_steps(folder) == [5, 10]
+    assert committed_steps(folder) == [5, 10]  # the weights-only export does not push out step 5
     meta = SafeFileSystemReader(str(folder / "step-10")).read_metadata().state_dict_metadata
     assert all(k.startswith("model.") for k in meta), sorted(meta)[:5]
     assert {m.properties.dtype for m in meta.values()} == {torch.bfloat16}

@@ -468,6 +468,10 @@ def test_errors_name_the_folder_the_tensor_and_the_mismatch(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"\x00" * 4)
     assert "not a readable safetensors file" in _load_error(tiny, tmp_path / "broken")
+    (tmp_path / "truncated").mkdir()
+    data = (_write_hf(_model(TINY), tmp_path / "whole") / "model.safetensors").read_bytes()
+    (tmp_path / "truncated" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "(a truncated file)" in _load_error(tiny, tmp_path / "truncated")
 
 
 def test_model_args_from_hf_config_reproduces_flavors():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import datetime
 import io
 import json
 import logging
@@ -207,6 +208,13 @@ def _read_train_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def _weights_only(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8")).get("model_only"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _rng_state() -> dict[str, str]:
     """This process's CPU (and current CUDA device's) generator state, base64 for JSON."""
     state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
@@ -237,7 +245,7 @@ class CheckpointManager:
     """Saves and restores the model, optimizer, LR scheduler, data loader and train state.
 
     ``config`` is a validated ``[checkpoint]`` section; checkpoints live in
-    ``<dump_folder>/<config.folder>``. All ranks call :meth:`load`, :meth:`save`,
+    ``<dump_folder>/<config.folder>``. ``timeout_s`` bounds the collectives of background saves. All ranks call :meth:`load`, :meth:`save`,
     :meth:`wait` and :meth:`close` together (they are collectives).
     """
 
@@ -250,6 +258,7 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         loader: Any,
+        timeout_s: float = 1800.0,
     ) -> None:
         self.config = config
         self.folder = Path(dump_folder) / config.folder
@@ -263,7 +272,7 @@ class CheckpointManager:
         self.last_blocked_s = 0.0  # how long the last save held up training
         # Background saves talk over their own gloo group: collectives of the training loop on
         # the default group and those of the save thread must never interleave.
-        self._async_group = (dist.new_group(backend="gloo")
+        self._async_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
                              if config.enable and config.async_mode == "async" else None)
 
     # ----------------------------------------------------------------------------------------
@@ -289,8 +298,9 @@ class CheckpointManager:
         in_hf = model_only and last and cfg.last_save_in_hf
         final = self.folder / f"step-{step}"
         staging = self.folder / f".step-{step}.partial"
-        rng = [None] * self.world_size
-        dist.all_gather_object(rng, _rng_state())
+        rng: list[Any] = [None] * self.world_size
+        if step > 0:
+            dist.all_gather_object(rng, _rng_state())
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if staging.exists():
@@ -311,7 +321,7 @@ class CheckpointManager:
                                   lr_scheduler=self.lr_scheduler.state_dict(), rng=rng)
             _write_json(staging / TRAIN_STATE_FILE, state_json)
         dist.barrier()
-        dtype = EXPORT_DTYPES[cfg.export_dtype]
+        dtype = EXPORT_DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
         if in_hf:
             from torchtitan_lite.hf import save_hf_weights
 
@@ -368,13 +378,16 @@ class CheckpointManager:
             return
         _fsync_dir(staging)
         replaced = self.folder / f".step-{step}.replaced"
-        if final.exists():  # the same step saved again (a run resumed from an earlier step)
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a crash inside an earlier commit
+        if final.exists():  # only a seed checkpoint can be saved again over itself
             os.replace(final, replaced)
         os.replace(staging, final)
         _fsync_dir(self.folder)
         shutil.rmtree(replaced, ignore_errors=True)
         if self.config.keep_latest_k > 0:
-            for old in committed_steps(self.folder)[: -self.config.keep_latest_k]:
+            # Weights-only saves (exports) are not resume points: they neither count nor go.
+            full = [s for s in committed_steps(self.folder) if not _weights_only(self.folder / f"step-{s}")]
+            for old in full[: -self.config.keep_latest_k]:
                 shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
         logger.info("checkpoint step %d saved to %s (%.2f s)", step, final, time.perf_counter() - started)
 
@@ -388,7 +401,7 @@ class CheckpointManager:
         None when there is nothing to load (a fresh start)."""
         cfg = self.config
         parts = set(LOADABLE_PARTS) - set(cfg.exclude_from_loading)
-        steps = committed_steps(self.folder) if cfg.enable or cfg.create_seed_checkpoint else []
+        steps = committed_steps(self.folder) if cfg.enable else []
         if cfg.enable and cfg.load_step >= 0 and cfg.load_step not in steps:
             raise CheckpointError(
                 f"checkpoint.load_step: invalid value {cfg.load_step}; {str(self.folder)!r} "
@@ -396,6 +409,14 @@ class CheckpointManager:
             )
         if steps:
             step = cfg.load_step if cfg.load_step >= 0 else steps[-1]
+            start = step if "train_state" in parts else 0
+            later = [s for s in steps if s > start]
+            if later:  # the run would save over them: never without being asked
+                raise CheckpointError(
+                    f"checkpoint.load_step: resuming at step {start} would overwrite the later "
+                    f"checkpoints {later} in {str(self.folder)!r}; move them out of the folder (or "
+                    "use another checkpoint.folder) to continue from there"
+                )
             return self._load_from(self.folder / f"step-{step}", parts)
         if cfg.initial_load_path is None:
             return None

@@ -660,13 +660,24 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,
              "expected an integer >= 0 (0 keeps all)")
     _require(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, "expected an integer >= 0, or -1")
-    from torchtitan_lite.checkpoint import LOADABLE_PARTS, check_initial_load_path
+    from torchtitan_lite.checkpoint import LOADABLE_PARTS, check_initial_load_path, committed_steps
 
     unknown = sorted(set(ck.exclude_from_loading) - set(LOADABLE_PARTS))
     _require(not unknown, "checkpoint.exclude_from_loading", ck.exclude_from_loading,
              f"expected names among {', '.join(LOADABLE_PARTS)}")
-    if ck.initial_load_path is not None:
+    folder = Path(c.job.dump_folder) / ck.folder
+    own = committed_steps(folder)
+    if ck.initial_load_path is not None and not (ck.enable and own):  # used only while the folder holds none
         check_initial_load_path(ck.initial_load_path, in_hf=ck.initial_load_in_hf)
+    _require(ck.load_step == -1 or ck.enable, "checkpoint.load_step", ck.load_step,
+             "resuming a step needs checkpoint.enable = true")
+    _require(not (ck.create_seed_checkpoint and ck.initial_load_path is not None),
+             "checkpoint.create_seed_checkpoint", True,
+             "a seed checkpoint holds freshly initialised weights: unset checkpoint.initial_load_path")
+    _require(not (ck.initial_load_path is not None and "model" in ck.exclude_from_loading
+                  and (ck.initial_load_model_only or ck.initial_load_in_hf)),
+             "checkpoint.exclude_from_loading", ck.exclude_from_loading,
+             "initial_load_path loads only model weights here: 'model' cannot be excluded")
     _require(not ck.initial_load_in_hf or ck.initial_load_path is not None, "checkpoint.initial_load_in_hf",
              True, "expected checkpoint.initial_load_path to name the Hugging Face folder")
     _require(not ck.initial_load_in_hf or ck.initial_load_model_only, "checkpoint.initial_load_model_only",
@@ -677,6 +688,9 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
         _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "
                  "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
+    _require(not (ck.create_seed_checkpoint and own), "checkpoint.create_seed_checkpoint", True,
+             f"{str(folder)!r} already holds checkpoints (steps {own}); a seed checkpoint starts a new "
+             "run: use an empty job.dump_folder or checkpoint.folder")
 
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")

@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future
 
+from torchtitan_lite.checkpoint import CheckpointError, failure_reason
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, precompute_freqs_cis
 
 if TYPE_CHECKING:
@@ -262,7 +264,7 @@ def _read_config(path: Path) -> dict[str, Any] | None:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _error(path, f"{CONFIG_FILE} cannot be read: {_one_line(exc)}") from None
+        raise _error(path, f"{CONFIG_FILE} cannot be read: {failure_reason(exc)}") from None
     if not isinstance(config, dict):
         raise _error(path, f"{CONFIG_FILE} is not a JSON object")
     return config
@@ -357,7 +359,7 @@ def model_args_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> Mo
         }
         hidden = int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{CONFIG_FILE} lacks a usable Llama field: {_one_line(exc)}") from None
+        raise ValueError(f"{CONFIG_FILE} lacks a usable Llama field: {failure_reason(exc)}") from None
     shape = (dim, fields["n_layers"], n_heads, fields["n_kv_heads"], hidden)
     free = {k: fields[k] for k in ("vocab_size", "norm_eps", "rope_theta", "max_seq_len")}
     for flavor in LLAMA3_FLAVORS.values():  # a known flavor's fields where the shape is one
@@ -397,14 +399,7 @@ class _TensorEntry:
     shape: tuple[int, ...]
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
 def _error(path: Path, problem: str) -> Exception:
-    from torchtitan_lite.checkpoint import CheckpointError
-
     return CheckpointError(f"HF checkpoint {str(path)!r}: {problem}")
 
 
@@ -436,7 +431,12 @@ def _read_safetensors_index(path: str | Path) -> dict[str, _TensorEntry]:
     entries: dict[str, _TensorEntry] = {}
     for file in files:
         try:
-            header, _ = _read_header(file)
+            header, data_start = _read_header(file)
+            needed = data_start + max((int(info["data_offsets"][1]) for name, info in header.items()
+                                       if name != "__metadata__"), default=0)
+            if file.stat().st_size < needed:
+                raise ValueError(f"it has {file.stat().st_size} bytes, its header needs {needed} "
+                                 "(a truncated file)")
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
@@ -446,7 +446,7 @@ def _read_safetensors_index(path: str | Path) -> dict[str, _TensorEntry]:
                 entries[name] = entry
         except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             raise _error(path, f"{file.name} is not a readable safetensors file: "
-                               f"{_one_line(exc)}") from None
+                               f"{failure_reason(exc)}") from None
     return entries
 
 
@@ -615,7 +615,7 @@ def _distributed() -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_without_process_group() -> Iterator[None]:
+def quiet_without_process_group() -> Iterator[None]:
     """Silence DCP's warning that it runs in one process (expected without a process group)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -645,12 +645,15 @@ def load_hf_weights(model: Transformer, path: str | Path, *,
     params = _named_params(model)
     to_load = {to_hf_name(name): param.detach() for name, param in params.items()
                if not (tied and name == "output.weight")}
-    with torch.no_grad(), _quiet_without_process_group():
+    with torch.no_grad(), quiet_without_process_group():
         # Each rank reads its own rows of every tensor straight into its shard.
-        dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
-        if tied:
-            dcp.load({"model.embed_tokens.weight": params["output.weight"].detach()},
-                     storage_reader=_HFRowReader(str(path)))
+        try:
+            dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
+            if tied:
+                dcp.load({"model.embed_tokens.weight": params["output.weight"].detach()},
+                         storage_reader=_HFRowReader(str(path)))
+        except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+            raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
     # Query/key weights now hold Hugging Face's row order; each is gathered (the only full
     # matrix any rank holds, one at a time) and its shard rewritten in our order.
     for name, param in params.items():
@@ -712,7 +715,7 @@ def save_hf_weights(model: Transformer, path: str | Path, *, dtype: torch.dtype 
     _barrier()
     writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping,
                                       save_distributed=True, enable_consolidation=True)
-    with _quiet_without_process_group():
+    with quiet_without_process_group():
         dcp.save(to_save, storage_writer=writer)
     del to_save
     # dcp.save returns on every rank after rank 0 consolidated the shards (its finish step).

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.checkpoint import CheckpointManager, committed_steps
+from torchtitan_lite.checkpoint import CheckpointError, CheckpointManager
 from torchtitan_lite.config import ConfigError, JobConfig, format_help, load_job_config
 from torchtitan_lite.data import (
     GlobalBatchLoader,
@@ -100,15 +100,6 @@ class Trainer:
         config.validate(world_size=world_size)
         t, p, v = config.training, config.parallelism, config.validation
 
-        ck = config.checkpoint
-        if ck.create_seed_checkpoint:
-            existing = committed_steps(os.path.join(config.job.dump_folder, ck.folder))
-            if existing:
-                raise ConfigError(
-                    f"checkpoint.create_seed_checkpoint: {os.path.join(config.job.dump_folder, ck.folder)!r} "
-                    f"already holds checkpoints (steps {existing}); a seed checkpoint starts a new run: "
-                    "use an empty job.dump_folder or checkpoint.folder"
-                )
         # Data first, before any process group or model: a bad path, an empty dataset or a
         # tokenizer that does not fit fails here, on every rank alike, in seconds.
         self.tokenizer = build_tokenizer(config.model.tokenizer_path)
@@ -150,6 +141,7 @@ class Trainer:
             local_world_size=local_world_size_from_env(),
         )
         self.mesh = build_mesh(self.device, self.dims)
+        set_collective_timeout(config.comm.init_timeout_seconds, self.mesh)  # HSDP's subgroups too
         if self.rank == 0:
             logger.info("job: %s", config.job.description)
             if config.job.print_config:
@@ -217,6 +209,7 @@ class Trainer:
             self.checkpointer = CheckpointManager(
                 ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, loader=self.loader,
+                timeout_s=config.comm.init_timeout_seconds,
             )
             # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
             state = None if ck.create_seed_checkpoint else self.checkpointer.load()
@@ -417,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed checkpoint written to {path}")
         else:
             trainer.train()
+    except CheckpointError as exc:  # a background save that failed: one line, not a traceback
+        trainer.close(clean=False)
+        if local_rank == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
     except BaseException:
         trainer.close(clean=False)
         raise
