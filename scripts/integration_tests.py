@@ -61,7 +61,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from torchtitan_lite.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "train_configs" / "integration_test.toml"
@@ -326,12 +327,6 @@ class CaseResult:
     status: str  # PASS, FAIL or SKIP
     seconds: float = 0.0
     reason: str = ""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch_command(*, nproc: int, config_file: Path, dump: Path, overrides: Sequence[str],
