@@ -56,7 +56,9 @@ def measure_step_memory(
     steps: int = 2,
 ) -> dict[str, dict[str, int]]:
     """Run ``steps`` training steps (``loss_fn()`` → backward → optimizer step → zero_grad)
-    under ``FSDPMemTracker``; return ``{"peak": {...}, "state": {...}}`` in bytes per category.
+    under ``FSDPMemTracker``; return ``{"peak": {...}, "state": {...}}`` in bytes per category,
+    and ``peak_by_device`` (each device's total at its peak: with CPU offload on a GPU, the
+    offloaded state is counted under ``cpu``).
 
     The peak is over all steps; from the second step on it includes the optimizer state (the
     first step creates it only at its end), so ``steps >= 2`` gives a steady-state peak.
@@ -74,4 +76,6 @@ def measure_step_memory(
             current = _by_category(tracker.get_tracker_snapshot("current"))
             state = {"sharded_params": current["sharded_params"], "sharded_grads": grads,
                      "optimizer_state": current["optimizer_state"]}
-    return {"peak": _by_category(tracker.get_tracker_snapshot("peak")), "state": state}
+    peak = tracker.get_tracker_snapshot("peak")
+    return {"peak": _by_category(peak), "state": state,
+            "peak_by_device": {str(dev): int(snap.get("Total", 0)) for dev, snap in peak.items()}}

@@ -1,0 +1,386 @@
+"""What FSDP2's knobs cost and buy, measured: trainer overhead, memory per rank by category,
+collectives per step, meta-device init and start-up time.
+
+    python scripts/benchmark.py --quick                    # a few minutes on a 2-core CPU machine
+    python scripts/benchmark.py --json docs/benchmark.json  # also write every figure as JSON
+
+The script launches its measurements as ``torchrun`` jobs (CPU processes on gloo, or one rank per
+GPU where there are GPUs) and prints one table per part:
+
+overhead      tokens/s of the real trainer loop (``Trainer.train``, the code path of
+              ``python -m torchtitan_lite.train``) against a bare, hand-written FSDP2 loop on the
+              same model, data, batch, optimizer and seed; the two alternate round by round in one
+              process group and the ratio of the medians is reported (>= 0.97 is the target).
+memory        per rank and category (sharded/unsharded params, grads, optimizer state,
+              activations, temporaries, peak), measured by ``FSDPMemTracker`` over real steps, for
+              every reshard mode, with and without bf16 mixed precision and CPU offload, at each
+              world size.
+collectives   all-gathers and reduce-scatters per step (count and MiB per rank) counted from the
+              ``c10d`` ops that ran, next to what each reshard mode implies.
+meta init     peak RSS per rank while building a ~1B-parameter model on the meta device, sharding
+              it over 2 ranks, materialising and initialising it, against that rank's shard and
+              against a naive full initialisation.
+start-up      wall time from launching ``torchrun -m torchtitan_lite.train`` to its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("default", "always", "never")
+CATEGORY_COLUMNS = ("sharded_params", "unsharded_params", "sharded_grads", "optimizer_state",
+                    "activations", "temporaries", "all_gather_buffers", "total")
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (run inside torchrun)
+# --------------------------------------------------------------------------------------------
+
+
+def _job_args(opts: argparse.Namespace, *extra: str) -> list[str]:
+    return ["--model.flavor", opts.flavor, "--training.seq_len", str(opts.seq_len),
+            "--training.local_batch_size", str(opts.local_batch_size), "--training.steps", "1000000",
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000000",
+            "--metrics.no-enable_tensorboard", "--validation.no-enable", "--job.dump_folder",
+            opts.dump, *extra]
+
+
+def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
+    """Trainer.train() vs a bare FSDP2 loop, alternating, in one process group."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from scripts.bench_fsdp import _bare_model
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.train import Trainer, clip_grad_norm_
+
+    trainer = Trainer(load_job_config(_job_args(opts)))
+    bare = _bare_model(trainer.model_args, trainer.mesh, trainer.device)
+    bare_opt = torch.optim.AdamW(bare.parameters(), lr=trainer.config.optimizer.lr, weight_decay=0.1,
+                                 foreach=True)
+
+    def bare_steps(n: int) -> None:
+        for _ in range(n):
+            for inputs, labels in trainer.loader.next_batch():
+                inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
+                loss = F.cross_entropy(bare(inputs).flatten(0, 1).float(), labels.flatten())
+                loss.backward()
+            clip_grad_norm_(list(bare.parameters()), 1.0)
+            bare_opt.step()
+            bare_opt.zero_grad(set_to_none=True)
+
+    def ours_steps(n: int) -> None:
+        trainer.config.training.steps = trainer.step + n
+        trainer.train()
+
+    def timed(fn: Any) -> float:
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        fn(opts.steps)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return (time.perf_counter() - start) / opts.steps
+
+    ours_steps(2)
+    bare_steps(2)  # warm-up both
+    ours, bare_t = [], []
+    for _ in range(opts.rounds):
+        ours.append(timed(ours_steps))
+        bare_t.append(timed(bare_steps))
+    tokens = opts.local_batch_size * opts.seq_len
+    return {"ours_step_s": ours, "bare_step_s": bare_t, "tokens_per_rank_step": tokens,
+            "ours_tps": tokens / statistics.median(ours), "bare_tps": tokens / statistics.median(bare_t),
+            "ratio": statistics.median(bare_t) / statistics.median(ours)}
+
+
+def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
+    """measure_step_memory for every mode × mixed precision × offload at this world size."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.memory import measure_step_memory
+    from torchtitan_lite.models import MODEL_REGISTRY
+    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.validate import token_loss_sum
+
+    device = torch.device("cpu")
+    init_distributed(device)
+    world = dist.get_world_size()
+    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=world))
+    model_cls, flavors = MODEL_REGISTRY["llama3"]
+    args = flavors[opts.flavor]
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, args.vocab_size, (opts.local_batch_size, opts.seq_len + 1), generator=generator)
+    results = []
+    for mode in MODES:
+        for mp in ("float32", "bfloat16"):
+            for offload in (False, True):
+                with torch.device("meta"):
+                    model = model_cls(args)
+                apply_fsdp(model, mesh, reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
+                           reduce_dtype=torch.float32, cpu_offload=offload)
+                model.to_empty(device=device)
+                torch.manual_seed(0)
+                model.init_weights(buffer_device=device)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+                def loss_fn(model: Any = model) -> torch.Tensor:
+                    labels = tokens[:, 1:]
+                    return token_loss_sum(model(tokens[:, :-1]), labels) / labels.numel()
+
+                measured = measure_step_memory(model, optimizer, loss_fn)
+                results.append({"mode": mode, "param_dtype": mp, "cpu_offload": offload, **measured})
+                del model, optimizer
+    dist.barrier()
+    return {"world_size": world, "configs": results, "param_bytes_fp32": args.num_params() * 4}
+
+
+def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from scripts.bench_fsdp import CollectiveCounter
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.train import Trainer
+
+    out = {}
+    for mode in MODES:
+        trainer = Trainer(load_job_config(_job_args(opts, "--parallelism.reshard_after_forward_mode", mode)))
+        trainer.train_step()
+        with CollectiveCounter() as counter:
+            trainer.train_step()
+        units = 2 + trainer.model_args.n_layers  # tok_embeddings, every block, norm + output
+        shard_bytes = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
+        out[mode] = {"all_gather": counter.calls["all_gather"],
+                     "all_gather_mib": counter.bytes["all_gather"] / 2**20,
+                     "reduce_scatter": counter.calls["reduce_scatter"],
+                     "reduce_scatter_mib": counter.bytes["reduce_scatter"] / 2**20,
+                     "units": units, "shard_mib": shard_bytes / 2**20}
+        trainer.metrics.close()
+        del trainer
+        torch.manual_seed(0)
+    return out
+
+
+def _rss() -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
+    """Peak RSS of meta build → shard → to_empty → init_weights of the 1B flavor (this rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.models import MODEL_REGISTRY
+    from torchtitan_lite.parallelize import apply_fsdp
+
+    device = torch.device("cpu")
+    init_distributed(device)
+    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1,
+                                                   world_size=dist.get_world_size()))
+    model_cls, flavors = MODEL_REGISTRY["llama3"]
+    args = flavors["1B"]
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset VmHWM to the current RSS
+    before = _rss()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = model_cls(args)
+    apply_fsdp(model, mesh)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=device)
+    seconds = time.perf_counter() - start
+    after = _rss()
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    dist.barrier()
+    result = {"params": args.num_params(), "shard_bytes": shard, "peak_delta_bytes": after["VmHWM"] - before["VmRSS"],
+              "seconds": seconds}
+    if dist.get_rank() == 0 and opts.naive:
+        del model
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        before = _rss()
+        naive = model_cls(args)  # every parameter allocated in full, then initialised
+        torch.manual_seed(0)
+        naive.init_weights()
+        result["naive_peak_delta_bytes"] = _rss()["VmHWM"] - before["VmRSS"]
+        del naive
+    dist.barrier()
+    return result
+
+
+WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
+           "metainit": _worker_metainit}
+
+
+def _worker_main(opts: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    result = WORKERS[opts.worker](opts)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(opts.out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Orchestration
+# --------------------------------------------------------------------------------------------
+
+
+def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> list[Any]:
+    """Run ``worker`` under torchrun on ``nproc`` ranks; returns every rank's result."""
+    from torchtitan_lite.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1",
+               str(Path(__file__).resolve()), "--worker", worker, "--out", str(out), "--dump", tmp,
+               "--flavor", opts.flavor, "--seq_len", str(opts.seq_len),
+               "--local_batch_size", str(opts.local_batch_size), "--steps", str(opts.steps),
+               "--rounds", str(opts.rounds), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed "
+                             f"(exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+        return json.loads(out.read_text())
+
+
+def _startup(opts: argparse.Namespace, nproc: int) -> float:
+    """Seconds from launching the trainer to the record of its first step."""
+    from torchtitan_lite.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1",
+               "-m", "torchtitan_lite.train", "--job.config_file", "train_configs/debug_model.toml",
+               "--training.steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
+               "--job.dump_folder", tmp]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        start = time.time()
+        subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, check=True, timeout=600)
+        record = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[0])
+        return record["time"] - start - record["step_time_s"]
+
+
+def _print_memory(memory: dict[int, list[Any]]) -> None:
+    print("\nmemory per rank (MiB), measured with FSDPMemTracker over 2 steps; peak = all categories "
+          "at the moment the total peaked; state = after a step")
+    head = f"{'ranks':>5} {'mode':8} {'param':9} {'offload':7} " + " ".join(f"{c[:12]:>12}" for c in CATEGORY_COLUMNS)
+    print(head)
+    for world, ranks in memory.items():
+        for cfg in ranks[0]["configs"]:
+            state, peak = cfg["state"], cfg["peak"]
+            cells = [state["sharded_params"], peak["unsharded_params"], state["sharded_grads"],
+                     state["optimizer_state"], peak["activations"], peak["temporaries"],
+                     peak["all_gather_buffers"], peak["total"]]
+            print(f"{world:>5} {cfg['mode']:8} {cfg['param_dtype']:9} {str(cfg['cpu_offload']):7} "
+                  + " ".join(f"{c / 2**20:12.2f}" for c in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and world sizes 1, 2, 4 (minutes)")
+    parser.add_argument("--flavor", default="debugmodel")
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--local_batch_size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each loop")
+    parser.add_argument("--world_sizes", default="1,2,4")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    # worker-side (internal)
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--dump", help=argparse.SUPPRESS)
+    parser.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker:
+        sys.path.insert(0, str(REPO))
+        _worker_main(opts)
+        return
+    if opts.quick:
+        opts.rounds, opts.steps = 3, 5
+    skip = set(filter(None, opts.skip.split(",")))
+    worlds = [int(w) for w in opts.world_sizes.split(",")]
+    figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "options": {
+        k: v for k, v in vars(opts).items() if k not in ("worker", "out", "dump", "naive")}}
+    import torch
+
+    figures["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    print(f"benchmark on {figures['device']}, model {opts.flavor}, seq_len {opts.seq_len}, "
+          f"local batch {opts.local_batch_size}")
+
+    if "overhead" not in skip:
+        ranks = _launch("overhead", 2, opts)
+        o = ranks[0]
+        figures["overhead"] = o
+        print(f"\noverhead (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps): trainer "
+              f"{o['ours_tps']:,.0f} tok/s/rank, bare FSDP2 loop {o['bare_tps']:,.0f} tok/s/rank, "
+              f"ratio trainer/bare = {o['ratio']:.3f}")
+    if "memory" not in skip:
+        memory = {w: _launch("memory", w, opts) for w in worlds}
+        figures["memory"] = {str(w): r for w, r in memory.items()}
+        _print_memory(memory)
+    if "collectives" not in skip:
+        coll = _launch("collectives", 2, opts)[0]
+        figures["collectives"] = coll
+        theory = {"default": "fwd: every unit; bwd: every unit but norm+output",
+                  "always": "fwd and bwd: every unit", "never": "fwd only"}
+        print("\ncollectives per step per rank (2 ranks; counted from the c10d ops that ran)")
+        print(f"{'mode':8} {'all-gather':>10} {'AG MiB':>8} {'reduce-scatter':>14} {'RS MiB':>8}  theory "
+              "(units = tok_embeddings + blocks + norm/output)")
+        for mode, c in coll.items():
+            expected = {"default": 2 * c["units"] - 1, "always": 2 * c["units"], "never": c["units"]}[mode]
+            print(f"{mode:8} {c['all_gather']:>10} {c['all_gather_mib']:8.2f} {c['reduce_scatter']:>14} "
+                  f"{c['reduce_scatter_mib']:8.2f}  {theory[mode]}: {expected} all-gathers, "
+                  f"{c['units']} reduce-scatters")
+    if "metainit" not in skip:
+        ranks = _launch("metainit", 2, opts, "--naive")
+        figures["metainit"] = ranks
+        r0 = ranks[0]
+        print(f"\nmeta init of the 1B flavor ({r0['params'] / 1e9:.2f}B params) on 2 ranks: peak RSS delta "
+              + ", ".join(f"rank {i} {r['peak_delta_bytes'] / 2**30:.2f} GiB ({r['peak_delta_bytes'] / r['shard_bytes']:.2f}× "
+                          f"its {r['shard_bytes'] / 2**30:.2f} GiB shard)" for i, r in enumerate(ranks))
+              + f"; naive full init {r0['naive_peak_delta_bytes'] / 2**30:.2f} GiB; {r0['seconds']:.1f} s")
+    if "startup" not in skip:
+        seconds = _startup(opts, 2)
+        figures["startup_s"] = seconds
+        print(f"\nstart-up (2 ranks, debug_model.toml): {seconds:.1f} s from launching torchrun to the "
+              "start of the first step")
+    if opts.json:
+        Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.json).write_text(json.dumps(figures, indent=1))
+        print(f"\nfigures written to {opts.json}")
+
+
+if __name__ == "__main__":
+    main()
