@@ -1,0 +1,260 @@
+"""Memory estimates (fake tensors, fake process group) against measured real steps.
+
+The measured figures come from :func:`torchtitan_lite.memory.measure_step_memory` on real gloo
+processes running the same model, sharding, optimizer and loss as the estimate; the estimate's
+peak must be within 10% of the measured peak and its sharded state within 2%.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_utils import REPO_ROOT, run_command, run_distributed
+from torchtitan_lite.estimate import CATEGORY_NAMES, MemoryEstimate, estimate_memory, main
+from torchtitan_lite.memory import CATEGORIES
+from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs
+
+# Small, but with a realistic vocabulary so that logits and the loss's buffers matter.
+SMALL = ModelArgs(dim=128, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64,
+                  max_seq_len=512)
+DEBUG = LLAMA3_FLAVORS["debugmodel"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: ModelArgs
+    mode: str | int = "default"
+    param_dtype: str = "float32"
+    cpu_offload: bool = False
+    local_batch_size: int = 4
+    seq_len: int = 128
+    optimizer_implementation: str = "foreach"
+    grad_accum_steps: int = 1
+    dp_replicate: int = 1
+
+
+CASES: dict[int, list[Case]] = {
+    1: [
+        Case("small fp32", SMALL),
+        Case("small tiny batch (optimizer-step peak)", SMALL, local_batch_size=1, seq_len=16),
+    ],
+    2: [
+        Case("small fp32", SMALL),
+        Case("small never bf16", SMALL, mode="never", param_dtype="bfloat16"),
+        Case("small always bf16", SMALL, mode="always", param_dtype="bfloat16"),
+        Case("small CPU offload", SMALL, cpu_offload=True),
+        Case("small bf16, 2 micro-batches", SMALL, param_dtype="bfloat16", grad_accum_steps=2),
+        # The benchmark's memory configurations (scripts/benchmark.py): debugmodel, seq 256,
+        # batch 4, AdamW with its default implementation on CPU (a for-loop).
+        Case("debugmodel (benchmark)", DEBUG, seq_len=256, optimizer_implementation="for-loop"),
+        Case("debugmodel never bf16 offload (benchmark)", DEBUG, mode="never", param_dtype="bfloat16",
+             cpu_offload=True, seq_len=256, optimizer_implementation="for-loop"),
+    ],
+    4: [
+        Case("small bf16", SMALL, param_dtype="bfloat16", local_batch_size=2),
+        Case("small reshard to 2", SMALL, mode=2),
+        Case("small HSDP 2 x 2 bf16", SMALL, param_dtype="bfloat16", dp_replicate=2),
+    ],
+}
+
+
+def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, Any]:
+    """Real steps on this rank for every case, as the trainer runs them (its optimizer, its loss);
+    with ``estimate_first_here`` also the first case's estimate made inside this process group
+    (which ``estimate_memory`` runs in a child process)."""
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import Optimizer
+    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.memory import measure_step_memory
+    from torchtitan_lite.models.llama3 import Transformer
+    from torchtitan_lite.optim import build_optimizer
+    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.validate import token_loss_sum
+
+    device = torch.device("cpu")
+    init_distributed(device)
+    world = dist.get_world_size()
+    meshes = {replicate: build_mesh(device, ParallelDims.resolve(dp_replicate=replicate, dp_shard=-1,
+                                                                  world_size=world))
+              for replicate in sorted({case.dp_replicate for case in cases})}
+    results = []
+    for case in cases:
+        mesh = meshes[case.dp_replicate]
+        with torch.device("meta"):
+            model = Transformer(case.args)
+        apply_fsdp(model, mesh, reshard_after_forward_mode=case.mode,
+                   param_dtype=getattr(torch, case.param_dtype), reduce_dtype=torch.float32,
+                   cpu_offload=case.cpu_offload)
+        model.to_empty(device=device)
+        torch.manual_seed(0)
+        model.init_weights(buffer_device=device)
+        optimizer = build_optimizer(model, Optimizer(implementation=case.optimizer_implementation))
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        batches = [torch.randint(0, case.args.vocab_size, (case.local_batch_size, case.seq_len + 1),
+                                 generator=generator) for _ in range(case.grad_accum_steps)]
+        tokens_per_step = case.local_batch_size * case.seq_len * case.grad_accum_steps
+
+        def loss_fn(model: Any = model, batches: list[torch.Tensor] = batches,
+                    tokens: int = tokens_per_step) -> torch.Tensor:
+            # Every micro-batch but the last runs its backward here (gradient accumulation);
+            # measure_step_memory runs the last one's.
+            for batch in batches[:-1]:
+                (token_loss_sum(model(batch[:, :-1]), batch[:, 1:]) / tokens).backward()
+            last = batches[-1]
+            return token_loss_sum(model(last[:, :-1]), last[:, 1:]) / tokens
+
+        results.append(measure_step_memory(model, optimizer, loss_fn))
+        del model, optimizer
+    estimate = _estimate(cases[0], world) if estimate_first_here else None
+    dist.barrier()
+    return {"measured": results, "estimate_in_group": estimate}
+
+
+def _estimate(case: Case, world_size: int) -> MemoryEstimate:
+    return estimate_memory(
+        case.args, world_size=world_size, dp_replicate=case.dp_replicate,
+        local_batch_size=case.local_batch_size, seq_len=case.seq_len,
+        reshard_after_forward_mode=case.mode, param_dtype=getattr(torch, case.param_dtype),
+        reduce_dtype=torch.float32, cpu_offload=case.cpu_offload,
+        optimizer_implementation=case.optimizer_implementation, grad_accum_steps=case.grad_accum_steps,
+    )
+
+
+def _compare(world_size: int) -> None:
+    cases = CASES[world_size]
+    ranks = run_distributed(_measure, world_size, cases, world_size == 1)
+    measured_all = [rank["measured"] for rank in ranks]
+    print(f"\n{'ranks':>5} {'case':42} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  "
+          f"{'peak in':28} {'estimate s':>10}")
+    failures = []
+    for index, case in enumerate(cases):
+        estimate = _estimate(case, world_size)
+        if index == 0 and ranks[0]["estimate_in_group"] is not None:
+            # Made by a process that already had a process group: the same figures.
+            assert ranks[0]["estimate_in_group"].categories == estimate.categories
+        for rank, measured in enumerate(measured_all):
+            got, want = estimate.peak, measured[index]["peak"]["total"]
+            error = (got - want) / want
+            if rank == 0:
+                where = f"{estimate.peak_phase} ({estimate.peak_module})" if estimate.peak_module else estimate.peak_phase
+                print(f"{world_size:>5} {case.name:42} {want / 2**20:12.2f} {got / 2**20:13.2f} "
+                      f"{error:+8.3%}  {where[:28]:28} {estimate.seconds:10.1f}")
+            if abs(error) > 0.10:
+                failures.append(f"{case.name}, rank {rank}: peak {got} vs measured {want} ({error:+.1%})")
+            for key in ("sharded_params", "sharded_grads", "optimizer_state"):
+                got_state, want_state = estimate.state[key], measured[index]["state"][key]
+                if abs(got_state - want_state) > 0.02 * want_state:
+                    failures.append(f"{case.name}, rank {rank}: {key} {got_state} vs measured {want_state}")
+    assert not failures, "\n".join(failures)
+
+
+def test_estimate_matches_measured_peak_at_one_and_two_ranks() -> None:
+    """Peak within 10% and sharded state within 2% of real steps, 1 and 2 ranks, every
+    reshard mode, fp32 and bf16, CPU offload, gradient accumulation, the benchmark's shapes."""
+    _compare(1)
+    _compare(2)
+
+
+def test_estimate_matches_measured_peak_at_four_ranks() -> None:
+    """The same at 4 ranks, with an integer reshard mode and HSDP (2 replicas × 2 shards)."""
+    _compare(4)
+
+
+def test_estimate_api() -> None:
+    """Categories are memory.CATEGORIES's; device/CPU split under offload; fits(); errors."""
+    assert set(CATEGORY_NAMES) == set(CATEGORIES.values())
+    common = {"world_size": 8, "local_batch_size": 2, "seq_len": 64, "reshard_after_forward_mode": "default",
+              "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    plain = estimate_memory(DEBUG, cpu_offload=False, **common)
+    offload = estimate_memory(DEBUG, cpu_offload=True, **common)
+    assert set(plain.categories) == set(CATEGORY_NAMES)
+    assert plain.peak == sum(plain.categories.values()) == plain.device_peak and plain.cpu_peak == 0
+    assert plain.peak_phase in ("forward", "loss", "backward", "optimizer")
+    # Sharded state: 1/8 of the fp32 parameters (padded), AdamW's two moments beside it.
+    params = DEBUG.num_params() * 4 / 8
+    assert abs(plain.state["sharded_params"] - params) <= 0.01 * params
+    assert abs(plain.state["optimizer_state"] - 2 * params) <= 0.01 * 2 * params
+    # Offload moves the sharded state to CPU: the device peak excludes it.
+    state = sum(offload.state.values())
+    assert offload.cpu_peak >= state
+    assert offload.device_peak <= offload.peak - offload.state["sharded_params"]
+    assert plain.fits(plain.device_peak) and not plain.fits(plain.device_peak - 1)
+    assert json.loads(json.dumps(plain.to_dict()))["peak"] == plain.peak
+    with pytest.raises(ValueError, match="reshard_after_forward_mode=3"):
+        estimate_memory(DEBUG, cpu_offload=False, **{**common, "reshard_after_forward_mode": 3})
+    with pytest.raises(ValueError, match="world_size"):
+        estimate_memory(DEBUG, cpu_offload=False, **{**common, "world_size": 0})
+
+
+def _run_cli_8b(world_size: int, out: Path) -> tuple[float, Any]:
+    start = time.perf_counter()
+    done = run_command([sys.executable, "-m", "torchtitan_lite.estimate", "--job.config_file",
+                        "train_configs/llama3_8b.toml", "--model.vocab_size", "128256", "--world_size",
+                        str(world_size), "--device_memory_gib", "80", "--json", str(out)], timeout=120)
+    return time.perf_counter() - start, done
+
+
+def test_cli_8b_at_8_and_64_ranks(tmp_path: Path) -> None:
+    """The 8B flavor (Llama-3 vocabulary) at 8 and 64 ranks, every reshard mode, in seconds
+    (the two runs go side by side, one core each)."""
+    worlds = (8, 64)
+    with ThreadPoolExecutor(max_workers=len(worlds)) as pool:
+        runs = dict(zip(worlds, pool.map(lambda w: _run_cli_8b(w, tmp_path / f"{w}.json"), worlds),
+                        strict=True))
+    for world_size, (seconds, done) in runs.items():
+        print(f"\n8B at {world_size} ranks: {seconds:.1f} s wall\n{done.stdout}")
+        assert done.returncode == 0, done.stderr
+        assert seconds < 30, (world_size, seconds)
+        _check_8b(world_size, json.loads((tmp_path / f"{world_size}.json").read_text()), done.stdout)
+
+
+def _check_8b(world_size: int, record: dict[str, Any], stdout: str) -> None:
+    estimates = {str(e["reshard_after_forward_mode"]): e for e in record["estimates"]}
+    assert set(estimates) == {"default", "never", "always"} and estimates["default"]["configured"]
+    params = 8.03e9
+    assert abs(record["num_params"] - params) <= 0.005 * params
+    for estimate in estimates.values():
+        # fp32 sharded params: 1/N of the model; AdamW's state twice that.
+        expected = params * 4 / world_size
+        assert abs(estimate["state"]["sharded_params"] - expected) <= 0.01 * expected
+        assert abs(estimate["state"]["optimizer_state"] - 2 * expected) <= 0.01 * 2 * expected
+        assert estimate["fits"] == (estimate["device_peak"] <= 80 * 2**30)
+    # never keeps every unit's bf16 parameters gathered; default only norm + output.
+    gathered = record["num_params"] * 2
+    assert estimates["never"]["device_categories"]["unsharded_params"] >= 0.9 * gathered
+    assert estimates["default"]["device_categories"]["unsharded_params"] < 0.2 * gathered
+    assert estimates["never"]["device_peak"] > estimates["default"]["device_peak"] >= estimates["always"]["device_peak"]
+    assert any(line.startswith("default*") for line in stdout.splitlines()), stdout
+
+
+def test_cli_bad_key_exits_2_with_one_line() -> None:
+    done = run_command([sys.executable, "-m", "torchtitan_lite.estimate", "--world_size", "8",
+                        "--job.config_file", "train_configs/debug_model.toml", "--training.stepz", "3"],
+                       cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert done.stderr.startswith("error: unknown key 'training.stepz'"), done.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world_size", "8", "--training.seq_len", "abc"], "training.seq_len: invalid value 'abc'"),
+    (["--training.seq_len", "64"], "--world_size is required"),
+    (["--world_size", "two"], "--world_size: invalid value 'two'"),
+    (["--world_size", "3", "--parallelism.reshard_after_forward_mode", "2"], "proper divisor"),
+    (["--world_size", "8", "--device_memory_gib", "-1"], "--device_memory_gib: invalid value"),
+])
+def test_cli_bad_values_exit_2_with_one_line(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
