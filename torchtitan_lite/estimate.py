@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.memory import CATEGORIES
+from torchtitan_lite.memory import CATEGORIES, by_category
 from torchtitan_lite.models.llama3 import ModelArgs
 
 __all__ = ["CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "MemoryEstimate", "estimate_memory", "main"]
@@ -346,14 +346,8 @@ def _local(tensor: Any) -> Any:
 
 
 def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
-    """A tracker snapshot summed over devices, keyed by our category names."""
-    out = dict.fromkeys(CATEGORY_NAMES, 0)
-    for per_device in snapshot.values():
-        for key, value in per_device.items():
-            name = CATEGORIES.get(getattr(key, "value", str(key)))
-            if name is not None:
-                out[name] += int(value)
-    return out
+    """A tracker snapshot summed over devices, keyed by our category names (no total)."""
+    return {k: v for k, v in by_category(snapshot).items() if k != "total"}
 
 
 def _estimate_here(

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "measure_step_memory"]
+__all__ = ["CATEGORIES", "by_category", "measure_step_memory"]
 
 # Our names for FSDPMemTracker's categories (its _FSDPRefType values).
 CATEGORIES = {
@@ -37,7 +37,7 @@ CATEGORIES = {
 }
 
 
-def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+def by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     """Sum a tracker snapshot over devices, keyed by our category names plus ``total``."""
     out = dict.fromkeys([*CATEGORIES.values(), "total"], 0)
     for per_device in snapshot.values():
@@ -70,12 +70,12 @@ def measure_step_memory(
     with tracker:
         for _ in range(steps):
             loss_fn().backward()
-            grads = _by_category(tracker.get_tracker_snapshot("current"))["sharded_grads"]
+            grads = by_category(tracker.get_tracker_snapshot("current"))["sharded_grads"]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            current = _by_category(tracker.get_tracker_snapshot("current"))
+            current = by_category(tracker.get_tracker_snapshot("current"))
             state = {"sharded_params": current["sharded_params"], "sharded_grads": grads,
                      "optimizer_state": current["optimizer_state"]}
     peak = tracker.get_tracker_snapshot("peak")
-    return {"peak": _by_category(peak), "state": state,
+    return {"peak": by_category(peak), "state": state,
             "peak_by_device": {str(dev): int(snap.get("Total", 0)) for dev, snap in peak.items()}}
