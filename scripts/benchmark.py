@@ -33,8 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan_lite.models.llama3 import ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("default", "always", "never")
@@ -45,6 +52,59 @@ CATEGORY_COLUMNS = ("sharded_params", "unsharded_params", "sharded_grads", "opti
 # --------------------------------------------------------------------------------------------
 # Workers (run inside torchrun)
 # --------------------------------------------------------------------------------------------
+
+
+def _kind(op_name: str) -> str | None:
+    if "allgather" in op_name or "all_gather" in op_name:
+        return "all_gather"
+    if "reduce_scatter" in op_name:
+        return "reduce_scatter"
+    if "allreduce" in op_name or "all_reduce" in op_name:
+        return "all_reduce"
+    return None
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives and the bytes each rank contributes (input tensors).
+
+    ProcessGroup collectives go through the dispatcher as ``c10d::*`` ops; on CPU autograd
+    runs backward in the calling thread, so backward collectives are seen too. Collectives that
+    DTensor issues inside its own dispatch (the gradient-norm reduction) run below this mode and
+    are not counted: the all_reduce column is the loss reduction.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = _kind(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            self.calls[kind] += 1
+            # all-gather / reduce-scatter: (output, input, ...); all-reduce: (tensors, ...)
+            source = args[0] if kind == "all_reduce" else args[1]
+            tensors = [t for t in torch.utils._pytree.tree_leaves(source)
+                       if isinstance(t, torch.Tensor)]
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def _bare_model(args: ModelArgs, mesh: Any, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=device)
+    return model
+
+
 
 
 def _job_args(opts: argparse.Namespace, *extra: str) -> list[str]:
@@ -61,7 +121,6 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from scripts.bench_fsdp import _bare_model
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.train import Trainer, clip_grad_norm_
 
@@ -153,7 +212,6 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
 def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from scripts.bench_fsdp import CollectiveCounter
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.train import Trainer
 
@@ -176,22 +234,13 @@ def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _rss() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values
-
-
 def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     """Peak RSS of meta build → shard → to_empty → init_weights of the 1B flavor (this rank)."""
     import torch
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.memory import process_memory, reset_peak_rss
     from torchtitan_lite.models import MODEL_REGISTRY
     from torchtitan_lite.parallelize import apply_fsdp
 
@@ -202,9 +251,8 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     args = flavors["1B"]
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset VmHWM to the current RSS
-    before = _rss()
+    reset_peak_rss()
+    before = process_memory()
     start = time.perf_counter()
     with torch.device("meta"):
         model = model_cls(args)
@@ -213,20 +261,19 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model.init_weights(buffer_device=device)
     seconds = time.perf_counter() - start
-    after = _rss()
+    after = process_memory()
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     dist.barrier()
-    result = {"params": args.num_params(), "shard_bytes": shard, "peak_delta_bytes": after["VmHWM"] - before["VmRSS"],
+    result = {"params": args.num_params(), "shard_bytes": shard, "peak_delta_bytes": after["peak_rss"] - before["rss"],
               "seconds": seconds}
     if dist.get_rank() == 0 and opts.naive:
         del model
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        before = _rss()
+        reset_peak_rss()
+        before = process_memory()
         naive = model_cls(args)  # every parameter allocated in full, then initialised
         torch.manual_seed(0)
         naive.init_weights()
-        result["naive_peak_delta_bytes"] = _rss()["VmHWM"] - before["VmRSS"]
+        result["naive_peak_delta_bytes"] = process_memory()["peak_rss"] - before["rss"]
         del naive
     dist.barrier()
     return result

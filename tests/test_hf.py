@@ -357,16 +357,6 @@ def test_hsdp_2x2_load_and_save(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _memory_status() -> dict[str, int]:
-    values = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                values[key] = int(rest.split()[0]) * 1024
-    return values
-
-
 def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
     import gc
 
@@ -375,6 +365,7 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
     from torchtitan_lite.checkpoint import CheckpointManager
     from torchtitan_lite.config import Checkpoint
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.memory import process_memory, reset_peak_rss
 
     init_distributed(torch.device("cpu"))
     mesh = build_mesh(torch.device("cpu"), ParallelDims(dp_replicate=1, dp_shard=2, world_size=2))
@@ -384,13 +375,12 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
                                 lr_scheduler=None, loader=None)
     gc.collect()
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset the peak (VmHWM) to the current resident size
-    before = _memory_status()
+    reset_peak_rss()  # the peak restarts from the current resident size
+    before = process_memory()
     assert manager.load() == {}  # the trainer's initial_load_path: weights only
-    after = _memory_status()
+    after = process_memory()
     shard_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return {"rss_before": before["VmRSS"], "peak": after["VmHWM"], "shard_bytes": shard_bytes}
+    return {"rss_before": before["rss"], "peak": after["peak_rss"], "shard_bytes": shard_bytes}
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")

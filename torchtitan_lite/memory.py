@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "by_category", "measure_step_memory"]
+__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "process_memory", "reset_peak_rss"]
 
 # Our names for FSDPMemTracker's categories (its _FSDPRefType values).
 CATEGORIES = {
@@ -79,3 +79,22 @@ def measure_step_memory(
     peak = tracker.get_tracker_snapshot("peak")
     return {"peak": by_category(peak), "state": state,
             "peak_by_device": {str(dev): int(snap.get("Total", 0)) for dev, snap in peak.items()}}
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory now (``rss``) and at its peak (``peak_rss``), in bytes,
+    from Linux's ``/proc/self/status``."""
+    names = {"VmRSS": "rss", "VmHWM": "peak_rss"}
+    values = {}
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            if key in names:
+                values[names[key]] = int(rest.split()[0]) * 1024
+    return values
+
+
+def reset_peak_rss() -> None:
+    """Make the peak resident memory (``peak_rss``) restart from the current one (Linux)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+        fh.write("5")
