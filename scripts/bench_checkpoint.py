@@ -34,7 +34,7 @@ from torchtitan_lite.distributed import (
     world_info_from_env,
 )
 from torchtitan_lite.models import MODEL_REGISTRY
-from torchtitan_lite.parallelize import apply_fsdp
+from torchtitan_lite.parallelize import build_sharded_model
 
 
 class _PlainState:
@@ -65,12 +65,7 @@ def main() -> None:
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     model_args = replace(flavors["debugmodel"], dim=args.dim, n_layers=args.n_layers, n_heads=16,
                          vocab_size=args.vocab_size, max_seq_len=64)
-    with torch.device("meta"):
-        model = model_cls(model_args)
-    apply_fsdp(model, mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=device)
+    model = build_sharded_model(model_cls, model_args, mesh, device=device, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, args.vocab_size, (1, 64), device=device)
     model(tokens).float().mean().backward()

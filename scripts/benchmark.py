@@ -174,7 +174,7 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
     from torchtitan_lite.memory import measure_step_memory
     from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.parallelize import build_sharded_model
     from torchtitan_lite.validate import token_loss_sum
 
     device = torch.device("cpu")
@@ -189,13 +189,9 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     for mode in MODES:
         for mp in ("float32", "bfloat16"):
             for offload in (False, True):
-                with torch.device("meta"):
-                    model = model_cls(args)
-                apply_fsdp(model, mesh, reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
-                           reduce_dtype=torch.float32, cpu_offload=offload)
-                model.to_empty(device=device)
-                torch.manual_seed(0)
-                model.init_weights(buffer_device=device)
+                model = build_sharded_model(model_cls, args, mesh, device=device, seed=0,
+                                            reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
+                                            reduce_dtype=torch.float32, cpu_offload=offload)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
                 def loss_fn(model: Any = model) -> torch.Tensor:
@@ -242,7 +238,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
     from torchtitan_lite.memory import process_memory, reset_peak_rss
     from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.parallelize import build_sharded_model
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -254,12 +250,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     reset_peak_rss()
     before = process_memory()
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = model_cls(args)
-    apply_fsdp(model, mesh)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    model.init_weights(buffer_device=device)
+    model = build_sharded_model(model_cls, args, mesh, device=device, seed=0)
     seconds = time.perf_counter() - start
     after = process_memory()
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())

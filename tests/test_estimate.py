@@ -79,7 +79,7 @@ def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, 
     from torchtitan_lite.memory import measure_step_memory
     from torchtitan_lite.models.llama3 import Transformer
     from torchtitan_lite.optim import build_optimizer
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.parallelize import build_sharded_model
     from torchtitan_lite.validate import token_loss_sum
 
     device = torch.device("cpu")
@@ -91,14 +91,10 @@ def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, 
     results = []
     for case in cases:
         mesh = meshes[case.dp_replicate]
-        with torch.device("meta"):
-            model = Transformer(case.args)
-        apply_fsdp(model, mesh, reshard_after_forward_mode=case.mode,
-                   param_dtype=getattr(torch, case.param_dtype), reduce_dtype=torch.float32,
-                   cpu_offload=case.cpu_offload)
-        model.to_empty(device=device)
-        torch.manual_seed(0)
-        model.init_weights(buffer_device=device)
+        model = build_sharded_model(Transformer, case.args, mesh, device=device, seed=0,
+                                    reshard_after_forward_mode=case.mode,
+                                    param_dtype=getattr(torch, case.param_dtype), reduce_dtype=torch.float32,
+                                    cpu_offload=case.cpu_offload)
         optimizer = build_optimizer(model, Optimizer(implementation=case.optimizer_implementation))
         generator = torch.Generator().manual_seed(dist.get_rank())
         batches = [torch.randint(0, case.args.vocab_size, (case.local_batch_size, case.seq_len + 1),

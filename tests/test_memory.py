@@ -14,7 +14,7 @@ def _measure(mode: str) -> dict[str, Any]:
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
     from torchtitan_lite.memory import measure_step_memory
     from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.parallelize import build_sharded_model
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -22,12 +22,7 @@ def _measure(mode: str) -> dict[str, Any]:
                                                    world_size=dist.get_world_size()))
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     args = flavors["debugmodel"]
-    with torch.device("meta"):
-        model = model_cls(args)
-    apply_fsdp(model, mesh, reshard_after_forward_mode=mode)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    model.init_weights()
+    model = build_sharded_model(model_cls, args, mesh, device=device, seed=0, reshard_after_forward_mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
 

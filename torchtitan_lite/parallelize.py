@@ -31,6 +31,7 @@ __all__ = [
     "RESHARD_MODES",
     "UnitRole",
     "apply_fsdp",
+    "build_sharded_model",
     "resolve_reshard_after_forward",
     "validate_reshard_after_forward_mode",
 ]
@@ -230,3 +231,25 @@ def apply_fsdp(
     # at once). With every submodule in a unit it usually owns no parameters at all.
     fully_shard(model, **common)  # type: ignore[arg-type]
     return model  # type: ignore[return-value]
+
+
+def build_sharded_model(
+    model_cls: Callable[[Any], nn.Module],
+    args: Any,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    seed: int,
+    **fsdp_options: Any,
+) -> nn.Module:
+    """The meta-init path: build ``model_cls(args)`` on the meta device, shard it with
+    :func:`apply_fsdp` (``fsdp_options`` are its keyword arguments), allocate this rank's shards
+    (on CPU under ``cpu_offload``, else on ``device``) and fill them with ``init_weights`` from
+    ``seed``. No rank ever holds the full model."""
+    with torch.device("meta"):
+        model = model_cls(args)
+    apply_fsdp(model, mesh, **fsdp_options)
+    model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
+    torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
+    model.init_weights(buffer_device=device)  # type: ignore[operator]
+    return model

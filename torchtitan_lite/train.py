@@ -40,7 +40,7 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
 from torchtitan_lite.models import MODEL_REGISTRY
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
-from torchtitan_lite.parallelize import apply_fsdp
+from torchtitan_lite.parallelize import build_sharded_model
 from torchtitan_lite.profiling import Profiler
 from torchtitan_lite.validate import Validator, token_loss_sum
 
@@ -174,20 +174,13 @@ class Trainer:
             )
 
         # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
-        with torch.device("meta"):
-            model = model_cls(self.model_args)
-        apply_fsdp(
-            model,
-            self.mesh,
+        model = build_sharded_model(
+            model_cls, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
             reshard_after_forward_mode=p.reshard_after_forward_mode,
             param_dtype=_DTYPES[t.mixed_precision_param],
             reduce_dtype=_DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
         )
-        init_device = torch.device("cpu") if t.enable_cpu_offload else self.device
-        model.to_empty(device=init_device)
-        torch.manual_seed(config.debug.seed)  # weights depend on the seed only
-        model.init_weights(buffer_device=self.device)
         model.train()
         self.model = model
 
