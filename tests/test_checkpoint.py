@@ -67,10 +67,13 @@ def _global_samples(results: list[dict[str, Any]], steps: range) -> dict[int, li
     return {s: sorted(i for r in results for i in r["samples"][s]) for s in steps}
 
 
-def test_resume_after_a_crash_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("crash_at", [6, 7], ids=["stop_after_5", "crash_in_7"])
+def test_resume_after_a_crash_is_bit_identical(tmp_path, crash_at):
+    """Stopped right after the step-5 checkpoint, or in step 7 (step 6 lost): the resumed steps
+    6-10 equal the uninterrupted run's bit for bit."""
     (full,) = run_distributed(_train, 1, _argv(tmp_path / "full"))
     # Two ranks would work the same; one keeps the test fast and the comparison bitwise.
-    (crashed,) = run_distributed(_train, 1, _argv(tmp_path / "split"), 7)
+    (crashed,) = run_distributed(_train, 1, _argv(tmp_path / "split"), crash_at)
     assert crashed["outcome"] == "injected crash"
     assert committed_steps(tmp_path / "split" / "checkpoint") == [5]
     (resumed,) = run_distributed(_train, 1, _argv(tmp_path / "split"))
