@@ -135,7 +135,9 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
     reshard_after_forward_mode: str | int = "default"
-    """default (reshard all units but the last), always, never, or an integer N: reshard to groups of N ranks (e.g. within a node)."""
+    """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit, the fewest reshards whose estimated peak fits parallelism.memory_budget_gib."""
+    memory_budget_gib: float | None = None
+    """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.estimate counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
 
 
 @dataclass
@@ -638,11 +640,18 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        p.reshard_after_forward_mode = validate_reshard_after_forward_mode(
-            p.reshard_after_forward_mode, None if dims is None else dims.dp_shard
-        )
+        if p.reshard_after_forward_mode != "auto":  # auto: a per-unit plan the trainer works out
+            p.reshard_after_forward_mode = validate_reshard_after_forward_mode(
+                p.reshard_after_forward_mode, None if dims is None else dims.dp_shard
+            )
     except ValueError as exc:
         raise ConfigError(f"parallelism.{exc}") from None
+    if p.memory_budget_gib is not None:
+        _require(math.isfinite(p.memory_budget_gib) and p.memory_budget_gib > 0, "parallelism.memory_budget_gib",
+                 p.memory_budget_gib, "expected a finite number > 0, or unset")
+        _require(p.reshard_after_forward_mode == "auto", "parallelism.memory_budget_gib", p.memory_budget_gib,
+                 f"it is used only with parallelism.reshard_after_forward_mode = 'auto' (this job has "
+                 f"{p.reshard_after_forward_mode!r})")
     if dims is not None and t.global_batch_size != -1:
         per_step = t.local_batch_size * dims.dp_size
         _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,

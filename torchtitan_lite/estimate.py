@@ -51,7 +51,10 @@ import torch
 from torchtitan_lite.memory import CATEGORIES, by_category
 from torchtitan_lite.models.llama3 import ModelArgs
 
-__all__ = ["CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "MemoryEstimate", "estimate_memory", "main"]
+__all__ = [
+    "CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "AutoReshardPlan", "MemoryEstimate", "auto_budget_bytes",
+    "estimate_memory", "job_estimate_kwargs", "main", "plan_auto_reshard",
+]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
 """Categories of an estimate, the same names as :data:`torchtitan_lite.memory.CATEGORIES`."""
@@ -81,8 +84,8 @@ class MemoryEstimate:
     """HSDP replicas (1: plain FSDP)."""
     dp_shard: int
     """Ranks each parameter is sharded over."""
-    reshard_after_forward_mode: str | int
-    """The reshard mode estimated."""
+    reshard_after_forward_mode: str | int | tuple[bool, ...]
+    """The reshard mode estimated (a tuple: one bool per unit, as ``auto`` chooses)."""
     param_dtype: str
     """Dtype of gathered parameters and compute."""
     reduce_dtype: str
@@ -139,7 +142,7 @@ def estimate_memory(
     dp_replicate: int = 1,
     local_batch_size: int,
     seq_len: int,
-    reshard_after_forward_mode: str | int,
+    reshard_after_forward_mode: str | int | tuple[bool, ...],
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool,
@@ -178,19 +181,20 @@ def estimate_memory(
 
     if dist.is_available() and dist.is_initialized():
         # The fake process group has to be the default one: run where there is none yet.
-        return _estimate_in_child_process(args, kwargs)
+        return _in_child_process("_estimate_here", args, kwargs)
     return _estimate_here(args, **kwargs)
 
 
-def _estimate_in_child_process(args: ModelArgs, kwargs: dict[str, Any]) -> MemoryEstimate:
-    """:func:`_estimate_here` in a fresh interpreter (arguments and result pickled through a
-    temporary file); a plain subprocess, so that it also works from daemonic processes."""
+def _in_child_process(function: str, args: ModelArgs, kwargs: dict[str, Any]) -> Any:
+    """``function(args, **kwargs)`` of this module in a fresh interpreter (arguments and result
+    pickled through a temporary file), for callers that already hold a process group; a plain
+    subprocess, so that it also works from daemonic processes."""
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     code = "import sys; from torchtitan_lite.estimate import _child_main; _child_main(sys.argv[1])"
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "estimate.pickle"
-        path.write_bytes(pickle.dumps((args, kwargs)))
+        path.write_bytes(pickle.dumps((function, args, kwargs)))
         done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env,
                               text=True, check=False)
         if done.returncode != 0:
@@ -203,17 +207,17 @@ def _estimate_in_child_process(args: ModelArgs, kwargs: dict[str, Any]) -> Memor
 
 
 def _child_main(path: str) -> None:
-    """Body of :func:`_estimate_in_child_process`'s interpreter: arguments in, result out."""
-    args, kwargs = pickle.loads(Path(path).read_bytes())
+    """Body of :func:`_in_child_process`'s interpreter: arguments in, result out."""
+    function, args, kwargs = pickle.loads(Path(path).read_bytes())
     try:
-        result: tuple[str, Any] = ("ok", _estimate_here(args, **kwargs))
+        result: tuple[str, Any] = ("ok", globals()[function](args, **kwargs))
     except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it
         result = ("error", exc)
     Path(path).write_bytes(pickle.dumps(result))
 
 
 def _check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int, seq_len: int,
-                     args: ModelArgs, reshard_after_forward_mode: str | int, optimizer: str,
+                     args: ModelArgs, reshard_after_forward_mode: str | int | tuple[bool, ...], optimizer: str,
                      optimizer_implementation: str, grad_accum_steps: int) -> None:
     from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
 
@@ -357,7 +361,7 @@ def _estimate_here(
     dp_replicate: int,
     local_batch_size: int,
     seq_len: int,
-    reshard_after_forward_mode: str | int,
+    reshard_after_forward_mode: str | int | tuple[bool, ...],
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool,
@@ -426,8 +430,233 @@ def _estimate_here(
     )
 
 
+def _size(nbytes: float) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def job_estimate_kwargs(config: Any, *, world_size: int, dp_replicate: int, grad_accum_steps: int) -> dict[str, Any]:
+    """The keyword arguments of :func:`estimate_memory` (all but the reshard mode) for a job
+    config, as the trainer will run it at ``world_size`` ranks."""
+    t = config.training
+    return {
+        "world_size": world_size, "dp_replicate": dp_replicate, "local_batch_size": t.local_batch_size,
+        "seq_len": t.seq_len, "param_dtype": _DTYPES[t.mixed_precision_param],
+        "reduce_dtype": _DTYPES[t.mixed_precision_reduce], "cpu_offload": t.enable_cpu_offload,
+        "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
+        "grad_accum_steps": grad_accum_steps,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# reshard_after_forward_mode = "auto"
+# --------------------------------------------------------------------------------------------
+
+AUTO_DEVICE_FRACTION = 0.9
+"""Share of a CUDA device's memory ``auto`` budgets for tensors when no budget is given; the
+rest is for the caching allocator's slack, the CUDA context and communication buffers."""
+
+
+def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> tuple[int, str]:
+    """The per-rank budget of ``auto`` in bytes and where it comes from: ``budget_gib`` when
+    set, else :data:`AUTO_DEVICE_FRACTION` of the device's ``device_bytes``. Raises
+    ``ValueError`` (naming the key) when neither is known."""
+    if budget_gib is not None:
+        return int(budget_gib * _GIB), f"parallelism.memory_budget_gib = {budget_gib:g}"
+    if device_bytes is not None:
+        return int(device_bytes * AUTO_DEVICE_FRACTION), (
+            f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / _GIB:.1f} GiB")
+    raise ValueError("parallelism.memory_budget_gib: unset; reshard_after_forward_mode = 'auto' needs a "
+                     "per-rank memory budget on a machine without a CUDA device (e.g. 16 for 16 GiB)")
+
+
+@dataclass(frozen=True)
+class AutoReshardPlan:
+    """What ``reshard_after_forward_mode = "auto"`` chose, and why."""
+
+    units: tuple[str, ...]
+    """The FSDP units in forward order."""
+    reshard: tuple[bool, ...]
+    """``reshard_after_forward`` of each unit: the mode to give ``apply_fsdp``."""
+    order: tuple[str, ...]
+    """The order in which units are resharded as the budget tightens: the re-gather cheapest to
+    hide behind backward compute first."""
+    budget: int
+    """Per-rank budget in bytes."""
+    estimate: MemoryEstimate
+    """The estimate of the chosen plan."""
+    never_peak: int
+    """Estimated peak with no unit resharded (``never``)."""
+    tried: tuple[tuple[int, int], ...]
+    """``(units resharded, estimated peak)`` of every estimate made, in order."""
+    count_offloaded: bool
+    """Whether the budget covers CPU-offloaded state too (a CPU-only job: one memory)."""
+    seconds: float = 0.0
+    """Wall time of the search."""
+
+    @property
+    def peak(self) -> int:
+        """The chosen plan's estimated peak, as compared with the budget."""
+        return self.estimate.peak if self.count_offloaded else self.estimate.device_peak
+
+    @property
+    def resharded(self) -> tuple[str, ...]:
+        """Names of the units that reshard after forward."""
+        return tuple(name for name, flag in zip(self.units, self.reshard, strict=True) if flag)
+
+    @property
+    def all_gathers_per_step(self) -> int:
+        """All-gathers per forward + backward: every unit in forward, the resharded ones again."""
+        return len(self.units) + sum(self.reshard)
+
+    def summary(self) -> str:
+        """One log line: budget, the choice and its estimate."""
+        names = ", ".join(self.resharded) if self.resharded else "none"
+        est = self.estimate
+        where = (_where(est.peak_phase, est.peak_module) if self.count_offloaded
+                 else _where(est.device_peak_phase, est.device_peak_module))
+        return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank; without "
+                f"resharding the estimated peak is {_size(self.never_peak)}; resharding "
+                f"{sum(self.reshard)} of {len(self.units)} units ({names}) -> estimated peak "
+                f"{_size(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
+                f"({len(self.units)} forward + {sum(self.reshard)} backward); {len(self.tried)} estimates "
+                f"in {self.seconds:.1f} s")
+
+
+def plan_auto_reshard(
+    args: ModelArgs,
+    *,
+    budget_bytes: int,
+    count_offloaded: bool = False,
+    world_size: int,
+    dp_replicate: int = 1,
+    local_batch_size: int,
+    seq_len: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+    optimizer: str = "AdamW",
+    optimizer_implementation: str = "foreach",
+    grad_accum_steps: int = 1,
+) -> AutoReshardPlan:
+    """Choose ``reshard_after_forward`` per FSDP unit so that the estimated peak per rank stays
+    within ``budget_bytes`` with the fewest all-gathers.
+
+    - Nothing is resharded when everything fits (``never``: one all-gather per unit and step).
+    - Otherwise units are resharded one by one in the order of how cheaply their backward
+      re-gather hides behind compute. FSDP2 prefetches unit ``i``'s re-gather while unit
+      ``i + 1``'s backward runs, so the cost of a unit is its gathered bytes over the backward
+      FLOPs of the unit after it; the last unit (final norm + output) runs first in backward
+      with nothing to hide behind, so it comes last. Among equal costs the earlier unit comes
+      first: it would hold its parameters longest.
+    - The smallest number of resharded units whose estimate fits is found by bisection, the
+      first probe guessed from the bytes each unit frees; every candidate is a full
+      :func:`estimate_memory` of that plan (fake tensors, fake process group).
+
+    The peak compared is the device's (``device_peak``); with ``count_offloaded`` (a CPU-only
+    job, where offloaded state shares the same memory) the total ``peak``. Raises
+    ``ValueError`` naming ``parallelism.memory_budget_gib`` when even resharding every unit
+    does not fit. Runs in a child process when this one already holds a process group.
+    """
+    kwargs: dict[str, Any] = {
+        "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "world_size": world_size,
+        "dp_replicate": dp_replicate, "local_batch_size": local_batch_size, "seq_len": seq_len,
+        "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
+        "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
+        "grad_accum_steps": grad_accum_steps,
+    }
+    _check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
+                     seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,
+                     optimizer_implementation=optimizer_implementation, grad_accum_steps=grad_accum_steps)
+    if not budget_bytes > 0:
+        raise ValueError(f"budget_bytes: invalid value {budget_bytes!r}; expected a number > 0")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _in_child_process("_plan_here", args, kwargs)  # type: ignore[no-any-return]
+    return _plan_here(args, **kwargs)
+
+
+def _reshard_order(units: list[Any], args: ModelArgs, seq_len: int) -> list[int]:
+    """Unit indices, cheapest re-gather to hide first (see :func:`plan_auto_reshard`)."""
+
+    def backward_flops_per_token(unit: Any) -> int:
+        if unit.role == "first":
+            return 0  # an embedding's backward is a scatter-add: no matmul to hide a gather behind
+        flops = 4 * unit.numel()  # input and weight gradients: twice the forward's 2 per parameter
+        if unit.role == "block":
+            flops += 8 * args.dim * seq_len  # attention scores and weighted values, backward
+        return flops
+
+    cost = []
+    for i, unit in enumerate(units):
+        hide = backward_flops_per_token(units[i + 1]) if i + 1 < len(units) else 0
+        cost.append(unit.numel() / hide if hide else math.inf)
+    return sorted(range(len(units)), key=lambda i: (cost[i], i))
+
+
+def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, **kwargs: Any) -> AutoReshardPlan:
+    from torchtitan_lite.models.llama3 import Transformer
+    from torchtitan_lite.parallelize import fsdp_units
+
+    start = time.perf_counter()
+    with torch.device("meta"):
+        units = fsdp_units(Transformer(args))
+    order = _reshard_order(units, args, kwargs["seq_len"])
+    estimates: dict[int, MemoryEstimate] = {}
+    tried: list[tuple[int, int]] = []
+
+    def plan(k: int) -> tuple[bool, ...]:
+        chosen = set(order[:k])
+        return tuple(i in chosen for i in range(len(units)))
+
+    def peak(k: int) -> int:
+        if k not in estimates:
+            estimates[k] = _estimate_here(args, reshard_after_forward_mode=plan(k), **kwargs)
+            est = estimates[k]
+            tried.append((k, est.peak if count_offloaded else est.device_peak))
+        est = estimates[k]
+        return est.peak if count_offloaded else est.device_peak
+
+    n = len(units)
+    never = peak(0)
+    if never <= budget_bytes:
+        k = 0
+    elif peak(n) > budget_bytes:
+        raise ValueError(
+            f"parallelism.memory_budget_gib: a budget of {_size(budget_bytes)} per rank is below "
+            f"the estimated peak of {_size(peak(n))} even with every unit resharded after forward; "
+            "allow more memory, or need less (smaller training.local_batch_size or seq_len, bf16 "
+            "mixed precision, CPU offload, more ranks)")
+    else:
+        # Bisection on the number of resharded units (fits(lo) is false, fits(hi) true); the
+        # first probe assumes each resharded unit frees its gathered parameters at the peak,
+        # the second checks the neighbour that would settle it.
+        freed, guess = 0, n
+        for k, i in enumerate(order, start=1):
+            freed += units[i].numel() * kwargs["param_dtype"].itemsize
+            if never - freed <= budget_bytes:
+                guess = k
+                break
+        lo, hi, planned = 0, n, [guess]
+        while hi - lo > 1:
+            mid = planned.pop() if planned else (lo + hi) // 2
+            if not lo < mid < hi:
+                mid = (lo + hi) // 2
+            fits = peak(mid) <= budget_bytes
+            lo, hi = (lo, mid) if fits else (mid, hi)
+            if mid == guess:
+                planned.append(mid - 1 if fits else mid + 1)
+        k = hi
+    return AutoReshardPlan(
+        units=tuple(u.name for u in units), reshard=plan(k), order=tuple(units[i].name for i in order),
+        budget=budget_bytes, estimate=estimates[k], never_peak=never, tried=tuple(tried),
+        count_offloaded=count_offloaded, seconds=time.perf_counter() - start,
+    )
 
 
 # --------------------------------------------------------------------------------------------

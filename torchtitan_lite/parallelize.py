@@ -8,12 +8,17 @@ Works on our Llama model and on any ``nn.Module`` whose blocks the caller names:
 Units are wrapped bottom-up in forward order: an optional first unit (e.g. the token
 embedding), each block, an optional last unit (e.g. final norm + output projection, which may
 be several modules sharded as one group), then the root.
+
+The reshard mode is ``default``, ``always``, ``never``, an integer group size, or a per-unit
+plan: one bool per unit in forward order (what ``reshard_after_forward_mode = "auto"`` becomes,
+see :func:`torchtitan_lite.estimate.plan_auto_reshard`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -29,35 +34,70 @@ from torch.distributed.fsdp import (
 
 __all__ = [
     "RESHARD_MODES",
+    "FSDPUnit",
+    "ReshardMode",
     "UnitRole",
     "apply_fsdp",
     "build_sharded_model",
+    "fsdp_units",
     "resolve_reshard_after_forward",
     "validate_reshard_after_forward_mode",
 ]
 
 RESHARD_MODES = ("default", "always", "never")
 UnitRole = Literal["first", "block", "last"]
+ReshardMode = str | int | tuple[bool, ...]
+"""A named mode, an integer group size, or a per-unit plan (one bool per unit, forward order)."""
 
 ModuleOrGroup = nn.Module | Sequence[nn.Module]
 
 
-def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int | None) -> str | int:
-    """Return the mode normalised (``"2"`` → ``2``) or raise ``ValueError`` naming what is allowed.
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One ``fully_shard`` call of :func:`apply_fsdp`."""
+
+    name: str
+    """Qualified module name(s), ``+``-joined for a group: ``tok_embeddings``, ``layers.0``,
+    ``norm+output``."""
+    modules: tuple[nn.Module, ...]
+    """The module, or the modules sharded as one group."""
+    role: UnitRole
+    """Where it runs: before the blocks, a block, after the blocks."""
+
+    def numel(self) -> int:
+        """Parameters of the unit (full, unsharded size)."""
+        return sum(p.numel() for m in self.modules for p in m.parameters())
+
+
+def validate_reshard_after_forward_mode(
+    mode: str | int | Sequence[bool], shard_degree: int | None
+) -> ReshardMode:
+    """Return the mode normalised (``"2"`` → ``2``, a list of bools → a tuple) or raise
+    ``ValueError`` naming what is allowed.
 
     An integer mode reshards to groups of that many ranks after forward (e.g. the GPUs of one
     node); it must be a proper divisor of the shard degree: greater than 1, smaller than the
     shard degree and dividing it. With ``shard_degree=None`` (not known yet) only the form of
-    the mode is checked.
+    the mode is checked. A per-unit plan's length is checked by :func:`apply_fsdp`, which knows
+    the units.
     """
     if isinstance(mode, str) and mode in RESHARD_MODES:
         return mode
+    if isinstance(mode, (list, tuple)):
+        if not mode or not all(isinstance(flag, bool) for flag in mode):
+            raise ValueError(
+                f"reshard_after_forward_mode={mode!r} is not allowed; a per-unit plan is a "
+                "non-empty sequence of bools, one per FSDP unit in forward order"
+            )
+        return tuple(mode)
     if isinstance(mode, str) and mode.strip().lstrip("-").isdigit():
         mode = int(mode)
     if not isinstance(mode, int) or isinstance(mode, bool):
+        hint = (" ('auto' is resolved into a per-unit plan by the trainer or by "
+                "torchtitan_lite.estimate.plan_auto_reshard)" if mode == "auto" else "")
         raise ValueError(
             f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
-            f"{', '.join(RESHARD_MODES)} or an integer group size"
+            f"{', '.join(RESHARD_MODES)}, an integer group size or one bool per unit{hint}"
         )
     if shard_degree is None:
         return mode
@@ -71,8 +111,11 @@ def validate_reshard_after_forward_mode(mode: str | int, shard_degree: int | Non
     return mode
 
 
-def resolve_reshard_after_forward(mode: str | int, role: UnitRole) -> bool | int:
+def resolve_reshard_after_forward(mode: ReshardMode, role: UnitRole, index: int = 0) -> bool | int:
     """The one place where a reshard mode becomes a unit's ``reshard_after_forward``.
+
+    ``index`` is the unit's position in forward order (0: the first unit), used by a per-unit
+    plan: a tuple of bools whose ``index``-th entry is the unit's setting.
 
     - ``always``: every unit reshards after forward.
     - ``never``: no unit does (parameters stay unsharded from forward to backward).
@@ -81,6 +124,8 @@ def resolve_reshard_after_forward(mode: str | int, role: UnitRole) -> bool | int
     - an integer ``N``: like ``default``, but the resharding units keep 1/N of the parameters
       (reshard within groups of N ranks, e.g. one node) instead of freeing down to the shard.
     """
+    if isinstance(mode, tuple):
+        return mode[index]
     if mode == "always":
         return True
     if mode == "never":
@@ -154,11 +199,42 @@ def _find_blocks(
     return list(blocks)  # type: ignore[arg-type]
 
 
+def fsdp_units(
+    model: nn.Module,
+    *,
+    blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None = None,
+    first_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+    last_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+) -> list[FSDPUnit]:
+    """The units :func:`apply_fsdp` shards (same arguments), in forward order, root excluded."""
+    if first_unit == "auto":
+        emb = getattr(model, "tok_embeddings", None)
+        first_unit = emb if isinstance(emb, nn.Module) else None
+    if last_unit == "auto":
+        norm, output = getattr(model, "norm", None), getattr(model, "output", None)
+        last_unit = (
+            [norm, output]
+            if isinstance(norm, nn.Module) and isinstance(output, nn.Module)
+            else None
+        )
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def unit(modules: ModuleOrGroup, role: UnitRole) -> FSDPUnit:
+        group = tuple(_as_list(modules))
+        return FSDPUnit("+".join(names.get(id(m), type(m).__name__) for m in group), group, role)
+
+    units = [] if first_unit is None else [unit(first_unit, "first")]
+    units += [unit(block, "block") for block in _find_blocks(model, blocks)]
+    if last_unit is not None:
+        units.append(unit(last_unit, "last"))
+    return units
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    reshard_after_forward_mode: str | int = "default",
+    reshard_after_forward_mode: str | int | Sequence[bool] = "default",
     param_dtype: torch.dtype | None = torch.float32,
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
@@ -172,8 +248,9 @@ def apply_fsdp(
         model: the module to shard; may live on the meta device (materialise afterwards with
             ``to_empty`` and initialise the parameters).
         mesh: 1-D mesh (FSDP) or 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP).
-        reshard_after_forward_mode: ``default``, ``always``, ``never`` or an integer group size
-            (see :func:`resolve_reshard_after_forward`).
+        reshard_after_forward_mode: ``default``, ``always``, ``never``, an integer group size,
+            or one bool per unit in forward order (see :func:`resolve_reshard_after_forward`
+            and :func:`fsdp_units`).
         param_dtype: dtype of all-gathered parameters and of compute (sharded parameters and
             optimizer state keep the model's dtype, normally fp32).
         reduce_dtype: dtype in which gradients are reduced.
@@ -189,18 +266,12 @@ def apply_fsdp(
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp expects a 1-D or 2-D device mesh, got {mesh.ndim}-D")
     mode = validate_reshard_after_forward_mode(reshard_after_forward_mode, mesh.shape[-1])
-
-    if first_unit == "auto":
-        emb = getattr(model, "tok_embeddings", None)
-        first_unit = emb if isinstance(emb, nn.Module) else None
-    if last_unit == "auto":
-        norm, output = getattr(model, "norm", None), getattr(model, "output", None)
-        last_unit = (
-            [norm, output]
-            if isinstance(norm, nn.Module) and isinstance(output, nn.Module)
-            else None
+    units = fsdp_units(model, blocks=blocks, first_unit=first_unit, last_unit=last_unit)
+    if isinstance(mode, tuple) and len(mode) != len(units):
+        raise ValueError(
+            f"reshard_after_forward_mode: a per-unit plan of {len(mode)} bools, but the model "
+            f"has {len(units)} FSDP units ({', '.join(u.name for u in units)})"
         )
-    block_list = _find_blocks(model, blocks)
 
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
@@ -211,22 +282,14 @@ def apply_fsdp(
         "offload_policy": offload,
     }
 
-    def shard(unit: ModuleOrGroup, role: UnitRole) -> None:
-        modules = _as_list(unit)
-        target: nn.Module | list[nn.Module] = modules[0] if len(modules) == 1 else modules
-        fully_shard(
-            target,  # type: ignore[arg-type]
-            reshard_after_forward=resolve_reshard_after_forward(mode, role),
-            **common,  # type: ignore[arg-type]
-        )
-
     with _shared_post_forward_mesh() if isinstance(mode, int) else contextlib.nullcontext():
-        if first_unit is not None:
-            shard(first_unit, "first")
-        for block in block_list:
-            shard(block, "block")
-        if last_unit is not None:
-            shard(last_unit, "last")
+        for index, unit in enumerate(units):
+            target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+            fully_shard(
+                target,  # type: ignore[arg-type]
+                reshard_after_forward=resolve_reshard_after_forward(mode, unit.role, index),
+                **common,  # type: ignore[arg-type]
+            )
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
     fully_shard(model, **common)  # type: ignore[arg-type]

@@ -37,6 +37,12 @@ from torchtitan_lite.distributed import (
     set_collective_timeout,
     world_info_from_env,
 )
+from torchtitan_lite.estimate import (
+    AutoReshardPlan,
+    auto_budget_bytes,
+    job_estimate_kwargs,
+    plan_auto_reshard,
+)
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
 from torchtitan_lite.models import MODEL_REGISTRY
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
@@ -124,6 +130,14 @@ class Trainer:
             )
 
         self.device = choose_device(local_rank)
+        self.reshard_plan: AutoReshardPlan | None = None
+        if p.reshard_after_forward_mode == "auto":
+            try:
+                device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
+                                if self.device.type == "cuda" else None)
+                budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
             if self.device.type == "cuda":
@@ -173,10 +187,17 @@ class Trainer:
                 device=self.device,
             )
 
+        reshard_mode = p.reshard_after_forward_mode
+        if reshard_mode == "auto":
+            self.reshard_plan = self._plan_auto_reshard(budget)
+            reshard_mode = self.reshard_plan.reshard
+            if self.rank == 0:
+                logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
+
         # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
         model = build_sharded_model(
             model_cls, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
-            reshard_after_forward_mode=p.reshard_after_forward_mode,
+            reshard_after_forward_mode=reshard_mode,
             param_dtype=_DTYPES[t.mixed_precision_param],
             reduce_dtype=_DTYPES[t.mixed_precision_reduce],
             cpu_offload=t.enable_cpu_offload,
@@ -241,6 +262,25 @@ class Trainer:
             )
             logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
                         if self.peak_tflops else f"not reported: {peak_source}")
+
+    def _plan_auto_reshard(self, budget: int) -> AutoReshardPlan:
+        """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
+        estimates on fake tensors, in a child process) and every rank applies that one plan."""
+        chosen: list[AutoReshardPlan | str | None] = [None]
+        if self.rank == 0:
+            try:
+                chosen[0] = plan_auto_reshard(
+                    self.model_args, budget_bytes=budget, count_offloaded=self.device.type == "cpu",
+                    **job_estimate_kwargs(self.config, world_size=self.world_size,
+                                          dp_replicate=self.dims.dp_replicate,
+                                          grad_accum_steps=self.loader.grad_accum_steps),
+                )
+            except ValueError as exc:  # the budget is too small even when resharding everything
+                chosen[0] = str(exc)
+        dist.broadcast_object_list(chosen, src=0)
+        if not isinstance(chosen[0], AutoReshardPlan):
+            raise ConfigError(str(chosen[0]))
+        return chosen[0]
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch; returns its metrics (same on every rank)."""
