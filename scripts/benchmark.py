@@ -17,6 +17,9 @@ memory        per rank and category (sharded/unsharded params, grads, optimizer 
               world size.
 collectives   all-gathers and reduce-scatters per step (count and MiB per rank) counted from the
               ``c10d`` ops that ran, next to what each reshard mode implies.
+auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
+              from the estimates of never and always): the units it reshards, all-gathers per
+              step, estimated and measured peak, tokens/s, next to never / default / always.
 meta init     peak RSS per rank while building a ~1B-parameter model on the meta device, sharding
               it over 2 ranks, materialising and initialising it, against that rank's shard and
               against a naive full initialisation.
@@ -230,6 +233,68 @@ def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
+    """Tight and loose budgets (GiB) for the auto part: between the estimated peaks of always
+    and never at 2 ranks, and 5% above never's."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.models import MODEL_REGISTRY
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_job_config(_job_args(argparse.Namespace(**{**vars(opts), "dump": tmp})), world_size=2)
+    kwargs = job_estimate_kwargs(config, world_size=2, dp_replicate=1, grad_accum_steps=1)
+    args = MODEL_REGISTRY["llama3"][1][opts.flavor]
+    never, always = (estimate_memory(args, reshard_after_forward_mode=mode, **kwargs).peak
+                     for mode in ("never", "always"))
+    return {"tight": (never + always) / 2 / 2**30, "loose": never * 1.05 / 2**30}
+
+
+def _worker_auto(opts: argparse.Namespace) -> dict[str, Any]:
+    """Each labelled run: a Trainer, timed steps, the collectives of one step, then the
+    measured peak (FSDPMemTracker's hooks stay on the model, so that comes last)."""
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory import measure_step_memory
+    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.validate import token_loss_sum
+
+    runs = {mode: ["--parallelism.reshard_after_forward_mode", mode] for mode in ("never", "default", "always")}
+    for label, gib in json.loads(opts.budgets).items():
+        runs[f"auto {label}"] = ["--parallelism.reshard_after_forward_mode", "auto",
+                                 "--parallelism.memory_budget_gib", repr(gib)]
+    out = {}
+    for label, argv in runs.items():
+        trainer = Trainer(load_job_config(_job_args(opts, *argv)))
+        trainer.config.training.steps = 2
+        trainer.train()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.config.training.steps += opts.steps
+        trainer.train()
+        dist.barrier()
+        step_s = (time.perf_counter() - start) / opts.steps
+        with CollectiveCounter() as counter:
+            trainer.train_step()
+
+        def loss_fn(trainer: Any = trainer) -> torch.Tensor:
+            (inputs, labels), = trainer.loader.next_batch()
+            return token_loss_sum(trainer.model(inputs), labels) / labels.numel()
+
+        peak = measure_step_memory(trainer.model, trainer.optimizer, loss_fn)["peak"]["total"]
+        plan = trainer.reshard_plan
+        out[label] = {"all_gather": counter.calls["all_gather"], "measured_peak": peak,
+                      "tokens_per_s": opts.local_batch_size * opts.seq_len / step_s,
+                      "budget_gib": None if plan is None else plan.budget / 2**30,
+                      "resharded": None if plan is None else list(plan.resharded),
+                      "resharded_text": None if plan is None else plan.resharded_text(),
+                      "estimated_peak": None if plan is None else plan.peak,
+                      "plan_seconds": None if plan is None else plan.seconds}
+        trainer.metrics.close()
+        del trainer
+    return out
+
+
 def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     """Peak RSS of meta build → shard → to_empty → init_weights of the 1B flavor (this rank)."""
     import torch
@@ -271,7 +336,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
-           "metainit": _worker_metainit}
+           "auto": _worker_auto, "metainit": _worker_metainit}
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
@@ -360,6 +425,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)
     parser.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--budgets", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
         sys.path.insert(0, str(REPO))
@@ -370,7 +436,7 @@ def main() -> None:
     skip = set(filter(None, opts.skip.split(",")))
     worlds = [int(w) for w in opts.world_sizes.split(",")]
     figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "options": {
-        k: v for k, v in vars(opts).items() if k not in ("worker", "out", "dump", "naive")}}
+        k: v for k, v in vars(opts).items() if k not in ("worker", "out", "dump", "naive", "budgets")}}
     import torch
 
     figures["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
@@ -401,6 +467,20 @@ def main() -> None:
             print(f"{mode:8} {c['all_gather']:>10} {c['all_gather_mib']:8.2f} {c['reduce_scatter']:>14} "
                   f"{c['reduce_scatter_mib']:8.2f}  {theory[mode]}: {expected} all-gathers, "
                   f"{c['units']} reduce-scatters")
+    if "auto" not in skip:
+        budgets = _auto_budgets(opts)
+        auto = _launch("auto", 2, opts, "--budgets", json.dumps(budgets))[0]
+        figures["auto"] = auto
+        print("\nreshard_after_forward_mode auto (2 ranks): budgets from the estimates (tight: halfway "
+              "between always and never; loose: never + 5%)")
+        print(f"{'run':12} {'budget MiB':>10} {'resharded':34} {'all-gathers':>11} {'est. MiB':>9} "
+              f"{'measured MiB':>12} {'tok/s/rank':>10}")
+        for label, r in auto.items():
+            budget = "-" if r["budget_gib"] is None else f"{r['budget_gib'] * 1024:.2f}"
+            units = r["resharded_text"] or "-"
+            estimated = "-" if r["estimated_peak"] is None else f"{r['estimated_peak'] / 2**20:.2f}"
+            print(f"{label:12} {budget:>10} {units:34} {r['all_gather']:>11} {estimated:>9} "
+                  f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}")
     if "metainit" not in skip:
         ranks = _launch("metainit", 2, opts, "--naive")
         figures["metainit"] = ranks

@@ -35,3 +35,11 @@ def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     peaks = {c["mode"]: c["peak"]["unsharded_params"] for c in figures["memory"]["2"][0]["configs"]
              if c["param_dtype"] == "float32" and not c["cpu_offload"]}
     assert peaks["never"] > peaks["default"]
+    # auto: the loose budget keeps every unit gathered (never's all-gathers), the tight one
+    # reshards some; both stay within their budget, measured.
+    auto = figures["auto"]
+    assert auto["auto loose"]["all_gather"] == units and auto["auto loose"]["resharded"] == []
+    assert units < auto["auto tight"]["all_gather"] < 2 * units and auto["auto tight"]["resharded"]
+    for label in ("auto loose", "auto tight"):
+        assert auto[label]["measured_peak"] <= auto[label]["budget_gib"] * 2**30, label
+    assert auto["never"]["measured_peak"] > auto["auto tight"]["budget_gib"] * 2**30

@@ -3,7 +3,7 @@
     python -m torchtitan_lite.estimate --job.config_file train_configs/llama3_8b.toml \\
         --world_size 64 --device_memory_gib 80 [--section.key value ...]
 
-prints, for every reshard mode (default, never, always, and the configured integer one), the
+prints, for every reshard mode (default, never, always, and the configured integer one or auto), the
 memory of one rank by category, its peak and where in the step it falls, and whether it fits
 the device; ``--json PATH`` writes every figure. :func:`estimate_memory` is the same as an API.
 
@@ -471,7 +471,8 @@ def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> t
         return int(device_bytes * AUTO_DEVICE_FRACTION), (
             f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / _GIB:.1f} GiB")
     raise ValueError("parallelism.memory_budget_gib: unset; reshard_after_forward_mode = 'auto' needs a "
-                     "per-rank memory budget on a machine without a CUDA device (e.g. 16 for 16 GiB)")
+                     "per-rank memory budget without a CUDA device (e.g. 16 for 16 GiB; the estimator "
+                     "also takes --device_memory_gib)")
 
 
 @dataclass(frozen=True)
@@ -513,15 +514,30 @@ class AutoReshardPlan:
         """All-gathers per forward + backward: every unit in forward, the resharded ones again."""
         return len(self.units) + sum(self.reshard)
 
+    def resharded_text(self) -> str:
+        """``"3 of 8 units (tok_embeddings, layers.0-1)"``: numbered units in ranges."""
+        groups: list[list[Any]] = []  # [prefix, first, last] or [name]
+        for name in self.resharded:
+            prefix, _, number = name.rpartition(".")
+            if number.isdigit() and groups and len(groups[-1]) == 3 and groups[-1][0] == prefix \
+                    and groups[-1][2] + 1 == int(number):
+                groups[-1][2] = int(number)
+            elif number.isdigit():
+                groups.append([prefix, int(number), int(number)])
+            else:
+                groups.append([name])
+        names = ", ".join(g[0] if len(g) == 1 else f"{g[0]}.{g[1]}" + (f"-{g[2]}" if g[2] > g[1] else "")
+                          for g in groups)
+        return f"{sum(self.reshard)} of {len(self.units)} units ({names or 'none'})"
+
     def summary(self) -> str:
         """One log line: budget, the choice and its estimate."""
-        names = ", ".join(self.resharded) if self.resharded else "none"
         est = self.estimate
         where = (_where(est.peak_phase, est.peak_module) if self.count_offloaded
                  else _where(est.device_peak_phase, est.device_peak_module))
         return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank; without "
                 f"resharding the estimated peak is {_size(self.never_peak)}; resharding "
-                f"{sum(self.reshard)} of {len(self.units)} units ({names}) -> estimated peak "
+                f"{self.resharded_text()} -> estimated peak "
                 f"{_size(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
                 f"({len(self.units)} forward + {sum(self.reshard)} backward); {len(self.tried)} estimates "
                 f"in {self.seconds:.1f} s")
@@ -668,7 +684,7 @@ usage: python -m torchtitan_lite.estimate --world_size N [--ranks_per_node M] [-
            [--json PATH] [--job.config_file FILE] [--section.key value ...]
 
 Estimated memory per rank of a training job, by category, for every reshard mode (default,
-never, always, and the configured integer one), with the job's mixed precision, CPU offload,
+never, always, and the configured integer one or auto), with the job's mixed precision, CPU offload,
 batch, sequence length, optimizer and gradient accumulation. Nothing is allocated: the step runs
 on fake tensors over a fake process group of N ranks, so N and the model need not fit here.
 
@@ -814,6 +830,11 @@ def _where(phase: str, module: str) -> str:
     return f"{phase} ({module})" if module else phase
 
 
+def _label(mode: str | int | tuple[bool, ...]) -> str:
+    """A mode's name in the table: a per-unit plan is what ``auto`` chose."""
+    return "auto" if isinstance(mode, tuple) else str(mode)
+
+
 def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes: float | None,
            unit: tuple[str, int]) -> str:
     name, scale = unit
@@ -822,13 +843,13 @@ def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes:
             + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':32} fits")
     lines = [f"estimated memory per rank in {name} (tensor bytes)", head]
     for est in estimates:
-        mark = "*" if str(est.reshard_after_forward_mode) == str(configured) else " "
+        mark = "*" if _label(est.reshard_after_forward_mode) == str(configured) else " "
         where = _where(est.device_peak_phase, est.device_peak_module)
         fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
         cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
         if offload:
             cells.append(est.cpu_peak)
-        lines.append(f"{str(est.reshard_after_forward_mode) + mark:9} "
+        lines.append(f"{_label(est.reshard_after_forward_mode) + mark:9} "
                      + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where[:32]:32} {fits}")
     return "\n".join(lines)
 
@@ -848,16 +869,15 @@ def main(argv: list[str] | None = None) -> int:
         config, model_args, dp_replicate, accum, ranks_per_node = _load(own, rest)
         t, p = config.training, config.parallelism
         world_size = int(own["world_size"])
-        estimates = [
-            estimate_memory(
-                model_args, world_size=world_size, dp_replicate=dp_replicate,
-                local_batch_size=t.local_batch_size, seq_len=t.seq_len, reshard_after_forward_mode=mode,
-                param_dtype=_DTYPES[t.mixed_precision_param], reduce_dtype=_DTYPES[t.mixed_precision_reduce],
-                cpu_offload=t.enable_cpu_offload, optimizer=config.optimizer.name,
-                optimizer_implementation=config.optimizer.implementation, grad_accum_steps=accum,
-            )
-            for mode in _modes(p.reshard_after_forward_mode)
-        ]
+        kwargs = job_estimate_kwargs(config, world_size=world_size, dp_replicate=dp_replicate,
+                                     grad_accum_steps=accum)
+        estimates = [estimate_memory(model_args, reshard_after_forward_mode=mode, **kwargs)
+                     for mode in _modes(p.reshard_after_forward_mode)]
+        plan = None
+        if p.reshard_after_forward_mode == "auto":
+            budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes)
+            plan = plan_auto_reshard(model_args, budget_bytes=budget, **kwargs)
+            estimates.append(plan.estimate)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -877,7 +897,10 @@ def main(argv: list[str] | None = None) -> int:
                      "and are not in the device peak")
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
-    notes.append(f"estimated in {sum(e.seconds for e in estimates):.1f} s")
+    if plan is not None:
+        notes.append(f"{plan.summary()} (budget: {budget_source})")
+    seconds = sum(e.seconds for e in estimates if plan is None or e is not plan.estimate)
+    notes.append(f"estimated in {seconds + (plan.seconds if plan else 0):.1f} s")
     print("\n".join(notes))
     if json_path is not None:
         record = {
@@ -885,10 +908,14 @@ def main(argv: list[str] | None = None) -> int:
             "flavor": config.model.flavor, "num_params": model_args.num_params(),
             "vocab_size": model_args.vocab_size, "configured_mode": p.reshard_after_forward_mode,
             "device_memory_bytes": device_bytes,
-            "estimates": [{**e.to_dict(), "configured": str(e.reshard_after_forward_mode)
+            "estimates": [{**e.to_dict(), "configured": _label(e.reshard_after_forward_mode)
                            == str(p.reshard_after_forward_mode),
                            "fits": None if device_bytes is None else e.fits(device_bytes)}
                           for e in estimates],
+            "auto": None if plan is None else {
+                "units": plan.units, "reshard": plan.reshard, "order": plan.order, "budget": plan.budget,
+                "peak": plan.peak, "never_peak": plan.never_peak, "tried": plan.tried,
+                "all_gathers_per_step": plan.all_gathers_per_step},
         }
         try:
             json_path.write_text(json.dumps(record, indent=1))
