@@ -371,8 +371,11 @@ def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> l
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
+            # torchrun ends with its own summary; the rank's exception is the last "...Error: ..." line.
+            lines = done.stderr.strip().splitlines()
+            errors = [line for line in lines if "Error" in line.split(":")[0] or line.startswith("error:")]
             raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed "
-                             f"(exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+                             f"(exit {done.returncode}): {(errors or lines or [''])[-1].strip()}")
         return json.loads(out.read_text())
 
 
@@ -473,13 +476,13 @@ def main() -> None:
         figures["auto"] = auto
         print("\nreshard_after_forward_mode auto (2 ranks): budgets from the estimates (tight: halfway "
               "between always and never; loose: never + 5%)")
-        print(f"{'run':12} {'budget MiB':>10} {'resharded':34} {'all-gathers':>11} {'est. MiB':>9} "
+        print(f"{'run':12} {'budget MiB':>10} {'resharded':40} {'all-gathers':>11} {'est. MiB':>9} "
               f"{'measured MiB':>12} {'tok/s/rank':>10}")
         for label, r in auto.items():
             budget = "-" if r["budget_gib"] is None else f"{r['budget_gib'] * 1024:.2f}"
             units = r["resharded_text"] or "-"
             estimated = "-" if r["estimated_peak"] is None else f"{r['estimated_peak'] / 2**20:.2f}"
-            print(f"{label:12} {budget:>10} {units:34} {r['all_gather']:>11} {estimated:>9} "
+            print(f"{label:12} {budget:>10} {units:40} {r['all_gather']:>11} {estimated:>9} "
                   f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}")
     if "metainit" not in skip:
         ranks = _launch("metainit", 2, opts, "--naive")
