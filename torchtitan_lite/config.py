@@ -629,7 +629,7 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
                  f"{pr.profiler_warmup} + {pr.profiler_active}")
 
     from torchtitan_lite.distributed import ParallelDims, local_world_size_from_env
-    from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
+    from torchtitan_lite.parallelize import RESHARD_MODES, validate_reshard_after_forward_mode
 
     p = c.parallelism
     degrees = {"dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree}
@@ -639,6 +639,10 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
             **degrees, world_size=world_size, local_world_size=local_world_size_from_env())
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    mode = p.reshard_after_forward_mode
+    _require(not isinstance(mode, str) or mode in (*RESHARD_MODES, "auto") or mode.strip().lstrip("-").isdigit(),
+             "parallelism.reshard_after_forward_mode", mode,
+             f"expected one of {', '.join(RESHARD_MODES)}, auto, or an integer group size")
     try:
         if p.reshard_after_forward_mode != "auto":  # auto: a per-unit plan the trainer works out
             p.reshard_after_forward_mode = validate_reshard_after_forward_mode(

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.memory import CATEGORIES, by_category
+from torchtitan_lite.memory import CATEGORIES, by_category, no_automatic_gc
 from torchtitan_lite.models.llama3 import ModelArgs
 
 __all__ = [
@@ -185,7 +185,8 @@ def estimate_memory(
     return _estimate_here(args, **kwargs)
 
 
-def _in_child_process(function: str, args: ModelArgs, kwargs: dict[str, Any]) -> Any:
+def _in_child_process(function: str, args: ModelArgs, kwargs: dict[str, Any], *,
+                      timeout_s: float | None = None) -> Any:
     """``function(args, **kwargs)`` of this module in a fresh interpreter (arguments and result
     pickled through a temporary file), for callers that already hold a process group; a plain
     subprocess, so that it also works from daemonic processes."""
@@ -195,8 +196,11 @@ def _in_child_process(function: str, args: ModelArgs, kwargs: dict[str, Any]) ->
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "estimate.pickle"
         path.write_bytes(pickle.dumps((function, args, kwargs)))
-        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env,
-                              text=True, check=False)
+        try:
+            done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env,
+                                  text=True, check=False, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the memory estimate's child process took more than {timeout_s:.0f} s") from None
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-1:]
             raise RuntimeError(f"the memory estimate's child process failed (exit {done.returncode}): {tail}")
@@ -396,7 +400,7 @@ def _estimate_here(
             micro_batches = min(grad_accum_steps, 2)
             tokens_this_rank = local_batch_size * seq_len * grad_accum_steps
             tracker = _make_tracker(model, local_opt.optimizer, cpu_offload=cpu_offload)
-            with tracker:
+            with no_automatic_gc(), tracker:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for _ in range(micro_batches):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
@@ -469,7 +473,8 @@ def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> t
         return int(budget_gib * _GIB), f"parallelism.memory_budget_gib = {budget_gib:g}"
     if device_bytes is not None:
         return int(device_bytes * AUTO_DEVICE_FRACTION), (
-            f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / _GIB:.1f} GiB")
+            f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / _GIB:.1f} GiB; "
+            "parallelism.memory_budget_gib unset")
     raise ValueError("parallelism.memory_budget_gib: unset; reshard_after_forward_mode = 'auto' needs a "
                      "per-rank memory budget without a CUDA device (e.g. 16 for 16 GiB; the estimator "
                      "also takes --device_memory_gib)")
@@ -511,8 +516,9 @@ class AutoReshardPlan:
 
     @property
     def all_gathers_per_step(self) -> int:
-        """All-gathers per forward + backward: every unit in forward, the resharded ones again."""
-        return len(self.units) + sum(self.reshard)
+        """All-gathers per optimizer step: every unit in each micro-batch's forward, the
+        resharded ones again in its backward."""
+        return (len(self.units) + sum(self.reshard)) * self.estimate.grad_accum_steps
 
     def resharded_text(self) -> str:
         """``"3 of 8 units (tok_embeddings, layers.0-1)"``: numbered units in ranges."""
@@ -533,13 +539,15 @@ class AutoReshardPlan:
     def summary(self) -> str:
         """One log line: budget, the choice and its estimate."""
         est = self.estimate
+        per_micro_batch = f" per micro-batch, × {est.grad_accum_steps}" if est.grad_accum_steps > 1 else ""
         where = (_where(est.peak_phase, est.peak_module) if self.count_offloaded
                  else _where(est.device_peak_phase, est.device_peak_module))
         return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank; without "
                 f"resharding the estimated peak is {_size(self.never_peak)}; resharding "
                 f"{self.resharded_text()} -> estimated peak "
                 f"{_size(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
-                f"({len(self.units)} forward + {sum(self.reshard)} backward); {len(self.tried)} estimates "
+                f"({len(self.units)} forward + {sum(self.reshard)} backward{per_micro_batch}); "
+                f"{len(self.tried)} estimates "
                 f"in {self.seconds:.1f} s")
 
 
@@ -548,6 +556,8 @@ def plan_auto_reshard(
     *,
     budget_bytes: int,
     count_offloaded: bool = False,
+    budget_source: str = "",
+    timeout_s: float | None = None,
     world_size: int,
     dp_replicate: int = 1,
     local_batch_size: int,
@@ -562,24 +572,38 @@ def plan_auto_reshard(
     """Choose ``reshard_after_forward`` per FSDP unit so that the estimated peak per rank stays
     within ``budget_bytes`` with the fewest all-gathers.
 
-    - Nothing is resharded when everything fits (``never``: one all-gather per unit and step).
-    - Otherwise units are resharded one by one in the order of how cheaply their backward
-      re-gather hides behind compute. FSDP2 prefetches unit ``i``'s re-gather while unit
-      ``i + 1``'s backward runs, so the cost of a unit is its gathered bytes over the backward
-      FLOPs of the unit after it; the last unit (final norm + output) runs first in backward
-      with nothing to hide behind, so it comes last. Among equal costs the earlier unit comes
-      first: it would hold its parameters longest.
+    - Nothing is resharded when everything fits (``never``: one all-gather per unit and
+      micro-batch).
+    - Otherwise units are resharded one by one in this order:
+
+      - larger units first: each reshard costs one all-gather in backward, and a larger unit
+        frees more memory for it;
+      - among units of one size (the blocks), the re-gather cheapest to hide first. FSDP2
+        issues unit ``i``'s re-gather when unit ``i + 1``'s backward starts, queued behind the
+        reduce-scatter unit ``i + 2`` has just issued, so the cost is those bytes over unit
+        ``i + 1``'s backward FLOPs; ties go to the earlier unit, which holds its parameters
+        longest;
+      - after all of those, the units gathered at the peak of ``never`` whatever their
+        setting (the unit running there and the one FSDP2 prefetches next): resharding them
+        frees nothing there;
+      - the last unit (final norm + output) last of all: backward needs it first, with nothing
+        to hide its re-gather behind, and it is gathered again at the start of backward, where
+        the peak usually is.
+
     - The smallest number of resharded units whose estimate fits is found by bisection, the
       first probe guessed from the bytes each unit frees; every candidate is a full
       :func:`estimate_memory` of that plan (fake tensors, fake process group).
 
     The peak compared is the device's (``device_peak``); with ``count_offloaded`` (a CPU-only
     job, where offloaded state shares the same memory) the total ``peak``. Raises
-    ``ValueError`` naming ``parallelism.memory_budget_gib`` when even resharding every unit
-    does not fit. Runs in a child process when this one already holds a process group.
+    ``ValueError`` naming ``parallelism.memory_budget_gib`` (and ``budget_source``, where the
+    budget came from) when even resharding every unit does not fit. Runs in a child process when
+    this one already holds a process group, for at most ``timeout_s`` seconds (``RuntimeError``
+    after that).
     """
     kwargs: dict[str, Any] = {
-        "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "world_size": world_size,
+        "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "budget_source": budget_source,
+        "world_size": world_size,
         "dp_replicate": dp_replicate, "local_batch_size": local_batch_size, "seq_len": seq_len,
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
@@ -593,36 +617,55 @@ def plan_auto_reshard(
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return _in_child_process("_plan_here", args, kwargs)  # type: ignore[no-any-return]
+        return _in_child_process("_plan_here", args, kwargs, timeout_s=timeout_s)  # type: ignore[no-any-return]
     return _plan_here(args, **kwargs)
 
 
-def _reshard_order(units: list[Any], args: ModelArgs, seq_len: int) -> list[int]:
-    """Unit indices, cheapest re-gather to hide first (see :func:`plan_auto_reshard`)."""
+def _reshard_order(units: list[Any], args: ModelArgs, *, seq_len: int, param_bytes: int,
+                   reduce_bytes: int, busy: frozenset[int] = frozenset()) -> list[int]:
+    """Unit indices in the order ``auto`` reshards them (see :func:`plan_auto_reshard`);
+    ``busy`` units, gathered at the peak whatever their setting, come after the others."""
 
-    def backward_flops_per_token(unit: Any) -> int:
-        if unit.role == "first":
-            return 0  # an embedding's backward is a scatter-add: no matmul to hide a gather behind
+    def backward_flops_per_token(unit: Any) -> float:
         flops = 4 * unit.numel()  # input and weight gradients: twice the forward's 2 per parameter
         if unit.role == "block":
-            flops += 8 * args.dim * seq_len  # attention scores and weighted values, backward
+            flops += args.attention_flops_per_token(seq_len) * 2 / 3  # the backward share
         return flops
 
-    cost = []
+    def exposure(i: int) -> float:
+        # Unit i's re-gather is issued when unit i + 1's backward starts, behind the
+        # reduce-scatter unit i + 2 has just issued on the same communicator; both hide behind
+        # unit i + 1's backward compute.
+        if i + 1 >= len(units):
+            return math.inf
+        queued = units[i + 2].numel() * reduce_bytes if i + 2 < len(units) else 0
+        return (units[i].numel() * param_bytes + queued) / backward_flops_per_token(units[i + 1])
+
+    last = len(units) - 1 if units and units[-1].role == "last" else None
+    return sorted(range(len(units)), key=lambda i: (i == last, i in busy, -units[i].numel(), exposure(i), i))
+
+
+def _busy_units(units: list[Any], phase: str, module: str) -> frozenset[int]:
+    """Units whose parameters are gathered at a peak in ``module`` during ``phase`` whatever
+    their reshard setting: the unit running there and the one FSDP2 prefetches next (the
+    previous unit in backward, the next one in forward)."""
     for i, unit in enumerate(units):
-        hide = backward_flops_per_token(units[i + 1]) if i + 1 < len(units) else 0
-        cost.append(unit.numel() / hide if hide else math.inf)
-    return sorted(range(len(units)), key=lambda i: (cost[i], i))
+        if any(module == name or module.startswith(name + ".") for name in unit.name.split("+")):
+            step = -1 if phase == "backward" else 1
+            return frozenset(j for j in (i, i + step) if 0 <= j < len(units)) if phase in ("forward", "backward") \
+                else frozenset()
+    return frozenset()
 
 
-def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, **kwargs: Any) -> AutoReshardPlan:
+def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
+               **kwargs: Any) -> AutoReshardPlan:
     from torchtitan_lite.models.llama3 import Transformer
     from torchtitan_lite.parallelize import fsdp_units
 
     start = time.perf_counter()
     with torch.device("meta"):
         units = fsdp_units(Transformer(args))
-    order = _reshard_order(units, args, kwargs["seq_len"])
+    order: list[int] = []  # set once never's peak shows which units are busy there
     estimates: dict[int, MemoryEstimate] = {}
     tried: list[tuple[int, int]] = []
 
@@ -640,12 +683,18 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, **k
 
     n = len(units)
     never = peak(0)
+    at_peak = estimates[0]
+    busy = (_busy_units(units, at_peak.peak_phase, at_peak.peak_module) if count_offloaded
+            else _busy_units(units, at_peak.device_peak_phase, at_peak.device_peak_module))
+    order[:] = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
+                              reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=busy)
     if never <= budget_bytes:
         k = 0
     elif peak(n) > budget_bytes:
+        source = f" ({budget_source})" if budget_source else ""
         raise ValueError(
-            f"parallelism.memory_budget_gib: a budget of {_size(budget_bytes)} per rank is below "
-            f"the estimated peak of {_size(peak(n))} even with every unit resharded after forward; "
+            f"parallelism.memory_budget_gib: the estimated peak is {_size(peak(n))} per rank even with "
+            f"every unit resharded after forward, above the budget of {_size(budget_bytes)}{source}; "
             "allow more memory, or need less (smaller training.local_batch_size or seq_len, bf16 "
             "mixed precision, CPU offload, more ranks)")
     else:
@@ -871,12 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         world_size = int(own["world_size"])
         kwargs = job_estimate_kwargs(config, world_size=world_size, dp_replicate=dp_replicate,
                                      grad_accum_steps=accum)
+        auto = p.reshard_after_forward_mode == "auto"
+        budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto else (0, "")
         estimates = [estimate_memory(model_args, reshard_after_forward_mode=mode, **kwargs)
                      for mode in _modes(p.reshard_after_forward_mode)]
         plan = None
-        if p.reshard_after_forward_mode == "auto":
-            budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes)
-            plan = plan_auto_reshard(model_args, budget_bytes=budget, **kwargs)
+        if auto:
+            plan = plan_auto_reshard(model_args, budget_bytes=budget, budget_source=budget_source, **kwargs)
             estimates.append(plan.estimate)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -898,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
     if plan is not None:
-        notes.append(f"{plan.summary()} (budget: {budget_source})")
+        notes.append(f"{plan.summary()} (budget: {budget_source}; the fits column is against the whole device)")
     seconds = sum(e.seconds for e in estimates if plan is None or e is not plan.estimate)
     notes.append(f"estimated in {seconds + (plan.seconds if plan else 0):.1f} s")
     print("\n".join(notes))

@@ -13,13 +13,16 @@ GPU would hold (allocator caching and fragmentation are not included).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "process_memory", "reset_peak_rss"]
+__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "no_automatic_gc", "process_memory",
+           "reset_peak_rss"]
 
 # Our names for FSDPMemTracker's categories (its _FSDPRefType values).
 CATEGORIES = {
@@ -48,6 +51,24 @@ def by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return out
 
 
+@contextlib.contextmanager
+def no_automatic_gc() -> Iterator[None]:
+    """Collect garbage once, then keep Python's automatic collection off (restored on exit).
+
+    The trainer's loop runs without automatic collection too. With it on, a collection that
+    happens to run in the middle of a step frees whatever reference cycles hold at that moment,
+    so two ranks running the same step can report different peaks.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def measure_step_memory(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -62,12 +83,13 @@ def measure_step_memory(
 
     The peak is over all steps; from the second step on it includes the optimizer state (the
     first step creates it only at its end), so ``steps >= 2`` gives a steady-state peak.
+    Automatic garbage collection is off meanwhile (:func:`no_automatic_gc`), as in the trainer.
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     tracker = FSDPMemTracker(model, optimizer)
     state: dict[str, int] = {}
-    with tracker:
+    with no_automatic_gc(), tracker:
         for _ in range(steps):
             loss_fn().backward()
             grads = by_category(tracker.get_tracker_snapshot("current"))["sharded_grads"]

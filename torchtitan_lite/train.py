@@ -189,7 +189,7 @@ class Trainer:
 
         reshard_mode = p.reshard_after_forward_mode
         if reshard_mode == "auto":
-            self.reshard_plan = self._plan_auto_reshard(budget)
+            self.reshard_plan = self._plan_auto_reshard(budget, budget_source)
             reshard_mode = self.reshard_plan.reshard
             if self.rank == 0:
                 logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
@@ -263,24 +263,30 @@ class Trainer:
             logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
                         if self.peak_tflops else f"not reported: {peak_source}")
 
-    def _plan_auto_reshard(self, budget: int) -> AutoReshardPlan:
+    def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
         """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
         estimates on fake tensors, in a child process) and every rank applies that one plan."""
-        chosen: list[AutoReshardPlan | str | None] = [None]
+        chosen: list[AutoReshardPlan | tuple[str, str] | None] = [None]
         if self.rank == 0:
             try:
                 chosen[0] = plan_auto_reshard(
                     self.model_args, budget_bytes=budget, count_offloaded=self.device.type == "cpu",
+                    budget_source=budget_source,
+                    # The other ranks wait in the broadcast below for at most init_timeout_seconds.
+                    timeout_s=max(1, self.config.comm.init_timeout_seconds - 10),
                     **job_estimate_kwargs(self.config, world_size=self.world_size,
                                           dp_replicate=self.dims.dp_replicate,
                                           grad_accum_steps=self.loader.grad_accum_steps),
                 )
             except ValueError as exc:  # the budget is too small even when resharding everything
-                chosen[0] = str(exc)
+                chosen[0] = ("budget", str(exc))
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
+                chosen[0] = ("failed", f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
         dist.broadcast_object_list(chosen, src=0)
-        if not isinstance(chosen[0], AutoReshardPlan):
-            raise ConfigError(str(chosen[0]))
-        return chosen[0]
+        if isinstance(chosen[0], AutoReshardPlan):
+            return chosen[0]
+        kind, message = chosen[0]  # type: ignore[misc]
+        raise ConfigError(message) if kind == "budget" else RuntimeError(message)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch; returns its metrics (same on every rank)."""

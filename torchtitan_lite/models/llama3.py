@@ -71,11 +71,15 @@ class ModelArgs:
             total += self.vocab_size * d
         return total
 
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token of one layer's attention matmuls (scores and weighted
+        values; forward 4 × dim × seq_len, backward twice that)."""
+        return 12 * self.dim * seq_len
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 × non-embedding params plus the attention matmuls."""
         dense = 6 * self.num_params(include_embedding=False)
-        attention = 12 * self.n_layers * self.dim * seq_len
-        return dense + attention
+        return dense + self.n_layers * self.attention_flops_per_token(seq_len)
 
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
