@@ -371,11 +371,12 @@ def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> l
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
-            # torchrun ends with its own summary; the rank's exception is the last "...Error: ..." line.
-            lines = done.stderr.strip().splitlines()
-            errors = [line for line in lines if "Error" in line.split(":")[0] or line.startswith("error:")]
-            raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed "
-                             f"(exit {done.returncode}): {(errors or lines or [''])[-1].strip()}")
+            # The ranks' tracebacks are in torchrun's stderr, before its own summary: keep it all.
+            log = Path(tempfile.gettempdir()) / f"benchmark_{worker}_{nproc}_ranks.stderr.txt"
+            log.write_text(done.stderr)
+            ranks = [line for line in done.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
+            raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
+                             f"{(ranks or [''])[0].strip()} (torchrun's stderr: {log})")
         return json.loads(out.read_text())
 
 
