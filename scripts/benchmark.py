@@ -234,10 +234,11 @@ def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
-    """Tight and loose budgets (GiB) for the auto part: between the estimated peaks of always
-    and never at 2 ranks, and 5% above never's."""
+    """Tight and loose budgets (GiB) for the auto part at 2 ranks: halfway between the
+    estimated peak of always plus auto's headroom and that of never; and never's plus the
+    headroom plus 5%."""
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.estimate import auto_headroom_bytes, estimate_memory, job_estimate_kwargs
     from torchtitan_lite.models import MODEL_REGISTRY
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,7 +247,8 @@ def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
     args = MODEL_REGISTRY["llama3"][1][opts.flavor]
     never, always = (estimate_memory(args, reshard_after_forward_mode=mode, **kwargs).peak
                      for mode in ("never", "always"))
-    return {"tight": (never + always) / 2 / 2**30, "loose": never * 1.05 / 2**30}
+    headroom = auto_headroom_bytes(args, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    return {"tight": (never + always + headroom) / 2 / 2**30, "loose": (never + headroom) * 1.05 / 2**30}
 
 
 def _worker_auto(opts: argparse.Namespace) -> dict[str, Any]:
@@ -476,7 +478,7 @@ def main() -> None:
         auto = _launch("auto", 2, opts, "--budgets", json.dumps(budgets))[0]
         figures["auto"] = auto
         print("\nreshard_after_forward_mode auto (2 ranks): budgets from the estimates (tight: halfway "
-              "between always and never; loose: never + 5%)")
+              "between always + headroom and never; loose: (never + headroom) + 5%)")
         print(f"{'run':12} {'budget MiB':>10} {'resharded':40} {'all-gathers':>11} {'est. MiB':>9} "
               f"{'measured MiB':>12} {'tok/s/rank':>10}")
         for label, r in auto.items():

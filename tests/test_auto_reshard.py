@@ -23,6 +23,7 @@ from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.estimate import (
     _reshard_order,
     auto_budget_bytes,
+    auto_headroom_bytes,
     estimate_memory,
     job_estimate_kwargs,
     plan_auto_reshard,
@@ -45,8 +46,11 @@ def _estimate_kwargs() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
     kwargs = _estimate_kwargs()
-    return {mode: estimate_memory(DEBUG, reshard_after_forward_mode=mode, **kwargs).peak
-            for mode in ("never", "always")}
+    peaks = {mode: estimate_memory(DEBUG, reshard_after_forward_mode=mode, **kwargs).peak
+             for mode in ("never", "always")}
+    # What auto keeps free below a budget: one block's fp32 parameters here (3.25 MiB).
+    peaks["headroom"] = auto_headroom_bytes(DEBUG, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    return peaks
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,7 +93,7 @@ def test_busy_units_follow_fsdp2_prefetch():
 
 def test_loose_budget_reshards_nothing_tight_budget_the_fewest_that_fit(peaks):
     kwargs = _estimate_kwargs()
-    loose = plan_auto_reshard(DEBUG, budget_bytes=int(peaks["never"] * 1.05), count_offloaded=True, **kwargs)
+    loose = plan_auto_reshard(DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs)
     assert loose.reshard == (False,) * len(UNITS) and loose.units == UNITS
     assert loose.peak == peaks["never"] and len(loose.tried) == 1  # one estimate: never fits
     assert loose.all_gathers_per_step == len(UNITS)
@@ -97,19 +101,23 @@ def test_loose_budget_reshards_nothing_tight_budget_the_fewest_that_fit(peaks):
     budget = (peaks["never"] + peaks["always"]) // 2
     tight = plan_auto_reshard(DEBUG, budget_bytes=budget, count_offloaded=True, **kwargs)
     k = sum(tight.reshard)
-    assert 0 < k < len(UNITS) and tight.peak <= budget
+    assert 0 < k < len(UNITS) and tight.peak + tight.headroom <= budget
+    # Headroom: the largest unit's gathered parameters (fp32 here), a block of debugmodel.
+    with torch.device("meta"):
+        assert tight.headroom == peaks["headroom"] == max(u.numel() for u in fsdp_units(Transformer(DEBUG))) * 4
     assert set(tight.resharded) == set(tight.order[:k])  # a prefix of the order
     assert tight.all_gathers_per_step == len(UNITS) + k
     # The fewest: one unit fewer (the last one added) does not fit.
     fewer = tuple(flag and name != tight.order[k - 1] for name, flag in zip(tight.units, tight.reshard, strict=True))
-    assert estimate_memory(DEBUG, reshard_after_forward_mode=fewer, **kwargs).peak > budget
+    assert estimate_memory(DEBUG, reshard_after_forward_mode=fewer, **kwargs).peak > budget - tight.headroom
     assert "resharding" in tight.summary() and tight.order[0] in tight.summary()
 
 
 def test_budget_below_resharding_everything_is_one_clear_error(peaks):
     with pytest.raises(ValueError, match=r"^parallelism\.memory_budget_gib: the estimated peak is .* per rank "
-                                         r"even with every unit resharded after forward, above the budget of "
-                                         r".* \(parallelism\.memory_budget_gib = 0\.05\); allow more memory"):
+                                         r"even with every unit resharded after forward, plus 3\.3 MiB of "
+                                         r"headroom for a collective buffer: above the budget of .* "
+                                         r"\(parallelism\.memory_budget_gib = 0\.05\); allow more memory"):
         plan_auto_reshard(DEBUG, budget_bytes=peaks["always"] - MIB, count_offloaded=True,
                           budget_source="parallelism.memory_budget_gib = 0.05", **_estimate_kwargs())
 
@@ -209,7 +217,7 @@ def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any
 
 def test_trainer_auto_reshards_under_a_tight_budget_not_a_loose_one_and_stays_within(peaks, tmp_path):
     tight = (peaks["never"] + peaks["always"]) / 2 / 2**30
-    loose = peaks["never"] * 1.05 / 2**30
+    loose = (peaks["never"] + peaks["headroom"]) * 1.05 / 2**30
     ranks = run_distributed(_auto_rank, 2, {"never": None, "tight": tight, "loose": loose}, str(tmp_path))
     print(f"\nestimated peaks: never {peaks['never'] / MIB:.2f} MiB, always {peaks['always'] / MIB:.2f} MiB")
     for rank, runs in enumerate(ranks):

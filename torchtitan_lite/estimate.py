@@ -53,6 +53,7 @@ from torchtitan_lite.models.llama3 import ModelArgs
 
 __all__ = [
     "CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "AutoReshardPlan", "MemoryEstimate", "auto_budget_bytes",
+    "auto_headroom_bytes",
     "estimate_memory", "job_estimate_kwargs", "main", "plan_auto_reshard",
 ]
 
@@ -501,6 +502,9 @@ class AutoReshardPlan:
     """``(units resharded, estimated peak)`` of every estimate made, in order."""
     count_offloaded: bool
     """Whether the budget covers CPU-offloaded state too (a CPU-only job: one memory)."""
+    headroom: int = 0
+    """Bytes kept free below the budget: one unit's gathered parameters or gradients (see
+    :func:`plan_auto_reshard`)."""
     seconds: float = 0.0
     """Wall time of the search."""
 
@@ -542,7 +546,8 @@ class AutoReshardPlan:
         per_micro_batch = f" per micro-batch, × {est.grad_accum_steps}" if est.grad_accum_steps > 1 else ""
         where = (_where(est.peak_phase, est.peak_module) if self.count_offloaded
                  else _where(est.device_peak_phase, est.device_peak_module))
-        return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank; without "
+        return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank, of which "
+                f"{_size(self.headroom)} headroom for a late-freed collective buffer; without "
                 f"resharding the estimated peak is {_size(self.never_peak)}; resharding "
                 f"{self.resharded_text()} -> estimated peak "
                 f"{_size(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
@@ -594,6 +599,12 @@ def plan_auto_reshard(
       first probe guessed from the bytes each unit frees; every candidate is a full
       :func:`estimate_memory` of that plan (fake tensors, fake process group).
 
+    A plan fits when its estimated peak plus a headroom of the largest unit's gathered
+    parameters or gradients (in the wider of the parameter and reduce dtypes) is within the
+    budget: an all-gather or reduce-scatter buffer can be released by the communication
+    library's thread a little after FSDP2 lets go of it, and measured peaks of real steps on
+    gloo exceed the estimate by one such buffer in some runs and not in others.
+
     The peak compared is the device's (``device_peak``); with ``count_offloaded`` (a CPU-only
     job, where offloaded state shares the same memory) the total ``peak``. Raises
     ``ValueError`` naming ``parallelism.memory_budget_gib`` (and ``budget_source``, where the
@@ -619,6 +630,17 @@ def plan_auto_reshard(
     if dist.is_available() and dist.is_initialized():
         return _in_child_process("_plan_here", args, kwargs, timeout_s=timeout_s)  # type: ignore[no-any-return]
     return _plan_here(args, **kwargs)
+
+
+def auto_headroom_bytes(args: ModelArgs, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
+    """What ``auto`` keeps free below its budget: the largest FSDP unit's gathered parameters or
+    gradients, in the wider of the two dtypes (see :func:`plan_auto_reshard`)."""
+    from torchtitan_lite.models.llama3 import Transformer
+    from torchtitan_lite.parallelize import fsdp_units
+
+    with torch.device("meta"):
+        units = fsdp_units(Transformer(args))
+    return max(u.numel() for u in units) * max(param_dtype.itemsize, reduce_dtype.itemsize)
 
 
 def _reshard_order(units: list[Any], args: ModelArgs, *, seq_len: int, param_bytes: int,
@@ -682,19 +704,22 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
         return est.peak if count_offloaded else est.device_peak
 
     n = len(units)
+    headroom = auto_headroom_bytes(args, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    limit = budget_bytes - headroom
     never = peak(0)
     at_peak = estimates[0]
     busy = (_busy_units(units, at_peak.peak_phase, at_peak.peak_module) if count_offloaded
             else _busy_units(units, at_peak.device_peak_phase, at_peak.device_peak_module))
     order[:] = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                               reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=busy)
-    if never <= budget_bytes:
+    if never <= limit:
         k = 0
-    elif peak(n) > budget_bytes:
+    elif peak(n) > limit:
         source = f" ({budget_source})" if budget_source else ""
         raise ValueError(
             f"parallelism.memory_budget_gib: the estimated peak is {_size(peak(n))} per rank even with "
-            f"every unit resharded after forward, above the budget of {_size(budget_bytes)}{source}; "
+            f"every unit resharded after forward, plus {_size(headroom)} of headroom for a collective "
+            f"buffer: above the budget of {_size(budget_bytes)}{source}; "
             "allow more memory, or need less (smaller training.local_batch_size or seq_len, bf16 "
             "mixed precision, CPU offload, more ranks)")
     else:
@@ -704,7 +729,7 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
         freed, guess = 0, n
         for k, i in enumerate(order, start=1):
             freed += units[i].numel() * kwargs["param_dtype"].itemsize
-            if never - freed <= budget_bytes:
+            if never - freed <= limit:
                 guess = k
                 break
         lo, hi, planned = 0, n, [guess]
@@ -712,7 +737,7 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
             mid = planned.pop() if planned else (lo + hi) // 2
             if not lo < mid < hi:
                 mid = (lo + hi) // 2
-            fits = peak(mid) <= budget_bytes
+            fits = peak(mid) <= limit
             lo, hi = (lo, mid) if fits else (mid, hi)
             if mid == guess:
                 planned.append(mid - 1 if fits else mid + 1)
@@ -720,7 +745,7 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
     return AutoReshardPlan(
         units=tuple(u.name for u in units), reshard=plan(k), order=tuple(units[i].name for i in order),
         budget=budget_bytes, estimate=estimates[k], never_peak=never, tried=tuple(tried),
-        count_offloaded=count_offloaded, seconds=time.perf_counter() - start,
+        count_offloaded=count_offloaded, headroom=headroom, seconds=time.perf_counter() - start,
     )
 
 
