@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torchtitan_lite.checkpoint import CheckpointManager
 from torchtitan_lite.config import Checkpoint
 from torchtitan_lite.distributed import (
-    ParallelDims,
-    build_mesh,
     choose_device,
     destroy_distributed,
+    fsdp_mesh,
     init_distributed,
     world_info_from_env,
 )
@@ -61,7 +60,7 @@ def main() -> None:
     device = choose_device(local_rank)
     init_distributed(device)
     rank = dist.get_rank()
-    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=world_size))
+    mesh = fsdp_mesh(device)
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     model_args = replace(flavors["debugmodel"], dim=args.dim, n_layers=args.n_layers, n_heads=16,
                          vocab_size=args.vocab_size, max_seq_len=64)

@@ -174,7 +174,7 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.memory import measure_step_memory
     from torchtitan_lite.models import MODEL_REGISTRY
     from torchtitan_lite.parallelize import build_sharded_model
@@ -183,7 +183,7 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cpu")
     init_distributed(device)
     world = dist.get_world_size()
-    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=world))
+    mesh = fsdp_mesh(device)
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     args = flavors[opts.flavor]
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -302,15 +302,14 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.memory import process_memory, reset_peak_rss
     from torchtitan_lite.models import MODEL_REGISTRY
     from torchtitan_lite.parallelize import build_sharded_model
 
     device = torch.device("cpu")
     init_distributed(device)
-    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1,
-                                                   world_size=dist.get_world_size()))
+    mesh = fsdp_mesh(device)
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     args = flavors["1B"]
     dist.barrier()

@@ -156,11 +156,11 @@ def test_apply_fsdp_checks_the_plan_length():
 
 
 def _wrong_length_rank() -> str:
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.parallelize import apply_fsdp
 
     init_distributed(torch.device("cpu"))
-    mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=1))
+    mesh = fsdp_mesh(torch.device("cpu"))
     with torch.device("meta"):
         model = Transformer(LLAMA3_FLAVORS["tiny"])
     try:

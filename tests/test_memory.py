@@ -11,15 +11,14 @@ def _measure(mode: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.memory import measure_step_memory
     from torchtitan_lite.models import MODEL_REGISTRY
     from torchtitan_lite.parallelize import build_sharded_model
 
     device = torch.device("cpu")
     init_distributed(device)
-    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1,
-                                                   world_size=dist.get_world_size()))
+    mesh = fsdp_mesh(device)
     model_cls, flavors = MODEL_REGISTRY["llama3"]
     args = flavors["debugmodel"]
     model = build_sharded_model(model_cls, args, mesh, device=device, seed=0, reshard_after_forward_mode=mode)

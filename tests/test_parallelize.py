@@ -585,16 +585,14 @@ class MyModel(nn.Module):
 
 
 def _custom_module_rank() -> dict[str, Any]:
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.parallelize import apply_fsdp
 
     device = torch.device("cpu")
     init_distributed(device)
-    mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1,
-                                                   world_size=dist.get_world_size()))
+    mesh = fsdp_mesh(device)
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (4, 9), generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]

@@ -81,9 +81,8 @@ def _meta_init_sharded(seed: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import (
-        ParallelDims,
-        build_mesh,
         destroy_distributed,
+        fsdp_mesh,
         init_distributed,
     )
     from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer, precompute_freqs_cis
@@ -92,8 +91,7 @@ def _meta_init_sharded(seed: int) -> dict[str, Any]:
     device = torch.device("cpu")
     init_distributed(device)
     try:
-        world_size = dist.get_world_size()
-        mesh = build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=world_size))
+        mesh = fsdp_mesh(device)
         args = LLAMA3_FLAVORS["tiny"]
         with torch.device("meta"):
             model = Transformer(args)

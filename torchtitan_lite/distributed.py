@@ -16,6 +16,7 @@ __all__ = [
     "ParallelDims",
     "choose_device",
     "backend_for",
+    "fsdp_mesh",
     "init_distributed",
     "set_collective_timeout",
     "build_mesh",
@@ -199,6 +200,11 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
             mesh_dim_names=("dp_replicate", "dp_shard"),
         )
     return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+
+
+def fsdp_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D ``("dp_shard",)`` mesh over every rank of the initialised default process group."""
+    return build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=dist.get_world_size()))
 
 
 def destroy_distributed(*, barrier: bool = True) -> None:

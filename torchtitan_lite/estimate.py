@@ -511,7 +511,7 @@ class AutoReshardPlan:
     @property
     def peak(self) -> int:
         """The chosen plan's estimated peak, as compared with the budget."""
-        return self.estimate.peak if self.count_offloaded else self.estimate.device_peak
+        return _compared(self.estimate, self.count_offloaded)[0]
 
     @property
     def resharded(self) -> tuple[str, ...]:
@@ -544,8 +544,7 @@ class AutoReshardPlan:
         """One log line: budget, the choice and its estimate."""
         est = self.estimate
         per_micro_batch = f" per micro-batch, × {est.grad_accum_steps}" if est.grad_accum_steps > 1 else ""
-        where = (_where(est.peak_phase, est.peak_module) if self.count_offloaded
-                 else _where(est.device_peak_phase, est.device_peak_module))
+        where = _where(*_compared(est, self.count_offloaded)[1:])
         return (f"reshard_after_forward_mode auto: budget {_size(self.budget)} per rank, of which "
                 f"{_size(self.headroom)} headroom for a late-freed collective buffer; without "
                 f"resharding the estimated peak is {_size(self.never_peak)}; resharding "
@@ -635,12 +634,28 @@ def plan_auto_reshard(
 def auto_headroom_bytes(args: ModelArgs, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
     """What ``auto`` keeps free below its budget: the largest FSDP unit's gathered parameters or
     gradients, in the wider of the two dtypes (see :func:`plan_auto_reshard`)."""
+    return _headroom(_units(args), param_dtype, reduce_dtype)
+
+
+def _units(args: ModelArgs) -> list[Any]:
+    """The FSDP units of the Llama model ``args`` (built on the meta device)."""
     from torchtitan_lite.models.llama3 import Transformer
     from torchtitan_lite.parallelize import fsdp_units
 
     with torch.device("meta"):
-        units = fsdp_units(Transformer(args))
+        return fsdp_units(Transformer(args))
+
+
+def _headroom(units: list[Any], param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
     return max(u.numel() for u in units) * max(param_dtype.itemsize, reduce_dtype.itemsize)
+
+
+def _compared(est: MemoryEstimate, count_offloaded: bool) -> tuple[int, str, str]:
+    """The peak ``auto`` compares with its budget, and its phase and module: the device's, or
+    with ``count_offloaded`` the total."""
+    if count_offloaded:
+        return est.peak, est.peak_phase, est.peak_module
+    return est.device_peak, est.device_peak_phase, est.device_peak_module
 
 
 def _reshard_order(units: list[Any], args: ModelArgs, *, seq_len: int, param_bytes: int,
@@ -671,47 +686,38 @@ def _busy_units(units: list[Any], phase: str, module: str) -> frozenset[int]:
     """Units whose parameters are gathered at a peak in ``module`` during ``phase`` whatever
     their reshard setting: the unit running there and the one FSDP2 prefetches next (the
     previous unit in backward, the next one in forward)."""
+    if phase not in ("forward", "backward"):
+        return frozenset()
     for i, unit in enumerate(units):
         if any(module == name or module.startswith(name + ".") for name in unit.name.split("+")):
-            step = -1 if phase == "backward" else 1
-            return frozenset(j for j in (i, i + step) if 0 <= j < len(units)) if phase in ("forward", "backward") \
-                else frozenset()
+            prefetched = i - 1 if phase == "backward" else i + 1
+            return frozenset(j for j in (i, prefetched) if 0 <= j < len(units))
     return frozenset()
 
 
 def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
                **kwargs: Any) -> AutoReshardPlan:
-    from torchtitan_lite.models.llama3 import Transformer
-    from torchtitan_lite.parallelize import fsdp_units
-
     start = time.perf_counter()
-    with torch.device("meta"):
-        units = fsdp_units(Transformer(args))
-    order: list[int] = []  # set once never's peak shows which units are busy there
-    estimates: dict[int, MemoryEstimate] = {}
-    tried: list[tuple[int, int]] = []
+    units = _units(args)
+    n = len(units)
+    headroom = _headroom(units, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    limit = budget_bytes - headroom
+    estimates = {0: _estimate_here(args, reshard_after_forward_mode=(False,) * n, **kwargs)}
+    never, phase, module = _compared(estimates[0], count_offloaded)
+    tried = [(0, never)]
+    order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
+                           reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=_busy_units(units, phase, module))
 
     def plan(k: int) -> tuple[bool, ...]:
         chosen = set(order[:k])
-        return tuple(i in chosen for i in range(len(units)))
+        return tuple(i in chosen for i in range(n))
 
     def peak(k: int) -> int:
         if k not in estimates:
             estimates[k] = _estimate_here(args, reshard_after_forward_mode=plan(k), **kwargs)
-            est = estimates[k]
-            tried.append((k, est.peak if count_offloaded else est.device_peak))
-        est = estimates[k]
-        return est.peak if count_offloaded else est.device_peak
+            tried.append((k, _compared(estimates[k], count_offloaded)[0]))
+        return _compared(estimates[k], count_offloaded)[0]
 
-    n = len(units)
-    headroom = auto_headroom_bytes(args, kwargs["param_dtype"], kwargs["reduce_dtype"])
-    limit = budget_bytes - headroom
-    never = peak(0)
-    at_peak = estimates[0]
-    busy = (_busy_units(units, at_peak.peak_phase, at_peak.peak_module) if count_offloaded
-            else _busy_units(units, at_peak.device_peak_phase, at_peak.device_peak_module))
-    order[:] = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
-                              reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=busy)
     if never <= limit:
         k = 0
     elif peak(n) > limit:
