@@ -343,13 +343,14 @@ WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives"
 def _worker_main(opts: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from torchtitan_lite.distributed import destroy_distributed
+
     result = WORKERS[opts.worker](opts)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         Path(opts.out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Process-group timeouts: when a rank dies or hangs, the others exit with an error in time."""
+"""Process-group life cycle: when a rank dies or hangs, the others exit with an error in time; at a
+clean exit the groups are freed while Python is still alive."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import REPO_ROOT, free_port
+from tests.dist_utils import REPO_ROOT, free_port, run_distributed
 
 TRAIN_TIMEOUT = 5  # seconds
 
@@ -78,3 +79,48 @@ def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def _threads_until_exit(out: str) -> dict[str, int]:
+    """Threads of this rank before the group exists, after FSDP training (with DTensor's
+    gradient-norm reduction) and a gathered result, and after ``destroy_distributed``. An exit
+    hook registered before ``init_distributed`` runs after the one it registers (``atexit`` is
+    last-in, first-out) and writes the count at exit to ``out``."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import destroy_distributed, fsdp_mesh, init_distributed
+    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+    from torchtitan_lite.parallelize import build_sharded_model
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    atexit.register(lambda: Path(out, f"rank{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}")
+                    .write_text(str(threads())))
+    counts = {"before": threads()}
+    device = torch.device("cpu")
+    init_distributed(device)
+    model = build_sharded_model(Transformer, LLAMA3_FLAVORS["tiny"], fsdp_mesh(device), device=device, seed=0)
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rank": dist.get_rank()})
+    counts["trained"] = threads()
+    del model
+    destroy_distributed()
+    counts["destroyed"] = threads()
+    return counts
+
+
+def test_process_groups_are_freed_at_exit_before_python_shuts_down(tmp_path):
+    """Meshes in DTensor's caches keep a destroyed group and its gloo threads alive; the exit hook
+    that ``init_distributed`` registers frees them while Python is still alive. Without it, a gloo
+    thread could drop a collective's tensor during shutdown and abort a process whose work was
+    done (SIGABRT, "terminate called without an active exception")."""
+    for rank, counts in enumerate(run_distributed(_threads_until_exit, 2, str(tmp_path))):
+        assert counts["trained"] > counts["before"], counts
+        assert counts["destroyed"] == counts["trained"], counts  # destroyed, but its threads run on
+        assert int((tmp_path / f"rank{rank}").read_text()) == counts["before"], counts

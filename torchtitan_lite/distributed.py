@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,7 @@ __all__ = [
     "local_world_size_from_env",
     "destroy_distributed",
     "free_port",
+    "release_process_groups",
 ]
 
 logger = logging.getLogger(__name__)
@@ -144,8 +148,13 @@ def init_distributed(
     """Create the default process group from torchrun's environment.
 
     Without torchrun (no ``WORLD_SIZE``), a single-process group is created on a free local
-    port so that FSDP and DTensor work the same way as in a multi-process run.
+    port so that FSDP and DTensor work the same way as in a multi-process run. The first call
+    also registers :func:`release_process_groups` to run at interpreter exit.
     """
+    global _release_registered
+    if not _release_registered:
+        atexit.register(release_process_groups)
+        _release_registered = True
     if dist.is_initialized():
         if device.type == "cuda" and cpu_collectives:
             config = str(dist.get_backend_config())
@@ -218,6 +227,34 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+
+
+_release_registered = False
+
+
+def release_process_groups() -> None:
+    """Free destroyed process groups while Python is fully alive (run at exit by ``atexit``).
+
+    ``destroy_process_group`` only drops c10d's own references. Meshes still hold their
+    groups: in reference cycles of models that are gone, and in DTensor's sharding caches,
+    which live until interpreter shutdown. A gloo worker thread that then drops the last
+    reference to a collective's tensor needs the GIL, cannot have it during shutdown, and
+    aborts the process ("terminate called without an active exception", SIGABRT) after a
+    run that succeeded. So, once no group is initialised: forget the last uncaught
+    exception's traceback (its frames may hold the trainer), collect the cycles, and empty
+    the group registry of every mesh still alive (none is usable now). The groups are then
+    destroyed here, and their destructor joins the worker threads. Registered by
+    :func:`init_distributed`; while a group is initialised this does nothing.
+    """
+    if dist.is_initialized():
+        return
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if getattr(sys, name, None) is not None:
+            setattr(sys, name, None)
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
 
 
 def free_port() -> int:
