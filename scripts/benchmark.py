@@ -376,7 +376,10 @@ def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> l
             # The ranks' tracebacks are in torchrun's stderr, before its own summary: keep it all.
             log = Path(tempfile.gettempdir()) / f"benchmark_{worker}_{nproc}_ranks.stderr.txt"
             log.write_text(done.stderr)
-            ranks = [line for line in done.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
+            # A Python error names itself; a rank killed in C++ shows only torchrun's signal line.
+            ranks = [line for line in done.stderr.splitlines()
+                     if ("Error" in line and "ChildFailedError" not in line) or "terminate called" in line
+                     or "Signal " in line]
             raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
                              f"{(ranks or [''])[0].strip()} (torchrun's stderr: {log})")
         return json.loads(out.read_text())
