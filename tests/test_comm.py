@@ -124,3 +124,31 @@ def test_process_groups_are_freed_at_exit_before_python_shuts_down(tmp_path):
         assert counts["trained"] > counts["before"], counts
         assert counts["destroyed"] == counts["trained"], counts  # destroyed, but its threads run on
         assert int((tmp_path / f"rank{rank}").read_text()) == counts["before"], counts
+
+
+_FAILING_JOB = """
+import atexit, os, sys
+from torchtitan_lite import train
+def threads():
+    return len(os.listdir("/proc/self/task"))
+print("threads before", threads(), flush=True)
+atexit.register(lambda: print("threads at exit", threads(), flush=True))
+def fail(self):
+    raise RuntimeError("failed in step 1")
+train.Trainer.train_step = fail
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_job_that_fails_with_a_traceback_still_frees_its_process_group_at_exit(tmp_path):
+    """An uncaught error leaves its traceback in ``sys.last_*``, whose frames hold the trainer and
+    through it the group; the exit hook drops it, so the gloo threads are joined here too and the
+    job exits with Python's 1, not an abort."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", _FAILING_JOB, *TINY_ARGS, "--job.dump_folder", str(tmp_path)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "RuntimeError: failed in step 1" in done.stderr, done.stderr[-2000:]
+    counts = dict(line.rsplit(" ", 1) for line in done.stdout.splitlines() if line.startswith("threads "))
+    assert counts["threads at exit"] == counts["threads before"], done.stdout
