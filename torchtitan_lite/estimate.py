@@ -44,12 +44,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan_lite.memory import CATEGORIES, by_category, no_automatic_gc
 from torchtitan_lite.models.llama3 import ModelArgs
+
+if TYPE_CHECKING:
+    from torchtitan_lite.parallelize import ReshardMode
 
 __all__ = [
     "CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "AutoReshardPlan", "MemoryEstimate", "auto_budget_bytes",
@@ -85,7 +88,7 @@ class MemoryEstimate:
     """HSDP replicas (1: plain FSDP)."""
     dp_shard: int
     """Ranks each parameter is sharded over."""
-    reshard_after_forward_mode: str | int | tuple[bool, ...]
+    reshard_after_forward_mode: ReshardMode
     """The reshard mode estimated (a tuple: one bool per unit, as ``auto`` chooses)."""
     param_dtype: str
     """Dtype of gathered parameters and compute."""
@@ -143,7 +146,7 @@ def estimate_memory(
     dp_replicate: int = 1,
     local_batch_size: int,
     seq_len: int,
-    reshard_after_forward_mode: str | int | tuple[bool, ...],
+    reshard_after_forward_mode: ReshardMode,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool,
@@ -222,7 +225,7 @@ def _child_main(path: str) -> None:
 
 
 def _check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int, seq_len: int,
-                     args: ModelArgs, reshard_after_forward_mode: str | int | tuple[bool, ...], optimizer: str,
+                     args: ModelArgs, reshard_after_forward_mode: ReshardMode, optimizer: str,
                      optimizer_implementation: str, grad_accum_steps: int) -> None:
     from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
 
@@ -366,7 +369,7 @@ def _estimate_here(
     dp_replicate: int,
     local_batch_size: int,
     seq_len: int,
-    reshard_after_forward_mode: str | int | tuple[bool, ...],
+    reshard_after_forward_mode: ReshardMode,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool,
@@ -496,17 +499,21 @@ class AutoReshardPlan:
     """Per-rank budget in bytes."""
     estimate: MemoryEstimate
     """The estimate of the chosen plan."""
-    never_peak: int
-    """Estimated peak with no unit resharded (``never``)."""
     tried: tuple[tuple[int, int], ...]
-    """``(units resharded, estimated peak)`` of every estimate made, in order."""
+    """``(units resharded, estimated peak)`` of every estimate made, in order; the first is
+    ``never``'s."""
     count_offloaded: bool
     """Whether the budget covers CPU-offloaded state too (a CPU-only job: one memory)."""
-    headroom: int = 0
+    headroom: int
     """Bytes kept free below the budget: one unit's gathered parameters or gradients (see
     :func:`plan_auto_reshard`)."""
-    seconds: float = 0.0
+    seconds: float
     """Wall time of the search."""
+
+    @property
+    def never_peak(self) -> int:
+        """Estimated peak with no unit resharded (``never``)."""
+        return self.tried[0][1]
 
     @property
     def peak(self) -> int:
@@ -704,7 +711,6 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
     limit = budget_bytes - headroom
     estimates = {0: _estimate_here(args, reshard_after_forward_mode=(False,) * n, **kwargs)}
     never, phase, module = _compared(estimates[0], count_offloaded)
-    tried = [(0, never)]
     order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                            reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=_busy_units(units, phase, module))
 
@@ -715,7 +721,6 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
     def peak(k: int) -> int:
         if k not in estimates:
             estimates[k] = _estimate_here(args, reshard_after_forward_mode=plan(k), **kwargs)
-            tried.append((k, _compared(estimates[k], count_offloaded)[0]))
         return _compared(estimates[k], count_offloaded)[0]
 
     if never <= limit:
@@ -738,19 +743,25 @@ def _plan_here(args: ModelArgs, *, budget_bytes: int, count_offloaded: bool, bud
             if never - freed <= limit:
                 guess = k
                 break
-        lo, hi, planned = 0, n, [guess]
-        while hi - lo > 1:
-            mid = planned.pop() if planned else (lo + hi) // 2
+        lo, hi = 0, n
+
+        def probe(mid: int) -> bool:
+            """Narrow ``(lo, hi)`` with an estimate at ``mid``; False when ``mid`` is outside."""
+            nonlocal lo, hi
             if not lo < mid < hi:
-                mid = (lo + hi) // 2
-            fits = peak(mid) <= limit
-            lo, hi = (lo, mid) if fits else (mid, hi)
-            if mid == guess:
-                planned.append(mid - 1 if fits else mid + 1)
+                return False
+            lo, hi = (lo, mid) if peak(mid) <= limit else (mid, hi)
+            return True
+
+        if probe(guess):
+            probe(guess - 1 if hi == guess else guess + 1)
+        while hi - lo > 1:
+            probe((lo + hi) // 2)
         k = hi
     return AutoReshardPlan(
         units=tuple(u.name for u in units), reshard=plan(k), order=tuple(units[i].name for i in order),
-        budget=budget_bytes, estimate=estimates[k], never_peak=never, tried=tuple(tried),
+        budget=budget_bytes, estimate=estimates[k],
+        tried=tuple((j, _compared(e, count_offloaded)[0]) for j, e in estimates.items()),
         count_offloaded=count_offloaded, headroom=headroom, seconds=time.perf_counter() - start,
     )
 
@@ -910,7 +921,7 @@ def _where(phase: str, module: str) -> str:
     return f"{phase} ({module})" if module else phase
 
 
-def _label(mode: str | int | tuple[bool, ...]) -> str:
+def _label(mode: ReshardMode) -> str:
     """A mode's name in the table: a per-unit plan is what ``auto`` chose."""
     return "auto" if isinstance(mode, tuple) else str(mode)
 
@@ -955,9 +966,11 @@ def main(argv: list[str] | None = None) -> int:
         budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto else (0, "")
         estimates = [estimate_memory(model_args, reshard_after_forward_mode=mode, **kwargs)
                      for mode in _modes(p.reshard_after_forward_mode)]
+        seconds = sum(e.seconds for e in estimates)
         plan = None
         if auto:
             plan = plan_auto_reshard(model_args, budget_bytes=budget, budget_source=budget_source, **kwargs)
+            seconds += plan.seconds
             estimates.append(plan.estimate)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -980,8 +993,7 @@ def main(argv: list[str] | None = None) -> int:
                  "communication buffers are not included")
     if plan is not None:
         notes.append(f"{plan.summary()} (budget: {budget_source}; the fits column is against the whole device)")
-    seconds = sum(e.seconds for e in estimates if plan is None or e is not plan.estimate)
-    notes.append(f"estimated in {seconds + (plan.seconds if plan else 0):.1f} s")
+    notes.append(f"estimated in {seconds:.1f} s")
     print("\n".join(notes))
     if json_path is not None:
         record = {

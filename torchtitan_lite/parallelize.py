@@ -111,7 +111,7 @@ def validate_reshard_after_forward_mode(
     return mode
 
 
-def resolve_reshard_after_forward(mode: ReshardMode, role: UnitRole, index: int | None = None) -> bool | int:
+def resolve_reshard_after_forward(mode: ReshardMode, role: UnitRole, index: int) -> bool | int:
     """The one place where a reshard mode becomes a unit's ``reshard_after_forward``.
 
     ``index`` is the unit's position in forward order (0: the first unit), used by a per-unit
@@ -125,8 +125,6 @@ def resolve_reshard_after_forward(mode: ReshardMode, role: UnitRole, index: int 
       (reshard within groups of N ranks, e.g. one node) instead of freeing down to the shard.
     """
     if isinstance(mode, tuple):
-        if index is None:
-            raise ValueError("a per-unit reshard plan needs the unit's index")
         return mode[index]
     if mode == "always":
         return True

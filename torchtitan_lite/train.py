@@ -130,7 +130,6 @@ class Trainer:
             )
 
         self.device = choose_device(local_rank)
-        self.reshard_plan: AutoReshardPlan | None = None
         if p.reshard_after_forward_mode == "auto":
             try:
                 device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
@@ -188,8 +187,9 @@ class Trainer:
             )
 
         reshard_mode = p.reshard_after_forward_mode
-        if reshard_mode == "auto":
-            self.reshard_plan = self._plan_auto_reshard(budget, budget_source)
+        self.reshard_plan: AutoReshardPlan | None = (
+            self._plan_auto_reshard(budget, budget_source) if reshard_mode == "auto" else None)
+        if self.reshard_plan is not None:
             reshard_mode = self.reshard_plan.reshard
             if self.rank == 0:
                 logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
@@ -266,7 +266,7 @@ class Trainer:
     def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
         """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
         estimates on fake tensors, in a child process) and every rank applies that one plan."""
-        chosen: list[AutoReshardPlan | tuple[str, str] | None] = [None]
+        chosen: list[AutoReshardPlan | Exception | None] = [None]
         if self.rank == 0:
             try:
                 chosen[0] = plan_auto_reshard(
@@ -279,14 +279,13 @@ class Trainer:
                                           grad_accum_steps=self.loader.grad_accum_steps),
                 )
             except ValueError as exc:  # the budget is too small even when resharding everything
-                chosen[0] = ("budget", str(exc))
+                chosen[0] = ConfigError(str(exc))
             except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
-                chosen[0] = ("failed", f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
+                chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
         dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], AutoReshardPlan):
-            return chosen[0]
-        kind, message = chosen[0]  # type: ignore[misc]
-        raise ConfigError(message) if kind == "budget" else RuntimeError(message)
+        if isinstance(chosen[0], Exception):
+            raise chosen[0]
+        return chosen[0]  # type: ignore[return-value]
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch; returns its metrics (same on every rank)."""
