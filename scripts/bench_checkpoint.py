@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtitan_lite.checkpoint import CheckpointManager
+from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.config import Checkpoint
 from torchtitan_lite.distributed import (
     choose_device,
@@ -32,8 +32,8 @@ from torchtitan_lite.distributed import (
     init_distributed,
     world_info_from_env,
 )
-from torchtitan_lite.models import MODEL_REGISTRY
-from torchtitan_lite.parallelize import build_sharded_model
+from torchtitan_lite.distributed.fsdp import build_sharded_model
+from torchtitan_lite.models import get_model_spec
 
 
 class _PlainState:
@@ -61,10 +61,10 @@ def main() -> None:
     init_distributed(device)
     rank = dist.get_rank()
     mesh = fsdp_mesh(device)
-    model_cls, flavors = MODEL_REGISTRY["llama3"]
-    model_args = replace(flavors["debugmodel"], dim=args.dim, n_layers=args.n_layers, n_heads=16,
+    spec = get_model_spec("llama3")
+    model_args = replace(spec.model_args("debugmodel"), dim=args.dim, n_layers=args.n_layers, n_heads=16,
                          vocab_size=args.vocab_size, max_seq_len=64)
-    model = build_sharded_model(model_cls, model_args, mesh, device=device, seed=0)
+    model = build_sharded_model(spec, model_args, mesh, device=device, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, args.vocab_size, (1, 64), device=device)
     model(tokens).float().mean().backward()
@@ -78,7 +78,7 @@ def main() -> None:
         mode: CheckpointManager(
             Checkpoint(enable=True, folder=f"ckpt_{mode}", async_mode=mode, keep_latest_k=1),
             dump_folder=folder[0], model=model, optimizer=optimizer, lr_scheduler=_PlainState(),
-            loader=_PlainState())
+            loader=_PlainState(), model_spec=spec)
         for mode in ("disabled", "async")
     }
     blocked: dict[str, list[float]] = {"disabled": [], "async": []}

@@ -44,8 +44,6 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_lite.models.llama3 import ModelArgs, Transformer
-
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("default", "always", "never")
 CATEGORY_COLUMNS = ("sharded_params", "unsharded_params", "sharded_grads", "optimizer_state",
@@ -93,14 +91,19 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _bare_model(args: ModelArgs, mesh: Any, device: torch.device) -> Transformer:
+def _bare_model(spec: Any, args: Any, mesh: Any, device: torch.device) -> torch.nn.Module:
+    """The spec's model sharded by hand with ``fully_shard`` over the spec's units (first unit,
+    each block, last unit kept gathered after forward, root), fp32 throughout."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec.model_cls(args)
+    units = spec.fsdp_units(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp)
-    for block in model.layers.values():
+    if units.get("first_unit") is not None:
+        fully_shard(units["first_unit"], mesh=mesh, mp_policy=mp)
+    for block in units["blocks"]:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if units.get("last_unit") is not None:
+        fully_shard(units["last_unit"], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
     torch.manual_seed(0)
@@ -125,10 +128,10 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer, clip_grad_norm_
+    from torchtitan_lite.trainer import Trainer, clip_grad_norm_
 
     trainer = Trainer(load_job_config(_job_args(opts)))
-    bare = _bare_model(trainer.model_args, trainer.mesh, trainer.device)
+    bare = _bare_model(trainer.plan.spec, trainer.model_args, trainer.mesh, trainer.device)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=trainer.config.optimizer.lr, weight_decay=0.1,
                                  foreach=True)
 
@@ -175,24 +178,24 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.memory import measure_step_memory
-    from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import build_sharded_model
-    from torchtitan_lite.validate import token_loss_sum
+    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.loss import token_loss_sum
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.models import get_model_spec
 
     device = torch.device("cpu")
     init_distributed(device)
     world = dist.get_world_size()
     mesh = fsdp_mesh(device)
-    model_cls, flavors = MODEL_REGISTRY["llama3"]
-    args = flavors[opts.flavor]
+    spec = get_model_spec("llama3")
+    args = spec.model_args(opts.flavor)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, args.vocab_size, (opts.local_batch_size, opts.seq_len + 1), generator=generator)
     results = []
     for mode in MODES:
         for mp in ("float32", "bfloat16"):
             for offload in (False, True):
-                model = build_sharded_model(model_cls, args, mesh, device=device, seed=0,
+                model = build_sharded_model(spec, args, mesh, device=device, seed=0,
                                             reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
                                             reduce_dtype=torch.float32, cpu_offload=offload)
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -212,7 +215,8 @@ def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.distributed.fsdp import fsdp_units
+    from torchtitan_lite.trainer import Trainer
 
     out = {}
     for mode in MODES:
@@ -220,7 +224,8 @@ def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
         trainer.train_step()
         with CollectiveCounter() as counter:
             trainer.train_step()
-        units = 2 + trainer.model_args.n_layers  # tok_embeddings, every block, norm + output
+        # The spec's units: tok_embeddings, every block, norm + output for llama3.
+        units = len(fsdp_units(trainer.model, **trainer.plan.spec.fsdp_units(trainer.model)))
         shard_bytes = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
         out[mode] = {"all_gather": counter.calls["all_gather"],
                      "all_gather_mib": counter.bytes["all_gather"] / 2**20,
@@ -238,16 +243,17 @@ def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
     estimated peak of always plus auto's headroom and that of never; and never's plus the
     headroom plus 5%."""
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.estimate import auto_headroom_bytes, estimate_memory, job_estimate_kwargs
-    from torchtitan_lite.models import MODEL_REGISTRY
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.auto import auto_headroom_bytes
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_job_config(_job_args(argparse.Namespace(**{**vars(opts), "dump": tmp})), world_size=2)
-    kwargs = job_estimate_kwargs(config, world_size=2, dp_replicate=1, grad_accum_steps=1)
-    args = MODEL_REGISTRY["llama3"][1][opts.flavor]
-    never, always = (estimate_memory(args, reshard_after_forward_mode=mode, **kwargs).peak
+        config = load_job_config(_job_args(argparse.Namespace(**{**vars(opts), "dump": tmp})))
+    plan = plan_job(config, world_size=2)
+    kwargs = job_estimate_kwargs(config, plan)
+    never, always = (estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode, **kwargs).peak
                      for mode in ("never", "always"))
-    headroom = auto_headroom_bytes(args, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    headroom = auto_headroom_bytes(plan.spec, plan.model_args, plan.param_dtype, plan.reduce_dtype)
     return {"tight": (never + always + headroom) / 2 / 2**30, "loose": (never + headroom) * 1.05 / 2**30}
 
 
@@ -257,9 +263,9 @@ def _worker_auto(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.memory import measure_step_memory
-    from torchtitan_lite.train import Trainer
-    from torchtitan_lite.validate import token_loss_sum
+    from torchtitan_lite.loss import token_loss_sum
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.trainer import Trainer
 
     runs = {mode: ["--parallelism.reshard_after_forward_mode", mode] for mode in ("never", "default", "always")}
     for label, gib in json.loads(opts.budgets).items():
@@ -303,20 +309,20 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.memory import process_memory, reset_peak_rss
-    from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import build_sharded_model
+    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.memory.measure import process_memory, reset_peak_rss
+    from torchtitan_lite.models import get_model_spec
 
     device = torch.device("cpu")
     init_distributed(device)
     mesh = fsdp_mesh(device)
-    model_cls, flavors = MODEL_REGISTRY["llama3"]
-    args = flavors["1B"]
+    spec = get_model_spec("llama3")
+    args = spec.model_args("1B")
     dist.barrier()
     reset_peak_rss()
     before = process_memory()
     start = time.perf_counter()
-    model = build_sharded_model(model_cls, args, mesh, device=device, seed=0)
+    model = build_sharded_model(spec, args, mesh, device=device, seed=0)
     seconds = time.perf_counter() - start
     after = process_memory()
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
@@ -327,7 +333,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
         del model
         reset_peak_rss()
         before = process_memory()
-        naive = model_cls(args)  # every parameter allocated in full, then initialised
+        naive = spec.model_cls(args)  # every parameter allocated in full, then initialised
         torch.manual_seed(0)
         naive.init_weights()
         result["naive_peak_delta_bytes"] = process_memory()["peak_rss"] - before["rss"]

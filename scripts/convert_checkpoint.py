@@ -1,4 +1,4 @@
-"""Convert model weights between our DCP checkpoints, Hugging Face Llama folders and single files.
+"""Convert model weights between our DCP checkpoints, Hugging Face folders and single files.
 
     python scripts/convert_checkpoint.py to-hf     CHECKPOINT/step-N  OUT_DIR   [--dtype bfloat16]
     python scripts/convert_checkpoint.py to-file   CHECKPOINT/step-N  OUT.pt|OUT.safetensors [--dtype ...]
@@ -10,11 +10,12 @@ Runs in one process, without a process group; the whole model is held in memory 
 A DCP step folder is what training writes (``step-N/`` with DCP files holding ``{"model": ...,
 "optimizer": ...}`` and ``train_state.json``); only the model part is read. The model's shape
 comes from ``train_state.json``'s ``model_args`` when present, otherwise from ``--flavor`` (and
-``--vocab_size``). A Hugging Face folder holds ``*.safetensors`` files and ``config.json``
-(``LlamaForCausalLM`` names and RoPE layout). Files written by ``to-file`` keep our parameter
-names; ``from-file`` also accepts a file with Hugging Face names. A step folder written by
-``from-hf``/``from-file`` holds the model only (``train_state.json``: ``{"step": 0,
-"model_only": true, "model_args": ...}``).
+``--vocab_size``); its family from ``train_state.json``'s ``model_name``, otherwise ``--model``
+(default ``llama3``). A Hugging Face folder holds ``*.safetensors`` files and ``config.json``
+(the family's Hugging Face names and row layout, e.g. ``LlamaForCausalLM``). Files written by
+``to-file`` keep our parameter names; ``from-file`` also accepts a file with Hugging Face names.
+A step folder written by ``from-hf``/``from-file`` holds the model only (``train_state.json``:
+``{"step": 0, "model_only": true, "model_name": ..., "model_args": ...}``).
 
 Nothing is unpickled: DCP metadata goes through an allow-list, ``.pt`` files are read with
 ``torch.load(weights_only=True)``. Outputs are written under ``<name>.partial`` and renamed when
@@ -37,19 +38,24 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_lite import hf
-from torchtitan_lite.checkpoint import (
-    EXPORT_DTYPES,
-    TRAIN_STATE_FILE,
-    CheckpointError,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    failure_reason,
+from torchtitan_lite.checkpoint.hf_storage import (
+    CONFIG_FILE,
+    load_hf_weights,
+    quiet_without_process_group,
+    state_dict_from_hf,
+    state_dict_to_hf,
 )
-from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.checkpoint.manager import TRAIN_STATE_FILE
+from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+from torchtitan_lite.dtypes import DTYPES
+from torchtitan_lite.errors import UserError
+from torchtitan_lite.models import MODEL_SPECS
+from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
 HF_WEIGHTS_FILE = "model.safetensors"
 MODEL_ARGS_KEY = "model_args"
+MODEL_NAME_KEY = "model_name"
+DEFAULT_MODEL = "llama3"
 
 
 class ConvertError(ValueError):
@@ -61,35 +67,51 @@ class ConvertError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def model_args_from_dict(values: Mapping[str, Any], source: str) -> ModelArgs:
-    """``ModelArgs`` from a dict of its fields (unknown keys are ignored)."""
+def model_spec(name: str | None, source: str = "--model") -> ModelSpec:
+    """The registered family ``name`` (default ``llama3``)."""
+    name = DEFAULT_MODEL if name is None else name
+    if name not in MODEL_SPECS:
+        raise ConvertError(f"{source}: unknown model {name!r}; expected one of {', '.join(MODEL_SPECS)}")
+    return MODEL_SPECS[name]
+
+
+def hf_adapter(spec: ModelSpec) -> HFAdapter:
+    if spec.hf is None:
+        raise ConvertError(f"model {spec.name!r} has no Hugging Face import/export")
+    return spec.hf
+
+
+def model_args_from_dict(spec: ModelSpec, values: Mapping[str, Any], source: str) -> Any:
+    """The family's args from a dict of their fields (unknown keys are ignored)."""
     if not isinstance(values, Mapping):
         raise ConvertError(f"{source}: {MODEL_ARGS_KEY} is not a JSON object")
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
     try:
-        return ModelArgs(**{k: v for k, v in values.items() if k in known})
+        return spec.args_from_dict(values)
     except (TypeError, ValueError) as exc:
         raise ConvertError(f"{source}: {MODEL_ARGS_KEY} is not a valid model shape: {exc}") from None
 
 
-def model_args_from_flavor(flavor: str | None, vocab_size: int | None, why: str) -> ModelArgs:
-    """``ModelArgs`` of ``--flavor`` (with ``--vocab_size``); ``why`` says, when no flavor was
-    given, why one is needed."""
+def model_args_from_flavor(spec: ModelSpec, flavor: str | None, vocab_size: int | None, why: str) -> Any:
+    """The args of ``--flavor`` (with ``--vocab_size``); ``why`` says, when no flavor was given,
+    why one is needed."""
     if flavor is None:
-        raise ConvertError(f"{why}; pass --flavor (one of {', '.join(LLAMA3_FLAVORS)}) and "
-                           "--vocab_size")
-    args = LLAMA3_FLAVORS[flavor]
-    return args if vocab_size is None else dataclasses.replace(args, vocab_size=vocab_size)
+        raise ConvertError(f"{why}; pass --flavor (one of {', '.join(spec.flavors)}) and --vocab_size")
+    if flavor not in spec.flavors:
+        raise ConvertError(f"--flavor: {flavor!r} is not a flavor of model {spec.name!r}; expected one "
+                           f"of {', '.join(spec.flavors)}")
+    return spec.model_args(flavor, vocab_size=vocab_size)
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Our parameter name → shape for a model with ``args``."""
-    return {hf.from_hf_name(name): shape for name, shape in hf.expected_hf_shapes(args).items()}
+def expected_shapes(spec: ModelSpec, args: Any) -> dict[str, tuple[int, ...]]:
+    """Our parameter name → shape for a model with ``args`` (built on the meta device)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def check_state_dict(shapes: Mapping[str, tuple[int, ...]], args: ModelArgs, source: str) -> None:
+def check_state_dict(shapes: Mapping[str, tuple[int, ...]], spec: ModelSpec, args: Any, source: str) -> None:
     """The names and shapes found in ``source`` are exactly those of a model with ``args``."""
-    expected = expected_shapes(args)
+    expected = expected_shapes(spec, args)
     missing = [name for name in expected if name not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -107,9 +129,9 @@ def check_state_dict(shapes: Mapping[str, tuple[int, ...]], args: ModelArgs, sou
 # --------------------------------------------------------------------------------------------
 
 
-def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
-                  ) -> tuple[dict[str, torch.Tensor], ModelArgs]:
-    """The model part of a DCP step folder as plain tensors, and the model's shape."""
+def read_step_dir(step_dir: Path, *, model: str | None, flavor: str | None, vocab_size: int | None
+                  ) -> tuple[dict[str, torch.Tensor], ModelSpec, Any]:
+    """The model part of a DCP step folder as plain tensors, the model's family and its shape."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -117,24 +139,30 @@ def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
     if not (step_dir / ".metadata").is_file():
         what = "does not exist" if not step_dir.exists() else "holds no DCP checkpoint (no .metadata)"
         raise ConvertError(f"{source}: {what}")
-    args = None
+    state: dict[str, Any] = {}
     state_file = step_dir / TRAIN_STATE_FILE
     if state_file.is_file():
         try:
-            state = json.loads(state_file.read_text(encoding="utf-8"))
+            loaded = json.loads(state_file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConvertError(f"{str(state_file)!r}: cannot be read: {exc}") from None
-        if isinstance(state, dict) and state.get(MODEL_ARGS_KEY) is not None:
-            args = model_args_from_dict(state[MODEL_ARGS_KEY], repr(str(state_file)))
-    if args is None:
-        args = model_args_from_flavor(flavor, vocab_size,
+        state = loaded if isinstance(loaded, dict) else {}
+    recorded_model = state.get(MODEL_NAME_KEY)
+    if recorded_model is not None and model is not None and recorded_model != model:
+        raise ConvertError(f"{str(state_file)!r}: the checkpoint holds model {recorded_model!r}, "
+                           f"not --model {model}")
+    spec = model_spec(recorded_model or model,
+                      "--model" if recorded_model is None else repr(str(state_file)))
+    if state.get(MODEL_ARGS_KEY) is not None:
+        args = model_args_from_dict(spec, state[MODEL_ARGS_KEY], repr(str(state_file)))
+        if flavor is not None:
+            flavor_args = model_args_from_flavor(spec, flavor, vocab_size, "")
+            if expected_shapes(spec, flavor_args) != expected_shapes(spec, args):
+                raise ConvertError(f"{str(state_file)!r}: {MODEL_ARGS_KEY} ({_shape_text(args)}) "
+                                   f"disagree with --flavor {flavor}")
+    else:
+        args = model_args_from_flavor(spec, flavor, vocab_size,
                                       f"{str(state_file)!r} does not record {MODEL_ARGS_KEY}")
-    elif flavor is not None:
-        flavor_args = model_args_from_flavor(flavor, vocab_size, "")
-        if expected_shapes(flavor_args) != expected_shapes(args):
-            raise ConvertError(f"{str(state_file)!r}: {MODEL_ARGS_KEY} (dim={args.dim}, "
-                               f"n_layers={args.n_layers}, vocab_size={args.vocab_size}) disagree "
-                               f"with --flavor {flavor}")
     try:
         metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - unpickling and I/O errors come in many types
@@ -145,25 +173,31 @@ def read_step_dir(step_dir: Path, *, flavor: str | None, vocab_size: int | None
             found[key.removeprefix("model.")] = (item.size, item.properties.dtype)
     if not found:
         raise ConvertError(f"{source}: the checkpoint holds no model weights")
-    check_state_dict({name: tuple(size) for name, (size, _) in found.items()}, args, source)
+    check_state_dict({name: tuple(size) for name, (size, _) in found.items()}, spec, args, source)
     state_dict = {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in found.items()}
     try:
-        with hf.quiet_without_process_group():
+        with quiet_without_process_group():
             dcp.load({"model": state_dict}, storage_reader=SafeFileSystemReader(str(step_dir)),
                      planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
         raise ConvertError(f"{source}: cannot be read: {failure_reason(exc)}") from None
-    return state_dict, args
+    return state_dict, spec, args
 
 
-def write_step_dir(state_dict: Mapping[str, torch.Tensor], args: ModelArgs, out: Path) -> None:
+def _shape_text(args: Any) -> str:
+    fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
+    return ", ".join(f"{k}={fields[k]}" for k in ("dim", "n_layers", "vocab_size") if k in fields)
+
+
+def write_step_dir(state_dict: Mapping[str, torch.Tensor], spec: ModelSpec, args: Any, out: Path) -> None:
     """A model-only DCP step folder at ``out`` (written as ``out.partial``, then renamed)."""
     import torch.distributed.checkpoint as dcp
 
     partial = _partial(out)
-    with hf.quiet_without_process_group():
+    with quiet_without_process_group():
         dcp.save({"model": dict(state_dict)}, checkpoint_id=str(partial))
-    state = {"step": 0, "model_only": True, MODEL_ARGS_KEY: dataclasses.asdict(args)}
+    state = {"step": 0, "model_only": True, MODEL_NAME_KEY: spec.name,
+             MODEL_ARGS_KEY: dataclasses.asdict(args)}
     (partial / TRAIN_STATE_FILE).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
 
 
@@ -208,57 +242,61 @@ def _cast(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def to_hf(step_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
-          vocab_size: int | None, overwrite: bool) -> None:
+def to_hf(step_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | None,
+          flavor: str | None, vocab_size: int | None, overwrite: bool) -> None:
     from safetensors.torch import save_file
 
     _check_output(out, overwrite=overwrite)
-    state_dict, args = read_step_dir(step_dir, flavor=flavor, vocab_size=vocab_size)
-    hf_state = _cast(hf.state_dict_to_hf(state_dict, args), dtype)
+    state_dict, spec, args = read_step_dir(step_dir, model=model, flavor=flavor, vocab_size=vocab_size)
+    adapter = hf_adapter(spec)
+    hf_state = _cast(state_dict_to_hf(state_dict, spec, args), dtype)
     partial = _partial(out)
     partial.mkdir()
     save_file(hf_state, str(partial / HF_WEIGHTS_FILE), metadata={"format": "pt"})
-    config = hf.hf_config(args, next(iter(hf_state.values())).dtype)
-    (partial / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    config = adapter.config_for(args, next(iter(hf_state.values())).dtype)
+    (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     _commit(out)
 
 
-def to_file(step_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
-            vocab_size: int | None, overwrite: bool) -> None:
+def to_file(step_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | None,
+            flavor: str | None, vocab_size: int | None, overwrite: bool) -> None:
     from safetensors.torch import save_file
 
     if out.suffix not in (".pt", ".safetensors"):
         raise ConvertError(f"{str(out)!r}: the output file must end in .pt or .safetensors")
     _check_output(out, overwrite=overwrite)
-    state_dict, args = read_step_dir(step_dir, flavor=flavor, vocab_size=vocab_size)
+    state_dict, spec, args = read_step_dir(step_dir, model=model, flavor=flavor, vocab_size=vocab_size)
     state_dict = _cast(state_dict, dtype)
     partial = _partial(out)
     if out.suffix == ".pt":
         torch.save(state_dict, partial)
     else:
-        metadata = {"format": "pt", MODEL_ARGS_KEY: json.dumps(dataclasses.asdict(args))}
+        metadata = {"format": "pt", MODEL_NAME_KEY: spec.name,
+                    MODEL_ARGS_KEY: json.dumps(dataclasses.asdict(args))}
         save_file(state_dict, str(partial), metadata=metadata)
     _commit(out)
 
 
-def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
-            vocab_size: int | None, overwrite: bool) -> None:
+def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | None,
+            flavor: str | None, vocab_size: int | None, overwrite: bool) -> None:
     _check_output(out, overwrite=overwrite)
-    config_file = hf_dir / hf.CONFIG_FILE
+    spec = model_spec(model)
+    adapter = hf_adapter(spec)
+    config_file = hf_dir / CONFIG_FILE
     if flavor is not None or not config_file.is_file():
-        args = model_args_from_flavor(flavor, vocab_size, f"{str(config_file)!r} does not exist")
+        args = model_args_from_flavor(spec, flavor, vocab_size, f"{str(config_file)!r} does not exist")
     else:
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
-            args = hf.model_args_from_hf_config(config)
+            args = adapter.args_from_config(config)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as exc:
             raise ConvertError(f"{str(config_file)!r}: {exc}") from None
     with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    hf.load_hf_weights(model, hf_dir)  # checks names, shapes and config.json first
-    state_dict = _cast(model.state_dict(), dtype or torch.float32)
-    write_step_dir(state_dict, args, out)
+        built = spec.model_cls(args)
+    built.to_empty(device="cpu")
+    load_hf_weights(built, hf_dir, spec=spec)  # checks names, shapes and config.json first
+    state_dict = _cast(built.state_dict(), dtype or torch.float32)
+    write_step_dir(state_dict, spec, args, out)
     _commit(out)
 
 
@@ -291,26 +329,31 @@ def read_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     raise ConvertError(f"{source}: the input file must end in .pt or .safetensors")
 
 
-def from_file(file: Path, out: Path, *, dtype: torch.dtype | None, flavor: str | None,
-              vocab_size: int | None, overwrite: bool) -> None:
+def from_file(file: Path, out: Path, *, dtype: torch.dtype | None, model: str | None,
+              flavor: str | None, vocab_size: int | None, overwrite: bool) -> None:
     _check_output(out, overwrite=overwrite)
     state_dict, metadata = read_file(file)
     source = repr(str(file))
+    recorded_model = metadata.get(MODEL_NAME_KEY)
+    if recorded_model is not None and model is not None and recorded_model != model:
+        raise ConvertError(f"{source}: the file holds model {recorded_model!r}, not --model {model}")
+    spec = model_spec(recorded_model or model, "--model" if recorded_model is None else source)
     if flavor is None and MODEL_ARGS_KEY in metadata:
         try:
             recorded = json.loads(metadata[MODEL_ARGS_KEY])
         except json.JSONDecodeError as exc:
             raise ConvertError(f"{source}: {MODEL_ARGS_KEY} metadata is not JSON: {exc}") from None
-        args = model_args_from_dict(recorded, source)
+        args = model_args_from_dict(spec, recorded, source)
     else:
-        args = model_args_from_flavor(flavor, vocab_size, f"{source} does not record the model's shape")
-    if any(name.startswith("model.") or name == "lm_head.weight" for name in state_dict):
-        try:
-            state_dict = hf.state_dict_from_hf(state_dict, args.n_heads, args.kv_heads)
+        args = model_args_from_flavor(spec, flavor, vocab_size, f"{source} does not record the model's shape")
+    expected = expected_shapes(spec, args)
+    if spec.hf is not None and state_dict and not any(name in expected for name in state_dict):
+        try:  # Hugging Face names
+            state_dict = state_dict_from_hf(state_dict, spec, args)
         except ValueError as exc:
             raise ConvertError(f"{source}: {exc}") from None
-    check_state_dict({k: tuple(v.shape) for k, v in state_dict.items()}, args, source)
-    write_step_dir(_cast(state_dict, dtype or torch.float32), args, out)
+    check_state_dict({k: tuple(v.shape) for k, v in state_dict.items()}, spec, args, source)
+    write_step_dir(_cast(state_dict, dtype or torch.float32), spec, args, out)
     _commit(out)
 
 
@@ -334,10 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
         sub.add_argument("source", help=source_help)
         sub.add_argument("output", help=out_help)
-        sub.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None,
+        sub.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                          help="dtype of the written weights (default: as stored for to-*, float32 "
                               "for from-*)")
-        sub.add_argument("--flavor", choices=sorted(LLAMA3_FLAVORS), default=None,
+        sub.add_argument("--model", choices=sorted(MODEL_SPECS), default=None,
+                         help=f"model family, when the input does not record it (default: "
+                              f"{DEFAULT_MODEL})")
+        sub.add_argument("--flavor", default=None,
                          help="model flavor, when the input does not record the model's shape")
         sub.add_argument("--vocab_size", type=int, default=None,
                          help="vocabulary size with --flavor (default: the flavor's)")
@@ -350,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS[args.command]
     try:
         command(Path(args.source), Path(args.output),
-                dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None, flavor=args.flavor,
+                dtype=DTYPES[args.dtype] if args.dtype else None, model=args.model, flavor=args.flavor,
                 vocab_size=args.vocab_size, overwrite=args.overwrite)
-    except (ConvertError, CheckpointError, ValueError, OSError) as exc:
+    except (ConvertError, UserError, ValueError, OSError) as exc:
         print(f"error: {failure_reason(exc)}", file=sys.stderr)
         return 2
     finally:  # a failed conversion leaves nothing half-written behind

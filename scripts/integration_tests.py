@@ -125,6 +125,8 @@ class TestCase:
     """Ranks (GPUs) the case needs: the most any of its runs uses."""
     rtol: dict[str, float] = field(default_factory=dict)
     """Per-device relative tolerance where this case needs its own (default: DEFAULT_RTOL)."""
+    config_file: str | None = None
+    """The case's own base TOML (repository-relative) instead of the runner's ``--config_file``."""
 
     __test__ = False  # not a pytest class, despite the name
 
@@ -193,6 +195,9 @@ CASES: list[TestCase] = [
                "--checkpoint.initial_load_in_hf"]]),
     TestCase("validation", "validation loss every 2 steps over 2 batches",
              [["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]]),
+    TestCase("debug_model_default", "the README's default job unchanged: debug model, 100 steps on the "
+             "embedded corpus (this Python's standard library: baselines are per Python version), validation "
+             "at steps 50 and 100, TensorBoard on", [[]], config_file="train_configs/debug_model.toml"),
 ]
 
 
@@ -406,6 +411,8 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
     def result(status: str, reason: str = "") -> CaseResult:
         return CaseResult(case.name, case.ngpu, status, time.monotonic() - start, reason)
 
+    if case.config_file is not None:
+        config_file = REPO_ROOT / case.config_file
     for i, run in enumerate(case.runs, 1):
         cmd = launch_command(nproc=case.nproc(run), config_file=config_file, dump=dump,
                              overrides=run.overrides)
@@ -465,7 +472,7 @@ def format_case_list(cases: Sequence[TestCase]) -> str:
     for c in cases:
         lines.append(f"{c.name}  ({c.ngpu} rank{'s' if c.ngpu > 1 else ''}): {c.description}")
         for i, run in enumerate(c.runs, 1):
-            args = " ".join(run.overrides) or "(base config only)"
+            args = " ".join(run.overrides) or f"({c.config_file or 'base config'} only)"
             lines.append(f"    run {i} on {c.nproc(run)}: {args}")
     return "\n".join(lines)
 

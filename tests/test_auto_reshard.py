@@ -1,6 +1,6 @@
 """``reshard_after_forward_mode = "auto"``: per-unit resharding chosen under a memory budget.
 
-The planner (:func:`torchtitan_lite.estimate.plan_auto_reshard`) is checked in process on fake
+The planner (:func:`torchtitan_lite.memory.auto.plan_auto_reshard`) is checked in process on fake
 tensors; the trainer's use of it on 2 real gloo ranks: what FSDP2 was told per unit, the
 all-gathers that actually ran, and the peak measured by ``FSDPMemTracker`` against the budget.
 """
@@ -20,18 +20,20 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
 from tests.test_parallelize import _llama_units, _probe_collectives, _reshard_kind
 from torchtitan_lite.config import ConfigError, load_job_config
-from torchtitan_lite.estimate import (
+from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
+from torchtitan_lite.job import plan_job
+from torchtitan_lite.memory.auto import (
     _reshard_order,
     auto_budget_bytes,
     auto_headroom_bytes,
-    estimate_memory,
-    job_estimate_kwargs,
     plan_auto_reshard,
 )
+from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
-from torchtitan_lite.parallelize import fsdp_units
 
 MIB = 2**20
+SPEC = get_model_spec("llama3")
 DEBUG = LLAMA3_FLAVORS["debugmodel"]
 # debugmodel (8 units) on short sequences: its gathered parameters are a fair share of the peak.
 JOB = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.steps", "3"]
@@ -39,17 +41,22 @@ UNITS = ("tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm+output")
 
 
 def _estimate_kwargs() -> dict[str, Any]:
-    config = load_job_config(JOB, world_size=2)
-    return job_estimate_kwargs(config, world_size=2, dp_replicate=1, grad_accum_steps=1)
+    config = load_job_config(JOB)
+    return job_estimate_kwargs(config, plan_job(config, world_size=2))
+
+
+def _units(model: Transformer) -> list[FSDPUnit]:
+    """The FSDP units of our Llama, as the spec names them."""
+    return fsdp_units(model, **SPEC.fsdp_units(model))
 
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
     kwargs = _estimate_kwargs()
-    peaks = {mode: estimate_memory(DEBUG, reshard_after_forward_mode=mode, **kwargs).peak
+    peaks = {mode: estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=mode, **kwargs).peak
              for mode in ("never", "always")}
     # What auto keeps free below a budget: one block's fp32 parameters here (3.25 MiB).
-    peaks["headroom"] = auto_headroom_bytes(DEBUG, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    peaks["headroom"] = auto_headroom_bytes(SPEC, DEBUG, kwargs["param_dtype"], kwargs["reduce_dtype"])
     return peaks
 
 
@@ -61,7 +68,7 @@ def peaks() -> dict[str, int]:
 def test_order_larger_units_first_then_cheapest_to_hide_busy_and_last_unit_last():
     args = LLAMA3_FLAVORS["8B"]
     with torch.device("meta"):
-        units = fsdp_units(Transformer(args))
+        units = _units(Transformer(args))
     names = [u.name for u in units]
 
     def order(**kwargs: Any) -> list[str]:
@@ -80,10 +87,10 @@ def test_order_larger_units_first_then_cheapest_to_hide_busy_and_last_unit_last(
 
 
 def test_busy_units_follow_fsdp2_prefetch():
-    from torchtitan_lite.estimate import _busy_units
+    from torchtitan_lite.memory.auto import _busy_units
 
     with torch.device("meta"):
-        units = fsdp_units(Transformer(DEBUG))
+        units = _units(Transformer(DEBUG))
     assert _busy_units(units, "backward", "layers.5.feed_forward") == {6, 5}
     assert _busy_units(units, "forward", "layers.2.attention") == {3, 4}
     assert _busy_units(units, "backward", "norm") == {7, 6}
@@ -93,23 +100,23 @@ def test_busy_units_follow_fsdp2_prefetch():
 
 def test_loose_budget_reshards_nothing_tight_budget_the_fewest_that_fit(peaks):
     kwargs = _estimate_kwargs()
-    loose = plan_auto_reshard(DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs)
+    loose = plan_auto_reshard(SPEC, DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs)
     assert loose.reshard == (False,) * len(UNITS) and loose.units == UNITS
     assert loose.peak == peaks["never"] and len(loose.tried) == 1  # one estimate: never fits
     assert loose.all_gathers_per_step == len(UNITS)
 
     budget = (peaks["never"] + peaks["always"]) // 2
-    tight = plan_auto_reshard(DEBUG, budget_bytes=budget, count_offloaded=True, **kwargs)
+    tight = plan_auto_reshard(SPEC, DEBUG, budget_bytes=budget, count_offloaded=True, **kwargs)
     k = sum(tight.reshard)
     assert 0 < k < len(UNITS) and tight.peak + tight.headroom <= budget
     # Headroom: the largest unit's gathered parameters (fp32 here), a block of debugmodel.
     with torch.device("meta"):
-        assert tight.headroom == peaks["headroom"] == max(u.numel() for u in fsdp_units(Transformer(DEBUG))) * 4
+        assert tight.headroom == peaks["headroom"] == max(u.numel() for u in _units(Transformer(DEBUG))) * 4
     assert set(tight.resharded) == set(tight.order[:k])  # a prefix of the order
     assert tight.all_gathers_per_step == len(UNITS) + k
     # The fewest: one unit fewer (the last one added) does not fit.
     fewer = tuple(flag and name != tight.order[k - 1] for name, flag in zip(tight.units, tight.reshard, strict=True))
-    assert estimate_memory(DEBUG, reshard_after_forward_mode=fewer, **kwargs).peak > budget - tight.headroom
+    assert estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=fewer, **kwargs).peak > budget - tight.headroom
     assert "resharding" in tight.summary() and tight.order[0] in tight.summary()
 
 
@@ -118,7 +125,7 @@ def test_budget_below_resharding_everything_is_one_clear_error(peaks):
                                          r"even with every unit resharded after forward, plus 3\.3 MiB of "
                                          r"headroom for a collective buffer: above the budget of .* "
                                          r"\(parallelism\.memory_budget_gib = 0\.05\); allow more memory"):
-        plan_auto_reshard(DEBUG, budget_bytes=peaks["always"] - MIB, count_offloaded=True,
+        plan_auto_reshard(SPEC, DEBUG, budget_bytes=peaks["always"] - MIB, count_offloaded=True,
                           budget_source="parallelism.memory_budget_gib = 0.05", **_estimate_kwargs())
 
 
@@ -130,8 +137,9 @@ def test_budget_source_and_config_checks(tmp_path):
         auto_budget_bytes(None, None)
     dump = ["--job.dump_folder", str(tmp_path)]
     config = load_job_config([*dump, "--parallelism.reshard_after_forward_mode", "auto",
-                              "--parallelism.memory_budget_gib", "2"], world_size=4)
+                              "--parallelism.memory_budget_gib", "2"])
     assert config.parallelism.reshard_after_forward_mode == "auto"
+    assert plan_job(config, world_size=4).reshard_mode == "auto"
     for argv, message in [
         (["--parallelism.memory_budget_gib", "2"], "used only with parallelism.reshard_after_forward_mode = 'auto'"),
         (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "-1"],
@@ -139,11 +147,11 @@ def test_budget_source_and_config_checks(tmp_path):
         (["--parallelism.reshard_after_forward_mode", "sometimes"], "expected one of default, always, never, auto, or an integer group size"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            load_job_config([*dump, *argv], world_size=2)
+            plan_job(load_job_config([*dump, *argv]), world_size=2)
 
 
 def test_apply_fsdp_checks_the_plan_length():
-    from torchtitan_lite.parallelize import validate_reshard_after_forward_mode
+    from torchtitan_lite.distributed.fsdp import validate_reshard_after_forward_mode
 
     assert validate_reshard_after_forward_mode([True, False], 2) == (True, False)
     with pytest.raises(ValueError, match="one per FSDP unit"):
@@ -157,14 +165,14 @@ def test_apply_fsdp_checks_the_plan_length():
 
 def _wrong_length_rank() -> str:
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
 
     init_distributed(torch.device("cpu"))
     mesh = fsdp_mesh(torch.device("cpu"))
     with torch.device("meta"):
         model = Transformer(LLAMA3_FLAVORS["tiny"])
     try:
-        apply_fsdp(model, mesh, reshard_after_forward_mode=(True, False, True))
+        apply_fsdp(model, mesh, **SPEC.fsdp_units(model), reshard_after_forward_mode=(True, False, True))
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -178,9 +186,9 @@ def _wrong_length_rank() -> str:
 def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from torchtitan_lite.memory import measure_step_memory
-    from torchtitan_lite.train import Trainer
-    from torchtitan_lite.validate import token_loss_sum
+    from torchtitan_lite.loss import token_loss_sum
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.trainer import Trainer
 
     results = {}
     for label, budget in budgets_gib.items():
@@ -247,7 +255,7 @@ def test_trainer_auto_reshards_under_a_tight_budget_not_a_loose_one_and_stays_wi
 
 
 def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
-    from torchtitan_lite.estimate import main
+    from torchtitan_lite.memory.cli import main
 
     out = tmp_path / "estimate.json"
     tight = (peaks["never"] + peaks["always"]) / 2 / 2**30

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed, run_torchrun
-from torchtitan_lite.checkpoint import committed_steps
+from torchtitan_lite.checkpoint.manager import committed_steps
 
 
 def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
     import torch
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
     start = trainer.step
@@ -164,7 +164,7 @@ def _model_tensors(step_dir: Path) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_lite.checkpoint import SafeFileSystemReader
+    from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader
 
     meta = SafeFileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
@@ -218,7 +218,8 @@ def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
     again = run_command([sys.executable, "-m", "torchtitan_lite.train", *_argv(seed_dump),
                          "--checkpoint.create_seed_checkpoint"], timeout=120)
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr
-    on_two = run_torchrun(_argv(seed_dump, "--checkpoint.create_seed_checkpoint"), nproc=2, timeout=120)
+    on_two = run_torchrun(_argv(tmp_path / "seed_two", "--checkpoint.create_seed_checkpoint"), nproc=2,
+                          timeout=120)
     assert on_two.returncode != 0  # torchrun reports its workers' exit code 2 as 1
     assert "error: checkpoint.create_seed_checkpoint: invalid value True; expected one process (this job " \
         "has 2)" in on_two.stderr, on_two.stderr
@@ -243,7 +244,7 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
     """DCP metadata is a pickle; loading refuses anything but DCP's own classes."""
     import io
 
-    from torchtitan_lite.checkpoint import _MetadataUnpickler
+    from torchtitan_lite.checkpoint.safe_reading import _MetadataUnpickler
 
     class Evil:
         def __reduce__(self):
@@ -253,9 +254,11 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
 
 
-def _one_error_line(result: Any) -> str:
+def _one_error_line(result: Any, code: int = 2) -> str:
+    """The one ``error:`` line of a job that exited with ``code`` (2: the config, 4: a checkpoint)."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), \
+        (result.returncode, result.stderr)
     return lines[0]
 
 
@@ -282,9 +285,11 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     step2 = dump / "checkpoint" / "step-2"
     assert committed_steps(dump / "checkpoint") == [2]
 
-    def error(*extra: str, folder: Path = dump) -> str:
+    def error(*extra: str, folder: Path = dump, code: int = 4) -> str:
+        """The error line of the job; a checkpoint that cannot be used exits 4, a config that
+        contradicts itself 2."""
         argv = [*base[:3], *_argv(folder, "--training.steps", "4"), *extra]
-        return _one_error_line(run_command(argv, timeout=120))
+        return _one_error_line(run_command(argv, timeout=120), code)
 
     # Another shape: the same folder with a larger vocabulary (embedding shapes differ).
     line = error("--model.vocab_size", "300")
@@ -296,7 +301,7 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
         f"{str(dump / 'checkpoint')!r}; move them out of the folder (or use another checkpoint.folder) "
         "to continue from there")
     assert "checkpoint.load_step: invalid value 2; resuming a step needs checkpoint.enable = true" in error(
-        "--checkpoint.load_step", "2", "--checkpoint.no-enable")
+        "--checkpoint.load_step", "2", "--checkpoint.no-enable", code=2)
 
     # Another model's weights, given as the starting point.
     foreign = tmp_path / "foreign" / "step-3"
@@ -332,12 +337,12 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
 
     # Settings that cannot work are refused by config validation, before anything is built.
     assert "checkpoint.initial_load_path: invalid value" in error(
-        "--checkpoint.initial_load_path", str(tmp_path / "nowhere"), folder=tmp_path / "fresh")
+        "--checkpoint.initial_load_path", str(tmp_path / "nowhere"), folder=tmp_path / "fresh", code=2)
     assert "not a DCP checkpoint folder (no .metadata file)" in error(
-        "--checkpoint.initial_load_path", str(tmp_path), folder=tmp_path / "fresh")
+        "--checkpoint.initial_load_path", str(tmp_path), folder=tmp_path / "fresh", code=2)
     assert "checkpoint.last_save_in_hf: invalid value True; a Hugging Face export holds only weights" in error(
-        "--checkpoint.last_save_in_hf")
-    assert "checkpoint.initial_load_in_hf: invalid value True" in error("--checkpoint.initial_load_in_hf")
+        "--checkpoint.last_save_in_hf", code=2)
+    assert "checkpoint.initial_load_in_hf: invalid value True" in error("--checkpoint.initial_load_in_hf", code=2)
 
 
 def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):
@@ -345,7 +350,7 @@ def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from torchtitan_lite.checkpoint import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+    from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 
     class Evil:
         def __reduce__(self):
@@ -375,7 +380,7 @@ def test_model_only_last_save_and_initial_load(tmp_path):
     full checkpoint from another folder."""
     import torch
 
-    from torchtitan_lite.checkpoint import SafeFileSystemReader
+    from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader
 
     dump = tmp_path / "export"
     full = run_distributed(_train, 2, _argv(dump, "--checkpoint.last_save_model_only",
@@ -411,7 +416,7 @@ def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
     import sys
 
     from tests.dist_utils import run_command
-    from torchtitan_lite.hf import check_hf_config
+    from torchtitan_lite.checkpoint.hf_storage import check_hf_config
 
     dump = tmp_path / "export"
     run_distributed(_train, 2, _argv(dump, "--training.steps", "4", "--checkpoint.interval", "2",
@@ -421,9 +426,10 @@ def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
     assert sorted(p.name for p in hf_dir.iterdir()) == [
         "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json"]
     assert json.loads((hf_dir / "train_state.json").read_text())["format"] == "hf"
-    from torchtitan_lite.models import MODEL_REGISTRY
+    from torchtitan_lite.models import get_model_spec
 
-    check_hf_config(hf_dir, MODEL_REGISTRY["llama3"][1]["tiny"])
+    spec = get_model_spec("llama3")
+    check_hf_config(hf_dir, spec, spec.model_args("tiny"))
     # Re-running the finished job resumes from the HF-format step 4: nothing left to train.
     again = run_distributed(_train, 1, _argv(dump, "--training.steps", "4"))[0]
     assert again["start"] == 4 and again["history"] == []

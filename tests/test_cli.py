@@ -1,18 +1,22 @@
-"""The command line: the real entry points (``torchrun -m`` / ``python -m torchtitan_lite.train``),
-config errors as one clean line with exit code 2, CLI syntax and TOML precedence, ``--help``."""
+"""The command line: user errors as one clean line with their exit code (2 config, 3 data), through
+``main(argv)`` in-process and once through the real entry point; CLI syntax and TOML precedence;
+``--help``. The README's default job (100 steps through torchrun) is the integration runner's
+``debug_model_default`` case."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT, read_jsonl, run_command, run_torchrun
+from tests.dist_utils import REPO_ROOT, run_command
 from torchtitan_lite.config import ConfigError, JobConfig, load_job_config
+from torchtitan_lite.config.schema import coerce
+from torchtitan_lite.job import plan_job, preflight
+from torchtitan_lite.train import main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -23,41 +27,7 @@ DEBUG_TOML = REPO_ROOT / "train_configs" / "debug_model.toml"
 
 
 # --------------------------------------------------------------------------------------------
-# 1. The default job path, through torchrun on 2 processes
-# --------------------------------------------------------------------------------------------
-
-
-def test_debug_model_torchrun_two_ranks(tmp_path: Path) -> None:
-    """The README's default job, unchanged (100 steps of the debug model on the embedded corpus,
-    validation every 50 steps), through torchrun on 2 processes; only the dump folder moves."""
-    result = run_torchrun(
-        ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)],
-        nproc=2,
-        timeout=600,
-    )
-    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 0, output
-    assert "Traceback" not in result.stderr, output
-    assert "world_size=2" in result.stdout, output
-
-    # The command-line dump folder overrides the TOML's; log_freq 10 comes from the TOML.
-    records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, *range(10, 101, 10)], output
-    losses = [r["loss"] for r in records]
-    assert all(math.isfinite(x) for x in losses), losses
-    uniform = math.log(258)
-    # Clearly below a uniform guess over the byte vocabulary after 100 steps.
-    assert losses[-1] < uniform - 2.5, losses
-    assert losses[-1] < losses[0] - 2.5, losses
-    validation = {r["step"]: r["validation_loss"] for r in records if r["validation_loss"] is not None}
-    assert sorted(validation) == [50, 100], records
-    assert validation[100] < validation[50] < uniform, validation
-    # The TOML turns TensorBoard on: one run folder with an event file.
-    assert list((tmp_path / "tb").glob("*/events.out.tfevents.*")), list(tmp_path.rglob("*"))
-
-
-# --------------------------------------------------------------------------------------------
-# 2. Bad configs: exit code 2, exactly one stderr line naming the key, no traceback
+# 1. User errors: exit code 2 (config) or 3 (data), exactly one stderr line naming the key
 # --------------------------------------------------------------------------------------------
 
 
@@ -84,62 +54,74 @@ def _tokens_beyond_vocab(tmp: Path) -> list[str]:
 
 
 BAD_CONFIGS = [
-    # id, argv builder, extra env, strings the single stderr line must contain
-    pytest.param(_literal("--trainin.steps", "3"), {}, ["[trainin]", "did you mean"], id="unknown-section"),
-    pytest.param(_literal("--training.stepz", "3"), {}, ["training.stepz", "did you mean 'training.steps'"],
+    # id, argv builder, extra env, exit code, strings the single stderr line must contain
+    pytest.param(_literal("--trainin.steps", "3"), {}, 2, ["[trainin]", "did you mean"], id="unknown-section"),
+    pytest.param(_literal("--training.stepz", "3"), {}, 2, ["training.stepz", "did you mean 'training.steps'"],
                  id="unknown-key"),
-    pytest.param(_literal("--training.steps", "abc"), {}, ["training.steps", "'abc'"], id="wrong-type"),
-    pytest.param(_literal("--training.mixed_precision_param", "fp8"), {},
+    pytest.param(_literal("--training.steps", "abc"), {}, 2, ["training.steps", "'abc'"], id="wrong-type"),
+    pytest.param(_literal("--training.mixed_precision_param", "fp8"), {}, 2,
                  ["training.mixed_precision_param", "'fp8'", "float32"], id="bad-enum"),
-    pytest.param(_literal("--parallelism.data_parallel_shard_degree", "3"), {},
-                 ["data_parallel_shard_degree=3", "world size 1"], id="shard-degree-3-on-1-process"),
+    pytest.param(_literal("--parallelism.data_parallel_shard_degree", "3"), {}, 2,
+                 ["parallelism.data_parallel_shard_degree=3", "world size 1"], id="shard-degree-3-on-1-process"),
     pytest.param(_literal("--parallelism.data_parallel_replicate_degree", "2",
-                          "--parallelism.data_parallel_shard_degree", "3"), {"WORLD_SIZE": "4"},
+                          "--parallelism.data_parallel_shard_degree", "3"), {"WORLD_SIZE": "4"}, 2,
                  ["data_parallel_replicate_degree=2", "data_parallel_shard_degree=3", "world size 4"],
                  id="degrees-2x3-on-world-4"),
-    pytest.param(_literal("--parallelism.reshard_after_forward_mode", "3"), {},
+    pytest.param(_literal("--parallelism.reshard_after_forward_mode", "3"), {}, 2,
                  ["parallelism.reshard_after_forward_mode"], id="bad-int-reshard-mode"),
-    pytest.param(_literal("--job.config_file", "does/not/exist.toml"), {},
+    pytest.param(_literal("--job.config_file", "does/not/exist.toml"), {}, 2,
                  ["job.config_file", "does/not/exist.toml"], id="missing-config-file"),
-    pytest.param(_bad_toml_unknown_key, {}, ["training.stepz", "bad.toml", "did you mean 'training.steps'"],
+    pytest.param(_bad_toml_unknown_key, {}, 2, ["training.stepz", "bad.toml", "did you mean 'training.steps'"],
                  id="unknown-key-in-toml"),
-    # Data: the path is checked with the config; content before any process group exists.
-    pytest.param(_literal("--training.dataset", "text", "--training.dataset_path", "no/such/corpus"), {},
+    pytest.param(_literal("--training.dataset", "txt"), {}, 2, ["training.dataset", "'txt'"], id="bad-dataset-name"),
+    # Data: the path is checked in preflight; content before any process group exists.
+    pytest.param(_literal("--training.dataset", "text", "--training.dataset_path", "no/such/corpus"), {}, 3,
                  ["training.dataset_path", "no/such/corpus", "not found"], id="bad-dataset-path"),
-    pytest.param(_empty_text_dataset, {}, ["training.dataset_path", "empty.txt", "is empty"], id="empty-dataset"),
-    pytest.param(_tokens_beyond_vocab, {}, ["training.dataset_path", "gpt2_tokens.npy", "token id 50256", "258"],
+    pytest.param(_empty_text_dataset, {}, 3, ["training.dataset_path", "empty.txt", "is empty"], id="empty-dataset"),
+    pytest.param(_tokens_beyond_vocab, {}, 3,
+                 ["training.dataset_path", "gpt2_tokens.npy", "token id 50256", "258"],
                  id="tokens-beyond-tokenizer-vocab"),
-    pytest.param(_literal("--model.vocab_size", "200"), {}, ["model.vocab_size", "200", "258"],
+    pytest.param(_literal("--model.vocab_size", "200"), {}, 2, ["model.vocab_size", "200", "258"],
                  id="vocab-smaller-than-tokenizer"),
-    pytest.param(_literal("--model.flavor", "tiny", "--training.seq_len", "1024"), {},
+    pytest.param(_literal("--model.flavor", "tiny", "--training.seq_len", "1024"), {}, 2,
                  ["training.seq_len", "1024", "at most 512"], id="seq-len-beyond-model"),
 ]
 
 
-def _run_bad(argv: list[str], env: dict[str, str]):
-    result = run_command([sys.executable, "-m", "torchtitan_lite.train", *argv], timeout=120, extra_env=env)
-    output = f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 2, output
-    assert "Traceback" not in result.stderr, output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+def _run_bad(argv: list[str], env: dict[str, str], code: int, capsys: pytest.CaptureFixture[str],
+             monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    returned = main(argv)
+    out, err = capsys.readouterr()
+    output = f"rc={returned}\nstdout:\n{out}\nstderr:\n{err}"
+    assert returned == code, output
+    lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, output
-    assert len(result.stderr.strip().splitlines()) == 1, output
-    assert result.stdout == "", output  # rejected before anything started
+    assert out == "", output  # rejected before anything started
     return lines[0], output
 
 
-@pytest.mark.parametrize(("build_argv", "env", "expected"), BAD_CONFIGS)
-def test_bad_config_exits_2_with_one_line(tmp_path: Path, build_argv, env: dict[str, str],
-                                          expected: list[str]) -> None:
-    line, output = _run_bad(build_argv(tmp_path), env)
+@pytest.mark.parametrize(("build_argv", "env", "code", "expected"), BAD_CONFIGS)
+def test_bad_config_is_one_line_and_its_exit_code(tmp_path: Path, build_argv, env: dict[str, str], code: int,
+                                                  expected: list[str], capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing may be written: the job never starts
+    line, output = _run_bad(build_argv(tmp_path), env, code, capsys, monkeypatch)
     assert line.startswith("error: "), output
     for text in expected:
         assert text in line, f"{text!r} not in the error line\n{output}"
+    assert list(tmp_path.iterdir()) in ([], [tmp_path / "bad.toml"], [tmp_path / "empty.txt"],
+                                        [tmp_path / "gpt2_tokens.npy"]), output
 
 
-def test_bad_shard_degree_names_the_full_key() -> None:
-    line, output = _run_bad(["--parallelism.data_parallel_shard_degree", "3"], {})
-    assert "parallelism.data_parallel_shard_degree" in line, output
+def test_bad_config_through_the_real_entry_point() -> None:
+    """The same through ``python -m torchtitan_lite.train``: one stderr line, no traceback, exit 2."""
+    result = run_command([sys.executable, "-m", "torchtitan_lite.train", "--training.stepz", "3"], timeout=120)
+    output = f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 2, output
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, output
+    assert result.stderr.startswith("error: unknown key 'training.stepz'"), output
 
 
 def test_config_file_none_means_no_file() -> None:
@@ -176,7 +158,9 @@ IN_PROCESS_BAD = [
 @pytest.mark.parametrize(("argv", "world_size", "key"), IN_PROCESS_BAD)
 def test_bad_config_in_process(argv: list[str], world_size: int | None, key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        load_job_config(argv, world_size=world_size)
+        config = load_job_config(argv)
+        preflight(config)
+        plan_job(config, world_size=world_size or 1)
     message = str(info.value)
     assert key in message
     assert "\n" not in message
@@ -228,9 +212,10 @@ def test_cli_key_value_forms() -> None:
     assert c.parallelism.reshard_after_forward_mode == "always"
     # Untouched keys keep their defaults.
     assert c.training.seq_len == JobConfig().training.seq_len
-    # An integer reshard mode becomes an int.
-    c = load_job_config(["--parallelism.reshard_after_forward_mode", "2"], world_size=4)
+    # An integer reshard mode is parsed as an int; the plan checks it against the shard degree.
+    c = load_job_config(["--parallelism.reshard_after_forward_mode", "2"])
     assert c.parallelism.reshard_after_forward_mode == 2
+    assert plan_job(c, world_size=4).reshard_mode == 2
     # The last occurrence wins; hyphens in keys are accepted.
     c = load_job_config(["--training.steps", "3", "--training.steps", "5", "--training.local-batch-size", "3"])
     assert c.training.steps == 5 and c.training.local_batch_size == 3
@@ -299,7 +284,8 @@ def test_toml_then_cli_precedence(tmp_path: Path) -> None:
 
 def test_debug_model_toml_loads() -> None:
     data = tomllib.loads(DEBUG_TOML.read_text())
-    c = load_job_config(["--job.config_file", str(DEBUG_TOML)], world_size=2)
+    c = load_job_config(["--job.config_file", str(DEBUG_TOML)])
+    plan_job(c, world_size=2)
     for section, values in data.items():
         for key, value in values.items():
             assert getattr(getattr(c, section), key) == value, f"{section}.{key}"
@@ -336,18 +322,52 @@ def test_help_lists_every_field_with_default() -> None:
 
 
 def test_short_help_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    from torchtitan_lite.train import main
-
     assert main(["-h"]) == 0
     out = capsys.readouterr().out
     assert "--training.steps" in out and "usage:" in out
 
 
 def test_list_values_are_comma_separated() -> None:
-    from torchtitan_lite.config import ConfigError, _coerce
-
-    assert _coerce("s.k", "a, b,c", list[str], from_cli=True) == ["a", "b", "c"]
-    assert _coerce("s.k", "1,2", list[int], from_cli=True) == [1, 2]
-    assert _coerce("s.k", [1, 2], list[int], from_cli=False) == [1, 2]
+    assert coerce("s.k", "a, b,c", list[str], from_cli=True) == ["a", "b", "c"]
+    assert coerce("s.k", "1,2", list[int], from_cli=True) == [1, 2]
+    assert coerce("s.k", [1, 2], list[int], from_cli=False) == [1, 2]
     with pytest.raises(ConfigError, match="s.k"):
-        _coerce("s.k", "1,x", list[int], from_cli=True)
+        coerce("s.k", "1,x", list[int], from_cli=True)
+
+
+def test_checks_run_once_and_leave_the_config_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A real one-step job through ``main``: the schema checks, the preflight and the plan each run
+    exactly once (the trainer reads the plan instead of checking again), and none changes the config."""
+    import copy
+
+    import torchtitan_lite.config.cli as cli
+    import torchtitan_lite.train as train
+    from tests.conftest import TINY_ARGS
+
+    calls: dict[str, int] = {}
+    configs = []
+
+    def counted(name: str, function):
+        def wrapper(config, *args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            before = copy.deepcopy(config)
+            result = function(config, *args, **kwargs)
+            assert config == before, f"{name} changed the config"
+            configs.append(config)
+            return result
+        return wrapper
+
+    monkeypatch.setattr(cli, "validate_config", counted("validate_config", cli.validate_config))
+    monkeypatch.setattr(train, "preflight", counted("preflight", train.preflight))
+    monkeypatch.setattr(train, "plan_job", counted("plan_job", train.plan_job))
+    import torchtitan_lite.trainer as trainer
+
+    monkeypatch.setattr(trainer, "preflight", counted("preflight", trainer.preflight))
+    monkeypatch.setattr(trainer, "plan_job", counted("plan_job", trainer.plan_job))
+    argv = [*TINY_ARGS, "--training.steps", "1", "--parallelism.reshard_after_forward_mode", "never",
+            "--job.dump_folder", str(tmp_path)]
+    assert train.main(argv) == 0, capsys.readouterr()
+    assert calls == {"validate_config": 1, "preflight": 1, "plan_job": 1}
+    assert all(c is configs[0] for c in configs)  # one config object travels the whole path
+    assert configs[0].parallelism.reshard_after_forward_mode == "never"

@@ -17,6 +17,8 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, free_port, run_distributed
 
 TRAIN_TIMEOUT = 5  # seconds
+INIT_TIMEOUT = 300  # seconds: comm.init_timeout_seconds's default, which the survivor must not wait for
+EXIT_MARGIN = 60  # seconds the survivor may take beyond TRAIN_TIMEOUT to exit on a loaded 2-core machine
 
 
 def _start_ranks(dump: Path, world: int = 2) -> list[subprocess.Popen[str]]:
@@ -52,8 +54,9 @@ def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], ti
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
     """Rank 1 is SIGKILLed (or SIGSTOPped: alive but silent) mid-training; rank 0 must exit
-    non-zero within comm.train_timeout_seconds (+ a margin for this 2-core machine) instead of
+    non-zero within comm.train_timeout_seconds (+ EXIT_MARGIN for this 2-core machine) instead of
     hanging for the 300 s init timeout or forever."""
+    assert TRAIN_TIMEOUT + EXIT_MARGIN < INIT_TIMEOUT  # the hang bound tells the two timeouts apart
     dump = tmp_path / how
     procs = _start_ranks(dump)
     try:
@@ -62,14 +65,15 @@ def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
         victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         start = time.monotonic()
         try:
-            rc = procs[0].wait(timeout=TRAIN_TIMEOUT + 40)
+            # Hang bound: the train timeout plus a wide margin, well below the init timeout.
+            rc = procs[0].wait(timeout=TRAIN_TIMEOUT + EXIT_MARGIN)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still running {TRAIN_TIMEOUT + 40}s after rank 1 was {how}")
+            pytest.fail(f"rank 0 still running {TRAIN_TIMEOUT + EXIT_MARGIN}s (comm.train_timeout_seconds "
+                        f"{TRAIN_TIMEOUT} + margin {EXIT_MARGIN}) after rank 1 was {how}")
         elapsed = time.monotonic() - start
         stderr = procs[0].stderr.read() if procs[0].stderr else ""
         print(f"rank 1 {how}: rank 0 exited with {rc} after {elapsed:.1f}s")
         assert rc != 0, stderr[-2000:]
-        assert elapsed < TRAIN_TIMEOUT + 25, (elapsed, stderr[-2000:])
         if how == "hung":
             # Nothing told rank 0 that its peer was gone: the collective's timeout did.
             assert elapsed >= TRAIN_TIMEOUT - 1, elapsed
@@ -92,8 +96,8 @@ def _threads_until_exit(out: str) -> dict[str, int]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import destroy_distributed, fsdp_mesh, init_distributed
-    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
-    from torchtitan_lite.parallelize import build_sharded_model
+    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.models import get_model_spec
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
@@ -103,7 +107,8 @@ def _threads_until_exit(out: str) -> dict[str, int]:
     counts = {"before": threads()}
     device = torch.device("cpu")
     init_distributed(device)
-    model = build_sharded_model(Transformer, LLAMA3_FLAVORS["tiny"], fsdp_mesh(device), device=device, seed=0)
+    spec = get_model_spec("llama3")
+    model = build_sharded_model(spec, spec.model_args("tiny"), fsdp_mesh(device), device=device, seed=0)
     model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     gathered: list[object] = [None] * dist.get_world_size()
@@ -128,14 +133,14 @@ def test_process_groups_are_freed_at_exit_before_python_shuts_down(tmp_path):
 
 _FAILING_JOB = """
 import atexit, os, sys
-from torchtitan_lite import train
+from torchtitan_lite import train, trainer
 def threads():
     return len(os.listdir("/proc/self/task"))
 print("threads before", threads(), flush=True)
 atexit.register(lambda: print("threads at exit", threads(), flush=True))
 def fail(self):
     raise RuntimeError("failed in step 1")
-train.Trainer.train_step = fail
+trainer.Trainer.train_step = fail
 sys.exit(train.main(sys.argv[1:]))
 """
 

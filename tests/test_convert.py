@@ -23,9 +23,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.dist_utils import REPO_ROOT, run_command
-from torchtitan_lite import hf
-from torchtitan_lite.checkpoint import SafeFileSystemReader
-from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+from torchtitan_lite.checkpoint import hf_storage
+from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader
+from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, LLAMA3_SPEC, Transformer
+from torchtitan_lite.models.llama3 import hf as llama_hf
 
 SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
 TINY = LLAMA3_FLAVORS["tiny"]
@@ -100,15 +101,16 @@ def test_dcp_to_hf_and_back(step_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no .partial left behind
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    expected = hf.state_dict_to_hf(state, TINY)
+    expected = hf_storage.state_dict_to_hf(state, LLAMA3_SPEC, TINY)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], expected[k]) for k in expected)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == hf.hf_config(TINY, torch.float32)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == llama_hf.hf_config(TINY, torch.float32)
 
     result = _convert("from-hf", str(tmp_path / "hf"), str(tmp_path / "step-0"))
     assert result.returncode == 0, result.stderr
     train_state = json.loads((tmp_path / "step-0" / "train_state.json").read_text())
-    assert train_state == {"step": 0, "model_only": True, "model_args": dataclasses.asdict(TINY)}
+    assert train_state == {"step": 0, "model_only": True, "model_name": "llama3",
+                           "model_args": dataclasses.asdict(TINY)}
     back = _read_step_dir(tmp_path / "step-0", state)
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -175,3 +177,9 @@ def test_more_errors_and_overwrite_in_process(step_dir, tmp_path, capsys):
     assert "'tok_embeddings.weight' has shape [258, 64] but the model needs [300, 64]" in message
     assert script.main(["from-file", str(tmp_path / "m.pt"), str(tmp_path / "z"), "--flavor", "tiny"]) == 0
     capsys.readouterr()
+    # The family comes from the input when it records one; --model may only agree with it.
+    assert "is not a flavor of model 'llama3'; expected one of tiny" in error(
+        "to-hf", str(bare), str(tmp_path / "y"), "--flavor", "huge")
+    assert script.main(["to-file", str(source), str(tmp_path / "m.safetensors"), "--model", "llama3"]) == 0
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["model_name"] == "llama3"

@@ -13,7 +13,6 @@ import torch
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.data import (
     ByteTokenizer,
-    DataError,
     GlobalBatchLoader,
     HFTokenizer,
     TokenWindows,
@@ -21,6 +20,8 @@ from torchtitan_lite.data import (
     build_tokenizer,
     check_dataset,
 )
+from torchtitan_lite.errors import DataError, UserError
+from torchtitan_lite.job import plan_job, preflight
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -319,36 +320,40 @@ def test_state_from_another_dataset_or_batch_is_rejected():
 # --------------------------------------------------------------------------------------------
 
 
-def _config_error(argv: list[str]) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_job_config(argv)
+def _user_error(argv: list[str], kind: type[UserError]) -> str:
+    """The error of the checks before any process group: schema, preflight, plan."""
+    with pytest.raises(UserError) as info:
+        config = load_job_config(argv)
+        preflight(config)
+        plan_job(config, world_size=1)
+    assert type(info.value) is kind, (argv, info.value)
     message = str(info.value)
     assert "\n" not in message
     return message
 
 
-def test_bad_dataset_paths_are_config_errors(tmp_path):
+def test_bad_dataset_paths_are_one_line_user_errors(tmp_path):
     (tmp_path / "empty_folder").mkdir()
     (tmp_path / "notes.md").write_text("x")
     cases = [
         (["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "missing.txt")],
-         ["training.dataset_path", "missing.txt", "not found"]),
-        (["--training.dataset", "text"], ["training.dataset_path", "needs a path"]),
+         DataError, ["training.dataset_path", "missing.txt", "not found"]),
+        (["--training.dataset", "text"], ConfigError, ["training.dataset_path", "needs a path"]),
         (["--training.dataset", "text", "--training.dataset_path", str(tmp_path / "empty_folder")],
-         ["training.dataset_path", "empty_folder", ".txt or .jsonl"]),
+         DataError, ["training.dataset_path", "empty_folder", ".txt or .jsonl"]),
         (["--training.dataset", "tokens", "--training.dataset_path", str(tmp_path / "notes.md")],
-         ["training.dataset_path", "notes.md", ".bin or .npy"]),
-        (["--training.dataset", "texts"], ["training.dataset", "'texts'", "'text'"]),
+         DataError, ["training.dataset_path", "notes.md", ".bin or .npy"]),
+        (["--training.dataset", "texts"], ConfigError, ["training.dataset", "'texts'", "'text'"]),
         (["--training.dataset_path", str(tmp_path / "notes.md")],
-         ["training.dataset_path", "reads no path", "'text' or 'tokens'"]),
+         ConfigError, ["training.dataset_path", "reads no path", "'text' or 'tokens'"]),
         (["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path",
-          str(tmp_path / "nope")], ["validation.dataset_path", "nope", "not found"]),
-        (["--model.tokenizer_path", str(tmp_path / "none.json")], ["model.tokenizer_path", "none.json"]),
+          str(tmp_path / "nope")], DataError, ["validation.dataset_path", "nope", "not found"]),
+        (["--model.tokenizer_path", str(tmp_path / "none.json")], DataError, ["model.tokenizer_path", "none.json"]),
         (["--model.flavor", "tiny", "--training.seq_len", "4096"],
-         ["training.seq_len", "4096", "at most 512"]),
+         ConfigError, ["training.seq_len", "4096", "at most 512"]),
     ]
-    for argv, expected in cases:
-        message = _config_error(argv)
+    for argv, kind, expected in cases:
+        message = _user_error(argv, kind)
         for part in expected:
             assert part in message, (argv, message)
 
@@ -391,7 +396,7 @@ def test_dataset_shorter_than_one_window_names_seq_len(tmp_path):
     short = str(tmp_path / "short.txt")
     argv = ["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path", short,
             "--training.seq_len", "16", "--model.flavor", "tiny", "--job.dump_folder", str(tmp_path / "out")]
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     with pytest.raises(DataError) as info:
         Trainer(load_job_config(argv))

@@ -28,7 +28,7 @@ def _train_on_gpu(dump: str, offload: bool) -> dict:
     import torch.distributed as dist
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     # Not --debug.deterministic: some CUDA attention kernels have no deterministic backward.
     base = [a for a in TINY_ARGS if a != "--debug.deterministic"]
@@ -83,7 +83,7 @@ def test_cpu_offload_on_cuda(tmp_path: Path) -> None:
 
 def _profile_on_gpu(dump: str) -> dict:
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     base = [a for a in TINY_ARGS if a != "--debug.deterministic"]
     argv = [*base, "--training.steps", "4", "--job.dump_folder", dump, "--metrics.log_freq", "1",

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.dist_utils import run_distributed
-from torchtitan_lite import hf
-from torchtitan_lite.checkpoint import CheckpointError
-from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.checkpoint import hf_storage
+from torchtitan_lite.errors import CheckpointError
+from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, LLAMA3_SPEC, ModelArgs, Transformer
+from torchtitan_lite.models.llama3 import hf as llama_hf
 
 TINY = LLAMA3_FLAVORS["tiny"]
 # Three heads of 16 rows: on two ranks the 24-row shard boundary of wq cuts through head 1,
@@ -58,10 +59,10 @@ def _logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 def _write_hf(model: Transformer, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
     """A Hugging Face folder written with plain safetensors (no DCP) from ``model``."""
     folder.mkdir(parents=True, exist_ok=True)
-    hf_sd = hf.state_dict_to_hf(model.state_dict(), model.args)
+    hf_sd = hf_storage.state_dict_to_hf(model.state_dict(), LLAMA3_SPEC, model.args)
     save_file({k: v.to(dtype).contiguous() for k, v in hf_sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf.hf_config(model.args, dtype)))
+    (folder / "config.json").write_text(json.dumps(llama_hf.hf_config(model.args, dtype)))
     return folder
 
 
@@ -72,35 +73,35 @@ def _write_hf(model: Transformer, folder: Path, dtype: torch.dtype = torch.float
 
 def test_name_map_round_trips_and_rejects_unknown_names():
     names = list(Transformer(TINY).state_dict())
-    hf_names = [hf.to_hf_name(n) for n in names]
-    assert [hf.from_hf_name(n) for n in hf_names] == names
-    assert set(hf_names) == set(hf.expected_hf_shapes(TINY))
-    assert hf.to_hf_name("layers.1.feed_forward.w1.weight") == "model.layers.1.mlp.gate_proj.weight"
-    assert hf.to_hf_name("layers.0.feed_forward.w2.weight") == "model.layers.0.mlp.down_proj.weight"
-    assert hf.to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert hf.to_hf_name("output.weight") == "lm_head.weight"
+    hf_names = [llama_hf.to_hf_name(n) for n in names]
+    assert [llama_hf.from_hf_name(n) for n in hf_names] == names
+    assert set(hf_names) == set(llama_hf.expected_hf_shapes(TINY))
+    assert llama_hf.to_hf_name("layers.1.feed_forward.w1.weight") == "model.layers.1.mlp.gate_proj.weight"
+    assert llama_hf.to_hf_name("layers.0.feed_forward.w2.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert llama_hf.to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert llama_hf.to_hf_name("output.weight") == "lm_head.weight"
     for bad in ("layers.0.attention.wz.weight", "freqs_cis", "model.tok_embeddings.weight"):
         with pytest.raises(ValueError, match="not a parameter name"):
-            hf.to_hf_name(bad)
+            llama_hf.to_hf_name(bad)
     with pytest.raises(ValueError, match="not a Hugging Face Llama parameter name"):
-        hf.from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
+        llama_hf.from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
 
 
 def test_permutation_round_trips_and_moves_pairs_to_halves():
     head_dim, dim = 16, 64
     for n_heads in (4, 2, 1):  # wq with n_heads, wk with n_kv_heads (GQA)
         w = torch.randn(n_heads * head_dim, dim)
-        permuted = hf.permute_for_hf(w, n_heads)
+        permuted = llama_hf.permute_for_hf(w, n_heads)
         assert not torch.equal(permuted, w)
-        assert torch.equal(hf.unpermute_from_hf(permuted, n_heads), w)
-        assert torch.equal(hf.permute_for_hf(hf.unpermute_from_hf(w, n_heads), n_heads), w)
+        assert torch.equal(llama_hf.unpermute_from_hf(permuted, n_heads), w)
+        assert torch.equal(llama_hf.permute_for_hf(llama_hf.unpermute_from_hf(w, n_heads), n_heads), w)
         # Our row 2i+p of head h (pair i, component p) is HF row p*head_dim/2 + i of head h.
         for h, i, p in ((0, 0, 1), (n_heads - 1, 5, 0), (n_heads - 1, 7, 1)):
             assert torch.equal(permuted[h * head_dim + p * head_dim // 2 + i], w[h * head_dim + 2 * i + p])
     with pytest.raises(ValueError, match="heads of even size"):
-        hf.permute_for_hf(torch.randn(30, 8), 4)
+        llama_hf.permute_for_hf(torch.randn(30, 8), 4)
     sd = _model(TINY).state_dict()
-    back = hf.state_dict_from_hf(hf.state_dict_to_hf(sd, TINY), TINY.n_heads, TINY.kv_heads)
+    back = hf_storage.state_dict_from_hf(hf_storage.state_dict_to_hf(sd, LLAMA3_SPEC, TINY), LLAMA3_SPEC, TINY)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
@@ -162,11 +163,11 @@ def test_exported_weights_match_an_independent_hf_reference(tmp_path, args):
     reference = _hf_reference_logits(sd, config, tokens)
     torch.testing.assert_close(reference, ours, rtol=0, atol=1e-5)
     # The permutation matters: without it the reference disagrees.
-    raw = {hf.to_hf_name(k): v for k, v in model.state_dict().items()}
+    raw = {llama_hf.to_hf_name(k): v for k, v in model.state_dict().items()}
     assert (_hf_reference_logits(raw, config, tokens) - ours).abs().max() > 1e-2
     # And importing the file gives back the same model.
     loaded = Transformer(args)
-    hf.load_hf_weights(loaded, folder)
+    hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
     assert torch.equal(_logits(loaded, tokens), ours)
 
 
@@ -175,7 +176,7 @@ def test_transformers_llama_loads_our_export(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = _model(TINY)
     tokens = _tokens(TINY)
-    hf.save_hf_weights(model, tmp_path / "hf")  # single process: DCP writer + consolidation
+    hf_storage.save_hf_weights(model, tmp_path / "hf", spec=LLAMA3_SPEC)  # single process: DCP writer + consolidation
     reference = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         theirs = reference(tokens).logits
@@ -191,15 +192,15 @@ def test_save_splits_files_and_loads_back_in_one_process(tmp_path):
     model = _model(TINY)
     tokens = _tokens(TINY)
     folder = tmp_path / "hf"
-    hf.save_hf_weights(model, folder, max_file_bytes=100_000)
+    hf_storage.save_hf_weights(model, folder, max_file_bytes=100_000, spec=LLAMA3_SPEC)
     files = sorted(p.name for p in folder.iterdir())
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 1 and "sharded" not in files and "config.json" in files
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(hf.expected_hf_shapes(TINY))
+    assert set(index["weight_map"]) == set(llama_hf.expected_hf_shapes(TINY))
     assert set(index["weight_map"].values()) == set(shards)
     loaded = Transformer(TINY)
-    hf.load_hf_weights(loaded, folder)
+    hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
     assert torch.equal(_logits(loaded, tokens), _logits(model, tokens))
 
 
@@ -215,7 +216,7 @@ def test_tied_embeddings_and_unused_tensors(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     loaded = Transformer(TINY)
-    hf.load_hf_weights(loaded, folder)
+    hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
     assert torch.equal(loaded.output.weight, model.tok_embeddings.weight)
     assert torch.equal(_logits(loaded, _tokens(TINY)), _logits(model, _tokens(TINY)))
 
@@ -226,11 +227,11 @@ def test_tied_embeddings_and_unused_tensors(tmp_path):
 
 
 def _sharded_model(args: ModelArgs, mesh: Any) -> Transformer:
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
 
     with torch.device("meta"):
         model = Transformer(args)
-    apply_fsdp(model, mesh)
+    apply_fsdp(model, mesh, **LLAMA3_SPEC.fsdp_units(model))
     model.to_empty(device="cpu")
     return model
 
@@ -255,14 +256,14 @@ def _rank_sharded_io(cases: list[dict[str, Any]], replicate: int, shard: int) ->
     for case in cases:
         args = case["args"]
         model = _sharded_model(args, mesh)
-        hf.load_hf_weights(model, case["load"])
+        hf_storage.load_hf_weights(model, case["load"], spec=LLAMA3_SPEC)
         result: dict[str, Any] = {"placements": _placements(model)}
         if case.get("full_params"):
             result["params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
         result["logits"] = _logits(model, _tokens(args))
         # Saved after a forward: the last unit and the root are left unsharded by it.
         for folder, dtype in case.get("save", []):
-            hf.save_hf_weights(model, folder, dtype=dtype)
+            hf_storage.save_hf_weights(model, folder, dtype=dtype, spec=LLAMA3_SPEC)
         out[case["name"]] = result
     return out
 
@@ -303,19 +304,19 @@ def test_two_rank_save_writes_hf_files_that_load_in_one_process(two_rank_io):
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     sd = load_file(str(folder / "model-00001-of-00001.safetensors"))
-    assert {k: tuple(v.shape) for k, v in sd.items()} == hf.expected_hf_shapes(TINY)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == llama_hf.expected_hf_shapes(TINY)
     assert all(v.dtype == torch.float32 for v in sd.values())
-    reference = hf.state_dict_to_hf(model.state_dict(), TINY)
+    reference = hf_storage.state_dict_to_hf(model.state_dict(), LLAMA3_SPEC, TINY)
     assert all(torch.equal(sd[k], reference[k]) for k in reference)  # RoPE permutation included
     config = json.loads((folder / "config.json").read_text())
-    assert config == hf.hf_config(TINY, torch.float32)
+    assert config == llama_hf.hf_config(TINY, torch.float32)
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
             config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"],
             config["rope_theta"], config["tie_word_embeddings"], config["torch_dtype"]) == (
         64, 2, 4, 2, TINY.ffn_hidden_dim, 258, 10000.0, False, "float32")
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     loaded = Transformer(TINY)
-    hf.load_hf_weights(loaded, folder)
+    hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
     torch.testing.assert_close(_logits(loaded, tokens), _logits(model, tokens), rtol=0, atol=1e-5)
     bf16_folder = two_rank_io["root"] / "saved_bf16"
     bf16 = load_file(str(next(bf16_folder.glob("*.safetensors"))))
@@ -326,7 +327,7 @@ def test_two_rank_save_writes_hf_files_that_load_in_one_process(two_rank_io):
 
 def test_bf16_file_fills_fp32_shards_with_upcast_values(two_rank_io):
     file = two_rank_io["root"] / "bf16" / "model.safetensors"
-    expected = hf.state_dict_from_hf(load_file(str(file)), TINY.n_heads, TINY.kv_heads)
+    expected = hf_storage.state_dict_from_hf(load_file(str(file)), LLAMA3_SPEC, TINY)
     for rank in two_rank_io["ranks"]:
         params = rank["bf16"]["params"]
         assert all(p[2] == "torch.float32" for p in rank["bf16"]["placements"].values())
@@ -348,7 +349,7 @@ def test_hsdp_2x2_load_and_save(tmp_path):
                    for p in rank["tiny"]["placements"].values())
         torch.testing.assert_close(rank["tiny"]["logits"], expected, rtol=0, atol=1e-5)
     loaded = Transformer(TINY)
-    hf.load_hf_weights(loaded, tmp_path / "out")
+    hf_storage.load_hf_weights(loaded, tmp_path / "out", spec=LLAMA3_SPEC)
     assert torch.equal(_logits(loaded, tokens), expected)
 
 
@@ -362,16 +363,17 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
 
     import torch.distributed as dist
 
-    from torchtitan_lite.checkpoint import CheckpointManager
+    from torchtitan_lite.checkpoint.manager import CheckpointManager
     from torchtitan_lite.config import Checkpoint
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
-    from torchtitan_lite.memory import process_memory, reset_peak_rss
+    from torchtitan_lite.memory.measure import process_memory, reset_peak_rss
 
     init_distributed(torch.device("cpu"))
     mesh = build_mesh(torch.device("cpu"), ParallelDims(dp_replicate=1, dp_shard=2, world_size=2))
     model = _sharded_model(MEASURED, mesh)  # allocated (not yet touched) before measuring
     config = Checkpoint(initial_load_path=folder, initial_load_in_hf=kind == "hf")
-    manager = CheckpointManager(config, dump_folder=folder, model=model, optimizer=None,  # type: ignore[arg-type]
+    manager = CheckpointManager(config, dump_folder=folder, model=model, model_spec=LLAMA3_SPEC,
+                                optimizer=None,  # type: ignore[arg-type]
                                 lr_scheduler=None, loader=None)
     gc.collect()
     dist.barrier()
@@ -391,13 +393,13 @@ def test_sharded_load_peak_memory_stays_near_one_shard(tmp_path, kind):
     full_bytes = MEASURED.num_params() * 4
     generator = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=generator)
-               for name, shape in hf.expected_hf_shapes(MEASURED).items()}
+               for name, shape in llama_hf.expected_hf_shapes(MEASURED).items()}
     if kind == "hf":
         save_file(weights, str(tmp_path / "model.safetensors"))
     else:
         import torch.distributed.checkpoint as dcp
 
-        ours = hf.state_dict_from_hf(weights, MEASURED.n_heads, MEASURED.kv_heads)
+        ours = hf_storage.state_dict_from_hf(weights, LLAMA3_SPEC, MEASURED)
         dcp.save({"model": ours}, checkpoint_id=str(tmp_path), no_dist=True)
     del weights
     results = run_distributed(_rank_load_measured, 2, str(tmp_path), kind)
@@ -416,7 +418,7 @@ def test_sharded_load_peak_memory_stays_near_one_shard(tmp_path, kind):
 
 def _load_error(model: Transformer, folder: Path) -> str:
     with pytest.raises(CheckpointError) as info:
-        hf.load_hf_weights(model, folder)
+        hf_storage.load_hf_weights(model, folder, spec=LLAMA3_SPEC)
     message = str(info.value)
     assert "\n" not in message and str(folder) in message, message
     return message
@@ -467,8 +469,8 @@ def test_errors_name_the_folder_the_tensor_and_the_mismatch(tmp_path):
 def test_model_args_from_hf_config_reproduces_flavors():
     for name in ("tiny", "debugmodel", "1B", "8B"):
         args = LLAMA3_FLAVORS[name]
-        assert hf.model_args_from_hf_config(hf.hf_config(args, torch.bfloat16)) == args, name
+        assert llama_hf.model_args_from_hf_config(llama_hf.hf_config(args, torch.bfloat16)) == args, name
     # A shape that is no flavor: intermediate_size is still reproduced exactly.
-    config = {**hf.hf_config(ODD, torch.float32), "intermediate_size": 100, "vocab_size": 77}
-    rebuilt = hf.model_args_from_hf_config(config)
+    config = {**llama_hf.hf_config(ODD, torch.float32), "intermediate_size": 100, "vocab_size": 77}
+    rebuilt = llama_hf.model_args_from_hf_config(config)
     assert (rebuilt.ffn_hidden_dim, rebuilt.vocab_size, rebuilt.dim, rebuilt.kv_heads) == (100, 77, 48, 1)

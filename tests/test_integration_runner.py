@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 import shutil
 import sys
@@ -136,6 +137,21 @@ def test_cpu_baseline_exists_and_is_well_formed(case) -> None:
     for r in records:
         assert set(r) <= {"run", "step", "loss", "validation_loss"}
         assert 0 < r["loss"] < 10
+
+
+def test_default_job_baseline_learns() -> None:
+    """The README's default job (the ``debug_model_default`` case, 100 steps through torchrun on 2
+    ranks, which the runner compares with this baseline): a loss record at step 1 and every 10
+    steps, clearly below a uniform guess over the byte vocabulary, validation at 50 and 100."""
+    case = next(c for c in it.CASES if c.name == "debug_model_default")
+    assert case.config_file == "train_configs/debug_model.toml" and case.runs == [it.Run([])]
+    records = read_jsonl(BASELINES / "cpu_debug_model_default.jsonl")
+    assert [r["step"] for r in records] == [1, *range(10, 101, 10)]
+    losses = [r["loss"] for r in records]
+    uniform = math.log(258)
+    assert losses[-1] < uniform - 2.5 and losses[-1] < losses[0] - 2.5, losses
+    validation = {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r}
+    assert sorted(validation) == [50, 100] and validation[100] < validation[50] < uniform, validation
 
 
 def test_test_case_rejects_a_run_wider_than_its_ngpu() -> None:

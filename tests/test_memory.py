@@ -12,16 +12,16 @@ def _measure(mode: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.memory import measure_step_memory
-    from torchtitan_lite.models import MODEL_REGISTRY
-    from torchtitan_lite.parallelize import build_sharded_model
+    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.models import get_model_spec
 
     device = torch.device("cpu")
     init_distributed(device)
     mesh = fsdp_mesh(device)
-    model_cls, flavors = MODEL_REGISTRY["llama3"]
-    args = flavors["debugmodel"]
-    model = build_sharded_model(model_cls, args, mesh, device=device, seed=0, reshard_after_forward_mode=mode)
+    spec = get_model_spec("llama3")
+    args = spec.model_args("debugmodel")
+    model = build_sharded_model(spec, args, mesh, device=device, seed=0, reshard_after_forward_mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
 

@@ -8,12 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_lite.models.llama3 import (
-    LLAMA3_FLAVORS,
-    Transformer,
-    apply_rotary_emb,
-    precompute_freqs_cis,
-)
+from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+from torchtitan_lite.models.llama3.model import apply_rotary_emb, precompute_freqs_cis
 
 
 def _tiny(seed=0):

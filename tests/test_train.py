@@ -40,7 +40,7 @@ def _trainer_run(argv: list[str], train: bool) -> dict[str, Any]:
     history and the batch layout the trainer resolved.
     """
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
     try:
@@ -85,8 +85,9 @@ def _meta_init_sharded(seed: int) -> dict[str, Any]:
         fsdp_mesh,
         init_distributed,
     )
-    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer, precompute_freqs_cis
-    from torchtitan_lite.parallelize import apply_fsdp
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, LLAMA3_SPEC, Transformer
+    from torchtitan_lite.models.llama3.model import precompute_freqs_cis
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -95,7 +96,7 @@ def _meta_init_sharded(seed: int) -> dict[str, Any]:
         args = LLAMA3_FLAVORS["tiny"]
         with torch.device("meta"):
             model = Transformer(args)
-        apply_fsdp(model, mesh)
+        apply_fsdp(model, mesh, **LLAMA3_SPEC.fsdp_units(model))
         model.to_empty(device="cpu")
         _poison(model)
         poisoned = all(bool(torch.isnan(_local(p)).all()) for p in model.parameters()) and all(
@@ -349,20 +350,20 @@ def test_metrics_jsonl_and_tensorboard(tiny_run: dict[str, Any]) -> None:
 def _fail_on_rank1(dump: str) -> dict:
     import time
 
-    from torchtitan_lite import train
+    from torchtitan_lite import train, trainer
 
-    original = train.Trainer.train_step
+    original = trainer.Trainer.train_step
 
     def flaky(self):
         if self.rank == 1 and self.step == 2:
             raise RuntimeError("injected failure")
         return original(self)
 
-    train.Trainer.train_step = flaky
+    trainer.Trainer.train_step = flaky
     start = time.monotonic()
     try:
-        train.main([*TINY_ARGS, "--training.steps", "6", "--job.dump_folder", dump])
-        outcome = "finished"
+        code = train.main([*TINY_ARGS, "--training.steps", "6", "--job.dump_folder", dump])
+        outcome = "finished" if code == 0 else f"exit code {code}"
     except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
         outcome = f"{type(exc).__name__}: {exc}"
     return {"outcome": outcome, "seconds": time.monotonic() - start}

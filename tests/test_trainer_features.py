@@ -26,7 +26,7 @@ from torchtitan_lite.metrics import RECORD_KEYS, device_peak_tflops
 def _run(argv: list[str]) -> dict[str, Any]:
     """Train with ``argv``; report the history, the vocabulary the model got and gc's state."""
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.train import Trainer
+    from torchtitan_lite.trainer import Trainer
 
     gc_during: list[bool] = []
     trainer = Trainer(load_job_config(argv))
@@ -173,7 +173,7 @@ def test_gc_is_off_during_training_and_restored_after(validation_runs):
 
 
 def test_garbage_collection_every_gc_freq_steps(monkeypatch):
-    from torchtitan_lite.train import GarbageCollection
+    from torchtitan_lite.gc_control import GarbageCollection
 
     calls: list[int] = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 0)

@@ -34,12 +34,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from torchtitan_lite.config import ConfigError
+from torchtitan_lite.errors import ConfigError, DataError
 
 __all__ = [
     "ByteTokenizer",
     "DATASETS",
-    "DataError",
     "GlobalBatchLoader",
     "HFTokenizer",
     "IGNORE_INDEX",
@@ -55,10 +54,6 @@ __all__ = [
     "tokenizer_file",
     "token_dtype_for",
 ]
-
-
-class DataError(ConfigError):
-    """A user-facing data or tokenizer problem: one line naming the key, the file and the fix."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,10 +242,10 @@ def check_dataset(
     """
     if dataset not in DATASETS:
         allowed = ", ".join(map(repr, DATASETS))
-        raise DataError(f"{section}.dataset: invalid value {dataset!r}; expected one of {allowed}")
+        raise ConfigError(f"{section}.dataset: invalid value {dataset!r}; expected one of {allowed}")
     if dataset in ("python_stdlib", "python_stdlib_validation"):
         if dataset_path is not None:
-            raise DataError(
+            raise ConfigError(
                 f"{section}.dataset_path={dataset_path!r} is set but {section}.dataset={dataset!r} "
                 f"reads no path; set {section}.dataset to 'text' or 'tokens' to read it"
             )
@@ -258,7 +253,7 @@ def check_dataset(
     key = key or f"{section}.dataset_path"
     suffixes = _SUFFIXES[dataset]
     if dataset_path is None:
-        raise DataError(f"{key}: {section}.dataset={dataset!r} needs a path to {DATASETS[dataset]}")
+        raise ConfigError(f"{key}: {section}.dataset={dataset!r} needs a path to {DATASETS[dataset]}")
     path = Path(dataset_path).expanduser()
     if not path.exists():
         raise DataError(f"{key}: path not found: {dataset_path!r}")

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan_lite.config import ConfigError
-from torchtitan_lite.config import LRScheduler as LRSchedulerConfig
-from torchtitan_lite.config import Optimizer as OptimizerConfig
+from torchtitan_lite.config.schema import LRScheduler as LRSchedulerConfig
+from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
+from torchtitan_lite.errors import ConfigError
 
 __all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor", "param_groups"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_lite.config import Profiling
+from torchtitan_lite.config.schema import Profiling
 
 __all__ = ["Profiler"]
 

@@ -1,412 +1,28 @@
-"""The trainer and ``python -m torchtitan_lite.train``.
+"""``python -m torchtitan_lite.train``: parse → preflight → plan → train → exit code.
 
     torchrun --standalone --nproc_per_node=2 -m torchtitan_lite.train \\
         --job.config_file train_configs/debug_model.toml --training.steps 20
+
+A user's mistake ends the job with one line ``error: ...`` on stderr (from local rank 0) and the
+exit code of its kind (:mod:`torchtitan_lite.errors`: 2 config, 3 data, 4 checkpoint); anything
+else keeps its traceback.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import json
 import logging
 import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.checkpoint import CheckpointError, CheckpointManager
-from torchtitan_lite.config import ConfigError, JobConfig, format_help, load_job_config
-from torchtitan_lite.data import (
-    GlobalBatchLoader,
-    Tokenizer,
-    TokenWindows,
-    build_token_stream,
-    build_tokenizer,
-)
-from torchtitan_lite.distributed import (
-    ParallelDims,
-    build_mesh,
-    choose_device,
-    destroy_distributed,
-    init_distributed,
-    local_world_size_from_env,
-    set_collective_timeout,
-    world_info_from_env,
-)
-from torchtitan_lite.estimate import (
-    AutoReshardPlan,
-    auto_budget_bytes,
-    job_estimate_kwargs,
-    plan_auto_reshard,
-)
-from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
-from torchtitan_lite.models import MODEL_REGISTRY
-from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
-from torchtitan_lite.parallelize import build_sharded_model
-from torchtitan_lite.profiling import Profiler
-from torchtitan_lite.validate import Validator, token_loss_sum
+from torchtitan_lite.config import format_help, load_job_config
+from torchtitan_lite.distributed import destroy_distributed, local_world_size_from_env, world_info_from_env
+from torchtitan_lite.errors import UserError
+from torchtitan_lite.job import plan_job, preflight
+from torchtitan_lite.trainer import Trainer
 
-__all__ = ["GarbageCollection", "Trainer", "main", "clip_grad_norm_"]
-
-logger = logging.getLogger("torchtitan_lite")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@torch.no_grad()
-def clip_grad_norm_(
-    parameters: list[torch.nn.Parameter], max_norm: float, *, foreach: bool | None = None
-) -> torch.Tensor:
-    """Global L2 gradient norm over sharded (DTensor) or plain gradients; clip when ``max_norm > 0``.
-
-    The norm of DTensor gradients is reduced over the mesh (``full_tensor``), so every rank
-    gets the same global norm; with CPU offload that reduction runs on CPU tensors, which is
-    why the process group then carries a CPU backend.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
-    return total
-
-
-class GarbageCollection:
-    """Automatic collection off while training, one young-generation collection every
-    ``gc_freq`` steps: a collection landing in the middle of a step makes step times jitter and,
-    across ranks, stalls every rank waiting for the slowest. :meth:`close` restores the
-    interpreter's setting (the trainer may be one part of a longer program)."""
-
-    def __init__(self, gc_freq: int) -> None:
-        self.gc_freq = gc_freq
-        self._was_enabled = gc.isenabled()
-        gc.disable()
-        gc.collect(1)
-
-    def run(self, step: int) -> None:
-        if step % self.gc_freq == 0:
-            gc.collect(1)
-
-    def close(self) -> None:
-        if self._was_enabled:
-            gc.enable()
-
-
-class Trainer:
-    """Builds everything a job needs from a validated :class:`JobConfig` and runs the loop."""
-
-    def __init__(self, config: JobConfig) -> None:
-        self.config = config
-        rank, local_rank, world_size = world_info_from_env()
-        config.validate(world_size=world_size)
-        t, p, v = config.training, config.parallelism, config.validation
-
-        # Data first, before any process group or model: a bad path, an empty dataset or a
-        # tokenizer that does not fit fails here, on every rank alike, in seconds.
-        self.tokenizer = build_tokenizer(config.model.tokenizer_path)
-        model_cls, flavors = MODEL_REGISTRY[config.model.name]
-        self.model_args = dataclasses.replace(
-            flavors[config.model.flavor], vocab_size=_vocab_size(config, self.tokenizer)
-        )
-        train_windows = TokenWindows(
-            build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
-                               token_dtype=t.dataset_token_dtype),
-            t.seq_len,
-            source=f"training dataset {t.dataset_path or t.dataset!r}",
-        )
-        val_windows = None
-        if v.enable:
-            val_windows = TokenWindows(
-                build_token_stream(v.dataset, v.dataset_path, self.tokenizer, section="validation",
-                                   token_dtype=t.dataset_token_dtype),
-                v.seq_len if v.seq_len > 0 else t.seq_len,
-                seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
-                source=f"validation dataset {v.dataset_path or v.dataset!r}",
-            )
-
-        self.device = choose_device(local_rank)
-        if p.reshard_after_forward_mode == "auto":
-            try:
-                device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
-                                if self.device.type == "cuda" else None)
-                budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        if config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
-            if self.device.type == "cuda":
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        init_distributed(
-            self.device, cpu_collectives=t.enable_cpu_offload and self.device.type == "cuda",
-            timeout_s=config.comm.init_timeout_seconds,
-        )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.dims = ParallelDims.resolve(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            world_size=self.world_size,
-            local_world_size=local_world_size_from_env(),
-        )
-        self.mesh = build_mesh(self.device, self.dims)
-        set_collective_timeout(config.comm.init_timeout_seconds, self.mesh)  # HSDP's subgroups too
-        if self.rank == 0:
-            logger.info("job: %s", config.job.description)
-            if config.job.print_config:
-                logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
-
-        # Every rank maps the same token stream; each takes its slice of every global batch.
-        # The mesh is all data-parallel, so the data-parallel rank is the global rank.
-        self.global_batch_size = (
-            t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dims.dp_size
-        )
-        self.loader = GlobalBatchLoader(
-            train_windows,
-            global_batch_size=self.global_batch_size,
-            local_batch_size=t.local_batch_size,
-            dp_rank=self.rank,
-            dp_size=self.dims.dp_size,
-            seed=config.debug.seed,
-        )
-        self.validator = None
-        if val_windows is not None:
-            val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
-            self.validator = Validator(
-                val_windows,
-                local_batch_size=val_local,
-                global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * self.dims.dp_size,
-                dp_rank=self.rank,
-                dp_size=self.dims.dp_size,
-                steps=v.steps,
-                device=self.device,
-            )
-
-        reshard_mode = p.reshard_after_forward_mode
-        self.reshard_plan: AutoReshardPlan | None = (
-            self._plan_auto_reshard(budget, budget_source) if reshard_mode == "auto" else None)
-        if self.reshard_plan is not None:
-            reshard_mode = self.reshard_plan.reshard
-            if self.rank == 0:
-                logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
-
-        # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
-        model = build_sharded_model(
-            model_cls, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
-            reshard_after_forward_mode=reshard_mode,
-            param_dtype=_DTYPES[t.mixed_precision_param],
-            reduce_dtype=_DTYPES[t.mixed_precision_reduce],
-            cpu_offload=t.enable_cpu_offload,
-        )
-        model.train()
-        self.model = model
-
-        if config.lr_scheduler.warmup_steps >= t.steps and self.rank == 0:
-            logger.warning(
-                "lr_scheduler.warmup_steps=%d >= training.steps=%d: warmup is cut to %d steps "
-                "and the learning rate never decays",
-                config.lr_scheduler.warmup_steps, t.steps, t.steps,
-            )
-        self.optimizer = build_optimizer(model, config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, config.lr_scheduler, total_steps=t.steps
-        )
-        self.step = 0
-        self.tokens_seen = 0
-        self.checkpointer: CheckpointManager | None = None
-        ck = config.checkpoint
-        if ck.enable or ck.create_seed_checkpoint or ck.initial_load_path is not None:
-            self.checkpointer = CheckpointManager(
-                ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler, loader=self.loader,
-                timeout_s=config.comm.init_timeout_seconds,
-            )
-            # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
-            state = None if ck.create_seed_checkpoint else self.checkpointer.load()
-            if state:
-                self.step = int(state.get("step", 0))
-                self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
-        self.peak_tflops, peak_source = device_peak_tflops(
-            self.device, config.metrics.peak_tflops, compute_dtype=_DTYPES[t.mixed_precision_param]
-        )
-        self.metrics = MetricsLogger(
-            rank=self.rank,
-            dump_folder=config.job.dump_folder,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            tb_folder=config.metrics.save_tb_folder,
-            run_config=config.to_dict(),
-        )
-        if self.rank == 0:
-            n_params = sum(p.numel() for p in model.parameters())
-            logger.info(
-                "model %s %s: %.2fM parameters, vocab %d (%s); mesh %s; global batch %d = %d ranks "
-                "× %d × %d accumulation steps; seq_len %d",
-                config.model.name, config.model.flavor, n_params / 1e6, self.model_args.vocab_size,
-                type(self.tokenizer).__name__,
-                dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False)),
-                self.global_batch_size, self.dims.dp_size, t.local_batch_size,
-                self.loader.grad_accum_steps, t.seq_len,
-            )
-            logger.info(
-                "data: %s, %d tokens, %d windows of %d (%.2f epochs in %d steps)%s",
-                t.dataset_path or t.dataset, len(train_windows.tokens), len(train_windows),
-                t.seq_len + 1, t.steps * self.global_batch_size / len(train_windows), t.steps,
-                "" if self.validator is None else
-                f"; validation: {v.dataset_path or v.dataset}, {self.validator.num_windows} of "
-                f"{len(val_windows)} windows every {v.freq} steps",
-            )
-            logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
-                        if self.peak_tflops else f"not reported: {peak_source}")
-
-    def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
-        """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
-        estimates on fake tensors, in a child process) and every rank applies that one plan."""
-        chosen: list[AutoReshardPlan | Exception | None] = [None]
-        if self.rank == 0:
-            try:
-                chosen[0] = plan_auto_reshard(
-                    self.model_args, budget_bytes=budget, count_offloaded=self.device.type == "cpu",
-                    budget_source=budget_source,
-                    # The other ranks wait in the broadcast below for at most init_timeout_seconds.
-                    timeout_s=max(1, self.config.comm.init_timeout_seconds - 10),
-                    **job_estimate_kwargs(self.config, world_size=self.world_size,
-                                          dp_replicate=self.dims.dp_replicate,
-                                          grad_accum_steps=self.loader.grad_accum_steps),
-                )
-            except ValueError as exc:  # the budget is too small even when resharding everything
-                chosen[0] = ConfigError(str(exc))
-            except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
-                chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
-        dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], Exception):
-            raise chosen[0]
-        return chosen[0]  # type: ignore[return-value]
-
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over one global batch; returns its metrics (same on every rank)."""
-        t = self.config.training
-        data_start = time.perf_counter()
-        micro_batches = self.loader.next_batch()
-        data_time = time.perf_counter() - data_start
-
-        tokens_this_rank = sum(labels.numel() for _, labels in micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels in micro_batches:
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            token_loss = token_loss_sum(self.model(inputs), labels)
-            # Normalised by all tokens this rank sees in the step; FSDP averages over ranks,
-            # so the gradient is that of the mean loss over every token of the global batch.
-            (token_loss / tokens_this_rank).backward()
-            loss_sum += token_loss.detach().double()
-
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-        global_tokens = tokens_this_rank * self.dims.dp_size
-        dist.all_reduce(loss_sum)
-        self.step += 1
-        self.tokens_seen += global_tokens
-        return {
-            "loss": float(loss_sum.item() / global_tokens),
-            "grad_norm": float(grad_norm.item()),
-            "lr": float(lr),
-            "data_time_s": data_time,
-            "tokens_per_rank": float(tokens_this_rank),
-        }
-
-    def validate(self) -> dict[str, float]:
-        """Validation metrics at the current weights (empty when validation is off)."""
-        return {} if self.validator is None else self.validator.run(self.model)
-
-    def train(self) -> list[dict[str, float]]:
-        """Run until ``training.steps``; returns every step's metrics (validation included)."""
-        cfg = self.config
-        history: list[dict[str, float]] = []
-        reset_peak_memory(self.device)
-        gc_handler = GarbageCollection(cfg.training.gc_freq)
-        try:
-            with Profiler(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
-                          device=self.device, start_step=self.step) as profiler:
-                while self.step < cfg.training.steps:
-                    history.append(self._timed_step(gc_handler))
-                    profiler.step()
-                    if len(history) == 1:  # start-up is over: from now on a missing peer is an error soon
-                        set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()  # the last background save is committed before we return
-        finally:
-            gc_handler.close()
-        return history
-
-    def save_seed_checkpoint(self) -> str:
-        """Write the initialised weights as ``step-0`` (one process); returns its path."""
-        if self.checkpointer is None or not self.config.checkpoint.create_seed_checkpoint:
-            raise RuntimeError("save_seed_checkpoint needs checkpoint.create_seed_checkpoint = true")
-        return str(self.checkpointer.save(0, {"tokens_seen": 0}))
-
-    def _timed_step(self, gc_handler: GarbageCollection) -> dict[str, float]:
-        cfg = self.config
-        start = time.perf_counter()
-        values = self.train_step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        tps = values["tokens_per_rank"] / elapsed
-        values.update(
-            step_time_s=elapsed,
-            compute_time_s=elapsed - values["data_time_s"],
-            tps=tps,
-            tflops=tps * self.flops_per_token / 1e12,
-            tokens_seen=float(self.tokens_seen),
-        )
-        if self.peak_tflops:
-            values["mfu_pct"] = 100.0 * values["tflops"] / self.peak_tflops
-        last = self.step == cfg.training.steps
-        v = cfg.validation
-        if self.validator is not None and (self.step % v.freq == 0 or last):
-            values.update(self.validate())
-        if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or "validation_loss" in values:
-            self.metrics.log(self.step, {**values, **memory_stats(self.device)})
-            reset_peak_memory(self.device)
-        if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):
-            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
-        gc_handler.run(self.step)
-        return {"step": self.step, **values}
-
-    def close(self, *, clean: bool = True) -> None:
-        """Release the metrics files and the process group.
-
-        ``clean=False`` (after an error) skips the closing barrier: the other ranks may be
-        blocked in a collective this rank will never join, and waiting for them would only
-        hang the job until the process-group timeout.
-        """
-        self.metrics.close()
-        if clean and self.checkpointer is not None:
-            self.checkpointer.close()
-        destroy_distributed(barrier=clean)
-
-
-def _vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
-    """The model's vocabulary: the tokenizer's, or ``model.vocab_size`` when that pads it."""
-    wanted = config.model.vocab_size
-    if wanted == -1:
-        return tokenizer.vocab_size
-    if wanted < tokenizer.vocab_size:
-        source = config.model.tokenizer_path or "the byte tokenizer"
-        raise ConfigError(
-            f"model.vocab_size: invalid value {wanted}; the tokenizer ({source}) has "
-            f"{tokenizer.vocab_size} ids, so the model needs at least that many (or -1 to follow it)"
-        )
-    return wanted
+__all__ = ["main"]
 
 
 def _setup_logging(rank: int) -> None:
@@ -418,41 +34,44 @@ def _setup_logging(rank: int) -> None:
     )
 
 
+def _report(error: UserError, local_rank: int) -> int:
+    if local_rank == 0:
+        print(f"error: {error}", file=sys.stderr)
+    return error.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: parse and validate the config (exit 2 on a bad one), then train."""
+    """Entry point: load, check and plan the job (a bad config exits 2 before any process group),
+    then train. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(format_help())
         return 0
     rank, local_rank, world_size = world_info_from_env()
     try:
-        config = load_job_config(argv, world_size=world_size)
-    except ConfigError as exc:
-        if local_rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        config = load_job_config(argv)
+        preflight(config)
+        plan = plan_job(config, world_size=world_size, local_world_size=local_world_size_from_env())
+    except UserError as exc:
+        return _report(exc, local_rank)
     _setup_logging(rank)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     try:
-        trainer = Trainer(config)
-    except ConfigError as exc:  # data, tokenizer or vocabulary: found before training started
+        trainer = Trainer(config, plan)
+    except UserError as exc:  # data, auto budget or a checkpoint to resume: found before training
         destroy_distributed(barrier=False)
-        if local_rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _report(exc, local_rank)
     try:
         if config.checkpoint.create_seed_checkpoint:
             path = trainer.save_seed_checkpoint()
             print(f"seed checkpoint written to {path}")
         else:
             trainer.train()
-    except CheckpointError as exc:  # a background save that failed: one line, not a traceback
+    except UserError as exc:  # e.g. a background save that failed: one line, not a traceback
         trainer.close(clean=False)
-        if local_rank == 0:
-            print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _report(exc, local_rank)
     except BaseException:
         trainer.close(clean=False)
         raise

@@ -7,19 +7,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.data import IGNORE_INDEX, TokenWindows, num_batches, padded_batch
+from torchtitan_lite.distributed.fsdp import reshard_all
+from torchtitan_lite.loss import token_loss_sum
 
-__all__ = ["Validator", "token_loss_sum"]
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+__all__ = ["Validator"]
 
 
 class Validator:
@@ -75,7 +69,7 @@ class Validator:
                 totals[1] += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
-            _reshard(model)
+            reshard_all(model)  # forward passes without backward leave some units gathered
         if dist.is_initialized():
             dist.all_reduce(totals)
         loss = float(totals[0] / totals[1])
@@ -85,13 +79,3 @@ class Validator:
             "validation_tokens": float(totals[1]),
             "validation_time_s": time.perf_counter() - start,
         }
-
-
-def _reshard(model: nn.Module) -> None:
-    """Free parameters left unsharded by forward passes without a backward (``never``/``default``
-    keep some units gathered after forward; only backward would reshard them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

@@ -1,12 +1,20 @@
-"""Model registry: ``[model] name`` picks a model family, ``[model] flavor`` its shape."""
+"""Model registry: ``[model] name`` picks a family's :class:`~torchtitan_lite.models.spec.ModelSpec`,
+``[model] flavor`` one of its shapes."""
 
 from __future__ import annotations
 
-from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
+from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.models.llama3 import LLAMA3_SPEC
+from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["MODEL_REGISTRY", "ModelArgs", "Transformer"]
+__all__ = ["MODEL_SPECS", "ModelSpec", "get_model_spec"]
 
-# name -> (model class, flavors)
-MODEL_REGISTRY: dict[str, tuple[type[Transformer], dict[str, ModelArgs]]] = {
-    "llama3": (Transformer, LLAMA3_FLAVORS),
-}
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3_SPEC,)}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    """The registered family ``name`` (:class:`ConfigError` naming ``model.name`` otherwise)."""
+    if name not in MODEL_SPECS:
+        raise ConfigError(f"model.name: invalid value {name!r}; expected one of "
+                          f"{', '.join(map(repr, MODEL_SPECS))}")
+    return MODEL_SPECS[name]

@@ -1,17 +1,21 @@
 """Apply FSDP2 (``fully_shard``) to a model: units, reshard policy, mixed precision, CPU offload.
 
-Works on our Llama model and on any ``nn.Module`` whose blocks the caller names::
+Works on our models (their :class:`~torchtitan_lite.models.spec.ModelSpec` names the units) and on
+any ``nn.Module`` whose units the caller names::
 
-    from torchtitan_lite.parallelize import apply_fsdp
-    apply_fsdp(model, mesh, blocks=model.blocks, reshard_after_forward_mode="default")
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+    apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=[model.norm, model.head],
+               param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 Units are wrapped bottom-up in forward order: an optional first unit (e.g. the token
 embedding), each block, an optional last unit (e.g. final norm + output projection, which may
-be several modules sharded as one group), then the root.
+be several modules sharded as one group), then the root, which takes every parameter no unit
+holds. Units are checked before anything is sharded: no module in two units or inside another
+unit, and no parameter shared between units (tied weights belong in one unit).
 
 The reshard mode is ``default``, ``always``, ``never``, an integer group size, or a per-unit
 plan: one bool per unit in forward order (what ``reshard_after_forward_mode = "auto"`` becomes,
-see :func:`torchtitan_lite.estimate.plan_auto_reshard`).
+see :mod:`torchtitan_lite.memory.auto`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from torchtitan_lite.config.schema import RESHARD_MODES
+from torchtitan_lite.models.spec import ModelSpec
+
 __all__ = [
     "RESHARD_MODES",
     "FSDPUnit",
@@ -40,11 +47,11 @@ __all__ = [
     "apply_fsdp",
     "build_sharded_model",
     "fsdp_units",
+    "reshard_all",
     "resolve_reshard_after_forward",
     "validate_reshard_after_forward_mode",
 ]
 
-RESHARD_MODES = ("default", "always", "never")
 UnitRole = Literal["first", "block", "last"]
 ReshardMode = str | int | tuple[bool, ...]
 """A named mode, an integer group size, or a per-unit plan (one bool per unit, forward order)."""
@@ -65,8 +72,9 @@ class FSDPUnit:
     """Where it runs: before the blocks, a block, after the blocks."""
 
     def numel(self) -> int:
-        """Parameters of the unit (full, unsharded size)."""
-        return sum(p.numel() for m in self.modules for p in m.parameters())
+        """Parameters of the unit (full, unsharded size); a tied weight counts once."""
+        params = {id(p): p for m in self.modules for p in m.parameters()}
+        return sum(p.numel() for p in params.values())
 
 
 def validate_reshard_after_forward_mode(
@@ -94,7 +102,7 @@ def validate_reshard_after_forward_mode(
         mode = int(mode)
     if not isinstance(mode, int) or isinstance(mode, bool):
         hint = (" ('auto' is resolved into a per-unit plan by the trainer or by "
-                "torchtitan_lite.estimate.plan_auto_reshard)" if mode == "auto" else "")
+                "torchtitan_lite.memory.auto.plan_auto_reshard)" if mode == "auto" else "")
         raise ValueError(
             f"reshard_after_forward_mode={mode!r} is not allowed; use one of "
             f"{', '.join(RESHARD_MODES)}, an integer group size or one bool per unit{hint}"
@@ -173,98 +181,164 @@ def _shared_post_forward_mesh() -> Iterator[None]:
         fsdp_module._get_post_forward_mesh_info = original
 
 
-def _as_list(unit: ModuleOrGroup) -> list[nn.Module]:
-    return [unit] if isinstance(unit, nn.Module) else list(unit)
+Blocks = nn.Module | Sequence[nn.Module] | Callable[[str, nn.Module], bool]
+"""Blocks as a container (``ModuleList``, ``Sequential``, ``ModuleDict``), a list of modules, one
+module, or a predicate ``(qualified_name, module) -> bool``."""
 
 
-def _find_blocks(
-    model: nn.Module, blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None
-) -> list[nn.Module]:
-    if blocks is None:
-        layers = getattr(model, "layers", None)
-        if isinstance(layers, nn.ModuleDict):
-            return list(layers.values())
-        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-            return list(layers)
-        raise ValueError(
-            "apply_fsdp could not find the model's blocks: pass blocks= as a list of modules "
-            "or a predicate (name, module) -> bool"
-        )
+def _modules_of(unit: ModuleOrGroup, what: str) -> list[nn.Module]:
+    """A unit's modules: one module, a list of them, or a container's children."""
+    if isinstance(unit, nn.ModuleDict):
+        return list(unit.values())
+    if isinstance(unit, (nn.ModuleList, nn.Sequential)) or not isinstance(unit, nn.Module):
+        try:
+            modules = list(unit)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"apply_fsdp: {what} must be a module or a list of modules, got "
+                            f"{type(unit).__name__}") from None
+        bad = [type(m).__name__ for m in modules if not isinstance(m, nn.Module)]
+        if bad:
+            raise TypeError(f"apply_fsdp: {what} must hold modules, got {bad[0]}")
+        return modules
+    return [unit]
+
+
+def _find_blocks(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
     if callable(blocks) and not isinstance(blocks, nn.Module):
         predicate = blocks
         found = [m for name, m in model.named_modules() if name and predicate(name, m)]
         if not found:
             raise ValueError("apply_fsdp: the blocks predicate matched no submodule")
         return found
-    return list(blocks)  # type: ignore[arg-type]
+    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList, nn.Sequential)) or not isinstance(blocks, nn.Module):
+        return _modules_of(blocks, "blocks")  # type: ignore[arg-type]
+    return [blocks]  # one module: one block
 
 
 def fsdp_units(
     model: nn.Module,
     *,
-    blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None = None,
-    first_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
-    last_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+    blocks: Blocks,
+    first_unit: ModuleOrGroup | None = None,
+    last_unit: ModuleOrGroup | None = None,
 ) -> list[FSDPUnit]:
-    """The units :func:`apply_fsdp` shards (same arguments), in forward order, root excluded."""
-    if first_unit == "auto":
-        emb = getattr(model, "tok_embeddings", None)
-        first_unit = emb if isinstance(emb, nn.Module) else None
-    if last_unit == "auto":
-        norm, output = getattr(model, "norm", None), getattr(model, "output", None)
-        last_unit = (
-            [norm, output]
-            if isinstance(norm, nn.Module) and isinstance(output, nn.Module)
-            else None
-        )
+    """The units :func:`apply_fsdp` shards (same arguments), in forward order, root excluded.
+
+    Raises ``ValueError`` with one line naming the units when a module is in two units, one
+    unit's module is inside another's (e.g. a predicate that matches a block and a module in
+    it), a unit is not part of ``model``, or a parameter is shared between units (tied weights:
+    put the modules that share it in one unit).
+    """
     names = {id(m): name for name, m in model.named_modules()}
 
-    def unit(modules: ModuleOrGroup, role: UnitRole) -> FSDPUnit:
-        group = tuple(_as_list(modules))
-        return FSDPUnit("+".join(names.get(id(m), type(m).__name__) for m in group), group, role)
+    def unit(modules: list[nn.Module], role: UnitRole) -> FSDPUnit:
+        for m in modules:
+            if id(m) not in names:
+                raise ValueError(f"apply_fsdp: a {role} unit's {type(m).__name__} is not a submodule of the model")
+            if m is model:
+                raise ValueError("apply_fsdp: the model itself cannot be a unit (it is the root)")
+        return FSDPUnit("+".join(names[id(m)] for m in modules), tuple(modules), role)
 
-    units = [] if first_unit is None else [unit(first_unit, "first")]
-    units += [unit(block, "block") for block in _find_blocks(model, blocks)]
+    units = [] if first_unit is None else [unit(_modules_of(first_unit, "first_unit"), "first")]
+    units += [unit([block], "block") for block in _find_blocks(model, blocks)]
     if last_unit is not None:
-        units.append(unit(last_unit, "last"))
+        units.append(unit(_modules_of(last_unit, "last_unit"), "last"))
+    _check_units(model, units, names)
     return units
+
+
+def _check_units(model: nn.Module, units: list[FSDPUnit], names: dict[int, str]) -> None:
+    """No module in two units or inside another unit; no parameter shared between units."""
+    owner: dict[int, str] = {}  # module id -> unit name
+    for u in units:
+        for m in u.modules:
+            if id(m) in owner:
+                raise ValueError(f"apply_fsdp: module {names[id(m)]!r} is in two units ({owner[id(m)]!r} and "
+                                 f"{u.name!r}); each module can be sharded once")
+            owner[id(m)] = u.name
+    for u in units:
+        for m in u.modules:
+            for sub_name, sub in m.named_modules():
+                if sub_name and id(sub) in owner:
+                    raise ValueError(
+                        f"apply_fsdp: unit {owner[id(sub)]!r} is inside unit {u.name!r}; units must not "
+                        "nest (a blocks predicate matched a block and a module within it? match only "
+                        "the blocks)")
+    # Tied weights: one tensor reachable under two names must not be split between units (or
+    # between a unit and the root), or FSDP2 shards it once and the other user sees a shard.
+    prefixes = [(names[id(m)] + ".", u.name) for u in units for m in u.modules]
+
+    def unit_of(param_name: str) -> str:
+        return next((unit for prefix, unit in prefixes if param_name.startswith(prefix)), "the root")
+
+    first_seen: dict[int, tuple[str, str]] = {}  # parameter id -> (unit, name)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        unit = unit_of(name)
+        seen = first_seen.setdefault(id(param), (unit, name))
+        if seen[0] != unit:
+            owner_a, owner_b = seen[1].rpartition(".")[0], name.rpartition(".")[0]
+            raise ValueError(
+                f"apply_fsdp: parameter {seen[1]!r} (unit {seen[0]!r}) and {name!r} (unit {unit!r}) are the "
+                f"same tensor (tied weights); shard them in one unit, e.g. first_unit=[model.{owner_a}, "
+                f"model.{owner_b}] (and leave {owner_b!r} out of the other units), or untie them")
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP unit's unsharded parameters (after forward passes without a backward, e.g.
+    validation: ``never``/``default`` keep some units gathered until a backward would reshard
+    them). Does nothing on a model without FSDP."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
+    blocks: Blocks,
+    first_unit: ModuleOrGroup | None = None,
+    last_unit: ModuleOrGroup | None = None,
     reshard_after_forward_mode: str | int | Sequence[bool] = "default",
-    param_dtype: torch.dtype | None = torch.float32,
-    reduce_dtype: torch.dtype | None = torch.float32,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
-    blocks: Sequence[nn.Module] | Callable[[str, nn.Module], bool] | None = None,
-    first_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
-    last_unit: ModuleOrGroup | None | Literal["auto"] = "auto",
+    **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Shard ``model`` with FSDP2 in place and return it (now also an ``FSDPModule``).
 
     Args:
         model: the module to shard; may live on the meta device (materialise afterwards with
-            ``to_empty`` and initialise the parameters).
+            ``to_empty`` and initialise the parameters with :mod:`torchtitan_lite.models.init`,
+            whose values do not depend on the sharding).
         mesh: 1-D mesh (FSDP) or 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP).
+        blocks: the repeated blocks: a ``ModuleList``/``Sequential``/``ModuleDict``, a list of
+            modules, one module, or a predicate ``(qualified_name, module) -> bool``. Each block
+            is one unit.
+        first_unit: module(s) that run before the blocks, sharded as one unit (None: none).
+        last_unit: module(s) that run after the blocks, sharded as one unit (None: none).
         reshard_after_forward_mode: ``default``, ``always``, ``never``, an integer group size,
             or one bool per unit in forward order (see :func:`resolve_reshard_after_forward`
             and :func:`fsdp_units`).
-        param_dtype: dtype of all-gathered parameters and of compute (sharded parameters and
-            optimizer state keep the model's dtype, normally fp32).
-        reduce_dtype: dtype in which gradients are reduced.
+        param_dtype: dtype of all-gathered parameters and of compute; None keeps the model's
+            own dtype (a bf16 model computes in bf16). Sharded parameters and optimizer state
+            keep the model's dtype.
+        reduce_dtype: dtype in which gradients are reduced; None: the compute dtype.
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (pinned only
             when CUDA is available). The process group then needs a CPU backend for clipping.
-        blocks: the repeated blocks, as modules or a predicate ``(qualified_name, module) ->
-            bool``; default ``model.layers``.
-        first_unit: module(s) that run before the blocks, sharded as one unit; ``"auto"`` means
-            ``model.tok_embeddings`` when present, ``None`` means none.
-        last_unit: module(s) that run after the blocks, sharded as one unit; ``"auto"`` means
-            ``[model.norm, model.output]`` when present, ``None`` means none.
+        fully_shard_kwargs: any other ``fully_shard`` option (e.g. ``shard_placement_fn``),
+            given to every unit and the root.
+
+    Raises ``ValueError`` (one line) for units that overlap or share parameters (see
+    :func:`fsdp_units`), a reshard mode that is not allowed, or a per-unit plan of the wrong
+    length, before anything is sharded.
     """
     if mesh.ndim not in (1, 2):
         raise ValueError(f"apply_fsdp expects a 1-D or 2-D device mesh, got {mesh.ndim}-D")
+    taken = {"mesh", "reshard_after_forward", "mp_policy", "offload_policy"} & set(fully_shard_kwargs)
+    if taken:
+        raise ValueError(f"apply_fsdp: {', '.join(sorted(taken))} is set by apply_fsdp itself (use mesh, "
+                         "reshard_after_forward_mode, param_dtype/reduce_dtype, cpu_offload)")
     mode = validate_reshard_after_forward_mode(reshard_after_forward_mode, mesh.shape[-1])
     units = fsdp_units(model, blocks=blocks, first_unit=first_unit, last_unit=last_unit)
     if isinstance(mode, tuple) and len(mode) != len(units):
@@ -280,6 +354,7 @@ def apply_fsdp(
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": offload,
+        **fully_shard_kwargs,
     }
 
     with _shared_post_forward_mesh() if isinstance(mode, int) else contextlib.nullcontext():
@@ -297,7 +372,7 @@ def apply_fsdp(
 
 
 def build_sharded_model(
-    model_cls: Callable[[Any], nn.Module],
+    spec: ModelSpec,
     args: Any,
     mesh: DeviceMesh,
     *,
@@ -305,13 +380,13 @@ def build_sharded_model(
     seed: int,
     **fsdp_options: Any,
 ) -> nn.Module:
-    """The meta-init path: build ``model_cls(args)`` on the meta device, shard it with
-    :func:`apply_fsdp` (``fsdp_options`` are its keyword arguments), allocate this rank's shards
-    (on CPU under ``cpu_offload``, else on ``device``) and fill them with ``init_weights`` from
-    ``seed``. No rank ever holds the full model."""
+    """The meta-init path: build ``spec.model_cls(args)`` on the meta device, shard it with
+    :func:`apply_fsdp` over the spec's units (``fsdp_options`` are its other keyword arguments),
+    allocate this rank's shards (on CPU under ``cpu_offload``, else on ``device``) and fill them
+    with ``init_weights`` from ``seed``. No rank ever holds the full model."""
     with torch.device("meta"):
-        model = model_cls(args)
-    apply_fsdp(model, mesh, **fsdp_options)
+        model = spec.model_cls(args)
+    apply_fsdp(model, mesh, **spec.fsdp_units(model), **fsdp_options)
     model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     model.init_weights(buffer_device=device)  # type: ignore[operator]

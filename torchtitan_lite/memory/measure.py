@@ -13,16 +13,15 @@ GPU would hold (allocator caching and fragmentation are not included).
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "no_automatic_gc", "process_memory",
-           "reset_peak_rss"]
+from torchtitan_lite.gc_control import no_automatic_gc
+
+__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "process_memory", "reset_peak_rss"]
 
 # Our names for FSDPMemTracker's categories (its _FSDPRefType values).
 CATEGORIES = {
@@ -49,24 +48,6 @@ def by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
             if name is not None:
                 out[name] += int(value)
     return out
-
-
-@contextlib.contextmanager
-def no_automatic_gc() -> Iterator[None]:
-    """Collect garbage once, then keep Python's automatic collection off (restored on exit).
-
-    The trainer's loop runs without automatic collection too. With it on, a collection that
-    happens to run in the middle of a step frees whatever reference cycles hold at that moment,
-    so two ranks running the same step can report different peaks.
-    """
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def measure_step_memory(

@@ -22,11 +22,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -37,10 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -49,93 +44,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan_lite.config import Checkpoint, ConfigError
+from torchtitan_lite.checkpoint.hf_storage import load_hf_weights, save_hf_weights
+from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
+from torchtitan_lite.dtypes import DTYPES
+from torchtitan_lite.errors import CheckpointError, ConfigError
+from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = [
-    "CheckpointError",
+    "TRAIN_STATE_FILE",
     "CheckpointManager",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
     "check_initial_load_path",
     "committed_steps",
-    "failure_reason",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE_FILE = "train_state.json"
-LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: missing, incomplete, or made for another model."""
-
-
-# --------------------------------------------------------------------------------------------
-# Safe reading of DCP metadata
-# --------------------------------------------------------------------------------------------
-
-_SAFE_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict", "int", "float", "complex",
-                  "bytes", "bytearray", "str", "bool", "getattr"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP metadata classes, torch dtypes/sizes/layouts and plain containers."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(
-                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))):
-            return super().find_class(module, name)
-        if module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # layout name -> torch.layout
-            return super().find_class(module, name)
-        if module == "pathlib" and name in {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}:
-            return super().find_class(module, name)
-        if module == "collections" and name == "OrderedDict":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled with an allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as fh:
-            data = fh.read()
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor values (saved by ``torch.save``, e.g.
-    the optimizer's ``param_groups``) are read with ``weights_only=True``: plain data only."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
-            raise pickle.UnpicklingError(
-                f"value {read_item.dest_index.fqn!r} is not plain data: {why}") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
 # --------------------------------------------------------------------------------------------
 # Folders
 # --------------------------------------------------------------------------------------------
@@ -245,7 +171,8 @@ class CheckpointManager:
     """Saves and restores the model, optimizer, LR scheduler, data loader and train state.
 
     ``config`` is a validated ``[checkpoint]`` section; checkpoints live in
-    ``<dump_folder>/<config.folder>``. ``timeout_s`` bounds the collectives of background saves. All ranks call :meth:`load`, :meth:`save`,
+    ``<dump_folder>/<config.folder>``. ``model_spec`` (the model's family) is needed for
+    Hugging Face saves and loads. ``timeout_s`` bounds the collectives of background saves. All ranks call :meth:`load`, :meth:`save`,
     :meth:`wait` and :meth:`close` together (they are collectives).
     """
 
@@ -258,9 +185,11 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         lr_scheduler: Any,
         loader: Any,
+        model_spec: ModelSpec | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         self.config = config
+        self.model_spec = model_spec
         self.folder = Path(dump_folder) / config.folder
         self.model = model
         self.optimizer = optimizer
@@ -274,6 +203,13 @@ class CheckpointManager:
         # the default group and those of the save thread must never interleave.
         self._async_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
                              if config.enable and config.async_mode == "async" else None)
+
+    def _spec(self) -> ModelSpec:
+        """The model's family, which Hugging Face saves and loads need."""
+        if self.model_spec is None:
+            raise CheckpointError("Hugging Face checkpoints need the model's family: pass model_spec= "
+                                  "to CheckpointManager")
+        return self.model_spec
 
     # ----------------------------------------------------------------------------------------
     # Saving
@@ -314,6 +250,7 @@ class CheckpointManager:
                 "model_only": model_only,
                 "export_dtype": cfg.export_dtype if model_only else None,
                 "world_size": self.world_size,
+                "model_name": None if self.model_spec is None else self.model_spec.name,
                 "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
             }
             if step > 0:  # a seed checkpoint is weights only: runs from it choose their own data/schedule
@@ -321,11 +258,9 @@ class CheckpointManager:
                                   lr_scheduler=self.lr_scheduler.state_dict(), rng=rng)
             _write_json(staging / TRAIN_STATE_FILE, state_json)
         dist.barrier()
-        dtype = EXPORT_DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
+        dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
         if in_hf:
-            from torchtitan_lite.hf import save_hf_weights
-
-            save_hf_weights(self.model, staging, dtype=dtype)
+            save_hf_weights(self.model, staging, spec=self._spec(), dtype=dtype)
             self._commit(step, staging, final, started)
             dist.barrier()
             return final
@@ -422,9 +357,7 @@ class CheckpointManager:
             return None
         path = Path(cfg.initial_load_path)
         if cfg.initial_load_in_hf:
-            from torchtitan_lite.hf import load_hf_weights
-
-            load_hf_weights(self.model, path)
+            load_hf_weights(self.model, path, spec=self._spec())
             if self.rank == 0:
                 logger.info("model weights loaded from Hugging Face checkpoint %s", path)
             return {}
@@ -444,9 +377,7 @@ class CheckpointManager:
                                "starts fresh", path, state.get("export_dtype"))
         if state.get("format", "dcp") == "hf":
             if "model" in parts:
-                from torchtitan_lite.hf import load_hf_weights
-
-                load_hf_weights(self.model, path)
+                load_hf_weights(self.model, path, spec=self._spec())
         else:
             self._load_dcp(path, parts)
         if "lr_scheduler" in parts and "lr_scheduler" in state:
@@ -523,14 +454,3 @@ def _check_files(path: Path, storage_data: Any) -> None:
         if file.stat().st_size < size:
             raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: data file {name!r} has "
                                   f"{file.stat().st_size} bytes, its metadata needs at least {size}")
-
-
-def failure_reason(exc: BaseException) -> str:
-    """One line for an exception: for DCP's (which wraps one per rank), the first rank's."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))
-        if isinstance(exc, tuple):  # (exception, traceback frames)
-            exc = exc[0]
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

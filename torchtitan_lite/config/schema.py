@@ -1,42 +1,37 @@
-"""Job configuration: typed dataclasses, TOML + command-line loading, validation, ``--help``.
+"""The job configuration's schema: sections as dataclasses, field types, ranges and documentation.
 
-Load order: dataclass defaults < TOML file (``--job.config_file``) < command-line overrides
-(``--section.key value``, ``--section.key=value``, ``--section.flag`` / ``--section.no-flag``,
-lists comma-separated). Every value is checked before any process group or model exists; a bad
-one raises :class:`ConfigError` with one line naming the key, the value and what is allowed.
+The string under each field is its documentation (``--help`` shows it). :func:`validate_config`
+checks every value and every rule between values that needs nothing but the config itself;
+checks that need the filesystem (datasets, tokenizer, checkpoints, folders) run once in
+:func:`torchtitan_lite.job.preflight`, and those that need the world size or the model family in
+:func:`torchtitan_lite.job.plan_job`. Nothing here changes a config.
+
+This module imports nothing of the package but :mod:`torchtitan_lite.errors`.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
 import math
-import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
+from torchtitan_lite.errors import ConfigError
 
 __all__ = [
-    "ConfigError",
+    "RESHARD_MODES",
     "JobConfig",
-    "load_job_config",
-    "format_help",
+    "SECTIONS",
+    "validate_config",
 ]
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: one line, naming the key, the value and what is allowed."""
+RESHARD_MODES = ("default", "always", "never")
+"""The named reshard modes (besides an integer group size, a per-unit plan and the config's ``auto``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,10 +129,10 @@ class Parallelism:
     """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world; 0 (default): one replica per node, i.e. shard within a node and replicate across nodes (plain FSDP on one node; set 1 to shard over every rank of every node)."""
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
-    reshard_after_forward_mode: str | int = "default"
+    reshard_after_forward_mode: int | str = "default"
     """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit, the fewest reshards whose estimated peak fits parallelism.memory_budget_gib."""
     memory_budget_gib: float | None = None
-    """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.estimate counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
+    """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.memory counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
 
 
 @dataclass
@@ -211,13 +206,13 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the weights in a model-only last save (last_save_model_only / last_save_in_hf)."""
     last_save_in_hf: bool = False
-    """Write the last save as Hugging Face Llama safetensors (+ config.json); needs last_save_model_only."""
+    """Write the last save as a Hugging Face safetensors folder of the model's family (+ config.json); needs last_save_model_only."""
     initial_load_path: str | None = None
     """Checkpoint to start from when checkpoint.folder holds none: a step-<N> folder (DCP), or a Hugging Face safetensors folder with initial_load_in_hf."""
     initial_load_model_only: bool = True
     """Take only the model weights from initial_load_path (the run starts at step 0); false also restores optimizer, schedule, data position and step."""
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face Llama safetensors folder (names mapped, q/k permuted to our RoPE layout)."""
+    """initial_load_path is a Hugging Face safetensors folder of the model's family (names and row layouts mapped by the family's adapter, e.g. Llama's q/k RoPE permutation)."""
     create_seed_checkpoint: bool = False
     """Write the initialised weights as step-0 in checkpoint.folder on one process and exit; runs at any world size can start from it."""
 
@@ -256,27 +251,27 @@ class JobConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def validate(self, *, world_size: int | None = None) -> None:
-        """Check values and cross-field rules; with ``world_size`` also the parallel degrees."""
-        _validate(self, world_size)
+
+LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+"""Parts of a checkpoint ``checkpoint.exclude_from_loading`` may name."""
 
 
 # --------------------------------------------------------------------------------------------
 # Introspection helpers
 # --------------------------------------------------------------------------------------------
 
-_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in dataclasses.fields(JobConfig)
 }
 
 
 @functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type) -> dict[str, str]:
     """Docstrings written under dataclass fields (read from the source)."""
     try:
         tree = ast.parse(inspect.getsource(cls))
@@ -296,7 +291,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _is_optional(tp: Any) -> tuple[bool, Any]:
+def is_optional(tp: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -307,36 +302,36 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
     return False, tp
 
 
-def _type_name(tp: Any) -> str:
-    optional, inner = _is_optional(tp)
+def type_name(tp: Any) -> str:
+    optional, inner = is_optional(tp)
     if optional:
-        return f"{_type_name(inner)} | None"
+        return f"{type_name(inner)} | None"
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
 
 
-def _allowed(tp: Any) -> str:
-    origin = typing.get_origin(_is_optional(tp)[1])
+def allowed_values(tp: Any) -> str:
+    origin = typing.get_origin(is_optional(tp)[1])
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(_is_optional(tp)[1]))
-    return f"a value of type {_type_name(tp)}"
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(is_optional(tp)[1]))
+    return f"a value of type {type_name(tp)}"
 
 
-def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
+def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     """Convert ``value`` (a TOML value, or a string from the command line) to ``tp``."""
-    optional, inner = _is_optional(tp)
+    optional, inner = is_optional(tp)
     if optional:
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
-        return _coerce(key, value, inner, from_cli=from_cli)
+        return coerce(key, value, inner, from_cli=from_cli)
     origin = typing.get_origin(inner)
-    bad = ConfigError(f"{key}: invalid value {value!r}; expected {_allowed(tp)}")
+    bad = ConfigError(f"{key}: invalid value {value!r}; expected {allowed_values(tp)}")
     if origin is Literal:
         allowed = typing.get_args(inner)
         if value in allowed:
@@ -345,7 +340,7 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(inner):
             try:
-                return _coerce(key, value, option, from_cli=from_cli)
+                return coerce(key, value, option, from_cli=from_cli)
             except ConfigError:
                 continue
         raise bad
@@ -357,7 +352,7 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
             items = value
         else:
             raise bad
-        return [_coerce(key, v, elem, from_cli=from_cli) for v in items]
+        return [coerce(key, v, elem, from_cli=from_cli) for v in items]
     if inner is bool:
         if isinstance(value, bool):
             return value
@@ -384,165 +379,11 @@ def _coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: invalid value {value!r}; expected a string")
-    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")  # pragma: no cover
-
-
-def _suggest(name: str, choices: list[str], *, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
-
-
-def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
-    if section not in _SECTIONS:
-        raise ConfigError(
-            f"unknown section [{section}] in {where}{_suggest(section, list(_SECTIONS))} "
-            f"(sections: {', '.join(_SECTIONS)})"
-        )
-    cls = _SECTIONS[section]
-    types_ = _field_types(cls)
-    if key is None:
-        return cls, None
-    if key not in types_:
-        raise ConfigError(
-            f"unknown key '{section}.{key}' in {where}{_suggest(key, list(types_), prefix=section + '.')} "
-            f"(keys of [{section}]: {', '.join(types_)})"
-        )
-    return cls, types_[key]
+    raise ConfigError(f"{key}: unsupported field type {type_name(tp)}")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------------
-
-
-def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any, str]]:
-    """Return ``(section, key, field type, raw value)`` overrides in order."""
-    overrides: list[tuple[str, str, Any, str]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; options look like --section.key value "
-                "(see --help)"
-            )
-        name, eq, inline = arg[2:].partition("=")
-        section, _, key = name.partition(".")
-        section = section.replace("-", "_")
-        negated = False
-        if key.startswith("no-") or key.startswith("no_"):
-            candidate = key[3:].replace("-", "_")
-            if section in _SECTIONS and candidate in _field_types(_SECTIONS[section]):
-                negated = True
-                key = candidate
-        key = key.replace("-", "_")
-        _, tp = _lookup(section, key, where="command line")
-        is_bool = _is_optional(tp)[1] is bool
-        if negated:
-            if not is_bool:
-                raise ConfigError(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
-            if eq:
-                raise ConfigError(f"--{section}.no-{key} takes no value")
-            overrides.append((section, key, tp, "false"))
-            i += 1
-            continue
-        if eq:
-            overrides.append((section, key, tp, inline))
-            i += 1
-            continue
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if is_bool and (nxt is None or nxt.startswith("--")):
-            overrides.append((section, key, tp, "true"))
-            i += 1
-            continue
-        if nxt is None or nxt.startswith("--"):
-            raise ConfigError(
-                f"--{section}.{key} expects a value ({_allowed(tp)}); "
-                f"write --{section}.{key}=VALUE for a value that starts with --"
-            )
-        overrides.append((section, key, tp, nxt))
-        i += 2
-    return overrides
-
-
-def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
-    """Every option with its type, default and documentation."""
-    defaults = JobConfig()
-    lines = [
-        f"usage: torchrun [torchrun options] -m torchtitan_lite.train --job.config_file FILE "
-        f"[--section.key value ...]\n       {prog} [--section.key value ...]",
-        "",
-        "Settings load as: defaults < TOML file < command line. Booleans: --section.flag, "
-        "--section.no-flag or an explicit true/false; lists are comma-separated.",
-    ]
-    for section, cls in _SECTIONS.items():
-        lines.append("")
-        lines.append(f"[{section}]")
-        docs = _field_docs(cls)
-        for name, tp in _field_types(cls).items():
-            default = getattr(getattr(defaults, section), name)
-            lines.append(f"  --{section}.{name} {_type_name(tp)}  (default: {default!r})")
-            if name in docs:
-                lines.append(f"      {docs[name]}")
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-def load_job_config(argv: list[str] | None = None, *, world_size: int | None = None) -> JobConfig:
-    """Build a validated :class:`JobConfig` from defaults, a TOML file and ``argv`` overrides.
-
-    ``world_size`` (when known, e.g. from torchrun's environment) enables the checks that
-    depend on it: parallel degrees, batch sizes, integer reshard mode.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = _parse_cli(argv)
-    config = JobConfig()
-
-    values = [
-        (section, key, _coerce(f"{section}.{key}", raw, tp, from_cli=True))
-        for section, key, tp, raw in overrides
-    ]
-    config_file = next(
-        (v for section, key, v in reversed(values) if (section, key) == ("job", "config_file")),
-        None,
-    )
-    if config_file:
-        _apply_toml(config, Path(config_file))
-    for section, key, value in values:
-        setattr(getattr(config, section), key, value)
-    config.validate(world_size=world_size)
-    return config
-
-
-def _apply_toml(config: JobConfig, path: Path) -> None:
-    if not path.is_file():
-        raise ConfigError(f"job.config_file: file not found: {str(path)!r}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"job.config_file: {str(path)!r} is not valid TOML: {exc}") from None
-    where = f"'{path}'"
-    for section, values in data.items():
-        _lookup(section, None, where=where)
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}: '{section}' must be a [section] table, got {values!r}")
-        for key, value in values.items():
-            _, tp = _lookup(section, key, where=where)
-            if (section, key) == ("job", "config_file"):
-                raise ConfigError(
-                    f"job.config_file cannot be set inside a config file ({where}); "
-                    "pass it on the command line"
-                )
-            setattr(getattr(config, section), key, _coerce(f"{section}.{key}", value, tp, from_cli=False))
-    config.job.config_file = str(path)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
+# Validation (the config alone: no files, no world size, no model family)
 # --------------------------------------------------------------------------------------------
 
 
@@ -551,21 +392,14 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
 
 
-def _validate(c: JobConfig, world_size: int | None) -> None:
-    # Type/enum checks already ran on load; re-run them here for configs built in code.
-    for section, cls in _SECTIONS.items():
+def validate_config(c: JobConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the key) for the first value or combination
+    that is not allowed. Reads the config only; never changes it."""
+    # Types and enums already ran on load; run them again for configs built in code.
+    for section, cls in SECTIONS.items():
         sec = getattr(c, section)
-        for name, tp in _field_types(cls).items():
-            value = getattr(sec, name)
-            _coerce(f"{section}.{name}", value, tp, from_cli=False)
-
-    from torchtitan_lite.models import MODEL_REGISTRY
-
-    _require(c.model.name in MODEL_REGISTRY, "model.name", c.model.name,
-             f"expected one of {', '.join(map(repr, MODEL_REGISTRY))}")
-    flavors = MODEL_REGISTRY[c.model.name][1]
-    _require(c.model.flavor in flavors, "model.flavor", c.model.flavor,
-             f"expected one of {', '.join(map(repr, flavors))}")
+        for name, tp in field_types(cls).items():
+            coerce(f"{section}.{name}", getattr(sec, name), tp, from_cli=False)
 
     o = c.optimizer
     _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", o.lr, "expected a finite number > 0")
@@ -591,29 +425,19 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(math.isfinite(t.max_norm) and t.max_norm >= 0, "training.max_norm", t.max_norm,
              "expected a finite number >= 0 (0 disables clipping)")
     _require(t.steps >= 1, "training.steps", t.steps, "expected an integer >= 1")
-    max_seq_len = flavors[c.model.flavor].max_seq_len
-    _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
-             f"expected at most {max_seq_len} (max_seq_len of {c.model.name} {c.model.flavor})")
     _require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "expected an integer >= 1")
     _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
              "expected an integer >= 1, or -1 (follow the tokenizer)")
-    from torchtitan_lite.data import check_dataset, tokenizer_file
-
-    if c.model.tokenizer_path is not None:
-        tokenizer_file(c.model.tokenizer_path)
-
-    check_dataset(t.dataset, t.dataset_path, section="training")
     v = c.validation
     if v.enable:
-        check_dataset(v.dataset, v.dataset_path, section="validation")
         _require(v.freq >= 1, "validation.freq", v.freq, "expected an integer >= 1")
         _require(v.steps == -1 or v.steps >= 1, "validation.steps", v.steps, "expected an integer >= 1, or -1")
         _require(v.global_batch_size == -1 or v.global_batch_size >= 1, "validation.global_batch_size",
                  v.global_batch_size, "expected an integer >= 1, or -1")
         _require(v.local_batch_size == -1 or v.local_batch_size >= 1, "validation.local_batch_size",
                  v.local_batch_size, "expected an integer >= 1, or -1")
-        _require(v.seq_len == -1 or 1 <= v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,
-                 f"expected -1 or 1..{max_seq_len} (max_seq_len of {c.model.name} {c.model.flavor})")
+        _require(v.seq_len == -1 or v.seq_len >= 1, "validation.seq_len", v.seq_len,
+                 "expected an integer >= 1, or -1")
 
     pr = c.profiling
     if pr.enable_profiling or pr.enable_memory_snapshot:
@@ -628,39 +452,17 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
                  f"expected at least profiler_warmup + profiler_active = "
                  f"{pr.profiler_warmup} + {pr.profiler_active}")
 
-    from torchtitan_lite.distributed import ParallelDims, local_world_size_from_env
-    from torchtitan_lite.parallelize import RESHARD_MODES, validate_reshard_after_forward_mode
-
-    p = c.parallelism
-    degrees = {"dp_replicate": p.data_parallel_replicate_degree, "dp_shard": p.data_parallel_shard_degree}
-    try:
-        ParallelDims.check_degrees(**degrees)
-        dims = None if world_size is None else ParallelDims.resolve(
-            **degrees, world_size=world_size, local_world_size=local_world_size_from_env())
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    p = c.parallelism  # the reshard mode itself is checked against the shard degree by plan_job
     mode = p.reshard_after_forward_mode
     _require(not isinstance(mode, str) or mode in (*RESHARD_MODES, "auto") or mode.strip().lstrip("-").isdigit(),
              "parallelism.reshard_after_forward_mode", mode,
              f"expected one of {', '.join(RESHARD_MODES)}, auto, or an integer group size")
-    try:
-        if p.reshard_after_forward_mode != "auto":  # auto: a per-unit plan the trainer works out
-            p.reshard_after_forward_mode = validate_reshard_after_forward_mode(
-                p.reshard_after_forward_mode, None if dims is None else dims.dp_shard
-            )
-    except ValueError as exc:
-        raise ConfigError(f"parallelism.{exc}") from None
     if p.memory_budget_gib is not None:
         _require(math.isfinite(p.memory_budget_gib) and p.memory_budget_gib > 0, "parallelism.memory_budget_gib",
                  p.memory_budget_gib, "expected a finite number > 0, or unset")
-        _require(p.reshard_after_forward_mode == "auto", "parallelism.memory_budget_gib", p.memory_budget_gib,
+        _require(mode == "auto", "parallelism.memory_budget_gib", p.memory_budget_gib,
                  f"it is used only with parallelism.reshard_after_forward_mode = 'auto' (this job has "
-                 f"{p.reshard_after_forward_mode!r})")
-    if dims is not None and t.global_batch_size != -1:
-        per_step = t.local_batch_size * dims.dp_size
-        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
-                 f"expected a multiple of local_batch_size × data-parallel degree = "
-                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")
+                 f"{mode!r})")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")
@@ -673,15 +475,9 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
     _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,
              "expected an integer >= 0 (0 keeps all)")
     _require(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, "expected an integer >= 0, or -1")
-    from torchtitan_lite.checkpoint import LOADABLE_PARTS, check_initial_load_path, committed_steps
-
     unknown = sorted(set(ck.exclude_from_loading) - set(LOADABLE_PARTS))
     _require(not unknown, "checkpoint.exclude_from_loading", ck.exclude_from_loading,
              f"expected names among {', '.join(LOADABLE_PARTS)}")
-    folder = Path(c.job.dump_folder) / ck.folder
-    own = committed_steps(folder)
-    if ck.initial_load_path is not None and not (ck.enable and own):  # used only while the folder holds none
-        check_initial_load_path(ck.initial_load_path, in_hf=ck.initial_load_in_hf)
     _require(ck.load_step == -1 or ck.enable, "checkpoint.load_step", ck.load_step,
              "resuming a step needs checkpoint.enable = true")
     _require(not (ck.create_seed_checkpoint and ck.initial_load_path is not None),
@@ -697,29 +493,7 @@ def _validate(c: JobConfig, world_size: int | None) -> None:
              False, "a Hugging Face folder holds only weights: expected true with initial_load_in_hf")
     _require(not ck.last_save_in_hf or ck.last_save_model_only, "checkpoint.last_save_in_hf", True,
              "a Hugging Face export holds only weights: expected checkpoint.last_save_model_only = true too")
-    if ck.create_seed_checkpoint and world_size is not None:
-        _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
-                 f"expected one process (this job has {world_size}): the seed checkpoint is written by "
-                 "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
-    _require(not (ck.create_seed_checkpoint and own), "checkpoint.create_seed_checkpoint", True,
-             f"{str(folder)!r} already holds checkpoints (steps {own}); a seed checkpoint starts a new "
-             "run: use an empty job.dump_folder or checkpoint.folder")
 
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
-    _check_writable_folder("job.dump_folder", c.job.dump_folder)
-
-
-def _check_writable_folder(key: str, folder: str) -> None:
-    """The folder exists as a writable directory or can be created (nothing is created here)."""
-    path = Path(folder).expanduser().absolute()
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} exists and is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} is not writable")

@@ -4,7 +4,7 @@ RMSNorm, rotary position embeddings (interleaved pairs, as in Meta's Llama refer
 cos/sin table lives in a non-persistent buffer), grouped-query attention through
 ``scaled_dot_product_attention`` and a SwiGLU feed-forward. Parameter names follow the Llama-3
 checkpoint convention. Nothing here knows about FSDP: the model can be built on the meta device,
-sharded by :mod:`torchtitan_lite.parallelize`, materialised with ``to_empty`` and then filled by
+sharded by :mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
 :meth:`Transformer.init_weights`.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_lite.models import init
+import torchtitan_lite.models.init as init
 
 __all__ = ["ModelArgs", "Transformer", "LLAMA3_FLAVORS", "precompute_freqs_cis"]
 
@@ -241,15 +241,21 @@ class Transformer(nn.Module):
         depends only on the seed. ``buffer_device`` is where buffers are (re)built: the compute
         device, which differs from the parameters' device under CPU offload.
         """
-        device = torch.device(buffer_device) if buffer_device is not None else self.freqs_cis.device
-        if device.type == "meta":
-            device = torch.device("cpu")
-        self.freqs_cis = precompute_freqs_cis(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device
-        )
+        self.init_buffers(buffer_device)
         init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]
         self.norm.init_weights()
         final_std = self.args.dim**-0.5
         init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent RoPE table on ``buffer_device`` (default: where it is;
+        CPU when that is the meta device): after ``to_empty`` and a load, which fill only
+        parameters."""
+        device = torch.device(buffer_device) if buffer_device is not None else self.freqs_cis.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.freqs_cis = precompute_freqs_cis(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device
+        )

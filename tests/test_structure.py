@@ -1,0 +1,144 @@
+"""The package's shape: imports point one way (no cycle), the config schema stands alone, and no
+model family is named outside its own folder and the registry."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchtitan_lite"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name → file, for every module of the package (``pkg/__init__.py`` is ``pkg``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the package modules its ``import`` statements name (anywhere in the file, lazy and
+    ``TYPE_CHECKING`` imports included). ``from pkg import name`` counts as ``pkg.name`` when that
+    is a module, else as ``pkg``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
+            for target in targets:
+                while target and target not in modules:  # `import torchtitan_lite.a.b.c` of a name
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 20  # the whole package was read
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph) or [])
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_schema_imports_only_errors() -> None:
+    graph = import_graph()
+    assert graph["torchtitan_lite.config.schema"] == {"torchtitan_lite.errors"}
+    assert graph["torchtitan_lite.errors"] == set()
+    # At run time too: importing the schema loads no other part of the package, and not torch.
+    code = ("import sys, torchtitan_lite.config.schema; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torchtitan_lite', 'torch'))))")
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: S307
+                                 check=True, cwd=PACKAGE.parent).stdout)
+    assert set(loaded) <= {"torchtitan_lite", "torchtitan_lite.config", "torchtitan_lite.config.schema",
+                           "torchtitan_lite.config.cli", "torchtitan_lite.errors"}, loaded
+
+
+def test_model_code_imports_no_parallelism() -> None:
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith("torchtitan_lite.models"):
+            assert all(t.startswith(("torchtitan_lite.models", "torchtitan_lite.errors")) for t in targets), \
+                (module, targets)
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+        else:
+            continue
+        for first, nxt in zip(body, [*body[1:], None], strict=False):
+            # The module/class/function docstring, and a string right after an annotated field.
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+            if isinstance(first, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                ids.add(id(nxt.value))
+    return ids
+
+
+def test_no_model_family_named_outside_its_folder() -> None:
+    """``llama`` appears in code (names, strings) only in ``models/llama3/`` and the registry;
+    elsewhere only in docstrings and as the default of ``model.name``."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("torchtitan_lite.models.llama3") or name == "torchtitan_lite.models":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _docstring_nodes(tree)
+        for node in ast.walk(tree):
+            text = None
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                text = node.value
+            elif isinstance(node, ast.Name):
+                text = node.id
+            elif isinstance(node, ast.Attribute):
+                text = node.attr
+            elif isinstance(node, ast.alias):
+                text = node.name
+            if text and "llama" in text.lower():
+                found.append((name, getattr(node, "lineno", 0), text))
+    allowed = {("torchtitan_lite.config.schema", "llama3")}  # the default of model.name
+    assert [f for f in found if (f[0], f[2]) not in allowed] == []

@@ -1,0 +1,48 @@
+"""User errors: the mistakes a user can fix, each reported as one line and a documented exit code.
+
+Every error a user can act on (a bad config value, an unreadable dataset, a checkpoint that does
+not fit) is a :class:`UserError`; ``python -m torchtitan_lite.train`` prints it as one line
+``error: ...`` and exits with its class's code. Anything else is a bug or a fault of the machine
+and keeps its traceback.
+
+========================  =====  ===========================================================
+class                     exit   meaning
+========================  =====  ===========================================================
+:class:`ConfigError`      2      a config value, option or combination is not allowed
+:class:`DataError`        3      a dataset or tokenizer file is missing, empty or unreadable
+:class:`CheckpointError`  4      a checkpoint is missing, incomplete, or made for another model,
+                                 or saving one failed
+========================  =====  ===========================================================
+
+This module imports nothing else of the package: every layer may raise these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "UserError"]
+
+
+class UserError(ValueError):
+    """An error the user can fix: its message is one line naming the key or file, the bad value
+    and what is allowed. ``exit_code`` is the process's exit status when it ends a job."""
+
+    exit_code = 1
+
+
+class ConfigError(UserError):
+    """A configuration value, option or combination that is not allowed."""
+
+    exit_code = 2
+
+
+class DataError(UserError):
+    """A dataset or tokenizer that cannot be used: missing, empty, unreadable or out of range."""
+
+    exit_code = 3
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used (missing, incomplete, made for another model) or saved."""
+
+    exit_code = 4
+

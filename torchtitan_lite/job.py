@@ -1,0 +1,172 @@
+"""From a loaded config to a job: :func:`preflight` (every check that needs files) and the
+:class:`JobPlan` (every value derived from config + world, computed once).
+
+The path of a job: config (schema checks) → :func:`preflight` → :func:`plan_job` → process group →
+model → loop. Both run before any process group or model exists, on every rank alike, and never
+change the config. The trainer, the memory estimator and the auto planner read the plan instead
+of deriving its values again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan_lite.checkpoint.manager import check_initial_load_path, committed_steps
+from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.data import Tokenizer, build_tokenizer, check_dataset, tokenizer_file
+from torchtitan_lite.distributed.fsdp import ReshardMode, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.dtypes import DTYPES
+from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.models import get_model_spec
+from torchtitan_lite.models.spec import ModelSpec
+
+__all__ = ["JobPlan", "model_vocab_size", "plan_job", "preflight"]
+
+
+def preflight(config: JobConfig) -> None:
+    """The checks that need the filesystem, once, before any process group: tokenizer file,
+    datasets, checkpoint folders and paths, the dump folder. Raises
+    :class:`~torchtitan_lite.errors.ConfigError` or :class:`~torchtitan_lite.errors.DataError`
+    with one line naming the key; reads the config only."""
+    if config.model.tokenizer_path is not None:
+        tokenizer_file(config.model.tokenizer_path)
+    t, v, ck = config.training, config.validation, config.checkpoint
+    check_dataset(t.dataset, t.dataset_path, section="training")
+    if v.enable:
+        check_dataset(v.dataset, v.dataset_path, section="validation")
+    folder = Path(config.job.dump_folder) / ck.folder
+    own = committed_steps(folder)
+    if ck.initial_load_path is not None and not (ck.enable and own):  # used only while the folder holds none
+        check_initial_load_path(ck.initial_load_path, in_hf=ck.initial_load_in_hf)
+    if ck.create_seed_checkpoint and own:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint: invalid value True; {str(folder)!r} already "
+                          f"holds checkpoints (steps {own}); a seed checkpoint starts a new run: use an "
+                          "empty job.dump_folder or checkpoint.folder")
+    _check_writable_folder("job.dump_folder", config.job.dump_folder)
+
+
+def _check_writable_folder(key: str, folder: str) -> None:
+    """The folder exists as a writable directory or can be created (nothing is created here)."""
+    path = Path(folder).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} exists and is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: invalid value {folder!r}; {str(probe)!r} is not writable")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Every value derived from the config and the world, computed once by :func:`plan_job`."""
+
+    world_size: int
+    """Ranks of the job."""
+    dims: ParallelDims
+    """Data-parallel degrees (replicate × shard = world size)."""
+    spec: ModelSpec
+    """The model family."""
+    model_args: Any
+    """The model's shape: the flavor with the vocabulary of the tokenizer (or ``model.vocab_size``)."""
+    tokenizer: Tokenizer
+    """The job's tokenizer."""
+    global_batch_size: int
+    """Samples per optimizer step over all ranks."""
+    grad_accum_steps: int
+    """Micro-batches per rank per optimizer step."""
+    reshard_mode: ReshardMode | str
+    """``reshard_after_forward_mode`` normalised (``"2"`` → 2); ``"auto"`` stays ``"auto"`` until the
+    trainer plans it per unit."""
+    param_dtype: torch.dtype
+    """Dtype of gathered parameters and of compute."""
+    reduce_dtype: torch.dtype
+    """Dtype of gradient reduction."""
+    val_local_batch_size: int
+    """Validation windows per rank per forward pass."""
+    val_global_batch_size: int
+    """Validation windows per batch over all ranks."""
+    val_seq_len: int
+    """Tokens per validation window."""
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (every rank: the mesh is all data-parallel)."""
+        return self.dims.dp_size
+
+
+def model_vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The model's vocabulary: the tokenizer's, or ``model.vocab_size`` when that pads it."""
+    wanted = config.model.vocab_size
+    if wanted == -1:
+        return tokenizer.vocab_size
+    if wanted < tokenizer.vocab_size:
+        source = config.model.tokenizer_path or "the byte tokenizer"
+        raise ConfigError(
+            f"model.vocab_size: invalid value {wanted}; the tokenizer ({source}) has "
+            f"{tokenizer.vocab_size} ids, so the model needs at least that many (or -1 to follow it)"
+        )
+    return wanted
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
+
+
+def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None = None) -> JobPlan:
+    """Resolve the job for ``world_size`` ranks (``local_world_size`` per node; None: one node).
+
+    Checks what needs the world size or the model family (flavor, sequence lengths against the
+    model, parallel degrees, integer reshard mode, batch sizes, seed checkpoint on one process)
+    and raises :class:`~torchtitan_lite.errors.ConfigError` naming the key. Builds the tokenizer
+    (the model's vocabulary follows it).
+    """
+    m, t, v, p = config.model, config.training, config.validation, config.parallelism
+    spec = get_model_spec(m.name)
+    _require(m.flavor in spec.flavors, "model.flavor", m.flavor,
+             f"expected one of {', '.join(map(repr, spec.flavors))}")
+    max_seq_len = spec.flavors[m.flavor].max_seq_len
+    _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
+             f"expected at most {max_seq_len} (max_seq_len of {m.name} {m.flavor})")
+    if v.enable:
+        _require(v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,
+                 f"expected -1 or 1..{max_seq_len} (max_seq_len of {m.name} {m.flavor})")
+    try:
+        dims = ParallelDims.resolve(dp_replicate=p.data_parallel_replicate_degree,
+                                    dp_shard=p.data_parallel_shard_degree, world_size=world_size,
+                                    local_world_size=local_world_size)
+        mode = p.reshard_after_forward_mode
+        reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard)
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("parallelism.") else f"parallelism.{message}") from None
+    per_step = t.local_batch_size * dims.dp_size
+    if t.global_batch_size != -1:
+        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
+                 f"expected a multiple of local_batch_size × data-parallel degree = "
+                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
+    if config.checkpoint.create_seed_checkpoint:
+        _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
+                 f"expected one process (this job has {world_size}): the seed checkpoint is written by "
+                 "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
+    tokenizer = build_tokenizer(m.tokenizer_path)
+    val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
+    return JobPlan(
+        world_size=world_size, dims=dims, spec=spec,
+        model_args=spec.model_args(m.flavor, vocab_size=model_vocab_size(config, tokenizer)),
+        tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=global_batch // per_step,
+        reshard_mode=reshard_mode, param_dtype=DTYPES[t.mixed_precision_param],
+        reduce_dtype=DTYPES[t.mixed_precision_reduce], val_local_batch_size=val_local,
+        val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
+        val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
+    )

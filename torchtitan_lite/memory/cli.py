@@ -1,0 +1,241 @@
+"""``python -m torchtitan_lite.memory``: estimated memory per rank of a training job, before it runs.
+
+    python -m torchtitan_lite.memory --job.config_file train_configs/llama3_8b.toml \\
+        --world_size 64 --device_memory_gib 80 [--section.key value ...]
+
+prints, for every reshard mode (default, never, always, and the configured integer one or auto),
+the memory of one rank by category, its peak and where in the step it falls, and whether it fits
+the device; ``--json PATH`` writes every figure. The job is planned exactly as the trainer plans
+it (:func:`torchtitan_lite.job.plan_job`) for the given world; its datasets need not exist here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan_lite.config import load_job_config
+from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
+from torchtitan_lite.errors import UserError
+from torchtitan_lite.job import plan_job
+from torchtitan_lite.memory.estimate import (
+    GIB,
+    MemoryEstimate,
+    estimate_memory,
+    job_estimate_kwargs,
+    where_text,
+)
+
+__all__ = ["build_parser", "main"]
+
+_DESCRIPTION = """\
+Estimated memory per rank of a training job, by category, for every reshard mode (default,
+never, always, and the configured integer one or auto), with the job's mixed precision, CPU
+offload, batch, sequence length, optimizer and gradient accumulation. Nothing is allocated: the
+step runs on fake tensors over a fake process group of N ranks, so N and the model need not fit
+here. Every other option is a trainer option (--section.key value; see python -m
+torchtitan_lite.train --help)."""
+
+_COLUMNS = (
+    ("sharded_params", "sh.param"), ("unsharded_params", "unsh.par"), ("sharded_grads", "sh.grad"),
+    ("unsharded_grads", "unsh.grd"), ("optimizer_state", "optim"), ("activations", "activ"),
+    ("temporaries", "temp"), ("all_gather_buffers", "all-gath"), ("reduce_scatter_buffers", "red-scat"),
+    ("buffers", "buffers"), ("inputs", "inputs"),
+)
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a number > 0")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2 through main()
+        raise _UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's own options; every other ``--section.key`` goes to the job config."""
+    parser = _Parser(prog="python -m torchtitan_lite.memory", description=_DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--world_size", type=_positive_int, required=True, metavar="N",
+                        help="ranks of the job (required)")
+    parser.add_argument("--ranks_per_node", type=_positive_int, default=None, metavar="M",
+                        help="ranks per node, for data_parallel_replicate_degree = 0 (one replica per node); "
+                             "default: $LOCAL_WORLD_SIZE, else all N on one node")
+    parser.add_argument("--device_memory_gib", type=_positive_float, default=None, metavar="G",
+                        help="memory of one device in GiB, to say whether each mode fits; default: this "
+                             "machine's first CUDA device, else no verdict")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON")
+    return parser
+
+
+def _device_memory(gib: float | None) -> tuple[float | None, str]:
+    """Bytes of one device and where the figure comes from (``None``: no verdict)."""
+    if gib is not None:
+        return gib * GIB, f"{gib:g} GiB (--device_memory_gib)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.total_memory / GIB:.1f} GiB ({props.name})"
+    return None, "no CUDA device here and no --device_memory_gib: no verdict"
+
+
+def _json_path(text: str | None) -> Path | None:
+    """``--json`` as a path whose folder exists (created) and is writable, checked before any work."""
+    if text is None:
+        return None
+    path = Path(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _UsageError(f"--json: cannot create the folder of {text!r}: {exc.strerror or exc}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise _UsageError(f"--json: cannot write {text!r}")
+    return path
+
+
+def _modes(configured: str | int) -> list[str | int]:
+    modes: list[str | int] = ["default", "never", "always"]
+    assert set(modes) == set(RESHARD_MODES)
+    if isinstance(configured, int):
+        modes.append(configured)
+    return modes
+
+
+def _label(mode: ReshardMode) -> str:
+    """A mode's name in the table: a per-unit plan is what ``auto`` chose."""
+    return "auto" if isinstance(mode, tuple) else str(mode)
+
+
+def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes: float | None,
+           unit: tuple[str, int]) -> str:
+    name, scale = unit
+    offload = estimates[0].cpu_offload
+    head = (f"{'mode':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
+            + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':32} fits")
+    lines = [f"estimated memory per rank in {name} (tensor bytes)", head]
+    for est in estimates:
+        mark = "*" if _label(est.reshard_after_forward_mode) == str(configured) else " "
+        where = where_text(est.device_peak_phase, est.device_peak_module)
+        fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
+        cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
+        if offload:
+            cells.append(est.cpu_peak)
+        lines.append(f"{_label(est.reshard_after_forward_mode) + mark:9} "
+                     + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where[:32]:32} {fits}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
+    from torchtitan_lite.memory.auto import auto_budget_bytes, plan_auto_reshard
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if "--help" in argv or "-h" in argv:
+        parser.print_help()
+        return 0
+    try:
+        own, rest = parser.parse_known_args(argv)
+        device_bytes, device_source = _device_memory(own.device_memory_gib)
+        json_path = _json_path(own.json)
+        world_size = own.world_size
+        ranks_per_node = own.ranks_per_node
+        if ranks_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE", "")
+            ranks_per_node = int(env) if env.isdigit() and int(env) > 0 else world_size
+        if world_size % ranks_per_node:
+            raise _UsageError(f"--ranks_per_node: invalid value {ranks_per_node}; it must divide "
+                              f"--world_size {world_size}")
+        config = load_job_config(rest)
+        plan = plan_job(config, world_size=world_size, local_world_size=ranks_per_node)
+        model_args, accum = plan.model_args, plan.grad_accum_steps
+        t, p = config.training, config.parallelism
+        kwargs = job_estimate_kwargs(config, plan)
+        auto = plan.reshard_mode == "auto"
+        budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto else (0, "")
+        configured = plan.reshard_mode
+        estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
+                     for mode in _modes(configured)]  # type: ignore[arg-type]
+        seconds = sum(e.seconds for e in estimates)
+        plan_auto = None
+        if auto:
+            plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
+                                          budget_source=budget_source, **kwargs)
+            seconds += plan_auto.seconds
+            estimates.append(plan_auto.estimate)
+    except (UserError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    first = estimates[0]
+    unit = ("GiB", GIB) if max(e.device_peak for e in estimates) >= GIB else ("MiB", 2**20)
+    print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
+          f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
+          f"{first.dp_replicate} × dp_shard {first.dp_shard}")
+    print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
+          f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
+          f"{t.mixed_precision_reduce}; CPU offload {'on' if t.enable_cpu_offload else 'off'}; "
+          f"{config.optimizer.name} ({config.optimizer.implementation})")
+    print(_table(estimates, configured, device_bytes, unit))
+    notes = ["* = configured mode; categories at the moment of the device peak"]
+    if t.enable_cpu_offload:
+        notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
+                     "and are not in the device peak")
+    notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
+                 "communication buffers are not included")
+    if plan_auto is not None:
+        notes.append(f"{plan_auto.summary()} (budget: {budget_source}; the fits column is against the whole device)")
+    notes.append(f"estimated in {seconds:.1f} s")
+    print("\n".join(notes))
+    if json_path is not None:
+        record = {
+            "world_size": world_size, "ranks_per_node": ranks_per_node, "model": config.model.name,
+            "flavor": config.model.flavor, "num_params": model_args.num_params(),
+            "vocab_size": model_args.vocab_size, "configured_mode": configured,
+            "device_memory_bytes": device_bytes,
+            "estimates": [{**e.to_dict(), "configured": _label(e.reshard_after_forward_mode)
+                           == str(configured),
+                           "fits": None if device_bytes is None else e.fits(device_bytes)}
+                          for e in estimates],
+            "auto": None if plan_auto is None else {
+                "units": plan_auto.units, "reshard": plan_auto.reshard, "order": plan_auto.order, "budget": plan_auto.budget,
+                "peak": plan_auto.peak, "never_peak": plan_auto.never_peak, "tried": plan_auto.tried,
+                "all_gathers_per_step": plan_auto.all_gathers_per_step},
+        }
+        try:
+            json_path.write_text(json.dumps(record, indent=1))
+        except OSError as exc:
+            print(f"error: --json: cannot write {str(json_path)!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,459 @@
+"""Memory per rank before you run: :func:`estimate_memory` (the CLI is :mod:`torchtitan_lite.memory.cli`).
+
+How: the training step itself runs on one process with nothing real behind it. The model is
+built on the meta device and sharded by :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp` over a
+*fake* process group of the target world size (``torch.distributed``'s ``fake`` backend:
+collectives that move no data), every tensor is a ``FakeTensor`` (shape, dtype, device, no
+storage), and PyTorch's ``FSDPMemTracker`` attributes each tensor to a category, as
+:func:`torchtitan_lite.memory.measure.measure_step_memory` does for real steps. So the same FSDP2 code
+decides which units are gathered when (reshard mode, backward prefetch, all-gather buffers held
+until the next all-gather), autograd saves exactly what it saves, and the loss is computed as
+the trainer computes it (fp32 cross-entropy summed over the tokens). The figures are rank 0's;
+every rank holds the same padded shard sizes. One steady-state step is run: the optimizer
+state exists from the start, and the optimizer step runs on the shards' local tensors (see
+:class:`_LocalOptimizer`). An 8B model at 64 ranks takes a few seconds per mode.
+
+Not modelled: the allocator (caching, fragmentation: real reserved memory is higher), the CUDA
+context and NCCL buffers; GPU kernels that save other tensors than the CPU kernels run here
+(attention runs PyTorch's fused CPU kernel, whose saved tensors match the CUDA flash kernel's;
+where a GPU falls back to the math kernel, possible with fp32 compute and grouped-query
+attention, it also holds the batch × heads × seq² scores); gradient clipping (a scalar per parameter); and, with CPU
+offload, the short-lived device copies of one unit's shard before its all-gather and of its
+gradient shard after its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
+from torchtitan_lite.distributed.fsdp import ReshardMode, apply_fsdp, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.process_group import build_mesh
+from torchtitan_lite.dtypes import dtype_name
+from torchtitan_lite.gc_control import no_automatic_gc
+from torchtitan_lite.loss import token_loss_sum
+from torchtitan_lite.memory.measure import CATEGORIES, by_category
+from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.optim import build_optimizer
+
+if TYPE_CHECKING:
+    from torchtitan_lite.job import JobPlan
+
+__all__ = ["CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "MemoryEstimate", "estimate_memory", "job_estimate_kwargs",
+           "size_text", "where_text"]
+
+CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
+"""Categories of an estimate, the same names as :data:`torchtitan_lite.memory.CATEGORIES`."""
+
+OFFLOADED_CATEGORIES: tuple[str, ...] = ("sharded_params", "sharded_grads", "optimizer_state")
+"""What FSDP2's CPU offload keeps on CPU (the optimizer step, and so its temporaries, runs there)."""
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated memory of one rank during a steady-state training step, in bytes.
+
+    ``peak``/``categories`` are over every device together (what ``measure_step_memory``
+    reports as ``total`` on a CPU run); ``device_peak``/``device_categories`` are the
+    accelerator's share: with CPU offload the offloaded categories live on CPU, so the device
+    peak excludes them (and may fall at another moment of the step); without offload both are
+    the same. ``device_categories`` holds every category at the device's peak moment, the
+    offloaded ones included for reference.
+    """
+
+    world_size: int
+    """Ranks in the job."""
+    dp_replicate: int
+    """HSDP replicas (1: plain FSDP)."""
+    dp_shard: int
+    """Ranks each parameter is sharded over."""
+    reshard_after_forward_mode: ReshardMode
+    """The reshard mode estimated (a tuple: one bool per unit, as ``auto`` chooses)."""
+    param_dtype: str
+    """Dtype of gathered parameters and compute."""
+    reduce_dtype: str
+    """Dtype of gradient reduction."""
+    cpu_offload: bool
+    """Sharded parameters, gradients and optimizer state on CPU."""
+    local_batch_size: int
+    """Samples per rank per micro-batch."""
+    seq_len: int
+    """Tokens per sample."""
+    grad_accum_steps: int
+    """Micro-batches per optimizer step."""
+    optimizer: str
+    """Optimizer class name."""
+    peak: int
+    """Highest total over all devices during the step."""
+    peak_phase: str
+    """Where ``peak`` happened: forward, loss, backward or optimizer."""
+    peak_module: str
+    """The innermost module running at ``peak`` (``loss`` in the loss's backward; empty outside
+    modules otherwise)."""
+    categories: dict[str, int]
+    """Every category at the moment of ``peak``."""
+    device_peak: int
+    """Highest accelerator total (``peak`` without offload)."""
+    device_peak_phase: str
+    """Where ``device_peak`` happened."""
+    device_peak_module: str
+    """The innermost module running at ``device_peak``."""
+    device_categories: dict[str, int]
+    """Every category at the moment of ``device_peak``."""
+    cpu_peak: int
+    """Highest CPU total of the offloaded state (0 without offload)."""
+    state: dict[str, int] = field(default_factory=dict)
+    """Persistent state between steps: sharded params, sharded grads (before the optimizer step)
+    and optimizer state."""
+    seconds: float = 0.0
+    """Wall time the estimate took."""
+
+    def fits(self, device_bytes: int | float) -> bool:
+        """Whether the device peak fits in ``device_bytes`` of accelerator memory (tensor bytes
+        only: leave room for the allocator, the CUDA context and communication buffers)."""
+        return self.device_peak <= device_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values."""
+        return dataclasses.asdict(self)
+
+
+def estimate_memory(
+    spec: ModelSpec,
+    args: Any,
+    *,
+    world_size: int,
+    dp_replicate: int = 1,
+    local_batch_size: int,
+    seq_len: int,
+    reshard_after_forward_mode: ReshardMode,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+    optimizer: str = "AdamW",
+    optimizer_implementation: str = "foreach",
+    grad_accum_steps: int = 1,
+) -> MemoryEstimate:
+    """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
+
+    Runs one training step of the trainer's kind (``grad_accum_steps`` forward/backward passes
+    on ``local_batch_size × seq_len`` tokens with the loss summed in fp32 over the tokens, then
+    the optimizer step and ``zero_grad(set_to_none=True)``) on fake tensors over a fake process
+    group of ``world_size`` ranks (``dp_replicate × dp_shard``), under ``FSDPMemTracker``. The
+    optimizer state exists from the start, so the step is a steady-state one (a real run's
+    second step; its first holds less). More than two micro-batches would repeat the second
+    one's memory, so at most two are run.
+
+    Nothing real is allocated and no process group of that size is needed. The current process
+    must not already hold a process group; when it does, the estimate runs in a fresh child
+    process.
+
+    Raises ``ValueError`` naming the argument when a value is not allowed.
+    """
+    check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
+                     seq_len=seq_len, args=args, reshard_after_forward_mode=reshard_after_forward_mode,
+                     optimizer=optimizer, optimizer_implementation=optimizer_implementation,
+                     grad_accum_steps=grad_accum_steps)
+    kwargs: dict[str, Any] = {
+        "world_size": world_size, "dp_replicate": dp_replicate, "local_batch_size": local_batch_size,
+        "seq_len": seq_len, "reshard_after_forward_mode": reshard_after_forward_mode,
+        "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
+        "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
+        "grad_accum_steps": grad_accum_steps,
+    }
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # The fake process group has to be the default one: run where there is none yet.
+        return in_child_process("torchtitan_lite.memory.estimate:estimate_here", spec, args, kwargs)
+    return estimate_here(spec, args, **kwargs)
+
+
+def in_child_process(function: str, spec: ModelSpec, args: Any, kwargs: dict[str, Any], *,
+                     timeout_s: float | None = None) -> Any:
+    """``function(spec, args, **kwargs)`` (``"module:name"``) in a fresh interpreter (the
+    family by name, arguments and result pickled through a temporary file), for callers that
+    already hold a process group (the fake one has to be the default group); a plain subprocess,
+    so that it also works from daemonic processes."""
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    code = "import sys; from torchtitan_lite.memory.estimate import _child_main; _child_main(sys.argv[1])"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "estimate.pickle"
+        path.write_bytes(pickle.dumps((function, spec.name, args, kwargs)))
+        try:
+            done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env,
+                                  text=True, check=False, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the memory estimate's child process took more than {timeout_s:.0f} s") from None
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-1:]
+            raise RuntimeError(f"the memory estimate's child process failed (exit {done.returncode}): {tail}")
+        status, value = pickle.loads(path.read_bytes())
+    if status == "error":
+        raise value
+    return value
+
+
+def _child_main(path: str) -> None:
+    """Body of :func:`in_child_process`'s interpreter: arguments in, result out."""
+    import importlib
+
+    from torchtitan_lite.models import get_model_spec
+
+    function, name, args, kwargs = pickle.loads(Path(path).read_bytes())
+    module, _, attribute = function.partition(":")
+    try:
+        call = getattr(importlib.import_module(module), attribute)
+        result: tuple[str, Any] = ("ok", call(get_model_spec(name), args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        result = ("error", exc)
+    Path(path).write_bytes(pickle.dumps(result))
+
+
+def check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int, seq_len: int,
+                    args: Any, reshard_after_forward_mode: ReshardMode, optimizer: str,
+                    optimizer_implementation: str, grad_accum_steps: int) -> None:
+    """Raise ``ValueError`` naming the first argument of :func:`estimate_memory` that is not allowed."""
+    def positive(name: str, value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: invalid value {value!r}; expected an integer >= 1")
+
+    for name, value in (("world_size", world_size), ("dp_replicate", dp_replicate),
+                        ("local_batch_size", local_batch_size), ("seq_len", seq_len),
+                        ("grad_accum_steps", grad_accum_steps)):
+        positive(name, value)
+    if world_size % dp_replicate:
+        raise ValueError(f"dp_replicate: invalid value {dp_replicate}; it must divide world_size {world_size}")
+    if seq_len > args.max_seq_len:
+        raise ValueError(f"seq_len: invalid value {seq_len}; expected at most the model's max_seq_len "
+                         f"{args.max_seq_len}")
+    validate_reshard_after_forward_mode(reshard_after_forward_mode, world_size // dp_replicate)
+    if optimizer not in ("AdamW", "Adam"):
+        raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
+    if optimizer_implementation not in ("foreach", "fused", "for-loop"):
+        raise ValueError(f"optimizer_implementation: invalid value {optimizer_implementation!r}; "
+                         "expected 'foreach', 'fused' or 'for-loop'")
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks (this process is rank 0)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cpu_offload: bool) -> Any:
+    """An ``FSDPMemTracker`` that also records the phase of the peak and, with CPU offload, the
+    device peak (total minus the offloaded categories) and the CPU peak separately."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _TOTAL_KEY, FSDPMemTracker, _FSDPRefType
+
+    offloaded = [_FSDPRefType(name) for name, ours in CATEGORIES.items()
+                 if cpu_offload and ours in OFFLOADED_CATEGORIES]
+
+    class _Tracker(FSDPMemTracker):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(model, optimizer)
+            self.total_peak = (-1, "", "", {})  # bytes, phase, module, categories
+            self.device_peak = (-1, "", "", {})
+            self.cpu_peak = 0
+
+        def where(self) -> tuple[str, str]:
+            # Module names are qualified by the root's class name: "Transformer.layers.3.attention".
+            active = [name for name in self._mod_tracker.parents if name != "Global"]
+            innermost = max(active, key=lambda name: name.count("."), default="")
+            module = innermost.partition(".")[2]
+            if self._in_opt:
+                return "optimizer", ""
+            if self._mod_tracker.is_bw:
+                # Inside no block and no unit (at most the root): the loss's and logits' backward.
+                return "backward", module or "loss"
+            return ("forward" if active else "loss"), module or ("model" if active else "")
+
+        def categories(self) -> dict[str, int]:
+            return _by_category(self._curr_mem_snap)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # Called after every op: only totals here, the breakdown when a peak is exceeded.
+            snapshot = self._curr_mem_snap
+            total = sum(per_device[_TOTAL_KEY] for per_device in snapshot.values())
+            on_cpu = sum(per_device.get(ref, 0) for per_device in snapshot.values() for ref in offloaded)
+            if total > self.total_peak[0]:
+                self.total_peak = (total, *self.where(), self.categories())
+            if total - on_cpu > self.device_peak[0]:
+                self.device_peak = (total - on_cpu, *self.where(), self.categories())
+            self.cpu_peak = max(self.cpu_peak, on_cpu)
+
+    return _Tracker()
+
+
+class _LocalOptimizer:
+    """The trainer's optimizer, stepping the shards' local tensors, with its state already made.
+
+    - State: Adam's ``step``, ``exp_avg`` and ``exp_avg_sq`` exist before the tracked step, as
+      after a real first step, so the one tracked step is a steady-state one (a real run's
+      first step holds less: no optimizer state during its forward and backward).
+    - Local tensors: an optimizer step on DTensors dispatches each foreach op to the same op on
+      the local shards; the first time, DTensor also works out the op's sharding and output
+      shapes over every parameter, which on fake tensors takes seconds and allocates nothing.
+      This twin (same class, parameter groups and hyperparameters; parameters and gradients
+      alias the DTensors' local storage) runs the local ops directly: the same temporaries.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        groups = []
+        for group in optimizer.param_groups:
+            params = []
+            for param in group["params"]:
+                local = _local(param).detach()
+                self.pairs.append((param, local))
+                params.append(local)
+            groups.append({**group, "params": params})
+        self.optimizer = type(optimizer)(groups)
+        for group in self.optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for local in group["params"]:
+                self.optimizer.state[local] = {
+                    # A literal, as Adam makes it: fake tensors keep its value for ``step.item()``.
+                    "step": torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(local, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(local, memory_format=torch.preserve_format),
+                }
+
+    def step(self) -> None:
+        """One step on the gradients the DTensor parameters hold now."""
+        for param, local in self.pairs:
+            local.grad = None if param.grad is None else _local(param.grad)
+        self.optimizer.step()
+        for _, local in self.pairs:
+            local.grad = None
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's local shard (sharing its storage); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
+    """A tracker snapshot summed over devices, keyed by our category names (no total)."""
+    return {k: v for k, v in by_category(snapshot).items() if k != "total"}
+
+
+def estimate_here(
+    spec: ModelSpec,
+    args: Any,
+    *,
+    world_size: int,
+    dp_replicate: int,
+    local_batch_size: int,
+    seq_len: int,
+    reshard_after_forward_mode: ReshardMode,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool,
+    optimizer: str,
+    optimizer_implementation: str,
+    grad_accum_steps: int,
+) -> MemoryEstimate:
+    """:func:`estimate_memory` in this process (which must hold no process group)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    start = time.perf_counter()
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world_size // dp_replicate, world_size=world_size)
+    device = torch.device("cpu")
+    with _fake_world(world_size):
+        mesh = build_mesh(device, dims)
+        # Sharding meta parameters needs no fake mode (and is much faster without it).
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        apply_fsdp(model, mesh, **spec.fsdp_units(model), reshard_after_forward_mode=reshard_after_forward_mode,
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
+            model.to_empty(device=device)  # fake tensors: shapes only, nothing to initialise
+            model.train()
+            opt = build_optimizer(model, OptimizerConfig(name=optimizer, implementation=optimizer_implementation))
+            local_opt = _LocalOptimizer(opt)
+            micro_batches = min(grad_accum_steps, 2)
+            tokens_this_rank = local_batch_size * seq_len * grad_accum_steps
+            tracker = _make_tracker(model, local_opt.optimizer, cpu_offload=cpu_offload)
+            with no_automatic_gc(), tracker:
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                for _ in range(micro_batches):
+                    tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
+                    inputs = torch.zeros(local_batch_size, seq_len, dtype=torch.long, device=device)
+                    labels = torch.zeros(local_batch_size, seq_len, dtype=torch.long, device=device)
+                    tracker.track_inputs((inputs, labels))
+                    token_loss = token_loss_sum(model(inputs), labels)
+                    (token_loss / tokens_this_rank).backward()
+                    loss_sum += token_loss.detach().double()
+                    del inputs, labels, token_loss
+                grads = tracker.categories()["sharded_grads"]
+                local_opt.step()
+                opt.zero_grad(set_to_none=True)
+                current = tracker.categories()
+                state = {"sharded_params": current["sharded_params"], "sharded_grads": grads,
+                         "optimizer_state": current["optimizer_state"]}
+                del loss_sum
+            total, phase, module, categories = tracker.total_peak
+            device_total, device_phase, device_module, device_categories = tracker.device_peak
+            cpu_peak = tracker.cpu_peak if cpu_offload else 0
+            del tracker, local_opt, opt, model
+    return MemoryEstimate(
+        world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+        reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=dtype_name(param_dtype),
+        reduce_dtype=dtype_name(reduce_dtype), cpu_offload=cpu_offload, local_batch_size=local_batch_size,
+        seq_len=seq_len, grad_accum_steps=grad_accum_steps, optimizer=optimizer,
+        peak=total, peak_phase=phase, peak_module=module, categories=categories,
+        device_peak=device_total, device_peak_phase=device_phase,
+        device_peak_module=device_module, device_categories=device_categories,
+        cpu_peak=cpu_peak, state=state, seconds=time.perf_counter() - start,
+    )
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
+    """The keyword arguments of :func:`estimate_memory` (all but the family, the model args and
+    the reshard mode) for a job as the trainer runs it."""
+    t = config.training
+    return {
+        "world_size": plan.world_size, "dp_replicate": plan.dims.dp_replicate,
+        "local_batch_size": t.local_batch_size, "seq_len": t.seq_len, "param_dtype": plan.param_dtype,
+        "reduce_dtype": plan.reduce_dtype, "cpu_offload": t.enable_cpu_offload,
+        "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
+        "grad_accum_steps": plan.grad_accum_steps,
+    }
+
+
+def where_text(phase: str, module: str) -> str:
+    """Where in the step a peak falls: ``"backward (layers.3)"``."""
+    return f"{phase} ({module})" if module else phase

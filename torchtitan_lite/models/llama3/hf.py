@@ -1,0 +1,309 @@
+"""Hugging Face ``LlamaForCausalLM`` checkpoints: names, RoPE row order and ``config.json``.
+
+The family-specific half of Hugging Face import and export (the generic half, reading and writing
+sharded safetensors, is :mod:`torchtitan_lite.checkpoint.hf_storage`). Two layouts differ
+besides the names:
+
+- **RoPE.** Our model (like Meta's reference) rotates interleaved pairs ``(x[2i], x[2i+1])`` of
+  each head; Hugging Face's ``LlamaForCausalLM`` rotates halves (``rotate_half``). The query and
+  key weights are the same up to a permutation of rows within each head:
+  :func:`permute_for_hf` and :func:`unpermute_from_hf`.
+- **config.json.** :func:`hf_config` writes one for a shape; :func:`config_mismatch` names the
+  first field of a file that disagrees with a shape (sizes, head counts, ``rms_norm_eps``,
+  ``rope_theta``, activation, biases, RoPE scaling); :func:`model_args_from_hf_config` reads a
+  shape from one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchtitan_lite.models.llama3.model import LLAMA3_FLAVORS, ModelArgs
+
+__all__ = [
+    "ADAPTER",
+    "CONFIG_FILE",
+    "LlamaHFAdapter",
+    "config_mismatch",
+    "expected_hf_shapes",
+    "from_hf_name",
+    "hf_config",
+    "model_args_from_hf_config",
+    "permute_for_hf",
+    "to_hf_name",
+    "unpermute_from_hf",
+]
+
+CONFIG_FILE = "config.json"
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in _TOP_LEVEL.items()}
+_PER_LAYER_FROM_HF = {hf: ours for ours, hf in _PER_LAYER.items()}
+_OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Tensors some Hugging Face checkpoints carry that the model does not need (recomputed buffers).
+_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name → the Hugging Face Llama name (``ValueError`` for an unknown name)."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    match = _OUR_LAYER.match(name)
+    if match and match.group(2) in _PER_LAYER:
+        return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}"
+    raise ValueError(f"{name!r} is not a parameter name of the Llama model")
+
+
+def from_hf_name(name: str) -> str:
+    """Hugging Face Llama name → our parameter name (``ValueError`` for an unknown name)."""
+    if name in _TOP_LEVEL_FROM_HF:
+        return _TOP_LEVEL_FROM_HF[name]
+    match = _HF_LAYER.match(name)
+    if match and match.group(2) in _PER_LAYER_FROM_HF:
+        return f"layers.{match.group(1)}.{_PER_LAYER_FROM_HF[match.group(2)]}"
+    raise ValueError(f"{name!r} is not a Hugging Face Llama parameter name")
+
+
+def heads_to_permute(name: str, args: ModelArgs) -> int | None:
+    """Number of heads whose rows are permuted for parameter ``name`` (ours), or None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+
+def _check_rows(w: torch.Tensor, n_heads: int) -> tuple[int, int]:
+    if w.dim() != 2 or n_heads <= 0 or w.shape[0] % n_heads or (w.shape[0] // n_heads) % 2:
+        raise ValueError(
+            f"expected a 2-D weight whose {w.shape[0] if w.dim() else 0} rows split into {n_heads} "
+            f"heads of even size, got shape {list(w.shape)}"
+        )
+    return w.shape[0] // n_heads, w.shape[1]
+
+
+def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a query/key weight from interleaved-pair RoPE (ours) to half-split RoPE (HF).
+
+    Within each head, our row ``2i + p`` (pair ``i``, component ``p``) becomes row
+    ``p · head_dim/2 + i``.
+    """
+    head_dim, dim = _check_rows(w, n_heads)
+    return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
+
+
+def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_for_hf`: half-split RoPE rows (HF) back to interleaved pairs."""
+    head_dim, dim = _check_rows(w, n_heads)
+    return w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
+
+
+def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
+    """Indices ``idx`` with ``permuted = w[idx]`` (``to_hf``: ours → HF, else HF → ours)."""
+    index = torch.arange(rows).unsqueeze(1)  # permuting the row numbers gives the gather index
+    permuted = permute_for_hf(index, n_heads) if to_hf else unpermute_from_hf(index, n_heads)
+    return permuted.squeeze(1)
+
+
+
+def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order."""
+    d, h, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
+    per_layer = {
+        "self_attn.q_proj.weight": (args.n_heads * args.head_dim, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, args.n_heads * args.head_dim),
+        "mlp.gate_proj.weight": (h, d),
+        "mlp.down_proj.weight": (d, h),
+        "mlp.up_proj.weight": (h, d),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    for i in range(args.n_layers):
+        for suffix, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{suffix}"] = shape
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (args.vocab_size, d)
+    return shapes
+
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """A ``LlamaForCausalLM`` ``config.json`` for a model with ``args`` stored in ``dtype``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+
+def _rope_theta(config: Mapping[str, Any]) -> Any:
+    if "rope_theta" in config:
+        return config["rope_theta"]
+    parameters = config.get("rope_parameters")  # newer transformers releases
+    return parameters.get("rope_theta") if isinstance(parameters, dict) else None
+
+
+def _rope_scaling_type(config: Mapping[str, Any]) -> str | None:
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if kind not in (None, "default"):
+                return f"{key}.rope_type={kind!r}"
+    return None
+
+
+def config_mismatch(config: Mapping[str, Any], args: ModelArgs) -> str | None:
+    """The first field of ``config`` that disagrees with ``args``, as a phrase, or None."""
+    expected: list[tuple[str, Any, Any]] = [
+        ("hidden_size", config.get("hidden_size"), args.dim),
+        ("num_hidden_layers", config.get("num_hidden_layers"), args.n_layers),
+        ("num_attention_heads", config.get("num_attention_heads"), args.n_heads),
+        ("num_key_value_heads",
+         config.get("num_key_value_heads", config.get("num_attention_heads")), args.kv_heads),
+        ("intermediate_size", config.get("intermediate_size"), args.ffn_hidden_dim),
+        ("vocab_size", config.get("vocab_size"), args.vocab_size),
+    ]
+    if config.get("head_dim") is not None:
+        expected.append(("head_dim", config.get("head_dim"), args.head_dim))
+    for field, value, want in expected:
+        if value is not None and value != want:
+            return f"{CONFIG_FILE} has {field}={value!r} but this model has {field}={want!r}"
+    for field, value, want in (("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps),
+                               ("rope_theta", _rope_theta(config), args.rope_theta)):
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or not math.isclose(value, want, rel_tol=1e-6):
+            return f"{CONFIG_FILE} has {field}={value!r} but this model has {field}={want!r}"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"{CONFIG_FILE} has hidden_act={config['hidden_act']!r} but this model uses 'silu'"
+    for field in ("attention_bias", "mlp_bias"):
+        if config.get(field):
+            return f"{CONFIG_FILE} has {field}=true but this model has no biases"
+    scaling = _rope_scaling_type(config)
+    if scaling is not None:
+        return f"{CONFIG_FILE} has {scaling} but this model implements only unscaled RoPE"
+    return None
+
+
+
+def model_args_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> ModelArgs:
+    """``ModelArgs`` for a Hugging Face Llama ``config.json`` (``ValueError`` if it has no
+    Llama shape; ``overrides`` replace fields).
+
+    A flavor of :data:`LLAMA3_FLAVORS` with the same shape is used as the base (vocabulary,
+    ``rms_norm_eps``, ``rope_theta`` and ``max_position_embeddings`` from the file); otherwise
+    ``intermediate_size`` is expressed through ``multiple_of`` (and ``ffn_dim_multiplier`` where
+    needed) so that ``ffn_hidden_dim`` reproduces it exactly."""
+    try:
+        dim = int(config["hidden_size"])
+        n_heads = int(config["num_attention_heads"])
+        fields: dict[str, Any] = {
+            "dim": dim,
+            "n_layers": int(config["num_hidden_layers"]),
+            "n_heads": n_heads,
+            "n_kv_heads": int(config.get("num_key_value_heads") or n_heads),
+            "vocab_size": int(config["vocab_size"]),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-5)),
+            "rope_theta": float(_rope_theta(config) or 10000.0),
+            "max_seq_len": int(config.get("max_position_embeddings", 8192)),
+        }
+        hidden = int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{CONFIG_FILE} lacks a usable Llama field: {exc}") from None
+    shape = (dim, fields["n_layers"], n_heads, fields["n_kv_heads"], hidden)
+    free = {k: fields[k] for k in ("vocab_size", "norm_eps", "rope_theta", "max_seq_len")}
+    for flavor in LLAMA3_FLAVORS.values():  # a known flavor's fields where the shape is one
+        candidate = dataclasses.replace(flavor, **{**free, **overrides})
+        if (candidate.dim, candidate.n_layers, candidate.n_heads, candidate.kv_heads,
+                candidate.ffn_hidden_dim) == shape:
+            return candidate
+    base = int(2 * 4 * dim / 3)
+    fields.update(multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base)
+    fields.update(overrides)
+    args = ModelArgs(**fields)
+    if args.ffn_hidden_dim != hidden:
+        raise ValueError(f"{CONFIG_FILE} intermediate_size={hidden} cannot be expressed by ModelArgs")
+    problem = config_mismatch(config, args)
+    if problem is not None:
+        raise ValueError(problem)
+    return args
+
+
+class LlamaHFAdapter:
+    """The Llama family's Hugging Face adapter (the :class:`~torchtitan_lite.models.spec.HFAdapter`
+    of its model spec)."""
+
+    architectures = ("LlamaForCausalLM",)
+    model_type = "llama"
+    output_name = "output.weight"
+    """Our name of the output projection (absent from files with tied embeddings)."""
+    embedding_name = "tok_embeddings.weight"
+    """Our name of the token embedding (what a tied output projection is loaded from)."""
+
+    to_hf_name = staticmethod(to_hf_name)
+    from_hf_name = staticmethod(from_hf_name)
+    expected_shapes = staticmethod(expected_hf_shapes)
+    config_for = staticmethod(hf_config)
+    config_mismatch = staticmethod(config_mismatch)
+    args_from_config = staticmethod(model_args_from_hf_config)
+
+    @staticmethod
+    def ignored(hf_name: str) -> bool:
+        """Tensors of Hugging Face files the model recomputes (``rotary_emb.inv_freq``)."""
+        return bool(_IGNORED_HF.search(hf_name))
+
+    @staticmethod
+    def row_permutation(name: str, args: ModelArgs, *, to_hf: bool) -> torch.Tensor | None:
+        """Row indices ``idx`` with ``converted = w[idx]`` for our parameter ``name``
+        (``to_hf``: ours → Hugging Face, else back), or None when its rows stay in place."""
+        heads = heads_to_permute(name, args)
+        if heads is None:
+            return None
+        rows = heads * args.head_dim
+        return row_permutation(rows, heads, to_hf=to_hf)
+
+
+ADAPTER = LlamaHFAdapter()
