@@ -3,9 +3,13 @@ collectives per step, meta-device init and start-up time.
 
     python scripts/benchmark.py --quick                    # a few minutes on a 2-core CPU machine
     python scripts/benchmark.py --json docs/benchmark.json  # also write every figure as JSON
+    python scripts/benchmark.py --skip overhead,metainit,startup --world_sizes 1,2 \
+        --param_dtypes float32 --cpu_offload off           # memory, collectives, auto: one launch
 
 The script launches its measurements as ``torchrun`` jobs (CPU processes on gloo, or one rank per
-GPU where there are GPUs) and prints one table per part:
+GPU where there are GPUs) and prints one table per part. Parts whose figures are counts (memory,
+collectives, auto) share one launch per number of ranks; overhead and meta init, which time and
+take the resident memory of their processes, get fresh ones:
 
 overhead      tokens/s of the real trainer loop (``Trainer.train``, the code path of
               ``python -m torchtitan_lite.train``) against a bare, hand-written FSDP2 loop on the
@@ -13,8 +17,11 @@ overhead      tokens/s of the real trainer loop (``Trainer.train``, the code pat
               process group and the ratio of the medians is reported (>= 0.97 is the target).
 memory        per rank and category (sharded/unsharded params, grads, optimizer state,
               activations, temporaries, peak), measured by ``FSDPMemTracker`` over real steps, for
-              every reshard mode, with and without bf16 mixed precision and CPU offload, at each
-              world size.
+              every reshard mode × parameter dtype (--param_dtypes) × CPU offload setting
+              (--cpu_offload), at each world size w (--world_sizes): on CPU processes (gloo), by
+              the first w ranks of a launch on the largest world size (FSDP shards over a mesh of
+              those w ranks: what a job of w ranks holds); a world size that does not divide the
+              largest gets its own launch.
 collectives   all-gathers and reduce-scatters per step (count and MiB per rank) counted from the
               ``c10d`` ops that ran, next to what each reshard mode implies.
 auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
@@ -173,9 +180,12 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
-    """measure_step_memory for every mode × mixed precision × offload at this world size."""
+    """measure_step_memory for every mode × param dtype × offload setting, at each world size w
+    of ``--memory_worlds`` (each dividing this launch's): ranks 0..w-1 shard over a mesh of
+    their own, the others wait. Returns ``{str(w): this rank's figures, or None}``."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
     from torchtitan_lite.distributed.fsdp import build_sharded_model
@@ -185,30 +195,39 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device("cpu")
     init_distributed(device)
-    world = dist.get_world_size()
-    mesh = fsdp_mesh(device)
+    launched, rank = dist.get_world_size(), dist.get_rank()
     spec = get_model_spec("llama3")
     args = spec.model_args(opts.flavor)
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab_size, (opts.local_batch_size, opts.seq_len + 1), generator=generator)
-    results = []
-    for mode in MODES:
-        for mp in ("float32", "bfloat16"):
-            for offload in (False, True):
-                model = build_sharded_model(spec, args, mesh, device=device, seed=0,
-                                            reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
-                                            reduce_dtype=torch.float32, cpu_offload=offload)
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out: dict[str, Any] = {}
+    for world in (int(w) for w in opts.memory_worlds.split(",")):
+        # Every rank takes part in creating the groups; the first group (ranks 0..world-1) measures.
+        mesh = fsdp_mesh(device) if world == launched else init_device_mesh(
+            "cpu", (launched // world, world), mesh_dim_names=("group", "dp_shard"))["dp_shard"]
+        out[str(world)] = None
+        if rank < world:
+            results = []
+            for mode in MODES:
+                for mp in opts.param_dtypes.split(","):
+                    for offload in (s == "on" for s in opts.cpu_offload.split(",")):
+                        model = build_sharded_model(spec, args, mesh, device=device, seed=0,
+                                                    reshard_after_forward_mode=mode,
+                                                    param_dtype=getattr(torch, mp),
+                                                    reduce_dtype=torch.float32, cpu_offload=offload)
+                        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-                def loss_fn(model: Any = model) -> torch.Tensor:
-                    labels = tokens[:, 1:]
-                    return token_loss_sum(model(tokens[:, :-1]), labels) / labels.numel()
+                        def loss_fn(model: Any = model) -> torch.Tensor:
+                            labels = tokens[:, 1:]
+                            return token_loss_sum(model(tokens[:, :-1]), labels) / labels.numel()
 
-                measured = measure_step_memory(model, optimizer, loss_fn)
-                results.append({"mode": mode, "param_dtype": mp, "cpu_offload": offload, **measured})
-                del model, optimizer
-    dist.barrier()
-    return {"world_size": world, "configs": results, "param_bytes_fp32": args.num_params() * 4}
+                        measured = measure_step_memory(model, optimizer, loss_fn)
+                        results.append({"mode": mode, "param_dtype": mp, "cpu_offload": offload, **measured})
+                        del model, optimizer
+            out[str(world)] = {"world_size": world, "configs": results,
+                               "param_bytes_fp32": args.num_params() * 4}
+        dist.barrier()
+    return out
 
 
 def _worker_collectives(opts: argparse.Namespace) -> dict[str, Any]:
@@ -347,11 +366,12 @@ WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives"
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
+    """Run the parts of ``--worker`` (a comma list) one after another in this process group."""
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import destroy_distributed
 
-    result = WORKERS[opts.worker](opts)
+    result = {part: WORKERS[part](opts) for part in opts.worker.split(",")}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
@@ -364,10 +384,12 @@ def _worker_main(opts: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> list[Any]:
-    """Run ``worker`` under torchrun on ``nproc`` ranks; returns every rank's result."""
+def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str) -> dict[str, list[Any]]:
+    """Run ``parts`` one after another under one torchrun launch on ``nproc`` ranks; returns
+    every rank's result of each part."""
     from torchtitan_lite.distributed import free_port
 
+    worker = ",".join(parts)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
@@ -375,20 +397,22 @@ def _launch(worker: str, nproc: int, opts: argparse.Namespace, *extra: str) -> l
                str(Path(__file__).resolve()), "--worker", worker, "--out", str(out), "--dump", tmp,
                "--flavor", opts.flavor, "--seq_len", str(opts.seq_len),
                "--local_batch_size", str(opts.local_batch_size), "--steps", str(opts.steps),
-               "--rounds", str(opts.rounds), *extra]
+               "--rounds", str(opts.rounds), "--param_dtypes", opts.param_dtypes,
+               "--cpu_offload", opts.cpu_offload, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             # The ranks' tracebacks are in torchrun's stderr, before its own summary: keep it all.
-            log = Path(tempfile.gettempdir()) / f"benchmark_{worker}_{nproc}_ranks.stderr.txt"
+            log = Path(tempfile.gettempdir()) / f"benchmark_{worker.replace(',', '_')}_{nproc}_ranks.stderr.txt"
             log.write_text(done.stderr)
             # A Python error names itself; a rank killed in C++ shows only torchrun's signal line.
             ranks = [line for line in done.stderr.splitlines()
                      if ("Error" in line and "ChildFailedError" not in line) or "terminate called" in line
                      or "Signal " in line]
-            raise SystemExit(f"error: benchmark part {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
+            raise SystemExit(f"error: benchmark part(s) {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
                              f"{(ranks or [''])[0].strip()} (torchrun's stderr: {log})")
-        return json.loads(out.read_text())
+        gathered = json.loads(out.read_text())  # per rank: {part: result}
+        return {part: [rank[part] for rank in gathered] for part in parts}
 
 
 def _startup(opts: argparse.Namespace, nproc: int) -> float:
@@ -432,26 +456,49 @@ def main() -> None:
     parser.add_argument("--local_batch_size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each loop")
-    parser.add_argument("--world_sizes", default="1,2,4")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip")
+    parser.add_argument("--world_sizes", default="1,2,4", help="memory part: world sizes, comma-separated")
+    parser.add_argument("--param_dtypes", default="float32,bfloat16",
+                        help="memory part: parameter (compute) dtypes, comma-separated (float32, bfloat16)")
+    parser.add_argument("--cpu_offload", default="off,on",
+                        help="memory part: CPU offload settings, comma-separated (off, on)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
+                        "overhead, memory, collectives, auto, metainit, startup")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
-    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--memory_worlds", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)
     parser.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--budgets", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    for name, allowed in (("param_dtypes", ("float32", "bfloat16")), ("cpu_offload", ("off", "on"))):
+        values = getattr(opts, name).split(",")
+        if not values or not set(values) <= set(allowed):
+            parser.error(f"--{name}: invalid value {getattr(opts, name)!r}; expected a comma list of "
+                         f"{', '.join(allowed)}")
     if opts.worker:
+        unknown = set(opts.worker.split(",")) - set(WORKERS)
+        if unknown:
+            parser.error(f"--worker: unknown part(s) {', '.join(sorted(unknown))}")
         sys.path.insert(0, str(REPO))
         _worker_main(opts)
         return
     if opts.quick:
         opts.rounds, opts.steps = 3, 5
     skip = set(filter(None, opts.skip.split(",")))
-    worlds = [int(w) for w in opts.world_sizes.split(",")]
+    parts = ("overhead", "memory", "collectives", "auto", "metainit", "startup")
+    if not skip <= set(parts):
+        parser.error(f"--skip: unknown part(s) {', '.join(sorted(skip - set(parts)))}; known: {', '.join(parts)}")
+    try:
+        worlds = list(dict.fromkeys(int(w) for w in opts.world_sizes.split(",")))
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        parser.error(f"--world_sizes: invalid value {opts.world_sizes!r}; expected a comma list of integers >= 1")
     figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "options": {
-        k: v for k, v in vars(opts).items() if k not in ("worker", "out", "dump", "naive", "budgets")}}
+        k: v for k, v in vars(opts).items()
+        if k not in ("worker", "out", "dump", "naive", "budgets", "memory_worlds")}}
     import torch
 
     figures["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
@@ -459,18 +506,44 @@ def main() -> None:
           f"local batch {opts.local_batch_size}")
 
     if "overhead" not in skip:
-        ranks = _launch("overhead", 2, opts)
-        o = ranks[0]
+        o = _launch(["overhead"], 2, opts)["overhead"][0]
         figures["overhead"] = o
         print(f"\noverhead (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps): trainer "
               f"{o['ours_tps']:,.0f} tok/s/rank, bare FSDP2 loop {o['bare_tps']:,.0f} tok/s/rank, "
               f"ratio trainer/bare = {o['ratio']:.3f}")
+    # The counting parts: one launch per number of ranks (memory: the largest world size, or a
+    # size of its own where it does not divide that; collectives and auto: 2). On GPUs the
+    # trainer parts run on NCCL and the memory part on gloo, so those launch apart.
+    launches: dict[tuple[int, bool], list[str]] = {}
+    memory_worlds: dict[int, list[int]] = {}
     if "memory" not in skip:
-        memory = {w: _launch("memory", w, opts) for w in worlds}
+        for w in worlds:
+            memory_worlds.setdefault(max(worlds) if max(worlds) % w == 0 else w, []).append(w)
+        for n in memory_worlds:
+            launches.setdefault((n, torch.cuda.is_available()), []).append("memory")
+    for part in ("collectives", "auto"):
+        if part not in skip:
+            launches.setdefault((2, False), []).append(part)
+    budgets = _auto_budgets(opts) if "auto" not in skip else None
+    memory: dict[int, list[Any]] = {}
+    counted: dict[str, list[Any]] = {}
+    for (n, _), launch_parts in launches.items():
+        extra = []
+        if "memory" in launch_parts:
+            extra += ["--memory_worlds", ",".join(map(str, memory_worlds[n]))]
+        if "auto" in launch_parts:
+            extra += ["--budgets", json.dumps(budgets)]
+        for part, ranks in _launch(launch_parts, n, opts, *extra).items():
+            if part == "memory":  # world size w: what the first w ranks measured
+                memory.update({w: [rank[str(w)] for rank in ranks[:w]] for w in memory_worlds[n]})
+            else:
+                counted[part] = ranks
+    if "memory" not in skip:
+        memory = {w: memory[w] for w in worlds}
         figures["memory"] = {str(w): r for w, r in memory.items()}
         _print_memory(memory)
     if "collectives" not in skip:
-        coll = _launch("collectives", 2, opts)[0]
+        coll = counted["collectives"][0]
         figures["collectives"] = coll
         theory = {"default": "fwd: every unit; bwd: every unit but norm+output",
                   "always": "fwd and bwd: every unit", "never": "fwd only"}
@@ -483,8 +556,7 @@ def main() -> None:
                   f"{c['reduce_scatter_mib']:8.2f}  {theory[mode]}: {expected} all-gathers, "
                   f"{c['units']} reduce-scatters")
     if "auto" not in skip:
-        budgets = _auto_budgets(opts)
-        auto = _launch("auto", 2, opts, "--budgets", json.dumps(budgets))[0]
+        auto = counted["auto"][0]
         figures["auto"] = auto
         print("\nreshard_after_forward_mode auto (2 ranks): budgets from the estimates (tight: halfway "
               "between always + headroom and never; loose: (never + headroom) + 5%)")
@@ -497,7 +569,7 @@ def main() -> None:
             print(f"{label:12} {budget:>10} {units:40} {r['all_gather']:>11} {estimated:>9} "
                   f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}")
     if "metainit" not in skip:
-        ranks = _launch("metainit", 2, opts, "--naive")
+        ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
         r0 = ranks[0]
         print(f"\nmeta init of the 1B flavor ({r0['params'] / 1e9:.2f}B params) on 2 ranks: peak RSS delta "

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import REPO_ROOT
+from tests.dist_utils import REPO_ROOT, shutdown_pools
 
 # Settings for a tiny but real job: the tiny Llama flavor (GQA, 2 layers) on short windows of
 # the embedded corpus, fp32 and deterministic so that runs can be compared to 1e-5.
@@ -22,3 +22,7 @@ TINY_ARGS = [
 @pytest.fixture
 def repo_root():
     return REPO_ROOT
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutdown_pools()

@@ -1,8 +1,10 @@
 """Run a function on N CPU processes over gloo, the way torchrun would, and collect results.
 
-Each process gets one thread, its own ``RANK``/``WORLD_SIZE`` and a free port shared by the
-group. A process that fails or hangs fails the test with its traceback, and every process is
-killed before the helper returns, so nothing is left behind.
+Each rank gets one thread, its own ``RANK``/``WORLD_SIZE`` and a free port shared by the
+group. The rank processes are kept between calls of the same size (importing torch costs more
+than most tests); a rank that fails or hangs fails the test with its traceback and every rank
+of that size is killed, and the session's end stops the rest (``conftest.py``), so nothing is
+left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from torchtitan_lite.distributed import free_port
 
-__all__ = ["REPO_ROOT", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun"]
+__all__ = ["REPO_ROOT", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun",
+           "shutdown_pools"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,53 +34,112 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int,
-            queue: Any, args: tuple[Any, ...]) -> None:
+_FRESH_SEED = 67280421310721  # the seed of torch's default generator in a new process
+
+
+def _run_task(fn: Callable[..., Any], rank: int, world_size: int, port: int,
+              args: tuple[Any, ...], *, last: bool) -> tuple[str, bytes | str]:
+    """Run one task as a fresh rank would: torchrun's variables, one thread, the default RNG,
+    and afterwards no process group; unless it is the process's ``last`` task (whose exit hooks
+    may still need them), no compiled code and the environment as it was."""
+    import torch
+    import torch.distributed as dist
+
+    saved_env = dict(os.environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import torch
-
     torch.set_num_threads(1)
+    torch.manual_seed(_FRESH_SEED)
+    default_dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     try:
-        result = fn(*args)
-        queue.put((rank, "ok", pickle.dumps(result)))
+        return "ok", pickle.dumps(fn(*args))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        if not last:
+            torch.set_default_dtype(default_dtype)
+            torch.use_deterministic_algorithms(deterministic)
+            if "torch._dynamo" in sys.modules:
+                sys.modules["torch._dynamo"].reset()
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+
+def _worker(rank: int, world_size: int, tasks: Any, results: Any, once: bool) -> None:
+    """A long-lived rank: runs tasks until it gets None (importing torch once, not per test);
+    with ``once``, exits after the first task, as a torchrun worker would."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        fn, port, args = task
+        status, payload = _run_task(fn, rank, world_size, port, args, last=once)
+        results.put((rank, status, payload))
+        if status == "error" or once:  # exit (atexit hooks run): a failed rank's peers see its
+            return                      # connections close, as under torchrun
+
+
+class _Pool:
+    """``world_size`` spawned ranks kept alive between tests. Any failure or timeout kills them
+    (a rank may be stuck in a collective), and the next call starts new ones."""
+
+    def __init__(self, world_size: int, *, once: bool = False) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(rank, world_size, self.tasks[rank], self.results, once),
+                                  daemon=True) for rank in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+
+
+_POOLS: dict[int, _Pool] = {}
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
-                    timeout: float = 240.0) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` processes; return the per-rank results in rank order.
+                    timeout: float = 240.0, fresh: bool = False) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
     ``fn`` must be importable (a module-level function) and should initialise the process
-    group itself (e.g. through ``torchtitan_lite.distributed.init_distributed``).
+    group itself (e.g. through ``torchtitan_lite.distributed.init_distributed``). The ranks are
+    kept for the next call of the same size (so torch is imported once per size, not per
+    test); each call gets a new port, the default RNG and a clean environment, and its process
+    group is destroyed afterwards. ``fresh=True`` uses new processes that end with the call.
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, queue, args), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
     import queue as queue_mod
     import time
 
+    pool = None if fresh else _POOLS.pop(world_size, None)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _Pool(world_size, once=fresh)
+    port = free_port()
+    for tasks in pool.tasks:
+        tasks.put((fn, port, args))
+    results: dict[int, Any] = {}
+    errors: list[str] = []
     deadline = time.monotonic() + timeout
+    healthy = False
     try:
         while len(results) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
@@ -85,13 +147,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                 raise TimeoutError(f"distributed test timed out after {timeout:.0f}s "
                                    f"({len(results)} of {world_size} ranks finished)")
             try:
-                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+                rank, status, payload = pool.results.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                dead = [p for p in pool.procs if not p.is_alive()]
                 if dead and not errors:
                     # A rank died without reporting (e.g. a C++ abort): give others a moment.
                     time.sleep(2)
-                    if queue.empty():
+                    if pool.results.empty():
                         raise RuntimeError(
                             f"rank process exited with code {dead[0].exitcode} without a result"
                         ) from None
@@ -103,14 +165,27 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                 break
         if errors:
             raise RuntimeError("distributed test failed on " + "\n".join(errors))
-        for p in procs:
-            p.join(timeout=30)
+        healthy = True
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
+        if healthy and not fresh:
+            _POOLS[world_size] = pool
+        else:
+            if healthy:  # fresh ranks exit by themselves (running their atexit hooks)
+                for proc in pool.procs:
+                    proc.join(timeout=30)
+            pool.kill()
     return [results[r] for r in range(world_size)]
+
+
+def shutdown_pools() -> None:
+    """Stop the kept ranks (at the end of the test session)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        for tasks in pool.tasks:
+            tasks.put(None)
+        for proc in pool.procs:
+            proc.join(timeout=10)
+        pool.kill()
 
 
 def run_torchrun(args: list[str], *, nproc: int, timeout: float = 300.0,
@@ -126,8 +201,9 @@ def run_torchrun(args: list[str], *, nproc: int, timeout: float = 300.0,
 def run_command(cmd: list[str], *, timeout: float = 300.0, cwd: Path | None = None,
                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a command in its own process group; kill the whole group on timeout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
-           **(extra_env or {})}
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO_ROOT), **(extra_env or {})}
     proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)

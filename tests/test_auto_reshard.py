@@ -18,7 +18,8 @@ import torch
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
-from tests.test_parallelize import _llama_units, _probe_collectives, _reshard_kind
+from tests.fsdp_probes import reshard_kind
+from tests.test_parallelize import _llama_units, _probe_collectives
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
 from torchtitan_lite.job import plan_job
@@ -197,7 +198,7 @@ def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any
             mode += ["--parallelism.memory_budget_gib", repr(budget)]
         trainer = Trainer(load_job_config([*JOB, *mode, "--job.dump_folder", str(Path(dump) / label)]))
         units = _llama_units(trainer.model)
-        reshard = {name: _reshard_kind(m._get_fsdp_state()._fsdp_param_group) for name, m in units.items()}
+        reshard = {name: reshard_kind(m) for name, m in units.items()}
         collectives = _probe_collectives(trainer, units)
 
         def loss_fn(trainer: Any = trainer) -> torch.Tensor:

@@ -125,7 +125,7 @@ def test_process_groups_are_freed_at_exit_before_python_shuts_down(tmp_path):
     that ``init_distributed`` registers frees them while Python is still alive. Without it, a gloo
     thread could drop a collective's tensor during shutdown and abort a process whose work was
     done (SIGABRT, "terminate called without an active exception")."""
-    for rank, counts in enumerate(run_distributed(_threads_until_exit, 2, str(tmp_path))):
+    for rank, counts in enumerate(run_distributed(_threads_until_exit, 2, str(tmp_path), fresh=True)):
         assert counts["trained"] > counts["before"], counts
         assert counts["destroyed"] == counts["trained"], counts  # destroyed, but its threads run on
         assert int((tmp_path / f"rank{rank}").read_text()) == counts["before"], counts

@@ -56,15 +56,16 @@ CASES: dict[int, list[Case]] = {
         Case("small never bf16", SMALL, mode="never", param_dtype="bfloat16"),
         Case("small always bf16", SMALL, mode="always", param_dtype="bfloat16"),
         Case("small CPU offload", SMALL, cpu_offload=True),
-        Case("small bf16, 2 micro-batches", SMALL, param_dtype="bfloat16", grad_accum_steps=2),
-        # The benchmark's memory configurations (scripts/benchmark.py): debugmodel, seq 256,
-        # batch 4, AdamW with its default implementation on CPU (a for-loop).
+        Case("small, 2 micro-batches", SMALL, local_batch_size=2, grad_accum_steps=2),
+        # The benchmark's memory configuration (scripts/benchmark.py): debugmodel, seq 256,
+        # batch 4, AdamW with its default implementation on CPU (a for-loop); and its bf16
+        # offload variant at a shorter sequence (bf16 matmuls are slow on CPU).
         Case("debugmodel (benchmark)", DEBUG, seq_len=256, optimizer_implementation="for-loop"),
-        Case("debugmodel never bf16 offload (benchmark)", DEBUG, mode="never", param_dtype="bfloat16",
-             cpu_offload=True, seq_len=256, optimizer_implementation="for-loop"),
+        Case("debugmodel never bf16 offload", DEBUG, mode="never", param_dtype="bfloat16",
+             cpu_offload=True, seq_len=64, optimizer_implementation="for-loop"),
     ],
     4: [
-        Case("small bf16", SMALL, param_dtype="bfloat16", local_batch_size=2),
+        Case("small, batch 2", SMALL, local_batch_size=2),
         Case("small reshard to 2", SMALL, mode=2),
         Case("small HSDP 2 x 2 bf16", SMALL, param_dtype="bfloat16", dp_replicate=2),
     ],
@@ -195,24 +196,35 @@ def test_estimate_api() -> None:
         estimate_memory(SPEC, DEBUG, cpu_offload=False, **{**common, "world_size": 0})
 
 
-def _run_cli_8b(world_size: int, out: Path) -> Any:
+def _run_cli_8b(world_size: int, out: Path, *extra: str) -> Any:
     # timeout: a hang bound only, not a speed requirement.
     return run_command([sys.executable, "-m", "torchtitan_lite.memory", "--job.config_file",
                         "train_configs/llama3_8b.toml", "--model.vocab_size", "128256", "--world_size",
-                        str(world_size), "--device_memory_gib", "80", "--json", str(out)], timeout=600)
+                        str(world_size), "--device_memory_gib", "80", "--json", str(out), *extra], timeout=600)
 
 
-def test_cli_8b_at_8_and_64_ranks(tmp_path: Path) -> None:
-    """The 8B flavor (Llama-3 vocabulary) at 8 and 64 ranks, every reshard mode (the two runs go
-    side by side, one core each)."""
-    worlds = (8, 64)
-    with ThreadPoolExecutor(max_workers=len(worlds)) as pool:
-        runs = dict(zip(worlds, pool.map(lambda w: _run_cli_8b(w, tmp_path / f"{w}.json"), worlds),
-                        strict=True))
-    for world_size, done in runs.items():
-        print(f"\n8B at {world_size} ranks:\n{done.stdout}")
-        assert done.returncode == 0, done.stderr
-        _check_8b(world_size, json.loads((tmp_path / f"{world_size}.json").read_text()), done.stdout)
+def test_cli_8b_fits_8_ranks_with_the_shipped_checkpointing_and_not_without(tmp_path: Path) -> None:
+    """The 8B flavor (Llama-3 vocabulary, seq 8192) at 8 ranks of 80 GiB, every reshard mode: with
+    train_configs/llama3_8b.toml's selective activation checkpointing it fits, without it (its
+    61 GiB of activations) it does not. The two runs go side by side, one core each."""
+    runs = {"8": (8, ()), "8 none": (8, ("--activation_checkpoint.mode", "none"))}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(runs, pool.map(lambda item: _run_cli_8b(item[1][0], tmp_path / f"{item[0]}.json",
+                                                                *item[1][1]), runs.items()), strict=True))
+    records = {}
+    for label, (world_size, _) in runs.items():
+        print(f"\n8B at {label} ranks:\n{done[label].stdout}")
+        assert done[label].returncode == 0, done[label].stderr
+        records[label] = json.loads((tmp_path / f"{label}.json").read_text())
+        _check_8b(world_size, records[label], done[label].stdout)
+    shipped = {str(e["reshard_after_forward_mode"]): e for e in records["8"]["estimates"]}
+    without = {str(e["reshard_after_forward_mode"]): e for e in records["8 none"]["estimates"]}
+    assert "activation checkpointing selective (op" in done["8"].stdout
+    assert shipped["default"]["fits"] and shipped["default"]["device_peak"] < 0.7 * 80 * 2**30
+    assert not any(e["fits"] for e in without.values())
+    activations = {label: e["default"]["device_categories"]["activations"] for label, e in
+                   (("shipped", shipped), ("none", without))}
+    assert activations["shipped"] < 0.6 * activations["none"], activations
 
 
 def _check_8b(world_size: int, record: dict[str, Any], stdout: str) -> None:

@@ -32,6 +32,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
+from tests.fsdp_probes import (
+    count_unshards,
+    distinct_post_forward_meshes,
+    has_root_params,
+    offload_flags,
+    reshard_kind,
+    same_unit,
+    unit_param_names,
+)
 
 UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm+output")
 BLOCKS = ("layers.0", "layers.1")
@@ -101,20 +110,6 @@ def _llama_units(model: nn.Module) -> dict[str, nn.Module]:
     return units
 
 
-def _reshard_kind(param_group: Any) -> Any:
-    """Reshard-after-forward as FSDP2 itself will do it, read from the unit's param group."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
-
-    info = param_group.post_forward_mesh_info
-    if info is None:
-        return "none"
-    if info is param_group.mesh_info or info == param_group.mesh_info:
-        return "full"
-    if isinstance(info, HSDPMeshInfo):
-        return int(info.shard_mesh_size)
-    return f"unexpected {info!r}"
-
-
 def _param_info(p: torch.Tensor) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
@@ -153,28 +148,17 @@ def _probe_collectives(trainer: Any, units: dict[str, nn.Module]) -> list[dict[s
     """One forward + backward on a fixed batch, recording every collective and which unit's
     ``unshard`` issued it; gradients are dropped afterwards (no optimizer step)."""
     rec = _CollectiveRecorder()
-    groups = {name: m._get_fsdp_state()._fsdp_param_group for name, m in units.items()}
-    for name, group in groups.items():
-        original = group.unshard
 
-        def labelled(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any):
-            previous, rec.unit = rec.unit, _name
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                rec.unit = previous
+    def set_unit(name: str | None) -> str | None:
+        previous, rec.unit = rec.unit, name
+        return previous
 
-        group.unshard = labelled
     inputs, labels = _probe_batch()
-    try:
-        with rec:
-            logits = trainer.model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            rec.phase = "backward"
-            loss.backward()
-    finally:
-        for group in groups.values():
-            del group.unshard  # back to the class's method
+    with count_unshards(units, set_unit), rec:
+        logits = trainer.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        rec.phase = "backward"
+        loss.backward()
     trainer.optimizer.zero_grad(set_to_none=True)
     return rec.calls
 
@@ -192,24 +176,15 @@ def _trainer_job(runs: list[tuple[str, list[str]]], dump: str, keep_local: tuple
         new_process_groups = len(_world.pg_map) - groups_before
         model = trainer.model
         units = _llama_units(model)
-        states = {name: m._get_fsdp_state() for name, m in units.items()}
-        groups = {name: s._fsdp_param_group for name, s in states.items()}
         collectives = _probe_collectives(trainer, units)  # also runs FSDP's lazy init
-        root_state = model._get_fsdp_state()
         history = trainer.train()
         result = {
-            "reshard": {name: _reshard_kind(g) for name, g in groups.items()},
+            "reshard": {name: reshard_kind(m) for name, m in units.items()},
             "new_process_groups": new_process_groups,
-            "post_forward_mesh_objects": len({
-                id(g.post_forward_mesh_info) for g in groups.values()
-                if g.post_forward_mesh_info is not None
-                and g.post_forward_mesh_info is not g.mesh_info
-            }),
-            "unit_params": {
-                name: sorted(fp._param_fqn for fp in g.fsdp_params) for name, g in groups.items()
-            },
-            "output_shares_norm_state": model.output._get_fsdp_state() is states["norm+output"],
-            "root_has_params": root_state._fsdp_param_group is not None,
+            "post_forward_mesh_objects": distinct_post_forward_meshes(units),
+            "unit_params": {name: unit_param_names(m) for name, m in units.items()},
+            "output_shares_norm_state": same_unit(model.output, model.norm),
+            "root_has_params": has_root_params(model),
             "model_params": sorted(n for n, _ in model.named_parameters()),
             "params": {n: _param_info(p) for n, p in model.named_parameters()},
             "collectives": collectives,
@@ -444,16 +419,15 @@ def _cpu_offload_rank(dump: str) -> dict[str, Any]:
 
     trainer = _make_trainer(["--training.enable_cpu_offload"], Path(dump) / "offload")
     model = trainer.model
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in _llama_units(model).values()]
-    fsdp_params = [fp for g in groups for fp in g.fsdp_params]
+    flags = offload_flags(list(_llama_units(model).values()))
     world = dist.group.WORLD
     out: dict[str, Any] = {
         "backend": dist.get_backend(),
         "backend_config": dist.get_backend_config(),
         "cpu_backend_name": world._get_backend(torch.device("cpu")).name(),
-        "offload_to_cpu": [fp.offload_to_cpu for fp in fsdp_params],
-        "pin_memory": [fp.pin_memory for fp in fsdp_params],
-        "n_fsdp_params": len(fsdp_params),
+        "offload_to_cpu": [offload for offload, _ in flags],
+        "pin_memory": [pin for _, pin in flags],
+        "n_fsdp_params": len(flags),
         "params": {n: _param_info(p) for n, p in model.named_parameters()},
     }
 
@@ -632,10 +606,10 @@ def _custom_module_rank() -> dict[str, Any]:
         info["unit_params"] = {}
         info["reshard"] = {}
         for k, m in units.items():
-            group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-            if group is not None:
-                info["unit_params"][k] = sorted(fp._param_fqn for fp in group.fsdp_params)
-                info["reshard"][k] = _reshard_kind(group)
+            names = unit_param_names(m)
+            if names:
+                info["unit_params"][k] = names
+                info["reshard"][k] = reshard_kind(m)
         out[variant] = info
 
     bad = MyModel()
@@ -810,17 +784,6 @@ def _train_against_reference(model: nn.Module, reference: nn.Module, batches: li
     return {"losses": losses, "ref_losses": ref_losses}
 
 
-def _unit_params(module: nn.Module) -> list[str] | None:
-    """The parameters FSDP manages in ``module``'s own unit (None: not a unit); read after a
-    forward (FSDP names its parameters at lazy init)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
-        return None
-    group = module._get_fsdp_state()._fsdp_param_group
-    return [] if group is None else sorted(fp._param_fqn for fp in group.fsdp_params)
-
-
 def _is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -862,7 +825,7 @@ def _edge_cases_rank() -> dict[str, Any]:
     apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=model.head)
     run = _train_against_reference(model, ref, _token_batches(3))  # also FSDP's lazy init
     out["dict"] = {
-        "units": {name: _unit_params(m) for name, m in
+        "units": {name: unit_param_names(m) for name, m in
                   [("blocks", model.blocks), ("blocks.early", model.blocks["early"]),
                    ("blocks.late", model.blocks["late"]), ("embed", model.embed), ("head", model.head),
                    ("root", model)]},
@@ -875,8 +838,8 @@ def _edge_cases_rank() -> dict[str, Any]:
     apply_fsdp(model, mesh, blocks=model.block, first_unit=model.stem, last_unit=model.head)
     run = _train_against_reference(model, ref, _image_batches(3))
     out["single"] = {
-        "units": {name: _unit_params(getattr(model, name)) for name in ("stem", "block", "head")},
-        "root": _unit_params(model),
+        "units": {name: unit_param_names(getattr(model, name)) for name in ("stem", "block", "head")},
+        "root": unit_param_names(model),
         "params": {n: _param_info(p) for n, p in model.named_parameters()},
         **run,
     }
@@ -903,8 +866,8 @@ def _edge_cases_rank() -> dict[str, Any]:
         "tied_after_training": model.lm_head.weight is model.wte.weight,
         "n_params": n_params,
         "n_ref_params": len(list(ref.parameters())),
-        "unit": _unit_params(model.wte),
-        "lm_head_shares_unit": model.lm_head._get_fsdp_state() is model.wte._get_fsdp_state(),
+        "unit": unit_param_names(model.wte),
+        "lm_head_shares_unit": same_unit(model.lm_head, model.wte),
         "params": {n: _param_info(p) for n, p in model.named_parameters()},
         **run,
     }

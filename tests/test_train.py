@@ -1,7 +1,7 @@
 """End-to-end tests of the trainer on CPU ranks over gloo.
 
-Every distributed run happens in freshly spawned processes (``run_distributed``), so process
-groups, environment variables and RNG state never leak between runs or into pytest itself.
+Every distributed run happens in spawned rank processes (``run_distributed``: each call gets its
+own process group, environment and default RNG state, and nothing leaks into pytest itself).
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def _fail_on_rank1(dump: str) -> dict:
 def test_failing_rank_does_not_hang_the_job(tmp_path):
     """A rank that fails mid-run leaves at once, and its peer's collective fails instead of
     waiting for the process-group timeout (600 s)."""
-    r0, r1 = run_distributed(_fail_on_rank1, 2, str(tmp_path), timeout=200)
+    r0, r1 = run_distributed(_fail_on_rank1, 2, str(tmp_path), timeout=200, fresh=True)
     assert "injected failure" in r1["outcome"]
     assert r0["outcome"] != "finished"
     assert max(r0["seconds"], r1["seconds"]) < 120, (r0, r1)

@@ -26,7 +26,9 @@ from torchtitan_lite.distributed import (
     set_collective_timeout,
     world_info_from_env,
 )
-from torchtitan_lite.distributed.fsdp import build_sharded_model
+from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
+from torchtitan_lite.distributed.compile import compile_loss
+from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.job import JobPlan, plan_job, preflight
@@ -164,6 +166,9 @@ class Trainer:
         # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
         model = build_sharded_model(
             plan.spec, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
+            ac_mode=config.activation_checkpoint.mode,
+            selective_ac_option=config.activation_checkpoint.selective_ac_option,
+            compile_model=config.compile.enable and "model" in config.compile.components,
             reshard_after_forward_mode=reshard_mode,
             param_dtype=plan.param_dtype,
             reduce_dtype=plan.reduce_dtype,
@@ -171,6 +176,8 @@ class Trainer:
         )
         model.train()
         self.model = model
+        compile_the_loss = config.compile.enable and "loss" in config.compile.components
+        self.loss_fn = compile_loss(token_loss_sum) if compile_the_loss else token_loss_sum
 
         if config.lr_scheduler.warmup_steps >= t.steps and self.rank == 0:
             logger.warning(
@@ -229,6 +236,9 @@ class Trainer:
             )
             logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
                         if self.peak_tflops else f"not reported: {peak_source}")
+            ac = config.activation_checkpoint
+            logger.info("activation checkpointing: %s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
+                        ", ".join(config.compile.components) if config.compile.enable else "off")
 
     def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
         """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
@@ -267,7 +277,7 @@ class Trainer:
         for inputs, labels in micro_batches:
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            token_loss = token_loss_sum(self.model(inputs), labels)
+            token_loss = self.loss_fn(self.model(inputs), labels)
             # Normalised by all tokens this rank sees in the step; FSDP averages over ranks,
             # so the gradient is that of the mean loss over every token of the global batch.
             (token_loss / tokens_this_rank).backward()

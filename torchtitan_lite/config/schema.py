@@ -136,6 +136,22 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them: none; full (keep only each block's input, recompute the block: least memory, about a third more compute); selective (see selective_ac_option)."""
+    selective_ac_option: int | str = "op"
+    """With mode = selective: op (keep the outputs of matmuls and attention, recompute norms, RoPE and activations: most of the memory saving of full at a few percent of compute) or an integer N (full recomputation of every N-th block)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile with torch.compile (inductor): each block on its own (fullgraph) and the loss."""
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What compile.enable compiles: model (its blocks), loss, or both."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log metrics every this many steps (and at the first and last step)."""
@@ -241,6 +257,8 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
@@ -463,6 +481,14 @@ def validate_config(c: JobConfig) -> None:
         _require(mode == "auto", "parallelism.memory_budget_gib", p.memory_budget_gib,
                  f"it is used only with parallelism.reshard_after_forward_mode = 'auto' (this job has "
                  f"{mode!r})")
+
+    ac = c.activation_checkpoint
+    option = ac.selective_ac_option
+    _require(option == "op" or (str(option).strip().isdigit() and int(str(option)) >= 1),
+             "activation_checkpoint.selective_ac_option", option,
+             "expected 'op' or a positive integer N (full recomputation of every N-th block)")
+    _require(not c.compile.enable or bool(c.compile.components), "compile.components", c.compile.components,
+             "expected model, loss or both with compile.enable = true")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")

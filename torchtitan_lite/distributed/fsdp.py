@@ -46,6 +46,7 @@ __all__ = [
     "UnitRole",
     "apply_fsdp",
     "build_sharded_model",
+    "find_blocks",
     "fsdp_units",
     "reshard_all",
     "resolve_reshard_after_forward",
@@ -203,7 +204,8 @@ def _modules_of(unit: ModuleOrGroup, what: str) -> list[nn.Module]:
     return [unit]
 
 
-def _find_blocks(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
+def find_blocks(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
+    """The blocks ``blocks`` names in ``model`` (see :data:`Blocks`), in order."""
     if callable(blocks) and not isinstance(blocks, nn.Module):
         predicate = blocks
         found = [m for name, m in model.named_modules() if name and predicate(name, m)]
@@ -240,7 +242,7 @@ def fsdp_units(
         return FSDPUnit("+".join(names[id(m)] for m in modules), tuple(modules), role)
 
     units = [] if first_unit is None else [unit(_modules_of(first_unit, "first_unit"), "first")]
-    units += [unit([block], "block") for block in _find_blocks(model, blocks)]
+    units += [unit([block], "block") for block in find_blocks(model, blocks)]
     if last_unit is not None:
         units.append(unit(_modules_of(last_unit, "last_unit"), "last"))
     _check_units(model, units, names)

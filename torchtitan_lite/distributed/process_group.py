@@ -83,7 +83,7 @@ def init_distributed(
 ) -> None:
     """Create the default process group from torchrun's environment.
 
-    Without torchrun (no ``WORLD_SIZE``), a single-process group is created on a free local
+    Without torchrun (no ``MASTER_ADDR``), a single-process group is created on a free local
     port so that FSDP and DTensor work the same way as in a multi-process run. The first call
     also registers :func:`release_process_groups` to run at interpreter exit.
     """
@@ -100,12 +100,10 @@ def init_distributed(
                     "needs for gradient clipping; create it with backend 'cuda:nccl,cpu:gloo'"
                 )
         return
-    if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
+    # Without torchrun: a one-process group on a free port, passed explicitly rather than
+    # through os.environ (which child processes would inherit, port included).
+    standalone = ({} if "MASTER_ADDR" in os.environ else
+                  {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1})
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device, cpu_collectives=cpu_collectives)
@@ -113,6 +111,7 @@ def init_distributed(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
+        **standalone,
     )
     logger.info(
         "process group: backend=%s world_size=%d device=%s", backend, dist.get_world_size(), device

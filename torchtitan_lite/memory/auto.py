@@ -142,9 +142,12 @@ def plan_auto_reshard(
     optimizer: str = "AdamW",
     optimizer_implementation: str = "foreach",
     grad_accum_steps: int = 1,
+    ac_mode: str = "none",
+    selective_ac_option: str | int = "op",
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit so that the estimated peak per rank stays
-    within ``budget_bytes`` with the fewest all-gathers.
+    within ``budget_bytes`` with the fewest all-gathers, for the model checkpointed by
+    ``ac_mode`` and ``selective_ac_option`` (as configured; every estimate includes it).
 
     - Nothing is resharded when everything fits (``never``: one all-gather per unit and
       micro-batch).
@@ -187,7 +190,7 @@ def plan_auto_reshard(
         "dp_replicate": dp_replicate, "local_batch_size": local_batch_size, "seq_len": seq_len,
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
-        "grad_accum_steps": grad_accum_steps,
+        "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
     }
     check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
                      seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,

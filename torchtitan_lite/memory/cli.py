@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torchtitan_lite.config import load_job_config
+from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
 from torchtitan_lite.errors import UserError
 from torchtitan_lite.job import plan_job
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {'on' if t.enable_cpu_offload else 'off'}; "
-          f"{config.optimizer.name} ({config.optimizer.implementation})")
+          f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
+          f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}")
     print(_table(estimates, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"]
     if t.enable_cpu_offload:

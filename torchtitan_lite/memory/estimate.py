@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ import torch
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
+from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_lite.distributed.fsdp import ReshardMode, apply_fsdp, validate_reshard_after_forward_mode
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.process_group import build_mesh
@@ -150,6 +151,9 @@ def estimate_memory(
     optimizer: str = "AdamW",
     optimizer_implementation: str = "foreach",
     grad_accum_steps: int = 1,
+    ac_mode: str = "none",
+    selective_ac_option: str | int = "op",
+    ac_policies: Sequence[str] | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
@@ -176,7 +180,8 @@ def estimate_memory(
         "seq_len": seq_len, "reshard_after_forward_mode": reshard_after_forward_mode,
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
-        "grad_accum_steps": grad_accum_steps,
+        "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
+        "ac_policies": None if ac_policies is None else tuple(ac_policies),
     }
     import torch.distributed as dist
 
@@ -380,6 +385,9 @@ def estimate_here(
     optimizer: str,
     optimizer_implementation: str,
     grad_accum_steps: int,
+    ac_mode: str = "none",
+    selective_ac_option: str | int = "op",
+    ac_policies: Sequence[str] | None = None,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` in this process (which must hold no process group)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -392,7 +400,10 @@ def estimate_here(
         # Sharding meta parameters needs no fake mode (and is much faster without it).
         with torch.device("meta"):
             model = spec.model_cls(args)
-        apply_fsdp(model, mesh, **spec.fsdp_units(model), reshard_after_forward_mode=reshard_after_forward_mode,
+        units = spec.fsdp_units(model)
+        apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
+                                       selective_ac_option=selective_ac_option, policies=ac_policies)
+        apply_fsdp(model, mesh, **units, reshard_after_forward_mode=reshard_after_forward_mode,
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
             model.to_empty(device=device)  # fake tensors: shapes only, nothing to initialise
@@ -450,7 +461,8 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "local_batch_size": t.local_batch_size, "seq_len": t.seq_len, "param_dtype": plan.param_dtype,
         "reduce_dtype": plan.reduce_dtype, "cpu_offload": t.enable_cpu_offload,
         "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
-        "grad_accum_steps": plan.grad_accum_steps,
+        "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
+        "selective_ac_option": config.activation_checkpoint.selective_ac_option,
     }
 
 

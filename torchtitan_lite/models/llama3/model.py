@@ -1,7 +1,7 @@
 """A Llama-3-style decoder-only Transformer.
 
 RMSNorm, rotary position embeddings (interleaved pairs, as in Meta's Llama reference; the
-cos/sin table lives in a non-persistent buffer), grouped-query attention through
+rotations live in a non-persistent complex buffer and reach the blocks as :func:`rope_bits`), grouped-query attention through
 ``scaled_dot_product_attention`` and a SwiGLU feed-forward. Parameter names follow the Llama-3
 checkpoint convention. Nothing here knows about FSDP: the model can be built on the meta device,
 sharded by :mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
@@ -19,7 +19,7 @@ from torch import nn
 
 import torchtitan_lite.models.init as init
 
-__all__ = ["ModelArgs", "Transformer", "LLAMA3_FLAVORS", "precompute_freqs_cis"]
+__all__ = ["ModelArgs", "Transformer", "LLAMA3_FLAVORS", "apply_rotary_emb", "precompute_freqs_cis", "rope_bits"]
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,8 @@ def precompute_freqs_cis(
 ) -> torch.Tensor:
     """Return the ``(max_seq_len, head_dim // 2)`` complex64 rotations ``exp(i · pos · freq)``.
 
-    Complex (not real) on purpose: FSDP's mixed precision casts floating-point forward inputs
-    to the compute dtype, which would round a real cos/sin table to bf16; complex tensors are
-    left alone.
+    Kept complex (the buffer is not a floating-point tensor, so nothing casts it); the blocks
+    get it as :func:`rope_bits`.
     """
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
@@ -115,12 +114,32 @@ def precompute_freqs_cis(
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
+def rope_bits(freqs_cis: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` rotations as the raw bits (``int32``) of their float32 cos/sin pairs.
+
+    This is the form the blocks receive: FSDP's mixed precision casts floating-point inputs of
+    a unit to the compute dtype, which would round the table to bf16; integer tensors pass
+    unchanged, and reading them back as float32 is free (a bit-cast view).
+    """
+    return torch.view_as_real(freqs_cis[:seq_len]).view(torch.int32)
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (bs, seq, heads, head_dim)``."""
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (bs, seq, heads, head_dim)`` by the
+    table ``freqs_cis`` (complex, or its :func:`rope_bits`).
+
+    The product with ``exp(i·θ)`` is written with real cos/sin arithmetic (the same values as a
+    complex multiply, bit for bit on CPU): inductor generates code for it, which it does not for
+    complex operators.
+    """
     seq_len, head_dim = x.shape[1], x.shape[-1]
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))
-    rotated = pairs * freqs_cis[:seq_len].view(1, seq_len, 1, head_dim // 2)
-    return torch.view_as_real(rotated).flatten(-2).type_as(x)
+    table = freqs_cis.view(torch.float32) if freqs_cis.dtype == torch.int32 else torch.view_as_real(freqs_cis)
+    table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
+    cos, sin = table[..., 0], table[..., 1]
+    pairs = x.float().reshape(*x.shape[:-1], head_dim // 2, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -229,8 +248,9 @@ class Transformer(nn.Module):
                 f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}"
             )
         h = self.tok_embeddings(tokens)
+        rope = rope_bits(self.freqs_cis, tokens.shape[1])
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, rope)
         return self.output(self.norm(h))
 
     @torch.no_grad()

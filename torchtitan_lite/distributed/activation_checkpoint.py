@@ -1,0 +1,183 @@
+"""Activation checkpointing of a model's blocks, applied from outside the model code.
+
+A checkpointed block keeps, from its forward pass, only what its policy says and recomputes the
+rest during backward:
+
+- ``full``: only the block's inputs; the whole block runs again in backward (about one more
+  forward of the block: +~33% of the block's FLOPs, the least memory).
+- ``op`` (selective by operator): the outputs of the matrix multiplications (``mm``, ``addmm``,
+  ``bmm``, ``_scaled_mm``) and of the fused attention kernels (every
+  ``_scaled_dot_product_*_attention`` variant), which are the expensive ops; everything else
+  (norms, RoPE, activations, element-wise products, reshapes) is recomputed. Those cheap ops
+  are a few percent of the FLOPs, but their outputs (and the matmul inputs they produce) are
+  about half of a Llama block's activations, so this keeps most of the speed of no
+  checkpointing at a much lower memory.
+- ``none``: nothing is recomputed.
+
+:func:`apply_activation_checkpointing` chooses the policy of each block from TorchTitan's
+settings (``mode = "none" | "full" | "selective"``; for ``selective``, ``selective_ac_option =
+"op"`` or an integer N: full checkpointing of every N-th block) or takes one policy per block
+(what the ``auto`` planner chooses). It must run before ``fully_shard`` and ``torch.compile``
+of the blocks, and works on any model: ``blocks`` is what :func:`~.fsdp.apply_fsdp` takes.
+
+The block's class is replaced by a subclass whose ``forward`` runs the original one under
+:func:`torch.utils.checkpoint.checkpoint` (non-reentrant), as FSDP2 does for its own hooks: no
+wrapper module, so parameter names, ``state_dict`` keys and checkpoints are unchanged, and
+``fully_shard`` and ``torch.compile`` (which traces the checkpoint as one region) apply to the
+block as before. Recomputation produces bitwise the same values as the first forward on the
+same device (no dropout RNG is consumed twice: the RNG state is restored for the recompute).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
+
+__all__ = [
+    "AC_MODES",
+    "BlockPolicy",
+    "apply_activation_checkpointing",
+    "block_policies",
+    "checkpoint_policy_of",
+    "describe",
+]
+
+AC_MODES = ("none", "full", "selective")
+BlockPolicy = Literal["none", "full", "op"]
+_POLICIES = ("none", "full", "op")
+
+_SAVED_OP_NAMES = (
+    "mm", "addmm", "bmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+
+@functools.cache
+def _saved_ops() -> frozenset[Any]:
+    """The ``aten`` overloads whose outputs ``op`` keeps (those this PyTorch build has)."""
+    ops = set()
+    for name in _SAVED_OP_NAMES:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(ops)
+
+
+def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context() -> Any:
+    return create_selective_checkpoint_contexts(_save_matmuls_and_attention)
+
+
+def block_policies(mode: str, selective_ac_option: str | int, n_blocks: int) -> list[BlockPolicy]:
+    """One policy per block from TorchTitan's settings: ``none`` → all ``none``, ``full`` → all
+    ``full``, ``selective`` with ``"op"`` → all ``op``, ``selective`` with N → ``full`` for
+    blocks N-1, 2N-1, ... (every N-th block, counting from 1) and ``none`` for the others.
+
+    Raises ``ValueError`` (one line naming the setting) for anything else."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode: invalid value {mode!r}; expected one of "
+                         f"{', '.join(AC_MODES)}")
+    if mode != "selective":
+        return [mode] * n_blocks  # type: ignore[list-item]
+    every = _every_nth(selective_ac_option)
+    if every is None:
+        return ["op"] * n_blocks
+    return ["full" if (index + 1) % every == 0 else "none" for index in range(n_blocks)]
+
+
+def describe(mode: str, selective_ac_option: str | int = "op") -> str:
+    """One phrase for logs: ``"selective (op: matmul and attention outputs kept)"``."""
+    if mode != "selective":
+        return mode
+    every = _every_nth(selective_ac_option)
+    if every is None:
+        return "selective (op: matmul and attention outputs kept)"
+    if every == 1:
+        return "full"
+    suffix = "th" if 10 <= every % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(every % 10, "th")
+    return f"selective (every {every}{suffix} block recomputed)"
+
+
+def _every_nth(option: str | int) -> int | None:
+    """None for ``"op"``, N for a positive integer (or its string), else ``ValueError``."""
+    if option == "op":
+        return None
+    text = str(option).strip()
+    if isinstance(option, bool) or not text.isdigit() or int(text) < 1:
+        raise ValueError(f"activation_checkpoint.selective_ac_option: invalid value {option!r}; expected "
+                         "'op' or a positive integer N (checkpoint every N-th block)")
+    return int(text)
+
+
+@functools.cache
+def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Module]:
+    context_fn: Callable[[], Any] | None = _op_context if policy == "op" else None
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        inner = super(subclass, self).forward  # the block's own forward
+        if context_fn is None:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    subclass = type(f"Checkpointed{cls.__name__}", (cls,), {
+        "forward": forward,
+        "__module__": cls.__module__,
+        "_activation_checkpoint_policy": policy,
+    })
+    return subclass
+
+
+def checkpoint_policy_of(module: nn.Module) -> BlockPolicy:
+    """The policy :func:`apply_activation_checkpointing` gave ``module`` (``none`` if none)."""
+    return getattr(module, "_activation_checkpoint_policy", "none")
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    *,
+    blocks: Blocks,
+    mode: str = "selective",
+    selective_ac_option: str | int = "op",
+    policies: Sequence[BlockPolicy] | None = None,
+) -> list[BlockPolicy]:
+    """Checkpoint ``model``'s blocks in place and return each block's policy.
+
+    Args:
+        model: the model (on any device, the meta device included), not yet sharded or compiled.
+        blocks: the repeated blocks, as :func:`~.fsdp.apply_fsdp` takes them.
+        mode, selective_ac_option: TorchTitan's settings (see :func:`block_policies`).
+        policies: one of ``"none"``, ``"full"``, ``"op"`` per block instead (overrides ``mode``).
+
+    Raises ``ValueError`` (one line) for a bad setting, a list of the wrong length, or a block
+    that is already checkpointed, sharded or compiled.
+    """
+    found = find_blocks(model, blocks)
+    if policies is None:
+        chosen = block_policies(mode, selective_ac_option, len(found))
+    else:
+        chosen = list(policies)
+        if len(chosen) != len(found) or any(p not in _POLICIES for p in chosen):
+            raise ValueError(f"activation checkpointing: expected one of {', '.join(_POLICIES)} for each "
+                             f"of the {len(found)} blocks, got {chosen!r}")
+    for index, (block, policy) in enumerate(zip(found, chosen, strict=True)):
+        if policy == "none":
+            continue
+        if hasattr(block, "_activation_checkpoint_policy"):
+            raise ValueError(f"activation checkpointing: block {index} is already checkpointed")
+        if type(block).__name__.startswith("FSDP") or getattr(block, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"activation checkpointing: block {index} is already sharded or compiled; "
+                             "apply activation checkpointing first")
+        block.__class__ = _checkpointed_class(type(block), policy)
+    return chosen

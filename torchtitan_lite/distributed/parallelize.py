@@ -1,0 +1,58 @@
+"""The meta-init path of a registered model: build on the meta device, checkpoint activations,
+compile, shard, allocate, initialise.
+
+The order matters and is the one TorchTitan uses: activation checkpointing wraps each block's
+forward first (so that compile traces the checkpoint as part of the block's graph), compile
+comes next, and ``fully_shard`` last (so that its hooks, which gather and free parameters, stay
+outside the compiled code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply_activation_checkpointing
+from torchtitan_lite.distributed.compile import compile_blocks
+from torchtitan_lite.distributed.fsdp import apply_fsdp
+from torchtitan_lite.models.spec import ModelSpec
+
+__all__ = ["build_sharded_model"]
+
+
+def build_sharded_model(
+    spec: ModelSpec,
+    args: Any,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    seed: int,
+    ac_mode: str = "none",
+    selective_ac_option: str | int = "op",
+    ac_policies: Sequence[BlockPolicy] | None = None,
+    compile_model: bool = False,
+    **fsdp_options: Any,
+) -> nn.Module:
+    """Build ``spec.model_cls(args)`` on the meta device; checkpoint its blocks by ``ac_mode`` and
+    ``selective_ac_option`` (TorchTitan's settings) or by ``ac_policies`` (one of
+    ``none``/``full``/``op`` per block; see :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``;
+    shard it with :func:`~.fsdp.apply_fsdp` over the spec's units (``fsdp_options`` are its
+    other keyword arguments); allocate this rank's shards (on CPU under ``cpu_offload``, else on
+    ``device``) and fill them with ``init_weights`` from ``seed``. No rank ever holds the full
+    model."""
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    units = spec.fsdp_units(model)
+    apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
+                                   selective_ac_option=selective_ac_option, policies=ac_policies)
+    if compile_model:
+        compile_blocks(model, blocks=units["blocks"])
+    apply_fsdp(model, mesh, **units, **fsdp_options)
+    model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
+    torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
+    model.init_weights(buffer_device=device)  # type: ignore[operator]
+    return model
