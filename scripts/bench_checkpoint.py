@@ -32,7 +32,7 @@ from torchtitan_lite.distributed import (
     init_distributed,
     world_info_from_env,
 )
-from torchtitan_lite.distributed.fsdp import build_sharded_model
+from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.models import get_model_spec
 
 

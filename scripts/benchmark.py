@@ -1,5 +1,5 @@
 """What FSDP2's knobs cost and buy, measured: trainer overhead, memory per rank by category,
-collectives per step, meta-device init and start-up time.
+collectives per step, activation checkpointing, compile, meta-device init and start-up time.
 
     python scripts/benchmark.py --quick                    # a few minutes on a 2-core CPU machine
     python scripts/benchmark.py --json docs/benchmark.json  # also write every figure as JSON
@@ -24,6 +24,11 @@ memory        per rank and category (sharded/unsharded params, grads, optimizer 
               largest gets its own launch.
 collectives   all-gathers and reduce-scatters per step (count and MiB per rank) counted from the
               ``c10d`` ops that ran, next to what each reshard mode implies.
+ac            each activation checkpointing setting (none, full, selective op, selective every
+              2nd block) on 2 ranks at ``--ac_seq_len``: activations and peak measured next to
+              the estimate, step time, and whether the losses equal those of none.
+compile       compiled (blocks and loss) against eager trainer on 2 ranks, alternating round by
+              round; the ratio of the median step times, and compilation time on its own.
 auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
               from the estimates of never and always): the units it reshards, all-gathers per
               step, estimated and measured peak, tokens/s, next to never / default / always.
@@ -188,7 +193,7 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.loss import token_loss_sum
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.models import get_model_spec
@@ -315,11 +320,117 @@ def _worker_auto(opts: argparse.Namespace) -> dict[str, Any]:
                       "budget_gib": None if plan is None else plan.budget / 2**30,
                       "resharded": None if plan is None else list(plan.resharded),
                       "resharded_text": None if plan is None else plan.resharded_text(),
+                      "recomputed": None if plan is None else plan.recomputed_text(),
                       "estimated_peak": None if plan is None else plan.peak,
                       "plan_seconds": None if plan is None else plan.seconds}
         trainer.metrics.close()
         del trainer
     return out
+
+
+AC_RUNS = {"none": ["--activation_checkpoint.mode", "none"],
+           "full": ["--activation_checkpoint.mode", "full"],
+           "selective op": ["--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op"],
+           "selective 2": ["--activation_checkpoint.mode", "selective",
+                           "--activation_checkpoint.selective_ac_option", "2"]}
+
+
+def _ac_args(opts: argparse.Namespace) -> argparse.Namespace:
+    """The AC part's job: ``--ac_seq_len`` (activations dominate there), fp32."""
+    return argparse.Namespace(**{**vars(opts), "seq_len": opts.ac_seq_len})
+
+
+def _ac_estimates(opts: argparse.Namespace) -> dict[str, int]:
+    """Estimated peak per rank at 2 ranks of each AC run (in this process: no process group)."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, argv in AC_RUNS.items():
+            config = load_job_config(_job_args(argparse.Namespace(**{**vars(_ac_args(opts)), "dump": tmp}), *argv))
+            plan = plan_job(config, world_size=2)
+            kwargs = job_estimate_kwargs(config, plan)
+            estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                                       **kwargs)
+            out[label] = {"peak": estimate.peak, "activations": estimate.categories.get("activations", 0)}
+    return out
+
+
+def _worker_ac(opts: argparse.Namespace) -> dict[str, Any]:
+    """Each activation checkpointing setting: a Trainer, step time over ``--steps`` steps (after
+    a warm-up step), the losses, then the peak measured by FSDPMemTracker (last: its hooks stay)."""
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.trainer import Trainer
+
+    ac_opts = _ac_args(opts)
+    out = {}
+    for label, argv in AC_RUNS.items():
+        trainer = Trainer(load_job_config(_job_args(ac_opts, *argv)))
+        trainer.config.training.steps = 1
+        trainer.train()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.config.training.steps += opts.steps
+        losses = [h["loss"] for h in trainer.train()]
+        dist.barrier()
+        step_s = (time.perf_counter() - start) / opts.steps
+
+        def loss_fn(trainer: Any = trainer) -> torch.Tensor:
+            (inputs, labels), = trainer.loader.next_batch()
+            return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
+
+        measured = measure_step_memory(trainer.model, trainer.optimizer, loss_fn)["peak"]
+        out[label] = {"step_s": step_s, "losses": losses, "peak": measured["total"],
+                      "activations": measured["activations"]}
+        trainer.metrics.close()
+        del trainer
+    return out
+
+
+def _worker_compile(opts: argparse.Namespace) -> dict[str, Any]:
+    """Compiled vs eager Trainer on the same job in one process group: the compiled one's first
+    step (compilation) timed on its own, then both alternate round by round after a warm-up,
+    and the ratio of the median step times is reported."""
+    import torch._dynamo as dynamo
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    eager = Trainer(load_job_config(_job_args(opts)))
+    compiled = Trainer(load_job_config(_job_args(opts, "--compile.enable")))
+
+    def steps(trainer: Any, n: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.config.training.steps = trainer.step + n
+        trainer.train()
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return (time.perf_counter() - start) / n
+
+    eager_first = steps(eager, 1)
+    compile_first = steps(compiled, 1)  # compiles the blocks and the loss
+    steps(eager, 1)
+    steps(compiled, 1)  # warm-up both (the compiled step's first backward ran in step 1)
+    graphs_after_warmup = dynamo.utils.counters["stats"]["unique_graphs"]
+    eager_s, compiled_s = [], []
+    for _ in range(opts.rounds):
+        eager_s.append(steps(eager, opts.steps))
+        compiled_s.append(steps(compiled, opts.steps))
+    tokens = opts.local_batch_size * opts.seq_len
+    return {"eager_step_s": eager_s, "compiled_step_s": compiled_s, "eager_first_step_s": eager_first,
+            "compiled_first_step_s": compile_first, "compile_s": compile_first - eager_first,
+            "eager_tps": tokens / statistics.median(eager_s), "compiled_tps": tokens / statistics.median(compiled_s),
+            "ratio": statistics.median(eager_s) / statistics.median(compiled_s),
+            "new_graphs_after_warmup": dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup}
 
 
 def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
@@ -328,7 +439,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.memory.measure import process_memory, reset_peak_rss
     from torchtitan_lite.models import get_model_spec
 
@@ -362,7 +473,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
-           "auto": _worker_auto, "metainit": _worker_metainit}
+           "auto": _worker_auto, "metainit": _worker_metainit, "ac": _worker_ac, "compile": _worker_compile}
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
@@ -398,7 +509,7 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
                "--flavor", opts.flavor, "--seq_len", str(opts.seq_len),
                "--local_batch_size", str(opts.local_batch_size), "--steps", str(opts.steps),
                "--rounds", str(opts.rounds), "--param_dtypes", opts.param_dtypes,
-               "--cpu_offload", opts.cpu_offload, *extra]
+               "--cpu_offload", opts.cpu_offload, "--ac_seq_len", str(opts.ac_seq_len), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -454,15 +565,18 @@ def main() -> None:
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--seq_len", type=int, default=256)
     parser.add_argument("--local_batch_size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="steps per timed round (overhead) and timed steps per run (auto)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each loop")
     parser.add_argument("--world_sizes", default="1,2,4", help="memory part: world sizes, comma-separated")
     parser.add_argument("--param_dtypes", default="float32,bfloat16",
                         help="memory part: parameter (compute) dtypes, comma-separated (float32, bfloat16)")
     parser.add_argument("--cpu_offload", default="off,on",
                         help="memory part: CPU offload settings, comma-separated (off, on)")
+    parser.add_argument("--ac_seq_len", type=int, default=1024,
+                        help="ac part: sequence length (long enough for activations to dominate)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
-                        "overhead, memory, collectives, auto, metainit, startup")
+                        "overhead, memory, collectives, auto, ac, compile, metainit, startup")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -487,7 +601,7 @@ def main() -> None:
     if opts.quick:
         opts.rounds, opts.steps = 3, 5
     skip = set(filter(None, opts.skip.split(",")))
-    parts = ("overhead", "memory", "collectives", "auto", "metainit", "startup")
+    parts = ("overhead", "memory", "collectives", "auto", "ac", "compile", "metainit", "startup")
     if not skip <= set(parts):
         parser.error(f"--skip: unknown part(s) {', '.join(sorted(skip - set(parts)))}; known: {', '.join(parts)}")
     try:
@@ -560,14 +674,41 @@ def main() -> None:
         figures["auto"] = auto
         print("\nreshard_after_forward_mode auto (2 ranks): budgets from the estimates (tight: halfway "
               "between always + headroom and never; loose: (never + headroom) + 5%)")
-        print(f"{'run':12} {'budget MiB':>10} {'resharded':40} {'all-gathers':>11} {'est. MiB':>9} "
-              f"{'measured MiB':>12} {'tok/s/rank':>10}")
+        print(f"{'run':12} {'budget MiB':>10} {'resharded':40} {'recomputation added':36} {'all-gathers':>11} "
+              f"{'est. MiB':>9} {'measured MiB':>12} {'tok/s/rank':>10}")
         for label, r in auto.items():
             budget = "-" if r["budget_gib"] is None else f"{r['budget_gib'] * 1024:.2f}"
             units = r["resharded_text"] or "-"
             estimated = "-" if r["estimated_peak"] is None else f"{r['estimated_peak'] / 2**20:.2f}"
-            print(f"{label:12} {budget:>10} {units:40} {r['all_gather']:>11} {estimated:>9} "
+            print(f"{label:12} {budget:>10} {units:40} {r['recomputed'] or '-':36} {r['all_gather']:>11} {estimated:>9} "
                   f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}")
+    if "ac" not in skip:
+        estimates = _ac_estimates(opts)
+        ac = _launch(["ac"], 2, opts)["ac"][0]
+        for label, r in ac.items():
+            r["estimated_peak"], r["estimated_activations"] = estimates[label]["peak"], estimates[label]["activations"]
+        figures["ac"] = ac
+        none = ac["none"]
+        print(f"\nactivation checkpointing (2 ranks, fp32, seq_len {opts.ac_seq_len}, local batch "
+              f"{opts.local_batch_size}; peak and activations at the peak measured with FSDPMemTracker, "
+              f"next to the estimate; {opts.steps} timed steps)")
+        print(f"{'mode':13} {'activations':>11} {'est.':>9} {'peak MiB':>9} {'est.':>9} {'est./meas.':>10} "
+              f"{'step s':>7} {'vs none':>7}  losses == none")
+        for label, r in ac.items():
+            same = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], none["losses"], strict=True))
+            print(f"{label:13} {r['activations'] / 2**20:11.2f} {r['estimated_activations'] / 2**20:9.2f} "
+                  f"{r['peak'] / 2**20:9.2f} {r['estimated_peak'] / 2**20:9.2f} "
+                  f"{r['estimated_peak'] / r['peak']:10.3f} {r['step_s']:7.3f} "
+                  f"{r['step_s'] / none['step_s']:7.2f}  max rel. diff {same:.1e}")
+    if "compile" not in skip:
+        c = _launch(["compile"], 2, opts)["compile"][0]
+        figures["compile"] = c
+        print(f"\ncompile (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss "
+              f"compiled): eager {c['eager_tps']:,.0f} tok/s/rank, compiled {c['compiled_tps']:,.0f} "
+              f"tok/s/rank, ratio compiled/eager = {c['ratio']:.2f} (per round: "
+              + ", ".join(f"{e / k:.2f}" for e, k in zip(c["eager_step_s"], c["compiled_step_s"], strict=True))
+              + f"); compilation {c['compile_s']:.1f} s (first step {c['compiled_first_step_s']:.1f} s "
+              f"vs eager {c['eager_first_step_s']:.2f} s), {c['new_graphs_after_warmup']} new graphs after warm-up")
     if "metainit" not in skip:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks

@@ -21,10 +21,14 @@ from tests.dist_utils import run_distributed
 from tests.fsdp_probes import reshard_kind
 from tests.test_parallelize import _llama_units, _probe_collectives
 from torchtitan_lite.config import ConfigError, load_job_config
+from torchtitan_lite.distributed.activation_checkpoint import checkpoint_policy_of
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
 from torchtitan_lite.job import plan_job
 from torchtitan_lite.memory.auto import (
+    COMM_FLOPS_PER_BYTE,
+    MEMORY_FLOPS_PER_BYTE,
     _reshard_order,
+    action_costs,
     auto_budget_bytes,
     auto_headroom_bytes,
     plan_auto_reshard,
@@ -54,8 +58,14 @@ def _units(model: Transformer) -> list[FSDPUnit]:
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
     kwargs = _estimate_kwargs()
-    peaks = {mode: estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=mode, **kwargs).peak
-             for mode in ("never", "always")}
+    # In the forms the planner asks for them (per-unit and per-block plans), so that its own
+    # estimates of these plans in this process are the cached ones: never, always, and every
+    # unit resharded with every block recomputed (the least auto can reach).
+    n = len(UNITS)
+    peaks = {label: estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=(flag,) * n,
+                                    ac_policies=(policy,) * 6, **kwargs).peak
+             for label, flag, policy in (("never", False, "none"), ("always", True, "none"),
+                                         ("least", True, "full"))}
     # What auto keeps free below a budget: one block's fp32 parameters here (3.25 MiB).
     peaks["headroom"] = auto_headroom_bytes(SPEC, DEBUG, kwargs["param_dtype"], kwargs["reduce_dtype"])
     return peaks
@@ -99,34 +109,75 @@ def test_busy_units_follow_fsdp2_prefetch():
     assert _busy_units(units, "optimizer", "") == frozenset()
 
 
-def test_loose_budget_reshards_nothing_tight_budget_the_fewest_that_fit(peaks):
+def _plan_of(actions: list[str]) -> tuple[tuple[bool, ...], tuple[str, ...]]:
+    """Per unit reshard flags and per block policies after ``actions`` ("reshard layers.3",
+    "op layers.0", "full layers.0")."""
+    reshard, policies = [False] * len(UNITS), ["none"] * 6
+    for action in actions:
+        kind, name = action.split(" ")
+        if kind == "reshard":
+            reshard[UNITS.index(name)] = True
+        elif kind == "full" or policies[int(name.split(".")[1])] == "none":
+            policies[int(name.split(".")[1])] = kind
+    return tuple(reshard), tuple(policies)
+
+
+def test_cost_model_at_8b_hides_reshards_then_recomputes_cheap_ops_then_whole_blocks():
+    """The 8B flavor at seq 8192, bf16 parameters, fp32 reduce: every block's re-gather hides
+    behind the next block's backward (cost 0), the last unit's cannot; recomputing a block's
+    cheap ops costs less per byte than rerunning its matmuls."""
+    args = LLAMA3_FLAVORS["8B"]
+    with torch.device("meta"):
+        units = _units(Transformer(args))
+    op_bytes = 1.5 * 2**30  # what op frees per block at batch 1 (illustrative; the planner measures it)
+    costs = action_costs(units, args, tokens=8192, seq_len=8192, param_bytes=2, reduce_bytes=4,
+                         op_bytes_per_block=op_bytes)
+    blocks = [i for i, u in enumerate(units) if u.role == "block"]
+    assert all(costs[("reshard", i)] == 0 for i in blocks[:-1])
+    last = len(units) - 1
+    assert costs[("reshard", last)] == units[last].numel() * 2 * COMM_FLOPS_PER_BYTE
+    assert costs[("op", 0)] == 2 * op_bytes * MEMORY_FLOPS_PER_BYTE
+    block = units[blocks[0]]
+    assert costs[("full", 0)] == (2 * block.numel() + 4 * args.dim * 8192) * 8192
+    # Per byte freed, full (its increment over op frees the matmul outputs, at most as much
+    # again as op) costs more than op.
+    assert costs[("full", 0)] / op_bytes > costs[("op", 0)] / op_bytes
+
+
+def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that_fit(peaks):
     kwargs = _estimate_kwargs()
     loose = plan_auto_reshard(SPEC, DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs)
     assert loose.reshard == (False,) * len(UNITS) and loose.units == UNITS
+    assert loose.ac_policies == loose.configured_ac == ("none",) * 6 and not loose.recomputed
     assert loose.peak == peaks["never"] and len(loose.tried) == 1  # one estimate: never fits
-    assert loose.all_gathers_per_step == len(UNITS)
+    assert loose.all_gathers_per_step == len(UNITS) and loose.actions == () and loose.added_flops == 0
 
     budget = (peaks["never"] + peaks["always"]) // 2
     tight = plan_auto_reshard(SPEC, DEBUG, budget_bytes=budget, count_offloaded=True, **kwargs)
-    k = sum(tight.reshard)
-    assert 0 < k < len(UNITS) and tight.peak + tight.headroom <= budget
+    assert tight.peak + tight.headroom <= budget and tight.actions
     # Headroom: the largest unit's gathered parameters (fp32 here), a block of debugmodel.
     with torch.device("meta"):
         assert tight.headroom == peaks["headroom"] == max(u.numel() for u in _units(Transformer(DEBUG))) * 4
-    assert set(tight.resharded) == set(tight.order[:k])  # a prefix of the order
-    assert tight.all_gathers_per_step == len(UNITS) + k
-    # The fewest: one unit fewer (the last one added) does not fit.
-    fewer = tuple(flag and name != tight.order[k - 1] for name, flag in zip(tight.units, tight.reshard, strict=True))
-    assert estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=fewer, **kwargs).peak > budget - tight.headroom
-    assert "resharding" in tight.summary() and tight.order[0] in tight.summary()
+    taken = [name for name, _, _ in tight.actions]
+    assert (tight.reshard, tight.ac_policies) == _plan_of(taken)
+    assert tight.all_gathers_per_step == len(UNITS) + sum(tight.reshard)
+    # Taken least added time per byte first, and the modelled cost is their sum.
+    rates = [cost / freed if freed else math.inf for _, cost, freed in tight.actions]
+    assert rates == sorted(rates) and tight.added_flops == pytest.approx(sum(c for _, c, _ in tight.actions))
+    # The fewest: without the last action taken it does not fit.
+    reshard, policies = _plan_of(taken[:-1])
+    fewer = estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=reshard, ac_policies=policies, **kwargs)
+    assert fewer.peak > budget - tight.headroom
+    assert "activation checkpointing added" in tight.summary() and "modelled added time" in tight.summary()
 
 
 def test_budget_below_resharding_everything_is_one_clear_error(peaks):
     with pytest.raises(ValueError, match=r"^parallelism\.memory_budget_gib: the estimated peak is .* per rank "
-                                         r"even with every unit resharded after forward, plus 3\.3 MiB of "
+                                         r"even with every unit resharded after forward and every block "
+                                         r"fully recomputed, plus 3\.3 MiB of "
                                          r"headroom for a collective buffer: above the budget of .* "
                                          r"\(parallelism\.memory_budget_gib = 0\.05\); allow more memory"):
-        plan_auto_reshard(SPEC, DEBUG, budget_bytes=peaks["always"] - MIB, count_offloaded=True,
+        plan_auto_reshard(SPEC, DEBUG, budget_bytes=peaks["least"] - MIB, count_offloaded=True,
                           budget_source="parallelism.memory_budget_gib = 0.05", **_estimate_kwargs())
 
 
@@ -184,7 +235,7 @@ def _wrong_length_rank() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any]:
+def _auto_rank(budgets_gib: dict[str, float | None], dump: str, job: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.loss import token_loss_sum
@@ -196,9 +247,10 @@ def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any
         mode = ["--parallelism.reshard_after_forward_mode", "never" if budget is None else "auto"]
         if budget is not None:
             mode += ["--parallelism.memory_budget_gib", repr(budget)]
-        trainer = Trainer(load_job_config([*JOB, *mode, "--job.dump_folder", str(Path(dump) / label)]))
+        trainer = Trainer(load_job_config([*job, *mode, "--job.dump_folder", str(Path(dump) / label)]))
         units = _llama_units(trainer.model)
         reshard = {name: reshard_kind(m) for name, m in units.items()}
+        policies = tuple(checkpoint_policy_of(block) for block in trainer.model.layers.values())
         collectives = _probe_collectives(trainer, units)
 
         def loss_fn(trainer: Any = trainer) -> torch.Tensor:
@@ -213,6 +265,7 @@ def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any
         results[label] = {
             "plan": None if plan is None else dataclasses.asdict(plan),
             "reshard": reshard,
+            "policies": policies,
             "backward_gathers": [c["unit"] for c in collectives
                                  if c["kind"] == "all_gather" and c["phase"] == "backward"],
             "forward_gathers": [c["unit"] for c in collectives
@@ -224,34 +277,61 @@ def _auto_rank(budgets_gib: dict[str, float | None], dump: str) -> dict[str, Any
     return results
 
 
-def test_trainer_auto_reshards_under_a_tight_budget_not_a_loose_one_and_stays_within(peaks, tmp_path):
-    tight = (peaks["never"] + peaks["always"]) / 2 / 2**30
-    loose = (peaks["never"] + peaks["headroom"]) * 1.05 / 2**30
-    ranks = run_distributed(_auto_rank, 2, {"never": None, "tight": tight, "loose": loose}, str(tmp_path))
-    print(f"\nestimated peaks: never {peaks['never'] / MIB:.2f} MiB, always {peaks['always'] / MIB:.2f} MiB")
+# The tiny flavor (4 units, 2 blocks) at seq 256, where activations are most of the peak: the
+# planner's estimates are quick, and it runs once per auto trainer in a child process.
+TINY_JOB = [*TINY_ARGS, "--training.seq_len", "256", "--training.steps", "3"]
+TINY_UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm+output")
+
+
+@pytest.fixture(scope="module")
+def tiny_peaks() -> dict[str, int]:
+    config = load_job_config(TINY_JOB)
+    kwargs = job_estimate_kwargs(config, plan_job(config, world_size=2))
+    args = LLAMA3_FLAVORS["tiny"]
+    peaks = {label: estimate_memory(SPEC, args, reshard_after_forward_mode=mode, ac_mode=ac,
+                                    **{k: v for k, v in kwargs.items() if k != "ac_mode"}).peak
+             for label, mode, ac in (("never", "never", "none"), ("always", "always", "none"),
+                                     ("least", "always", "full"))}
+    peaks["headroom"] = auto_headroom_bytes(SPEC, args, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    return peaks
+
+
+def test_trainer_auto_recomputes_when_no_reshard_plan_fits_nothing_under_a_loose_budget(tiny_peaks, tmp_path):
+    """2 real ranks: a budget below every unit resharded (always) but above that plus every block
+    recomputed makes auto checkpoint blocks; the job runs, FSDP2 and the blocks were told the plan,
+    the all-gathers that ran match it, the losses are never's and the measured peak is within the
+    budget. A loose budget changes nothing."""
+    tight = ((tiny_peaks["always"] + tiny_peaks["least"]) / 2 + tiny_peaks["headroom"]) / 2**30
+    assert tight * 2**30 < tiny_peaks["always"] + tiny_peaks["headroom"]  # no reshard-only plan fits
+    loose = (tiny_peaks["never"] + tiny_peaks["headroom"]) * 1.05 / 2**30
+    # The loose plan is never's (checked below): its losses and measured peak are never's.
+    ranks = run_distributed(_auto_rank, 2, {"tight": tight, "loose": loose}, str(tmp_path), TINY_JOB)
+    print(f"\nestimated peaks: never {tiny_peaks['never'] / MIB:.2f} MiB, always {tiny_peaks['always'] / MIB:.2f} MiB, "
+          f"always + full {tiny_peaks['least'] / MIB:.2f} MiB")
     for rank, runs in enumerate(ranks):
-        never = runs["never"]
+        never = runs["loose"]
         for label, budget in (("tight", tight), ("loose", loose)):
             run = runs[label]
             plan = run["plan"]
             resharded = {name for name, flag in zip(plan["units"], plan["reshard"], strict=True) if flag}
             if rank == 0:
-                print(f"{label}: budget {budget * 1024:.2f} MiB, resharded {sorted(resharded)}, estimated "
-                      f"{plan['estimate']['peak'] / MIB:.2f} MiB, measured {run['peak'] / MIB:.2f} MiB "
-                      f"(never measured {never['peak'] / MIB:.2f} MiB)")
+                print(f"{label}: budget {budget * 1024:.2f} MiB, resharded {sorted(resharded)}, "
+                      f"checkpointing {plan['ac_policies']}, estimated {plan['estimate']['peak'] / MIB:.2f} MiB, "
+                      f"measured {run['peak'] / MIB:.2f} MiB (never measured {never['peak'] / MIB:.2f} MiB)")
             # The measured peak of real steps stays within the budget.
             assert run["peak"] <= budget * 2**30, (label, run["peak"], budget)
-            # What FSDP2 was told per unit, and the all-gathers that ran: every unit in forward,
-            # again in backward exactly the resharded ones.
-            assert run["reshard"] == {name: "full" if name in resharded else "none" for name in UNITS}
-            assert run["forward_gathers"] == list(UNITS)
+            # What FSDP2 and the blocks were told, and the all-gathers that ran: every unit in
+            # forward, again in backward exactly the resharded ones.
+            assert run["reshard"] == {name: "full" if name in resharded else "none" for name in TINY_UNITS}
+            assert run["policies"] == plan["ac_policies"]
+            assert run["forward_gathers"] == list(TINY_UNITS)
             assert sorted(run["backward_gathers"]) == sorted(resharded)
             assert run["losses"] == pytest.approx(never["losses"], rel=1e-6)
-        assert runs["loose"]["plan"]["reshard"] == (False,) * len(UNITS)
-        assert not runs["loose"]["backward_gathers"]
-        # The tight budget binds: keeping every unit gathered would exceed it, measured too.
+        assert runs["loose"]["plan"]["reshard"] == (False,) * len(TINY_UNITS)
+        assert runs["loose"]["policies"] == ("none",) * 2 and not runs["loose"]["backward_gathers"]
+        # The tight budget binds: blocks are recomputed, and keeping everything would exceed it.
+        assert set(runs["tight"]["policies"]) != {"none"}
         assert never["peak"] > tight * 2**30
-        assert 0 < len(runs["tight"]["backward_gathers"]) < len(UNITS)
         assert all(math.isfinite(x) for x in never["losses"])
 
 
@@ -267,11 +347,11 @@ def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
     assert any(line.startswith("auto*") for line in printed.splitlines())
     assert "reshard_after_forward_mode auto: budget" in printed and "parallelism.memory_budget_gib" in printed
     record = json.loads(out.read_text())
-    assert 0 < sum(record["auto"]["reshard"]) < len(UNITS) and record["auto"]["peak"] <= tight * 2**30
+    assert record["auto"]["actions"] and record["auto"]["peak"] <= tight * 2**30
+    assert len(record["auto"]["ac_policies"]) == 6 and record["auto"]["configured_ac"] == ["none"] * 6
     assert [e["configured"] for e in record["estimates"]] == [False, False, False, True]
-    # No budget and no CUDA device: the device's memory decides (90% of it), or one error line.
-    assert main([*argv, "--world_size", "2", "--device_memory_gib", "1"]) == 0
-    assert "90% of the device's 1.0 GiB" in capsys.readouterr().out
+    # No budget and no CUDA device: one error line (with --device_memory_gib, 90% of it: see
+    # test_budget_source_and_config_checks).
     if not torch.cuda.is_available():
         assert main([*argv, "--world_size", "2"]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [

@@ -10,9 +10,13 @@ from tests.dist_utils import run_command
 
 
 def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
+    # Memory and collectives share one 2-rank launch (world size 1: its first rank). The memory
+    # part measures the three modes in fp32 without CPU offload, what the checks below compare.
+    # (The auto part's trainer runs are what tests/test_auto_reshard.py checks on 2 ranks.)
     out = tmp_path / "bench.json"
     result = run_command([sys.executable, "scripts/benchmark.py", "--flavor", "tiny", "--seq_len", "32",
-                          "--local_batch_size", "2", "--world_sizes", "1,2", "--skip", "overhead,metainit,startup",
+                          "--local_batch_size", "2", "--world_sizes", "1,2", "--skip", "overhead,auto,ac,compile,metainit,startup",
+                          "--param_dtypes", "float32", "--cpu_offload", "off", "--steps", "1",
                           "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "collectives per step per rank" in result.stdout and "memory per rank" in result.stdout
@@ -26,7 +30,10 @@ def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     assert all(c["reduce_scatter"] == units for c in coll.values())
     # Sharded state at 2 ranks is half of 1 rank's, for every configuration measured.
     one = {(c["mode"], c["param_dtype"], c["cpu_offload"]): c for c in figures["memory"]["1"][0]["configs"]}
+    assert sorted(one) == sorted((mode, "float32", False) for mode in ("default", "always", "never"))
+    assert len(figures["memory"]["1"]) == 1 and len(figures["memory"]["2"]) == 2
     for rank in figures["memory"]["2"]:
+        assert len(rank["configs"]) == len(one)
         for c in rank["configs"]:
             ref = one[(c["mode"], c["param_dtype"], c["cpu_offload"])]
             for key in ("sharded_params", "sharded_grads", "optimizer_state"):
@@ -35,11 +42,3 @@ def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     peaks = {c["mode"]: c["peak"]["unsharded_params"] for c in figures["memory"]["2"][0]["configs"]
              if c["param_dtype"] == "float32" and not c["cpu_offload"]}
     assert peaks["never"] > peaks["default"]
-    # auto: the loose budget keeps every unit gathered (never's all-gathers), the tight one
-    # reshards some; both stay within their budget, measured.
-    auto = figures["auto"]
-    assert auto["auto loose"]["all_gather"] == units and auto["auto loose"]["resharded"] == []
-    assert units < auto["auto tight"]["all_gather"] < 2 * units and auto["auto tight"]["resharded"]
-    for label in ("auto loose", "auto tight"):
-        assert auto[label]["measured_peak"] <= auto[label]["budget_gib"] * 2**30, label
-    assert auto["never"]["measured_peak"] > auto["auto tight"]["budget_gib"] * 2**30

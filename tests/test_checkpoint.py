@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import run_distributed, run_torchrun
+from tests.dist_utils import run_distributed
 from torchtitan_lite.checkpoint.manager import committed_steps
 
 
@@ -203,26 +204,24 @@ def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
 
 
 def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
-    import sys
-
-    from tests.dist_utils import run_command
-
+    """Jobs started as `python -m torchtitan_lite.train` (its ``main``, in a rank process with
+    torch already imported, see :func:`_run_main`) write the seed checkpoint once; it starts
+    the same run on one and two ranks."""
     seed_dump = tmp_path / "seed"
-    made = run_command([sys.executable, "-m", "torchtitan_lite.train", *_argv(seed_dump),
-                        "--checkpoint.create_seed_checkpoint", "--debug.seed", "7"], timeout=120)
+    create = [*_argv(seed_dump), "--checkpoint.create_seed_checkpoint"]
+    # The second run: once written, it is never overwritten by another seed run.
+    ((made, again),) = run_distributed(_run_main, 1, [[*create, "--debug.seed", "7"], create])
     assert made.returncode == 0, made.stderr
     assert committed_steps(seed_dump / "checkpoint") == [0]
     state = json.loads((seed_dump / "checkpoint" / "step-0" / "train_state.json").read_text())
     assert state["model_only"] is True and state["model_args"]["dim"] == 64
-    # Once written, it is never overwritten by another seed run.
-    again = run_command([sys.executable, "-m", "torchtitan_lite.train", *_argv(seed_dump),
-                         "--checkpoint.create_seed_checkpoint"], timeout=120)
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr
-    on_two = run_torchrun(_argv(tmp_path / "seed_two", "--checkpoint.create_seed_checkpoint"), nproc=2,
-                          timeout=120)
-    assert on_two.returncode != 0  # torchrun reports its workers' exit code 2 as 1
+    # Both ranks of a 2-process job (torchrun's variables) refuse it; local rank 0 says why.
+    on_two = [ranks[0] for ranks in run_distributed(
+        _run_main, 2, [_argv(tmp_path / "seed_two", "--checkpoint.create_seed_checkpoint")], False)]
+    assert on_two[1].returncode == 2 and on_two[1].stderr == "", on_two[1].stderr
     assert "error: checkpoint.create_seed_checkpoint: invalid value True; expected one process (this job " \
-        "has 2)" in on_two.stderr, on_two.stderr
+        "has 2)" in _one_error_line(on_two[0], 2)
 
     runs = {}
     for world in (1, 2):
@@ -254,6 +253,46 @@ def test_metadata_with_foreign_objects_is_refused(tmp_path):
         _MetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
 
 
+def _run_main(cases: list[list[str]], standalone: bool = True) -> list[subprocess.CompletedProcess[str]]:
+    """In a rank process of :func:`run_distributed` (torch imported once, not per job): call
+    ``torchtitan_lite.train.main(argv)``, which ``python -m torchtitan_lite.train`` runs, for
+    each case; return its exit code and everything the job wrote to stderr (file descriptor 2,
+    so C++ and logging output too; warnings shown again for each job, as in a new process).
+
+    ``standalone`` drops torchrun's variables, as for a job started without torchrun: each job
+    that gets that far creates its own one-process group on a free port. No job may leave a
+    process group behind."""
+    import os
+    import sys
+    import tempfile
+    import warnings
+
+    import torch.distributed as dist
+
+    from torchtitan_lite.train import main
+
+    if standalone:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    results = []
+    for argv in cases:
+        with tempfile.TemporaryFile() as captured, warnings.catch_warnings():
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(captured.fileno(), 2)
+            try:
+                code = main(argv)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            captured.seek(0)
+            stderr = captured.read().decode()
+        assert not dist.is_initialized(), f"main({argv}) left its process group initialized"
+        results.append(subprocess.CompletedProcess(argv, code, "", stderr))
+    return results
+
+
 def _one_error_line(result: Any, code: int = 2) -> str:
     """The one ``error:`` line of a job that exited with ``code`` (2: the config, 4: a checkpoint)."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -274,52 +313,50 @@ def _foreign_checkpoint(path: Path) -> None:
 
 def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     """Each broken checkpoint stops the job before training with one line naming the checkpoint
-    and what is wrong; none of them silently trains from scratch."""
+    and what is wrong; none of them silently trains from scratch.
+
+    Two of the jobs run as real processes (`python -m torchtitan_lite.train`: all of their stderr
+    is the one line, and the exit code is the process's); the others run the same ``main`` in
+    one rank process (:func:`_run_main`)."""
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     from tests.dist_utils import run_command
 
     dump = tmp_path / "run"
-    base = [sys.executable, "-m", "torchtitan_lite.train", *_argv(dump, "--training.steps", "2")]
-    assert run_command(base, timeout=120).returncode == 0
+    ((trained,),) = run_distributed(_run_main, 1, [_argv(dump, "--training.steps", "2")])
+    assert trained.returncode == 0, trained.stderr
     step2 = dump / "checkpoint" / "step-2"
     assert committed_steps(dump / "checkpoint") == [2]
 
-    def error(*extra: str, folder: Path = dump, code: int = 4) -> str:
-        """The error line of the job; a checkpoint that cannot be used exits 4, a config that
-        contradicts itself 2."""
-        argv = [*base[:3], *_argv(folder, "--training.steps", "4"), *extra]
-        return _one_error_line(run_command(argv, timeout=120), code)
+    # Each job: (its argv, its exit code); a checkpoint that cannot be used exits 4, a config
+    # that contradicts itself 2. They are prepared first, then all run.
+    jobs: dict[str, tuple[list[str], int]] = {}
+
+    def job(name: str, *extra: str, folder: Path = dump, code: int = 4) -> None:
+        jobs[name] = ([*_argv(folder, "--training.steps", "4"), *extra], code)
 
     # Another shape: the same folder with a larger vocabulary (embedding shapes differ).
-    line = error("--model.vocab_size", "300")
-    assert line == (f"error: checkpoint {str(step2)!r}: model tensor 'tok_embeddings.weight' has shape "
-                    "[258, 64] there but [300, 64] in this model")
-    assert "checkpoint.load_step: invalid value 7" in error("--checkpoint.load_step", "7")
-    assert error("--checkpoint.exclude_from_loading", "train_state") == (
-        f"error: checkpoint.load_step: resuming at step 0 would overwrite the later checkpoints [2] in "
-        f"{str(dump / 'checkpoint')!r}; move them out of the folder (or use another checkpoint.folder) "
-        "to continue from there")
-    assert "checkpoint.load_step: invalid value 2; resuming a step needs checkpoint.enable = true" in error(
-        "--checkpoint.load_step", "2", "--checkpoint.no-enable", code=2)
+    job("shape", "--model.vocab_size", "300")
+    job("load_step", "--checkpoint.load_step", "7")
+    job("exclude_train_state", "--checkpoint.exclude_from_loading", "train_state")
+    job("load_step_disabled", "--checkpoint.load_step", "2", "--checkpoint.no-enable", code=2)
 
     # Another model's weights, given as the starting point.
     foreign = tmp_path / "foreign" / "step-3"
     _foreign_checkpoint(foreign)
-    line = error("--checkpoint.initial_load_path", str(foreign), folder=tmp_path / "fresh")
-    assert "has no model tensor 'tok_embeddings.weight': it was saved from another model (it holds 2 " \
-        "model tensors, e.g. 'bias')" in line, line
+    job("foreign", "--checkpoint.initial_load_path", str(foreign), folder=tmp_path / "fresh")
 
     # A shard file deleted by hand, or cut short.
     broken = tmp_path / "missing_file"
     shutil.copytree(dump, broken)
     (broken / "checkpoint" / "step-2" / "__0_0.distcp").unlink()
-    assert error(folder=broken).endswith("is incomplete: data file '__0_0.distcp' is missing")
+    job("missing_file", folder=broken)
     broken = tmp_path / "truncated"
     shutil.copytree(dump, broken)
     with (broken / "checkpoint" / "step-2" / "__0_0.distcp").open("r+b") as fh:
         fh.truncate(1000)
-    assert "is corrupt: data file '__0_0.distcp' has 1000 bytes, its metadata needs at least" in error(folder=broken)
+    job("truncated", folder=broken)
 
     # A committed folder missing its metadata or with an unreadable train state.
     for name, damage in [("no_metadata", ".metadata"), ("bad_state", "train_state.json")]:
@@ -330,19 +367,47 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
             target.unlink()
         else:
             target.write_text("{not json")
-        line = error(folder=broken)
-        assert str(broken / "checkpoint" / "step-2") in line, line
-        assert ("is incomplete: its DCP .metadata file is missing" in line if damage == ".metadata"
-                else "cannot be read" in line), line
+        job(name, folder=broken)
 
     # Settings that cannot work are refused by config validation, before anything is built.
-    assert "checkpoint.initial_load_path: invalid value" in error(
-        "--checkpoint.initial_load_path", str(tmp_path / "nowhere"), folder=tmp_path / "fresh", code=2)
-    assert "not a DCP checkpoint folder (no .metadata file)" in error(
-        "--checkpoint.initial_load_path", str(tmp_path), folder=tmp_path / "fresh", code=2)
-    assert "checkpoint.last_save_in_hf: invalid value True; a Hugging Face export holds only weights" in error(
-        "--checkpoint.last_save_in_hf", code=2)
-    assert "checkpoint.initial_load_in_hf: invalid value True" in error("--checkpoint.initial_load_in_hf", code=2)
+    job("nowhere", "--checkpoint.initial_load_path", str(tmp_path / "nowhere"), folder=tmp_path / "fresh", code=2)
+    job("not_dcp", "--checkpoint.initial_load_path", str(tmp_path), folder=tmp_path / "fresh", code=2)
+    job("last_save_in_hf", "--checkpoint.last_save_in_hf", code=2)
+    job("initial_load_in_hf", "--checkpoint.initial_load_in_hf", code=2)
+
+    real = ("shape", "last_save_in_hf")  # one checkpoint error, one config error
+    in_process = [name for name in jobs if name not in real]
+    with ThreadPoolExecutor(len(real)) as pool:  # the processes start while the others run
+        started = {name: pool.submit(run_command, [sys.executable, "-m", "torchtitan_lite.train", *jobs[name][0]],
+                                     timeout=120) for name in real}
+        (results,) = run_distributed(_run_main, 1, [jobs[name][0] for name in in_process])
+        outcome = {**dict(zip(in_process, results, strict=True)),
+                   **{name: future.result() for name, future in started.items()}}
+    error = {name: _one_error_line(outcome[name], code) for name, (_, code) in jobs.items()}
+
+    assert error["shape"] == (f"error: checkpoint {str(step2)!r}: model tensor 'tok_embeddings.weight' has "
+                              "shape [258, 64] there but [300, 64] in this model")
+    assert "checkpoint.load_step: invalid value 7" in error["load_step"]
+    assert error["exclude_train_state"] == (
+        f"error: checkpoint.load_step: resuming at step 0 would overwrite the later checkpoints [2] in "
+        f"{str(dump / 'checkpoint')!r}; move them out of the folder (or use another checkpoint.folder) "
+        "to continue from there")
+    assert "checkpoint.load_step: invalid value 2; resuming a step needs checkpoint.enable = true" in \
+        error["load_step_disabled"]
+    assert "has no model tensor 'tok_embeddings.weight': it was saved from another model (it holds 2 " \
+        "model tensors, e.g. 'bias')" in error["foreign"], error["foreign"]
+    assert error["missing_file"].endswith("is incomplete: data file '__0_0.distcp' is missing")
+    assert "is corrupt: data file '__0_0.distcp' has 1000 bytes, its metadata needs at least" in error["truncated"]
+    for name, damage in [("no_metadata", ".metadata"), ("bad_state", "train_state.json")]:
+        line = error[name]
+        assert str(tmp_path / name / "checkpoint" / "step-2") in line, line
+        assert ("is incomplete: its DCP .metadata file is missing" in line if damage == ".metadata"
+                else "cannot be read" in line), line
+    assert "checkpoint.initial_load_path: invalid value" in error["nowhere"]
+    assert "not a DCP checkpoint folder (no .metadata file)" in error["not_dcp"]
+    assert "checkpoint.last_save_in_hf: invalid value True; a Hugging Face export holds only weights" in \
+        error["last_save_in_hf"]
+    assert "checkpoint.initial_load_in_hf: invalid value True" in error["initial_load_in_hf"]
 
 
 def test_non_tensor_values_are_read_as_plain_data_only(tmp_path):

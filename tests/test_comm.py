@@ -96,7 +96,7 @@ def _threads_until_exit(out: str) -> dict[str, int]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import destroy_distributed, fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.models import get_model_spec
 
     def threads() -> int:

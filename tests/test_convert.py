@@ -1,15 +1,19 @@
 """``scripts/convert_checkpoint.py``: DCP step folders ↔ Hugging Face folders ↔ single files.
 
-The script runs as a subprocess, as users run it; a few extra error cases call its ``main``
-in-process to keep the file fast.
+The conversions call the script's ``main`` in-process (importing torch once keeps the file fast);
+one run is a real subprocess, as users run it, to check the process's exit code and its one line
+on stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
+import io
 import json
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -32,10 +36,21 @@ SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
 TINY = LLAMA3_FLAVORS["tiny"]
 
 
-def _convert(*argv: str):
+def _convert_process(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python scripts/convert_checkpoint.py ARGV`` as a real process."""
     return run_command([sys.executable, str(SCRIPT), *argv], timeout=120)
 
 
+def _convert(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The same conversion through the script's ``main`` in this process: its exit code and
+    what it wrote to stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = _script().main(list(argv))
+    return subprocess.CompletedProcess([str(SCRIPT), *argv], code, out.getvalue(), err.getvalue())
+
+
+@functools.cache
 def _script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
     assert spec is not None and spec.loader is not None
@@ -140,7 +155,8 @@ def test_refuses_to_overwrite_and_names_a_bad_input(step_dir, tmp_path):
     source, _ = step_dir
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep").write_text("x")
-    _one_error_line(_convert("to-hf", str(source), str(tmp_path / "hf")), str(tmp_path / "hf"),
+    # A real process: its exit code, and nothing on stderr but the one line.
+    _one_error_line(_convert_process("to-hf", str(source), str(tmp_path / "hf")), str(tmp_path / "hf"),
                     "exists; pass --overwrite")
     assert (tmp_path / "hf" / "keep").exists()
     missing = tmp_path / "step-99"

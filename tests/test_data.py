@@ -416,31 +416,60 @@ def test_uint32_bin_read_as_uint16_is_rejected(tmp_path):
     assert stream_array(stream).tolist() == [1, 70_000, 128_000]
 
 
-@pytest.mark.parametrize("suffix", [".npy", ".bin"])
-def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
+def _pretokenize(argv: list[str], *, in_process: bool):
+    """``python scripts/pretokenize.py ARGV``: as a real process, or through the script's ``main``
+    in this process (ending as the interpreter would on its ``SystemExit``: a message is printed
+    to stderr and the exit code is 1)."""
+    import contextlib
+    import importlib.util
+    import io
     import subprocess
     import sys
 
     from tests.dist_utils import REPO_ROOT
 
+    script = REPO_ROOT / "scripts" / "pretokenize.py"
+    if not in_process:
+        return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120)
+    spec = importlib.util.spec_from_file_location("pretokenize", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(argv)
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+    return subprocess.CompletedProcess([str(script), *argv], code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin"])
+def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
+    """The .npy output is written by real processes of the script (exit codes and stderr as users
+    see them), the .bin one by its ``main`` in this process (importing torch once)."""
+    in_process = suffix == ".bin"
     tok_path = train_hf_tokenizer(tmp_path / "tok")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text(DOCS[0])
     (corpus / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[1:]))
     out = tmp_path / f"corpus{suffix}"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "pretokenize.py"), "--input", str(corpus),
-           "--output", str(out), "--tokenizer_path", str(tok_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    argv = ["--input", str(corpus), "--output", str(out), "--tokenizer_path", str(tok_path)]
+    done = _pretokenize(argv, in_process=in_process)
     assert done.returncode == 0, done.stderr
     assert "4 documents" in done.stdout
     tok = HFTokenizer(tok_path)
     direct = stream_array(build_token_stream("text", str(corpus), tok))
     mapped = stream_array(build_token_stream("tokens", str(out), tok))
     assert np.array_equal(direct, mapped)
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    again = _pretokenize(argv, in_process=in_process)
     assert again.returncode != 0 and "exists" in again.stderr  # never overwritten unasked
     (corpus / "c.jsonl").write_text('{"text": "fine"}\nnot json\n')
-    broken = subprocess.run([*cmd[:-2], "--overwrite"], capture_output=True, text=True, timeout=120)
+    broken = _pretokenize([*argv[:-2], "--overwrite"], in_process=in_process)
     assert broken.returncode == 2 and broken.stderr.startswith("error: --input: ")
     assert not list(tmp_path.glob("*.partial"))  # no half-written file left behind

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,25 +45,17 @@ class Case:
 
 
 CASES: dict[int, list[Case]] = {
-    1: [
-        Case("small fp32", SMALL),
-        Case("small tiny batch (optimizer-step peak)", SMALL, local_batch_size=1, seq_len=16),
-    ],
     2: [
         Case("small fp32", SMALL),
-        Case("small never bf16", SMALL, mode="never", param_dtype="bfloat16"),
+        Case("small tiny batch (optimizer-step peak)", SMALL, local_batch_size=1, seq_len=16),
         Case("small always bf16", SMALL, mode="always", param_dtype="bfloat16"),
-        Case("small CPU offload", SMALL, cpu_offload=True),
+        Case("small never, CPU offload", SMALL, mode="never", cpu_offload=True),
         Case("small, 2 micro-batches", SMALL, local_batch_size=2, grad_accum_steps=2),
         # The benchmark's memory configuration (scripts/benchmark.py): debugmodel, seq 256,
-        # batch 4, AdamW with its default implementation on CPU (a for-loop); and its bf16
-        # offload variant at a shorter sequence (bf16 matmuls are slow on CPU).
+        # batch 4, AdamW with its default implementation on CPU (a for-loop).
         Case("debugmodel (benchmark)", DEBUG, seq_len=256, optimizer_implementation="for-loop"),
-        Case("debugmodel never bf16 offload", DEBUG, mode="never", param_dtype="bfloat16",
-             cpu_offload=True, seq_len=64, optimizer_implementation="for-loop"),
     ],
     4: [
-        Case("small, batch 2", SMALL, local_batch_size=2),
         Case("small reshard to 2", SMALL, mode=2),
         Case("small HSDP 2 x 2 bf16", SMALL, param_dtype="bfloat16", dp_replicate=2),
     ],
@@ -80,7 +70,7 @@ def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, 
 
     from torchtitan_lite.config import Optimizer
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.loss import token_loss_sum
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.optim import build_optimizer
@@ -132,7 +122,7 @@ def _estimate(case: Case, world_size: int) -> MemoryEstimate:
 
 def _compare(world_size: int) -> None:
     cases = CASES[world_size]
-    ranks = run_distributed(_measure, world_size, cases, world_size == 1)
+    ranks = run_distributed(_measure, world_size, cases, world_size == 2)
     measured_all = [rank["measured"] for rank in ranks]
     print(f"\n{'ranks':>5} {'case':42} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  "
           f"{'peak in':28} {'estimate s':>10}")
@@ -158,10 +148,10 @@ def _compare(world_size: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_estimate_matches_measured_peak_at_one_and_two_ranks() -> None:
-    """Peak within 10% and sharded state within 2% of real steps, 1 and 2 ranks, every
-    reshard mode, fp32 and bf16, CPU offload, gradient accumulation, the benchmark's shapes."""
-    _compare(1)
+def test_estimate_matches_measured_peak_at_two_ranks() -> None:
+    """Peak within 10% and sharded state within 2% of real steps at 2 ranks: every reshard mode,
+    fp32 and bf16, CPU offload, gradient accumulation, a peak in the optimizer step, the
+    benchmark's shapes; and an estimate made inside a process group (in a child process)."""
     _compare(2)
 
 
@@ -196,54 +186,39 @@ def test_estimate_api() -> None:
         estimate_memory(SPEC, DEBUG, cpu_offload=False, **{**common, "world_size": 0})
 
 
-def _run_cli_8b(world_size: int, out: Path, *extra: str) -> Any:
-    # timeout: a hang bound only, not a speed requirement.
-    return run_command([sys.executable, "-m", "torchtitan_lite.memory", "--job.config_file",
-                        "train_configs/llama3_8b.toml", "--model.vocab_size", "128256", "--world_size",
-                        str(world_size), "--device_memory_gib", "80", "--json", str(out), *extra], timeout=600)
+def test_8b_fits_8_ranks_with_the_shipped_checkpointing_and_not_without() -> None:
+    """The 8B flavor (Llama-3 vocabulary, seq 8192) at 8 ranks of 80 GiB: with
+    train_configs/llama3_8b.toml's selective activation checkpointing its configured mode fits with
+    a margin; without checkpointing (61 GiB of activations) not even ``always``, the lowest of the
+    reshard modes, does. (The CLI's table for every mode is checked on a small model below.)"""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.estimate import job_estimate_kwargs
 
-
-def test_cli_8b_fits_8_ranks_with_the_shipped_checkpointing_and_not_without(tmp_path: Path) -> None:
-    """The 8B flavor (Llama-3 vocabulary, seq 8192) at 8 ranks of 80 GiB, every reshard mode: with
-    train_configs/llama3_8b.toml's selective activation checkpointing it fits, without it (its
-    61 GiB of activations) it does not. The two runs go side by side, one core each."""
-    runs = {"8": (8, ()), "8 none": (8, ("--activation_checkpoint.mode", "none"))}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip(runs, pool.map(lambda item: _run_cli_8b(item[1][0], tmp_path / f"{item[0]}.json",
-                                                                *item[1][1]), runs.items()), strict=True))
-    records = {}
-    for label, (world_size, _) in runs.items():
-        print(f"\n8B at {label} ranks:\n{done[label].stdout}")
-        assert done[label].returncode == 0, done[label].stderr
-        records[label] = json.loads((tmp_path / f"{label}.json").read_text())
-        _check_8b(world_size, records[label], done[label].stdout)
-    shipped = {str(e["reshard_after_forward_mode"]): e for e in records["8"]["estimates"]}
-    without = {str(e["reshard_after_forward_mode"]): e for e in records["8 none"]["estimates"]}
-    assert "activation checkpointing selective (op" in done["8"].stdout
-    assert shipped["default"]["fits"] and shipped["default"]["device_peak"] < 0.7 * 80 * 2**30
-    assert not any(e["fits"] for e in without.values())
-    activations = {label: e["default"]["device_categories"]["activations"] for label, e in
-                   (("shipped", shipped), ("none", without))}
+    estimates = {}
+    for label, extra in (("shipped", []), ("none", ["--activation_checkpoint.mode", "none",
+                                                    "--parallelism.reshard_after_forward_mode", "always"])):
+        config = load_job_config(["--job.config_file", "train_configs/llama3_8b.toml", "--model.vocab_size",
+                                  "128256", *extra])
+        plan = plan_job(config, world_size=8)
+        estimates[label] = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                                           **job_estimate_kwargs(config, plan))
+        if label == "shipped":
+            assert config.activation_checkpoint.mode == "selective" and plan.reshard_mode == "default"
+            # fp32 sharded params: 1/8 of the model; AdamW's state twice that.
+            params = plan.model_args.num_params()
+            assert abs(params - 8.03e9) <= 0.005 * 8.03e9
+            expected = params * 4 / 8
+            assert abs(estimates[label].state["sharded_params"] - expected) <= 0.01 * expected
+            assert abs(estimates[label].state["optimizer_state"] - 2 * expected) <= 0.01 * 2 * expected
+    shipped, without = estimates["shipped"], estimates["none"]
+    print(f"\n8B at 8 ranks: shipped (selective op, default) {shipped.device_peak / 2**30:.2f} GiB, "
+          f"no checkpointing, always {without.device_peak / 2**30:.2f} GiB")
+    assert shipped.fits(80 * 2**30) and shipped.device_peak < 0.7 * 80 * 2**30
+    assert not without.fits(80 * 2**30)
+    activations = {"shipped": shipped.device_categories["activations"],
+                   "none": without.device_categories["activations"]}
     assert activations["shipped"] < 0.6 * activations["none"], activations
-
-
-def _check_8b(world_size: int, record: dict[str, Any], stdout: str) -> None:
-    estimates = {str(e["reshard_after_forward_mode"]): e for e in record["estimates"]}
-    assert set(estimates) == {"default", "never", "always"} and estimates["default"]["configured"]
-    params = 8.03e9
-    assert abs(record["num_params"] - params) <= 0.005 * params
-    for estimate in estimates.values():
-        # fp32 sharded params: 1/N of the model; AdamW's state twice that.
-        expected = params * 4 / world_size
-        assert abs(estimate["state"]["sharded_params"] - expected) <= 0.01 * expected
-        assert abs(estimate["state"]["optimizer_state"] - 2 * expected) <= 0.01 * 2 * expected
-        assert estimate["fits"] == (estimate["device_peak"] <= 80 * 2**30)
-    # never keeps every unit's bf16 parameters gathered; default only norm + output.
-    gathered = record["num_params"] * 2
-    assert estimates["never"]["device_categories"]["unsharded_params"] >= 0.9 * gathered
-    assert estimates["default"]["device_categories"]["unsharded_params"] < 0.2 * gathered
-    assert estimates["never"]["device_peak"] > estimates["default"]["device_peak"] >= estimates["always"]["device_peak"]
-    assert any(line.startswith("default*") for line in stdout.splitlines()), stdout
 
 
 @pytest.mark.parametrize("module", ["torchtitan_lite.memory", "torchtitan_lite.estimate"])

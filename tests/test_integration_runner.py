@@ -45,46 +45,58 @@ def _summary_row(output: str, case: str) -> str:
 
 
 def test_fast_subset_passes_and_reports_skips(tmp_path: Path) -> None:
+    """One real 2-rank case of two runs (save, then resume) through the script: real torchrun
+    jobs whose losses match the stored baseline; a 4-rank case selected beside it is skipped."""
     result = run_command(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--ngpu", "2",
-         "--test_name", "default_reshard,checkpoint_resume", "--test_name", "hsdp_2x2",
+         "--test_name", "checkpoint_resume,hsdp_2x2", "--test_name", "hsdp_2x2",  # a repeated name runs once
          "--output_dir", str(tmp_path)],
         timeout=240,
     )
     output = f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, output
-    assert re.search(r"^default_reshard\s+2\s+PASS\s+[\d.]+$", _summary_row(result.stdout, "default_reshard"))
     assert re.search(r"^checkpoint_resume\s+2\s+PASS\s+[\d.]+$", _summary_row(result.stdout, "checkpoint_resume"))
     skip = _summary_row(result.stdout, "hsdp_2x2")
     assert re.search(r"^hsdp_2x2\s+4\s+SKIP\s+-\s+needs 4 ranks, --ngpu 2$", skip), output
-    assert "2 passed, 0 failed, 1 skipped" in result.stdout, output
-    # Only the selected cases ran; the dump folders are kept, each run's records in one file.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_resume", "default_reshard"]
+    assert "1 passed, 0 failed, 1 skipped" in result.stdout, output
+    # Only the selected case ran; its dump folder is kept, both runs' records in one file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_resume"]
+    assert "[checkpoint_resume] run 2/2: python -m torch.distributed.run --nproc_per_node=2" in result.stdout
     records = read_jsonl(tmp_path / "checkpoint_resume" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8], records
     assert (tmp_path / "checkpoint_resume" / "checkpoint" / "step-8").is_dir()
 
 
-def test_broken_baseline_fails_naming_case_and_step(tmp_path: Path) -> None:
+def test_broken_baseline_fails_naming_case_and_step(monkeypatch, capsys, tmp_path: Path) -> None:
+    """The script's main against a baseline with one loss changed by 1%: the runs (stand-ins
+    that write the stored losses, which the real runs reproduce: see the test above) fail the
+    case, naming its run and step, and the exit code is 1."""
     baselines = tmp_path / "losses"
     shutil.copytree(BASELINES, baselines)
-    path = baselines / "cpu_default_reshard.jsonl"
-    records = read_jsonl(path)
-    records[2]["loss"] *= 1.01  # step 3, a 1% change: far beyond the CPU tolerance
+    path = baselines / "cpu_checkpoint_resume.jsonl"
+    stored = read_jsonl(path)
+    records = [dict(r) for r in stored]
+    records[6]["loss"] *= 1.01  # run 2 step 7, a 1% change: far beyond the CPU tolerance
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    calls = _fake_launcher(monkeypatch, [(0, "", [(r["step"], r["loss"]) for r in stored if r["run"] == run])
+                                         for run in (1, 2)])
 
-    result = run_command(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--test_name", "default_reshard",
-         "--baseline_dir", str(baselines), "--output_dir", str(tmp_path / "out")],
-        timeout=180,
-    )
-    output = f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 1, output
-    row = _summary_row(result.stdout, "default_reshard")
+    code = it.main(["--device", "cpu", "--test_name", "checkpoint_resume", "--baseline_dir", str(baselines),
+                    "--output_dir", str(tmp_path / "out")])
+    output = capsys.readouterr().out
+    assert code == 1, output
+    assert [cmd[cmd.index("--training.steps") + 1] for cmd, _ in calls] == ["4", "8"]
+    row = _summary_row(output, "checkpoint_resume")
     assert " FAIL " in row, output
-    assert "default_reshard: run 1 step 3: expected loss" in row, output
-    assert f"{records[2]['loss']:.6f}" in row, output
-    assert "0 passed, 1 failed, 0 skipped" in result.stdout, output
+    assert "checkpoint_resume: run 2 step 7: expected loss" in row, output
+    assert f"{records[6]['loss']:.6f}" in row and f"got {stored[6]['loss']:.6f}" in row, output
+    assert "0 passed, 1 failed, 0 skipped" in output, output
+    # The unchanged baseline passes the same runs.
+    calls = _fake_launcher(monkeypatch, [(0, "", [(r["step"], r["loss"]) for r in stored if r["run"] == run])
+                                         for run in (1, 2)])
+    assert it.main(["--device", "cpu", "--test_name", "checkpoint_resume", "--baseline_dir", str(BASELINES),
+                    "--output_dir", str(tmp_path / "out")]) == 0
+    assert "1 passed, 0 failed, 0 skipped" in capsys.readouterr().out
 
 
 def test_list_runs_as_module() -> None:

@@ -12,7 +12,7 @@ def _measure(mode: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import build_sharded_model
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.models import get_model_spec
 

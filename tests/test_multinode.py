@@ -7,9 +7,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import REPO_ROOT, free_port, read_jsonl, run_torchrun
+from tests.dist_utils import REPO_ROOT, free_port, read_jsonl, run_distributed
 
 JOB = [*TINY_ARGS, "--training.steps", "4", "--training.local_batch_size", "1",
        "--training.global_batch_size", "4"]
@@ -24,6 +25,19 @@ def _agent(dump: Path, port: int) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _one_node_default_mesh(argv: list[str]) -> dict[str, Any]:
+    """Train with ``argv`` on one node's ranks (torchrun's variables: LOCAL_WORLD_SIZE is the
+    world size); the mesh the trainer built."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    mesh = dict(zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape, strict=True))
+    trainer.train()
+    trainer.close()
+    return mesh
 
 
 def test_two_loopback_nodes_form_an_hsdp_mesh_and_match_one_agent(tmp_path):
@@ -47,16 +61,16 @@ def test_two_loopback_nodes_form_an_hsdp_mesh_and_match_one_agent(tmp_path):
     two_nodes = [r["loss"] for r in read_jsonl(dump / "metrics.jsonl")]
     assert len(two_nodes) == 4
 
-    # One agent with 4 processes and the same mesh: the same ranks do the same work.
-    same_mesh = run_torchrun([*JOB, "--job.dump_folder", str(tmp_path / "one_agent"),
-                              "--parallelism.data_parallel_replicate_degree", "2"], nproc=4, timeout=240)
-    assert same_mesh.returncode == 0, same_mesh.stderr[-3000:]
+    # One node's 4 processes with the same mesh (the test helper's ranks, with torchrun's
+    # variables): the same ranks do the same work, bitwise.
+    meshes = run_distributed(_one_node_default_mesh, 4, [*JOB, "--job.dump_folder", str(tmp_path / "one_agent"),
+                                                         "--parallelism.data_parallel_replicate_degree", "2"])
+    assert meshes == [{"dp_replicate": 2, "dp_shard": 2}] * 4
     one_agent = [r["loss"] for r in read_jsonl(tmp_path / "one_agent" / "metrics.jsonl")]
     assert two_nodes == one_agent
     # And on one node the default is plain FSDP over all 4 ranks, to 1e-5.
-    fsdp = run_torchrun([*JOB, "--job.dump_folder", str(tmp_path / "fsdp")], nproc=4, timeout=240)
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert "mesh {'dp_shard': 4}" in fsdp.stdout
+    meshes = run_distributed(_one_node_default_mesh, 4, [*JOB, "--job.dump_folder", str(tmp_path / "fsdp")])
+    assert meshes == [{"dp_shard": 4}] * 4
     flat = [r["loss"] for r in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")]
     for a, b in zip(two_nodes, flat, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (two_nodes, flat)
@@ -87,6 +101,7 @@ def test_launcher_script_runs_a_job_and_slurm_script_parses(tmp_path):
                           "--training.steps", "2"], timeout=180, extra_env={"NGPU": "2"})
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
     assert [r["step"] for r in read_jsonl(tmp_path / "job" / "metrics.jsonl")] == [1, 2]
+    assert "mesh {'dp_shard': 2}" in result.stdout  # one node: plain FSDP over its ranks
     missing = run_command(["bash", "scripts/run_train.sh"], timeout=60, extra_env={"NNODES": "2", "NGPU": "1"})
     assert missing.returncode != 0 and "set RDZV_ENDPOINT=HOST:PORT" in missing.stderr
     assert run_command(["bash", "-n", "scripts/multinode_trainer.slurm"], timeout=30).returncode == 0

@@ -158,8 +158,10 @@ class Trainer:
         reshard_mode = plan.reshard_mode
         self.reshard_plan: AutoReshardPlan | None = (
             self._plan_auto_reshard(budget, budget_source) if reshard_mode == "auto" else None)
-        if self.reshard_plan is not None:
+        ac_policies = None
+        if self.reshard_plan is not None:  # auto also chose each block's checkpointing
             reshard_mode = self.reshard_plan.reshard
+            ac_policies = self.reshard_plan.ac_policies
             if self.rank == 0:
                 logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
 
@@ -168,6 +170,7 @@ class Trainer:
             plan.spec, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
             ac_mode=config.activation_checkpoint.mode,
             selective_ac_option=config.activation_checkpoint.selective_ac_option,
+            ac_policies=ac_policies,
             compile_model=config.compile.enable and "model" in config.compile.components,
             reshard_after_forward_mode=reshard_mode,
             param_dtype=plan.param_dtype,
@@ -237,8 +240,10 @@ class Trainer:
             logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
                         if self.peak_tflops else f"not reported: {peak_source}")
             ac = config.activation_checkpoint
-            logger.info("activation checkpointing: %s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
-                        ", ".join(config.compile.components) if config.compile.enable else "off")
+            added = (f" (auto adds {self.reshard_plan.recomputed_text()})"
+                     if self.reshard_plan is not None and self.reshard_plan.recomputed else "")
+            logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
+                        added, ", ".join(config.compile.components) if config.compile.enable else "off")
 
     def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
         """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory

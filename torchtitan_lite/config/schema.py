@@ -130,7 +130,7 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
     reshard_after_forward_mode: int | str = "default"
-    """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit, the fewest reshards whose estimated peak fits parallelism.memory_budget_gib."""
+    """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute than activation_checkpoint says, at the least modelled step time whose estimated peak fits parallelism.memory_budget_gib."""
     memory_budget_gib: float | None = None
     """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.memory counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
 

@@ -37,7 +37,6 @@ from torch.distributed.fsdp import (
 )
 
 from torchtitan_lite.config.schema import RESHARD_MODES
-from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = [
     "RESHARD_MODES",
@@ -45,7 +44,6 @@ __all__ = [
     "ReshardMode",
     "UnitRole",
     "apply_fsdp",
-    "build_sharded_model",
     "find_blocks",
     "fsdp_units",
     "reshard_all",
@@ -371,25 +369,3 @@ def apply_fsdp(
     # at once). With every submodule in a unit it usually owns no parameters at all.
     fully_shard(model, **common)  # type: ignore[arg-type]
     return model  # type: ignore[return-value]
-
-
-def build_sharded_model(
-    spec: ModelSpec,
-    args: Any,
-    mesh: DeviceMesh,
-    *,
-    device: torch.device,
-    seed: int,
-    **fsdp_options: Any,
-) -> nn.Module:
-    """The meta-init path: build ``spec.model_cls(args)`` on the meta device, shard it with
-    :func:`apply_fsdp` over the spec's units (``fsdp_options`` are its other keyword arguments),
-    allocate this rank's shards (on CPU under ``cpu_offload``, else on ``device``) and fill them
-    with ``init_weights`` from ``seed``. No rank ever holds the full model."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    apply_fsdp(model, mesh, **spec.fsdp_units(model), **fsdp_options)
-    model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
-    torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
-    model.init_weights(buffer_device=device)  # type: ignore[operator]
-    return model

@@ -1,5 +1,6 @@
-"""``reshard_after_forward_mode = "auto"``: per FSDP unit, the fewest reshards whose estimated peak
-fits a memory budget (:func:`plan_auto_reshard`). The trainer imports this module only for
+"""``reshard_after_forward_mode = "auto"``: per FSDP unit whether to reshard after forward, and per
+block how much to recompute in backward, so that the estimated peak fits a memory budget at the
+least added step time (:func:`plan_auto_reshard`). The trainer imports this module only for
 ``auto``."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
 from torchtitan_lite.memory.estimate import (
     GIB,
@@ -23,12 +25,22 @@ from torchtitan_lite.memory.estimate import (
 )
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["AUTO_DEVICE_FRACTION", "AutoReshardPlan", "auto_budget_bytes", "auto_headroom_bytes",
-           "plan_auto_reshard"]
+__all__ = ["AUTO_DEVICE_FRACTION", "COMM_FLOPS_PER_BYTE", "MEMORY_FLOPS_PER_BYTE", "AutoReshardPlan",
+           "action_costs", "auto_budget_bytes", "auto_headroom_bytes", "plan_auto_reshard"]
 
 AUTO_DEVICE_FRACTION = 0.9
 """Share of a CUDA device's memory ``auto`` budgets for tensors when no budget is given; the
 rest is for the caching allocator's slack, the CUDA context and communication buffers."""
+
+COMM_FLOPS_PER_BYTE = 2000
+"""Cost model (:func:`action_costs`): the FLOPs a device runs in the time one byte is
+all-gathered. An H100 SXM does ~989 dense bf16 TFLOP/s and all-gathers at ~450 GB/s per GPU
+over NVLink: ~2,200. Across nodes (tens of GB/s per GPU) it is ten times more, which makes
+recomputing still cheaper relative to resharding."""
+
+MEMORY_FLOPS_PER_BYTE = 300
+"""Cost model: the FLOPs a device runs in the time it reads or writes one byte of its memory
+(H100 SXM: 989 TFLOP/s over 3.35 TB/s, ~295), the time of a memory-bound op per byte."""
 
 
 def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> tuple[int, str]:
@@ -63,7 +75,7 @@ class AutoReshardPlan:
     """The estimate of the chosen plan."""
     tried: tuple[tuple[int, int], ...]
     """``(units resharded, estimated peak)`` of every estimate made, in order; the first is
-    ``never``'s."""
+    ``never``'s (with the configured checkpointing)."""
     count_offloaded: bool
     """Whether the budget covers CPU-offloaded state too (a CPU-only job: one memory)."""
     headroom: int
@@ -71,6 +83,18 @@ class AutoReshardPlan:
     :func:`plan_auto_reshard`)."""
     seconds: float
     """Wall time of the search."""
+    blocks: tuple[str, ...] = ()
+    """The blocks (those units that are blocks), in forward order."""
+    ac_policies: tuple[str, ...] = ()
+    """The activation checkpointing of each block: ``none``, ``op`` or ``full``, to give
+    :func:`~torchtitan_lite.distributed.activation_checkpoint.apply_activation_checkpointing`."""
+    configured_ac: tuple[str, ...] = ()
+    """Each block's checkpointing as configured: ``auto`` recomputes at least that much."""
+    actions: tuple[tuple[str, float, float], ...] = ()
+    """``(action, added FLOPs per micro-batch, bytes freed)`` of what was taken, in order:
+    ``"reshard layers.3"``, ``"op layers.0"``, ``"full layers.0"``."""
+    added_flops: float = 0.0
+    """The modelled added step time of the plan per micro-batch, in device FLOPs."""
 
     @property
     def never_peak(self) -> int:
@@ -95,19 +119,16 @@ class AutoReshardPlan:
 
     def resharded_text(self) -> str:
         """``"3 of 8 units (tok_embeddings, layers.0-1)"``: numbered units in ranges."""
-        groups: list[list[Any]] = []  # [prefix, first, last] or [name]
-        for name in self.resharded:
-            prefix, _, number = name.rpartition(".")
-            if number.isdigit() and groups and len(groups[-1]) == 3 and groups[-1][0] == prefix \
-                    and groups[-1][2] + 1 == int(number):
-                groups[-1][2] = int(number)
-            elif number.isdigit():
-                groups.append([prefix, int(number), int(number)])
-            else:
-                groups.append([name])
-        names = ", ".join(g[0] if len(g) == 1 else f"{g[0]}.{g[1]}" + (f"-{g[2]}" if g[2] > g[1] else "")
-                          for g in groups)
-        return f"{sum(self.reshard)} of {len(self.units)} units ({names or 'none'})"
+        return f"{sum(self.reshard)} of {len(self.units)} units ({_ranges(self.resharded)})"
+
+    def recomputed_text(self) -> str:
+        """``"op on 6 of 6 blocks (layers.0-5)"``: the checkpointing ``auto`` added, or ``none``."""
+        return _policies_text(self.ac_policies, self.configured_ac, list(self.blocks))
+
+    @property
+    def recomputed(self) -> bool:
+        """Whether ``auto`` added activation checkpointing to what was configured."""
+        return self.ac_policies != self.configured_ac
 
     def summary(self) -> str:
         """One log line: budget, the choice and its estimate."""
@@ -116,12 +137,13 @@ class AutoReshardPlan:
         where = where_text(*_compared(est, self.count_offloaded)[1:])
         return (f"reshard_after_forward_mode auto: budget {size_text(self.budget)} per rank, of which "
                 f"{size_text(self.headroom)} headroom for a late-freed collective buffer; without "
-                f"resharding the estimated peak is {size_text(self.never_peak)}; resharding "
-                f"{self.resharded_text()} -> estimated peak "
+                f"resharding or added recomputation the estimated peak is {size_text(self.never_peak)}; resharding "
+                f"{self.resharded_text()}, activation checkpointing added: {self.recomputed_text()} "
+                f"-> estimated peak "
                 f"{size_text(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
                 f"({len(self.units)} forward + {sum(self.reshard)} backward{per_micro_batch}); "
-                f"{len(self.tried)} estimates "
-                f"in {self.seconds:.1f} s")
+                f"modelled added time {self.added_flops / 1e9:.3g} GFLOP per micro-batch; "
+                f"{len(self.tried)} estimates in {self.seconds:.1f} s")
 
 
 def plan_auto_reshard(
@@ -145,30 +167,34 @@ def plan_auto_reshard(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
 ) -> AutoReshardPlan:
-    """Choose ``reshard_after_forward`` per FSDP unit so that the estimated peak per rank stays
-    within ``budget_bytes`` with the fewest all-gathers, for the model checkpointed by
-    ``ac_mode`` and ``selective_ac_option`` (as configured; every estimate includes it).
+    """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
+    that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
+    The checkpointing configured by ``ac_mode`` and ``selective_ac_option`` is the least each
+    block gets: ``auto`` only adds recomputation.
 
-    - Nothing is resharded when everything fits (``never``: one all-gather per unit and
-      micro-batch).
-    - Otherwise units are resharded one by one in this order:
+    - Nothing is changed when everything fits (``never``: one all-gather per unit and
+      micro-batch, nothing recomputed beyond what is configured).
+    - Otherwise ``auto`` takes actions one by one, least added time per byte freed first, by
+      the cost model of :func:`action_costs` (recomputed FLOPs against re-gathered bytes that
+      backward compute cannot hide):
 
-      - larger units first: each reshard costs one all-gather in backward, and a larger unit
-        frees more memory for it;
-      - among units of one size (the blocks), the re-gather cheapest to hide first. FSDP2
-        issues unit ``i``'s re-gather when unit ``i + 1``'s backward starts, queued behind the
-        reduce-scatter unit ``i + 2`` has just issued, so the cost is those bytes over unit
-        ``i + 1``'s backward FLOPs; ties go to the earlier unit, which holds its parameters
-        longest;
-      - after all of those, the units gathered at the peak of ``never`` whatever their
-        setting (the unit running there and the one FSDP2 prefetches next): resharding them
-        frees nothing there;
-      - the last unit (final norm + output) last of all: backward needs it first, with nothing
-        to hide its re-gather behind, and it is gathered again at the start of backward, where
-        the peak usually is.
+      - reshard unit ``i`` after forward: frees its gathered parameters; costs the part of its
+        re-gather in backward that sticks out of the next unit's backward compute (nothing for
+        a large model at long sequences, all of it for the last unit);
+      - ``op`` on a block: frees the outputs of its cheap ops (measured by one estimate with
+        every block at ``op``), costs re-running those memory-bound ops;
+      - ``full`` on a block: frees the rest of its activations (one estimate with every block
+        at ``full``), costs one more forward of the block.
 
-    - The smallest number of resharded units whose estimate fits is found by bisection, the
-      first probe guessed from the bytes each unit frees; every candidate is a full
+      Units of equal cost per byte keep this order: larger units first; among the blocks the
+      re-gather cheapest to hide first (ties to the earlier unit); then the units gathered at
+      the peak of ``never`` whatever their setting (the unit running there and the one FSDP2
+      prefetches next: resharding them frees nothing there); the last unit (final norm and
+      output) last of all. Checkpointing goes block by block in forward order, a block's
+      ``op`` before its ``full``.
+
+    - The smallest number of actions whose estimate fits is found by bisection, the first probe
+      guessed from the bytes each action frees; every candidate is a full
       :func:`estimate_memory` of that plan (fake tensors, fake process group).
 
     A plan fits when its estimated peak plus a headroom of the largest unit's gathered
@@ -180,7 +206,8 @@ def plan_auto_reshard(
     The peak compared is the device's (``device_peak``); with ``count_offloaded`` (a CPU-only
     job, where offloaded state shares the same memory) the total ``peak``. Raises
     ``ValueError`` naming ``parallelism.memory_budget_gib`` (and ``budget_source``, where the
-    budget came from) when even resharding every unit does not fit. Runs in a child process when
+    budget came from) when even resharding every unit and fully recomputing every block does not
+    fit. Runs in a child process when
     this one already holds a process group, for at most ``timeout_s`` seconds (``RuntimeError``
     after that).
     """
@@ -267,66 +294,211 @@ def _busy_units(units: list[Any], phase: str, module: str) -> frozenset[int]:
     return frozenset()
 
 
+@dataclass(frozen=True)
+class _Action:
+    """One step ``auto`` can take to lower the peak, with its modelled cost and benefit."""
+
+    kind: str
+    """``reshard`` (unit ``index`` reshards after forward), ``op`` or ``full`` (block ``index``
+    is checkpointed with that policy)."""
+    index: int
+    cost: float
+    """Added step time per micro-batch, in FLOPs of the device (see :func:`action_costs`)."""
+    freed: float
+    """Bytes it frees at the peak (estimated)."""
+
+    @property
+    def rate(self) -> float:
+        """Added time per byte freed: the order ``auto`` takes actions in."""
+        return self.cost / self.freed if self.freed > 0 else math.inf
+
+
+def _policies_text(policies: tuple[str, ...], base: tuple[str, ...], names: list[str]) -> str:
+    """``"op on 6 of 6 blocks (layers.0-5), full on 2 (layers.0-1)"``: what ``auto`` added."""
+    parts = []
+    for policy in ("op", "full"):
+        added = [names[j] for j, (p, b) in enumerate(zip(policies, base, strict=True)) if p == policy != b]
+        if added:
+            parts.append(f"{policy} on {len(added)} of {len(policies)} blocks ({_ranges(added)})")
+    return ", ".join(parts) or "none"
+
+
+def _ranges(names: Any) -> str:
+    """``"tok_embeddings, layers.0-1"``: numbered names in ranges."""
+    groups: list[list[Any]] = []  # [prefix, first, last] or [name]
+    for name in names:
+        prefix, _, number = name.rpartition(".")
+        if number.isdigit() and groups and len(groups[-1]) == 3 and groups[-1][0] == prefix \
+                and groups[-1][2] + 1 == int(number):
+            groups[-1][2] = int(number)
+        elif number.isdigit():
+            groups.append([prefix, int(number), int(number)])
+        else:
+            groups.append([name])
+    return ", ".join(g[0] if len(g) == 1 else f"{g[0]}.{g[1]}" + (f"-{g[2]}" if g[2] > g[1] else "")
+                     for g in groups) or "none"
+
+
+def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, param_bytes: int,
+                 reduce_bytes: int, op_bytes_per_block: float) -> dict[tuple[str, int], float]:
+    """The cost model of ``auto``: the step time each action adds, per micro-batch of
+    ``tokens`` tokens per rank, in FLOPs of the device (time × its FLOP/s).
+
+    - ``("reshard", i)``: unit ``i``'s parameters are all-gathered again in backward. The
+      re-gather is issued when unit ``i + 1``'s backward starts, queued behind the
+      reduce-scatter unit ``i + 2`` has just issued, and both hide behind unit ``i + 1``'s
+      backward compute; only what sticks out costs time::
+
+          max(0, (gathered bytes of unit i + reduce-scatter bytes of unit i + 2) × COMM_FLOPS_PER_BYTE
+                 − backward FLOPs of unit i + 1)
+
+      The last unit (norm and output) has nothing to hide behind: all of it.
+    - ``("op", j)``: block ``j`` recomputes its cheap ops (norms, RoPE, activations). Those are
+      memory-bound, so they take the time of the bytes they write and read again:
+      ``2 × op_bytes_per_block × MEMORY_FLOPS_PER_BYTE``, where ``op_bytes_per_block`` is what
+      the estimator found ``op`` frees per block.
+    - ``("full", j)``: block ``j`` reruns its whole forward: on top of ``op``'s ops, its
+      matmuls and attention, ``2 × parameters + attention forward`` FLOPs per token (the cost
+      given is that increment over ``op``).
+
+    A unit's backward is ``4 × parameters`` FLOPs per token (input and weight gradients) plus,
+    for a block, two thirds of its attention's training FLOPs.
+    """
+    def backward_flops(unit: Any) -> float:
+        flops = 4 * unit.numel()
+        if unit.role == "block":
+            flops += args.attention_flops_per_token(seq_len) * 2 / 3
+        return flops * tokens
+
+    costs: dict[tuple[str, int], float] = {}
+    for i, unit in enumerate(units):
+        moved = unit.numel() * param_bytes
+        if i + 2 < len(units):
+            moved += units[i + 2].numel() * reduce_bytes
+        hidden = backward_flops(units[i + 1]) if i + 1 < len(units) else 0.0
+        costs[("reshard", i)] = max(0.0, moved * COMM_FLOPS_PER_BYTE - hidden)
+    op = 2 * op_bytes_per_block * MEMORY_FLOPS_PER_BYTE
+    blocks = [u for u in units if u.role == "block"]
+    for j, block in enumerate(blocks):
+        forward = (2 * block.numel() + args.attention_flops_per_token(seq_len) / 3) * tokens
+        costs[("op", j)] = op
+        costs[("full", j)] = forward
+    return costs
+
+
 def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
               **kwargs: Any) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
     start = time.perf_counter()
     units = _units(spec, args)
     n = len(units)
+    block_units = [i for i, u in enumerate(units) if u.role == "block"]
+    names = [units[i].name for i in block_units]
+    base = tuple(block_policies(kwargs.pop("ac_mode"), kwargs.pop("selective_ac_option"), len(block_units)))
     headroom = _headroom(units, kwargs["param_dtype"], kwargs["reduce_dtype"])
     limit = budget_bytes - headroom
-    estimates = {0: estimate_here(spec, args, reshard_after_forward_mode=(False,) * n, **kwargs)}
-    never, phase, module = _compared(estimates[0], count_offloaded)
+    Plan = tuple[tuple[bool, ...], tuple[str, ...]]
+    estimates: dict[Plan, MemoryEstimate] = {}
+
+    def peak(plan: Plan) -> int:
+        if plan not in estimates:
+            estimates[plan] = estimate_here(spec, args, reshard_after_forward_mode=plan[0], ac_policies=plan[1],
+                                            **kwargs)
+        return _compared(estimates[plan], count_offloaded)[0]
+
+    never_plan: Plan = ((False,) * n, base)
+    never = peak(never_plan)
+    _, phase, module = _compared(estimates[never_plan], count_offloaded)
     order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                            reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=_busy_units(units, phase, module))
+    actions: list[_Action] = []
+    if never > limit:
+        # What each checkpointing step frees, from the estimates of every block at op and at full.
+        stronger = {"none": 0, "op": 1, "full": 2}
+        raised = {p: tuple(max(b, p, key=stronger.__getitem__) for b in base) for p in ("op", "full")}
+        freed = {"none": 0.0}
+        for policy in ("op", "full"):
+            changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
+            freed[policy] = (never - peak(((False,) * n, raised[policy]))) / changed if changed else 0.0
+        costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
+                             seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
+                             reduce_bytes=kwargs["reduce_dtype"].itemsize,
+                             op_bytes_per_block=max(freed["op"], 0.0))
+        busy = _busy_units(units, phase, module)
+        for i in order:
+            gathered = 0 if i in busy else units[i].numel() * kwargs["param_dtype"].itemsize
+            actions.append(_Action("reshard", i, costs[("reshard", i)], gathered))
+        for j, policy in enumerate(base):
+            op = _Action("op", j, costs[("op", j)], max(freed["op"], 0.0))
+            if policy == "op":
+                actions.append(_Action("full", j, costs[("full", j)], max(freed["full"], 0.0)))
+            elif policy == "none":
+                full = _Action("full", j, costs[("full", j)], max(freed["full"] - op.freed, 0.0))
+                if full.rate < op.rate:  # full frees more per added time: one step, no op first
+                    actions.append(_Action("full", j, op.cost + full.cost, op.freed + full.freed))
+                else:
+                    actions += [op, full]
+        # Least added time per byte freed first (a block's op before its full: its rate is
+        # lower, and the sort is stable).
+        position = {id(a): k for k, a in enumerate(actions)}
+        actions.sort(key=lambda a: (a.rate, position[id(a)]))
 
-    def plan(k: int) -> tuple[bool, ...]:
-        chosen = set(order[:k])
-        return tuple(i in chosen for i in range(n))
+    def plan(k: int) -> Plan:
+        reshard = [False] * n
+        policies = list(base)
+        for action in actions[:k]:
+            if action.kind == "reshard":
+                reshard[action.index] = True
+            elif action.kind == "full" or policies[action.index] == "none":
+                policies[action.index] = action.kind
+        return tuple(reshard), tuple(policies)
 
-    def peak(k: int) -> int:
-        if k not in estimates:
-            estimates[k] = estimate_here(spec, args, reshard_after_forward_mode=plan(k), **kwargs)
-        return _compared(estimates[k], count_offloaded)[0]
-
-    if never <= limit:
-        k = 0
-    elif peak(n) > limit:
-        source = f" ({budget_source})" if budget_source else ""
-        raise ValueError(
-            f"parallelism.memory_budget_gib: the estimated peak is {size_text(peak(n))} per rank even with "
-            f"every unit resharded after forward, plus {size_text(headroom)} of headroom for a collective "
-            f"buffer: above the budget of {size_text(budget_bytes)}{source}; "
-            "allow more memory, or need less (smaller training.local_batch_size or seq_len, bf16 "
-            "mixed precision, CPU offload, more ranks)")
-    else:
-        # Bisection on the number of resharded units (fits(lo) is false, fits(hi) true); the
-        # first probe assumes each resharded unit frees its gathered parameters at the peak,
-        # the second checks the neighbour that would settle it.
-        freed, guess = 0, n
-        for k, i in enumerate(order, start=1):
-            freed += units[i].numel() * kwargs["param_dtype"].itemsize
-            if never - freed <= limit:
-                guess = k
+    k = 0
+    if never > limit:
+        # Bisection on the number of actions taken (fits(lo) is false; fits(hi) is assumed,
+        # and checked at the end when nothing smaller fitted); the first probe assumes each
+        # action frees what it is expected to, the second checks the neighbour that would
+        # settle it.
+        total, guess = 0.0, len(actions)
+        for count, action in enumerate(actions, start=1):
+            total += action.freed
+            if never - total <= limit:
+                guess = count
                 break
-        lo, hi = 0, n
+        lo, hi = 0, len(actions)
 
         def probe(mid: int) -> bool:
             """Narrow ``(lo, hi)`` with an estimate at ``mid``; False when ``mid`` is outside."""
             nonlocal lo, hi
             if not lo < mid < hi:
                 return False
-            lo, hi = (lo, mid) if peak(mid) <= limit else (mid, hi)
+            lo, hi = (lo, mid) if peak(plan(mid)) <= limit else (mid, hi)
             return True
 
-        if probe(guess):
+        if guess == len(actions) and peak(plan(guess)) <= limit:
+            probe(guess - 1)  # expected not to fit with less: settle that first
+        elif probe(guess):
             probe(guess - 1 if hi == guess else guess + 1)
-        while hi - lo > 1:
+        while hi - lo > 1 and peak(plan(hi)) <= limit:
             probe((lo + hi) // 2)
         k = hi
+        if peak(plan(k)) > limit:  # only when k is every action: nothing fits
+            source = f" ({budget_source})" if budget_source else ""
+            raise ValueError(
+                f"parallelism.memory_budget_gib: the estimated peak is {size_text(peak(plan(k)))} per rank "
+                f"even with every unit resharded after forward and every block fully recomputed, plus "
+                f"{size_text(headroom)} of headroom for a collective buffer: above the budget of "
+                f"{size_text(budget_bytes)}{source}; allow more memory, or need less (smaller "
+                "training.local_batch_size or seq_len, bf16 mixed precision, CPU offload, more ranks)")
+    chosen = plan(k)
+    cost = sum(a.cost for a in actions[:k])
     return AutoReshardPlan(
-        units=tuple(u.name for u in units), reshard=plan(k), order=tuple(units[i].name for i in order),
-        budget=budget_bytes, estimate=estimates[k],
-        tried=tuple((j, _compared(e, count_offloaded)[0]) for j, e in estimates.items()),
+        units=tuple(u.name for u in units), reshard=chosen[0], order=tuple(units[i].name for i in order),
+        budget=budget_bytes, estimate=estimates[chosen],
+        tried=tuple((sum(p[0]), _compared(e, count_offloaded)[0]) for p, e in estimates.items()),
         count_offloaded=count_offloaded, headroom=headroom, seconds=time.perf_counter() - start,
+        blocks=tuple(names), ac_policies=chosen[1], configured_ac=base,
+        actions=tuple((f"{a.kind} {units[a.index].name if a.kind == 'reshard' else names[a.index]}", a.cost, a.freed)
+                      for a in actions[:k]),
+        added_flops=cost,
     )

@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             "auto": None if plan_auto is None else {
                 "units": plan_auto.units, "reshard": plan_auto.reshard, "order": plan_auto.order, "budget": plan_auto.budget,
                 "peak": plan_auto.peak, "never_peak": plan_auto.never_peak, "tried": plan_auto.tried,
-                "all_gathers_per_step": plan_auto.all_gathers_per_step},
+                "all_gathers_per_step": plan_auto.all_gathers_per_step, "blocks": plan_auto.blocks,
+                "ac_policies": plan_auto.ac_policies, "configured_ac": plan_auto.configured_ac,
+                "actions": plan_auto.actions, "added_flops": plan_auto.added_flops},
         }
         try:
             json_path.write_text(json.dumps(record, indent=1))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import pickle
 import subprocess
@@ -370,7 +371,26 @@ def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return {k: v for k, v in by_category(snapshot).items() if k != "total"}
 
 
-def estimate_here(
+_CACHE: dict[Any, MemoryEstimate] = {}
+_CACHE_SIZE = 128
+
+
+def estimate_here(spec: ModelSpec, args: Any, **kwargs: Any) -> MemoryEstimate:
+    """:func:`estimate_memory` in this process (which must hold no process group). An estimate
+    is a pure function of its arguments: the last :data:`_CACHE_SIZE` are kept, so that the
+    ``auto`` planner and the CLI, which ask for some of the same plans, make each one once."""
+    bound = inspect.signature(_estimate_uncached).bind(spec, args, **kwargs)
+    bound.apply_defaults()
+    key = (spec.name, repr(args), tuple((name, repr(value)) for name, value in bound.arguments.items()
+                                        if name not in ("spec", "args")))
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _estimate_uncached(spec, args, **kwargs)
+    return dataclasses.replace(_CACHE[key])
+
+
+def _estimate_uncached(
     spec: ModelSpec,
     args: Any,
     *,
@@ -389,7 +409,6 @@ def estimate_here(
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
 ) -> MemoryEstimate:
-    """:func:`estimate_memory` in this process (which must hold no process group)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
