@@ -65,6 +65,9 @@ def _run_task(fn: Callable[..., Any], rank: int, world_size: int, port: int,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        from torchtitan_lite.distributed import forget_dtensor_plans
+
+        forget_dtensor_plans()
         if not last:
             torch.set_default_dtype(default_dtype)
             torch.use_deterministic_algorithms(deterministic)

@@ -76,6 +76,7 @@ def ac_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_ac_runs, 2, str(tmp_path_factory.mktemp("ac")))
 
 
+@pytest.mark.slow
 def test_every_ac_mode_gives_the_losses_of_none(ac_runs: list[dict[str, Any]]) -> None:
     for rank in ac_runs:
         for precision in PRECISIONS:
@@ -132,6 +133,7 @@ def compiled_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     return run_distributed(_compiled_runs, 2, str(tmp_path_factory.mktemp("compile")))
 
 
+@pytest.mark.slow
 def test_compiled_training_matches_eager_and_compiles_once(compiled_runs: list[dict[str, Any]]) -> None:
     for rank in compiled_runs:
         eager = rank["eager"]

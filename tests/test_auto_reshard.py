@@ -296,6 +296,7 @@ def tiny_peaks() -> dict[str, int]:
     return peaks
 
 
+@pytest.mark.slow
 def test_trainer_auto_recomputes_when_no_reshard_plan_fits_nothing_under_a_loose_budget(tiny_peaks, tmp_path):
     """2 real ranks: a budget below every unit resharded (always) but above that plus every block
     recomputed makes auto checkpoint blocks; the job runs, FSDP2 and the blocks were told the plan,

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.dist_utils import run_command
 
 
+@pytest.mark.slow
 def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     # Memory and collectives share one 2-rank launch (world size 1: its first rank). The memory
     # part measures the three modes in fp32 without CPU offload, what the checks below compare.

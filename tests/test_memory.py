@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.dist_utils import run_distributed
 
 
@@ -35,6 +37,7 @@ def _measure(mode: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 def test_sharded_state_per_rank_is_one_nth_of_one_rank():
     """Sharded params, grads and optimizer state measured on every rank at world size 2 and 4
     are within 5% of 1/N of what one rank holds alone (FSDP pads uneven shards)."""

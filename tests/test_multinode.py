@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, free_port, read_jsonl, run_distributed
 
@@ -40,6 +42,7 @@ def _one_node_default_mesh(argv: list[str]) -> dict[str, Any]:
     return mesh
 
 
+@pytest.mark.slow
 def test_two_loopback_nodes_form_an_hsdp_mesh_and_match_one_agent(tmp_path):
     dump = tmp_path / "two_nodes"
     port = free_port()

@@ -1050,3 +1050,48 @@ class _FakeMesh:
 
     ndim = 1
     shape = (2,)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. A second run in the same process
+# --------------------------------------------------------------------------------------------
+
+
+def _two_hsdp_runs_in_one_process() -> list[float]:
+    """Two HSDP 2 × 2 runs one after the other in one process, each with its own process group
+    (the second on a port the first agreed on) and gradient clipping; returns the grad norms.
+    The first run makes one more group before its mesh, so the two meshes' groups have
+    different names (as after any earlier job that made a different number of groups)."""
+    import os
+
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import ParallelDims, build_mesh, free_port, init_distributed
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+    from torchtitan_lite.trainer import clip_grad_norm_
+
+    norms = []
+    for run in range(2):
+        init_distributed(torch.device("cpu"))
+        if run == 0:
+            dist.new_group(list(range(4)))
+        mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(dp_replicate=2, dp_shard=2, world_size=4))
+        torch.manual_seed(0)
+        model = MyModel()
+        apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=model.head)
+        tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        norms.append(float(clip_grad_norm_(list(model.parameters()), 1.0)))
+        port = [free_port() if dist.get_rank() == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        dist.barrier()
+        dist.destroy_process_group()  # not destroy_distributed: as research code might
+        os.environ["MASTER_PORT"] = str(port[0])
+    return norms
+
+
+def test_second_hsdp_run_in_one_process_does_not_reuse_the_first_runs_groups():
+    """DTensor caches sharding plans by mesh layout; a new mesh of the same shape must not be
+    handed the first mesh's (destroyed) process groups."""
+    for first, second in run_distributed(_two_hsdp_runs_in_one_process, 4):
+        assert math.isfinite(first) and first == pytest.approx(second, rel=1e-6)

@@ -47,6 +47,7 @@ def single_process_result(tmp_path_factory):
     return run_command([sys.executable, str(script)], cwd=folder, timeout=120)
 
 
+@pytest.mark.slow
 def test_readme_example_under_torchrun(torchrun_result):
     result = torchrun_result
     assert result.returncode == 0, result.stdout + result.stderr

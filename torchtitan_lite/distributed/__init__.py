@@ -8,6 +8,7 @@ from torchtitan_lite.distributed.process_group import (
     build_mesh,
     choose_device,
     destroy_distributed,
+    forget_dtensor_plans,
     free_port,
     fsdp_mesh,
     init_distributed,
@@ -17,6 +18,7 @@ from torchtitan_lite.distributed.process_group import (
     world_info_from_env,
 )
 
-__all__ = ["ParallelDims", "backend_for", "build_mesh", "choose_device", "destroy_distributed", "free_port",
+__all__ = ["ParallelDims", "backend_for", "build_mesh", "choose_device", "destroy_distributed",
+           "forget_dtensor_plans", "free_port",
            "fsdp_mesh", "init_distributed", "local_world_size_from_env", "release_process_groups",
            "set_collective_timeout", "world_info_from_env"]

@@ -26,6 +26,7 @@ __all__ = [
     "world_info_from_env",
     "local_world_size_from_env",
     "destroy_distributed",
+    "forget_dtensor_plans",
     "free_port",
     "release_process_groups",
 ]
@@ -135,8 +136,35 @@ def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> No
             _set_pg_timeout(timeout, group)
 
 
+def forget_dtensor_plans() -> None:
+    """Empty DTensor's sharding and redistribution caches.
+
+    Their keys compare meshes by layout, not identity, and their values hold the mesh (and so the
+    process-group names) of the run that filled them. A second run in the same process (a new
+    process group, a new mesh of the same shape) would otherwise be handed a plan whose
+    collectives name groups that no longer exist: "Could not resolve the process group
+    registered under the name 7" at the first gradient clipping of an HSDP job. Called when a
+    mesh is built and when the process group is destroyed."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cache in (getattr(propagator, "propagate_op_sharding", None),
+                  getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+                  getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ fast path's
+    if native is not None:
+        native()
+
+
 def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
-    """1-D ``("dp_shard",)`` mesh when not replicating, 2-D ``("dp_replicate", "dp_shard")`` (HSDP)."""
+    """1-D ``("dp_shard",)`` mesh when not replicating, 2-D ``("dp_replicate", "dp_shard")`` (HSDP).
+    Plans DTensor cached for an earlier mesh of the same shape are dropped first
+    (:func:`forget_dtensor_plans`)."""
+    forget_dtensor_plans()
     if dims.dp_replicate > 1:
         return init_device_mesh(
             device.type,
@@ -162,6 +190,7 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+    forget_dtensor_plans()
 
 
 _release_registered = False
