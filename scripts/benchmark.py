@@ -125,10 +125,10 @@ def _bare_model(spec: Any, args: Any, mesh: Any, device: torch.device) -> torch.
 
 
 
-def _job_args(opts: argparse.Namespace, *extra: str) -> list[str]:
+def _job_args(opts: argparse.Namespace, *extra: str, param_dtype: str = "float32") -> list[str]:
     return ["--model.flavor", opts.flavor, "--training.seq_len", str(opts.seq_len),
             "--training.local_batch_size", str(opts.local_batch_size), "--training.steps", "1000000",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000000",
+            "--training.mixed_precision_param", param_dtype, "--metrics.log_freq", "1000000",
             "--metrics.no-enable_tensorboard", "--validation.no-enable", "--job.dump_folder",
             opts.dump, *extra]
 
@@ -394,17 +394,15 @@ def _worker_ac(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def _worker_compile(opts: argparse.Namespace) -> dict[str, Any]:
-    """Compiled vs eager Trainer on the same job in one process group: the compiled one's first
-    step (compilation) timed on its own, then both alternate round by round after a warm-up,
-    and the ratio of the median step times is reported."""
+    """Compiled vs eager Trainer on the same job in one process group, for each of
+    ``--param_dtypes``: the compiled one's first step (compilation) timed on its own, then both
+    alternate round by round after a warm-up, and the ratio of the median step times is reported."""
+    import torch
     import torch._dynamo as dynamo
     import torch.distributed as dist
 
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
-
-    eager = Trainer(load_job_config(_job_args(opts)))
-    compiled = Trainer(load_job_config(_job_args(opts, "--compile.enable")))
 
     def steps(trainer: Any, n: int) -> float:
         dist.barrier()
@@ -416,21 +414,30 @@ def _worker_compile(opts: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         return (time.perf_counter() - start) / n
 
-    eager_first = steps(eager, 1)
-    compile_first = steps(compiled, 1)  # compiles the blocks and the loss
-    steps(eager, 1)
-    steps(compiled, 1)  # warm-up both (the compiled step's first backward ran in step 1)
-    graphs_after_warmup = dynamo.utils.counters["stats"]["unique_graphs"]
-    eager_s, compiled_s = [], []
-    for _ in range(opts.rounds):
-        eager_s.append(steps(eager, opts.steps))
-        compiled_s.append(steps(compiled, opts.steps))
-    tokens = opts.local_batch_size * opts.seq_len
-    return {"eager_step_s": eager_s, "compiled_step_s": compiled_s, "eager_first_step_s": eager_first,
+    out = {}
+    for dtype in opts.param_dtypes.split(","):
+        eager = Trainer(load_job_config(_job_args(opts, param_dtype=dtype)))
+        compiled = Trainer(load_job_config(_job_args(opts, "--compile.enable", param_dtype=dtype)))
+        eager_first = steps(eager, 1)
+        compile_first = steps(compiled, 1)  # compiles the blocks and the loss
+        steps(eager, 1)
+        steps(compiled, 1)  # warm-up both (the compiled step's first backward ran in step 1)
+        graphs_after_warmup = dynamo.utils.counters["stats"]["unique_graphs"]
+        eager_s, compiled_s = [], []
+        for _ in range(opts.rounds):
+            eager_s.append(steps(eager, opts.steps))
+            compiled_s.append(steps(compiled, opts.steps))
+        tokens = opts.local_batch_size * opts.seq_len
+        out[dtype] = {
+            "eager_step_s": eager_s, "compiled_step_s": compiled_s, "eager_first_step_s": eager_first,
             "compiled_first_step_s": compile_first, "compile_s": compile_first - eager_first,
             "eager_tps": tokens / statistics.median(eager_s), "compiled_tps": tokens / statistics.median(compiled_s),
             "ratio": statistics.median(eager_s) / statistics.median(compiled_s),
             "new_graphs_after_warmup": dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup}
+        for trainer in (eager, compiled):
+            trainer.metrics.close()
+        del eager, compiled
+    return out
 
 
 def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
@@ -570,7 +577,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each loop")
     parser.add_argument("--world_sizes", default="1,2,4", help="memory part: world sizes, comma-separated")
     parser.add_argument("--param_dtypes", default="float32,bfloat16",
-                        help="memory part: parameter (compute) dtypes, comma-separated (float32, bfloat16)")
+                        help="memory and compile parts: parameter (compute) dtypes, comma-separated (float32, bfloat16)")
     parser.add_argument("--cpu_offload", default="off,on",
                         help="memory part: CPU offload settings, comma-separated (off, on)")
     parser.add_argument("--ac_seq_len", type=int, default=1024,
@@ -701,14 +708,15 @@ def main() -> None:
                   f"{r['estimated_peak'] / r['peak']:10.3f} {r['step_s']:7.3f} "
                   f"{r['step_s'] / none['step_s']:7.2f}  max rel. diff {same:.1e}")
     if "compile" not in skip:
-        c = _launch(["compile"], 2, opts)["compile"][0]
-        figures["compile"] = c
-        print(f"\ncompile (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss "
-              f"compiled): eager {c['eager_tps']:,.0f} tok/s/rank, compiled {c['compiled_tps']:,.0f} "
-              f"tok/s/rank, ratio compiled/eager = {c['ratio']:.2f} (per round: "
-              + ", ".join(f"{e / k:.2f}" for e, k in zip(c["eager_step_s"], c["compiled_step_s"], strict=True))
-              + f"); compilation {c['compile_s']:.1f} s (first step {c['compiled_first_step_s']:.1f} s "
-              f"vs eager {c['eager_first_step_s']:.2f} s), {c['new_graphs_after_warmup']} new graphs after warm-up")
+        by_dtype = _launch(["compile"], 2, opts)["compile"][0]
+        figures["compile"] = by_dtype
+        print(f"\ncompile (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss compiled)")
+        for dtype, c in by_dtype.items():
+            print(f"  {dtype}: eager {c['eager_tps']:,.0f} tok/s/rank, compiled {c['compiled_tps']:,.0f} "
+                  f"tok/s/rank, ratio compiled/eager = {c['ratio']:.2f} (per round: "
+                  + ", ".join(f"{e / k:.2f}" for e, k in zip(c["eager_step_s"], c["compiled_step_s"], strict=True))
+                  + f"); compilation {c['compile_s']:.1f} s (first step {c['compiled_first_step_s']:.1f} s "
+                  f"vs eager {c['eager_first_step_s']:.2f} s), {c['new_graphs_after_warmup']} new graphs after warm-up")
     if "metainit" not in skip:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
