@@ -60,7 +60,7 @@ def _write_hf(model: Transformer, folder: Path, dtype: torch.dtype = torch.float
     """A Hugging Face folder written with plain safetensors (no DCP) from ``model``."""
     folder.mkdir(parents=True, exist_ok=True)
     hf_sd = hf_storage.state_dict_to_hf(model.state_dict(), LLAMA3_SPEC, model.args)
-    save_file({k: v.to(dtype).contiguous() for k, v in hf_sd.items()}, str(folder / "model.safetensors"),
+    save_file({k: v.to(dtype).contiguous().clone() for k, v in hf_sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(llama_hf.hf_config(model.args, dtype)))
     return folder
@@ -204,21 +204,42 @@ def test_save_splits_files_and_loads_back_in_one_process(tmp_path):
     assert torch.equal(_logits(loaded, tokens), _logits(model, tokens))
 
 
-def test_tied_embeddings_and_unused_tensors(tmp_path):
-    model = _model(TINY)
-    with torch.no_grad():
-        model.output.weight.copy_(model.tok_embeddings.weight)
-    folder = _write_hf(model, tmp_path / "hf")
-    sd = load_file(str(folder / "model.safetensors"))
-    del sd["lm_head.weight"]
-    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # ignored
-    save_file(sd, str(folder / "model.safetensors"))
+def test_tied_embeddings_stay_one_parameter_and_stray_tensors_are_refused(tmp_path):
+    import dataclasses
+
+    tied_args = dataclasses.replace(TINY, tie_word_embeddings=True)
+    model = _model(tied_args)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == tied_args.num_params()
+    folder = tmp_path / "hf"
+    hf_storage.save_hf_weights(model, folder, spec=LLAMA3_SPEC)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    loaded = Transformer(TINY)
+    assert config["tie_word_embeddings"] is True
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    loaded = Transformer(tied_args)
     hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
-    assert torch.equal(loaded.output.weight, model.tok_embeddings.weight)
+    assert loaded.output.weight is loaded.tok_embeddings.weight
     assert torch.equal(_logits(loaded, _tokens(TINY)), _logits(model, _tokens(TINY)))
+    # Files that repeat the tied weight as lm_head.weight, or carry RoPE's inv_freq, load too.
+    plain = _write_hf(model, tmp_path / "plain")  # writes lm_head.weight = the embedding
+    sd = load_file(str(plain / "model.safetensors"))
+    assert "lm_head.weight" in sd
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(sd, str(plain / "model.safetensors"))
+    again = Transformer(tied_args)
+    hf_storage.load_hf_weights(again, plain, spec=LLAMA3_SPEC)
+    assert torch.equal(_logits(again, _tokens(TINY)), _logits(model, _tokens(TINY)))
+    # An untied model refuses the tied file (no silent untying), naming the field.
+    with pytest.raises(CheckpointError, match=r"config.json has tie_word_embeddings=True but this model has "
+                                              r"tie_word_embeddings=False$"):
+        hf_storage.load_hf_weights(Transformer(TINY), folder, spec=LLAMA3_SPEC)
+    # A tensor no parameter uses (here a q bias) is one clear error, not a log line.
+    sd["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(sd, str(plain / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.self_attn.q_proj.bias' belong to no "
+                                              r"parameter of this model"):
+        hf_storage.load_hf_weights(Transformer(tied_args), plain, spec=LLAMA3_SPEC)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.checkpoint.manager import check_initial_load_path, committed_steps
+from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import Tokenizer, build_tokenizer, check_dataset, tokenizer_file
 from torchtitan_lite.distributed.fsdp import ReshardMode, validate_reshard_after_forward_mode
@@ -26,7 +26,7 @@ from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["JobPlan", "model_vocab_size", "plan_job", "preflight"]
+__all__ = ["FROM_CHECKPOINT", "JobPlan", "model_vocab_size", "plan_job", "preflight"]
 
 
 def preflight(config: JobConfig) -> None:
@@ -117,6 +117,18 @@ def model_vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
     return wanted
 
 
+FROM_CHECKPOINT = "from_checkpoint"
+"""``model.flavor`` that takes the shape from ``checkpoint.initial_load_path``."""
+
+
+def _checkpoint_shape(config: JobConfig, spec: ModelSpec) -> Any:
+    ck = config.checkpoint
+    if ck.initial_load_path is None:
+        raise ConfigError("model.flavor: invalid value 'from_checkpoint'; it takes the model's shape from "
+                          "checkpoint.initial_load_path, which is unset")
+    return checkpoint_model_args(ck.initial_load_path, in_hf=ck.initial_load_in_hf, spec=spec)
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
@@ -132,9 +144,10 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     """
     m, t, v, p = config.model, config.training, config.validation, config.parallelism
     spec = get_model_spec(m.name)
-    _require(m.flavor in spec.flavors, "model.flavor", m.flavor,
-             f"expected one of {', '.join(map(repr, spec.flavors))}")
-    max_seq_len = spec.flavors[m.flavor].max_seq_len
+    _require(m.flavor in spec.flavors or m.flavor == FROM_CHECKPOINT, "model.flavor", m.flavor,
+             f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}")
+    checkpoint_args = _checkpoint_shape(config, spec) if m.flavor == FROM_CHECKPOINT else None
+    max_seq_len = (checkpoint_args or spec.flavors[m.flavor]).max_seq_len
     _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
              f"expected at most {max_seq_len} (max_seq_len of {m.name} {m.flavor})")
     if v.enable:
@@ -160,10 +173,19 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "
                  "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
     tokenizer = build_tokenizer(m.tokenizer_path)
+    if checkpoint_args is None:
+        model_args = spec.model_args(m.flavor, vocab_size=model_vocab_size(config, tokenizer))
+    else:
+        model_args = checkpoint_args
+        vocab = checkpoint_args.vocab_size
+        _require(m.vocab_size in (-1, vocab), "model.vocab_size", m.vocab_size,
+                 f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
+        _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
+                 f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,
-        model_args=spec.model_args(m.flavor, vocab_size=model_vocab_size(config, tokenizer)),
+        model_args=model_args,
         tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=global_batch // per_step,
         reshard_mode=reshard_mode, param_dtype=DTYPES[t.mixed_precision_param],
         reduce_dtype=DTYPES[t.mixed_precision_reduce], val_local_batch_size=val_local,

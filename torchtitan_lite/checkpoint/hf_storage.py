@@ -204,17 +204,15 @@ def _read_safetensors_index(path: str | Path) -> dict[str, _TensorEntry]:
 
 
 def _check_tensors(path: Path, entries: Mapping[str, _TensorEntry], adapter: HFAdapter, args: Any,
-                   *, tied: bool) -> None:
-    """Every tensor the model needs is present with the right shape and a floating dtype; the
-    first problem in file order is reported."""
+                   config: Mapping[str, Any]) -> None:
+    """Every tensor the model needs is present with the right shape and a floating dtype, and
+    every tensor of the folder is one the model uses (or a recomputed buffer, or the copy of a
+    tied output projection that ``config.json`` declares tied); the first problem is reported."""
     expected = adapter.expected_shapes(args)
-    tied_name = adapter.to_hf_name(adapter.output_name)
     for name, shape in expected.items():
         entry = entries.get(name)
         if entry is None:
-            if tied and name == tied_name:
-                continue
-            missing = [n for n in expected if n not in entries and not (tied and n == tied_name)]
+            missing = [n for n in expected if n not in entries]
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise _error(path, f"tensor {name!r} is missing{more}")
         if entry.shape != shape:
@@ -223,31 +221,29 @@ def _check_tensors(path: Path, entries: Mapping[str, _TensorEntry], adapter: HFA
         if entry.dtype not in _FLOATING:
             raise _error(path, f"tensor {name!r} has dtype {entry.dtype}, expected one of "
                                f"{', '.join(_FLOATING)}")
-    unused = [n for n in entries if n not in expected and not adapter.ignored(n)]
+    tied_copy = adapter.to_hf_name(adapter.output_name) if config.get("tie_word_embeddings") else None
+    unused = [n for n in entries if n not in expected and not adapter.ignored(n) and n != tied_copy]
     if unused:
-        logger.warning("HF checkpoint %s: ignoring %d tensors this model does not use (e.g. %s)",
-                       path, len(unused), unused[0])
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise _error(path, f"tensor {unused[0]!r}{more} belong to no parameter of this model (a model "
+                           "of another family or with parts this one lacks, e.g. biases or q/k norms)")
 
 
-def check_hf_checkpoint(path: str | Path, spec: ModelSpec, args: Any) -> bool:
+def check_hf_checkpoint(path: str | Path, spec: ModelSpec, args: Any) -> None:
     """Check a Hugging Face folder against the model ``args`` of family ``spec`` from file headers
     and ``config.json`` only.
 
     Raises ``CheckpointError`` (one line naming the folder, the tensor or field and the
-    mismatch) for a missing folder, no ``*.safetensors`` file, a missing tensor, a wrong shape
-    or dtype, or a ``config.json`` that disagrees. Tensors the model does not use are ignored.
-    Returns True when the output projection is tied to the embedding (``tie_word_embeddings``
-    and no ``lm_head.weight``), i.e. it is to be loaded from ``model.embed_tokens.weight``.
+    mismatch) for a missing folder, no ``*.safetensors`` file, a missing or unused tensor, a
+    wrong shape or dtype, or a ``config.json`` that disagrees (family, shape, tied embeddings,
+    RoPE, or computation the model lacks). A model with tied embeddings needs no
+    ``lm_head.weight``.
     """
     path = Path(path)
     entries = _read_safetensors_index(path)
     config = read_hf_config(path) or {}
-    adapter = _adapter(spec)
     check_hf_config(path, spec, args)
-    tied = (bool(config.get("tie_word_embeddings"))
-            and adapter.to_hf_name(adapter.output_name) not in entries)
-    _check_tensors(path, entries, adapter, args, tied=tied)
-    return tied
+    _check_tensors(path, entries, _adapter(spec), args, config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,17 +392,13 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
     path = Path(path)
     adapter = _adapter(spec)
     args = model.args
-    tied = check_hf_checkpoint(path, spec, args)
-    params = _named_params(model)
-    to_load = {adapter.to_hf_name(name): param.detach() for name, param in params.items()
-               if not (tied and name == adapter.output_name)}
+    check_hf_checkpoint(path, spec, args)
+    params = _named_params(model)  # a tied parameter once, under its first name
+    to_load = {adapter.to_hf_name(name): param.detach() for name, param in params.items()}
     with torch.no_grad(), quiet_without_process_group():
         # Each rank reads its own rows of every tensor straight into its shard.
         try:
             dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
-            if tied:
-                dcp.load({adapter.to_hf_name(adapter.embedding_name): params[adapter.output_name].detach()},
-                         storage_reader=_HFRowReader(str(path)))
         except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
             raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
     # Permuted weights now hold Hugging Face's row order; each is gathered (the only full

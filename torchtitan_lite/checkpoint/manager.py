@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan_lite.checkpoint.hf_storage import load_hf_weights, save_hf_weights
+from torchtitan_lite.checkpoint.hf_storage import load_hf_weights, read_hf_config, save_hf_weights
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
 from torchtitan_lite.dtypes import DTYPES
@@ -52,6 +52,7 @@ from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = [
+    "checkpoint_model_args",
     "TRAIN_STATE_FILE",
     "CheckpointManager",
     "check_initial_load_path",
@@ -92,6 +93,42 @@ def check_initial_load_path(path: str, *, in_hf: bool) -> None:
                 if any(folder.glob("*.safetensors")) else "")
         raise ConfigError(f"{key}: invalid value {path!r}; not a DCP checkpoint folder (no .metadata "
                           f"file){hint}")
+
+
+def checkpoint_model_args(path: str, *, in_hf: bool, spec: ModelSpec) -> Any:
+    """The model shape a checkpoint was written for (``model.flavor = "from_checkpoint"``): from
+    a Hugging Face folder's ``config.json`` through the family's adapter, or from the
+    ``model_args`` of one of our step folders. Raises :class:`ConfigError` naming
+    ``checkpoint.initial_load_path`` when the folder does not say, or says something the family
+    does not implement."""
+    key = "checkpoint.initial_load_path"
+    folder = Path(path)
+    if in_hf:
+        if spec.hf is None:
+            raise ConfigError(f"model.flavor: invalid value 'from_checkpoint'; model {spec.name!r} has no "
+                              "Hugging Face adapter")
+        try:
+            hf_config = read_hf_config(folder)
+        except CheckpointError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        if hf_config is None:
+            raise ConfigError(f"{key}: invalid value {path!r}; model.flavor = 'from_checkpoint' needs its "
+                              "config.json, and the folder has none")
+        try:
+            return spec.hf.args_from_config(hf_config)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: invalid value {path!r}; {exc}") from None
+    try:
+        values = _read_train_state(folder).get("model_args")
+    except CheckpointError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key}: invalid value {path!r}; its {TRAIN_STATE_FILE} records no model_args "
+                          "for model.flavor = 'from_checkpoint'")
+    try:
+        return spec.args_from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: invalid value {path!r}; its model_args are not a {spec.name} shape: {exc}") from None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -12,10 +12,14 @@ __all__ = ["LLAMA3_FLAVORS", "LLAMA3_SPEC", "ModelArgs", "Transformer"]
 
 
 def fsdp_units(model: nn.Module) -> FSDPLayout:
-    """Token embedding, each block, then final norm and output projection as one unit."""
+    """Token embedding, each block, then final norm and output projection as one unit. With
+    tied embeddings the embedding and the output projection (one parameter) are one unit, and
+    the final norm a unit of its own."""
     assert isinstance(model, Transformer)
-    return FSDPLayout(first_unit=model.tok_embeddings, blocks=list(model.layers.values()),
-                      last_unit=[model.norm, model.output])
+    blocks = list(model.layers.values())
+    if model.args.tie_word_embeddings:
+        return FSDPLayout(first_unit=[model.tok_embeddings, model.output], blocks=blocks, last_unit=model.norm)
+    return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks, last_unit=[model.norm, model.output])
 
 
 LLAMA3_SPEC = ModelSpec(name="llama3", model_cls=Transformer, args_cls=ModelArgs, flavors=LLAMA3_FLAVORS,

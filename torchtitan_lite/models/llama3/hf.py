@@ -9,9 +9,10 @@ besides the names:
   key weights are the same up to a permutation of rows within each head:
   :func:`permute_for_hf` and :func:`unpermute_from_hf`.
 - **config.json.** :func:`hf_config` writes one for a shape; :func:`config_mismatch` names the
-  first field of a file that disagrees with a shape (sizes, head counts, ``rms_norm_eps``,
-  ``rope_theta``, activation, biases, RoPE scaling); :func:`model_args_from_hf_config` reads a
-  shape from one.
+  first field of a file that disagrees with a shape or asks for computation the model lacks
+  (family, sizes, head counts, tied embeddings, ``rms_norm_eps``, RoPE theta and scaling,
+  activation, biases, dropout); :func:`model_args_from_hf_config` reads a shape of any size
+  from one.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
 
 
 def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order."""
+    """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order
+    (no ``lm_head.weight`` when the embeddings are tied)."""
     d, h, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
     per_layer = {
@@ -148,13 +150,30 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         for suffix, shape in per_layer.items():
             shapes[f"model.layers.{i}.{suffix}"] = shape
     shapes["model.norm.weight"] = (d,)
-    shapes["lm_head.weight"] = (args.vocab_size, d)
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, d)
     return shapes
 
 
+def rope_parameters(args: ModelArgs) -> dict[str, Any]:
+    """``rope_parameters`` of a ``config.json`` (the current layout: theta inside)."""
+    params: dict[str, Any] = {"rope_type": "default" if args.rope_scaling == "none" else args.rope_scaling,
+                              "rope_theta": args.rope_theta}
+    if args.rope_scaling != "none":
+        params["factor"] = args.rope_scaling_factor
+    if args.rope_scaling == "llama3":
+        params.update(low_freq_factor=args.rope_low_freq_factor, high_freq_factor=args.rope_high_freq_factor,
+                      original_max_position_embeddings=args.rope_original_max_seq_len)
+    return params
+
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """A ``LlamaForCausalLM`` ``config.json`` for a model with ``args`` stored in ``dtype``."""
+    """A ``LlamaForCausalLM`` ``config.json`` for a model with ``args`` stored in ``dtype``.
+
+    RoPE is written in the current layout (``rope_parameters``) and, for readers that predate
+    it, as ``rope_theta`` and ``rope_scaling`` too: the same values."""
+    parameters = rope_parameters(args)
+    legacy = {k: v for k, v in parameters.items() if k != "rope_theta"}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -166,37 +185,79 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "head_dim": args.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
+        "rope_parameters": parameters,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if args.rope_scaling == "none" else legacy,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
+        "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
+def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE fields of a ``config.json`` in our terms, from ``rope_parameters`` (current
+    layout) or ``rope_theta`` + ``rope_scaling`` (earlier). ``ValueError`` for a RoPE type we do
+    not implement (``yarn``, ``dynamic``, ``longrope``…) or a malformed entry."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict):
+        theta, legacy = parameters.get("rope_theta"), config.get("rope_theta")
+        if theta is not None and legacy is not None and theta != legacy:
+            raise ValueError(f"{CONFIG_FILE} has rope_theta={legacy!r} but rope_parameters.rope_theta={theta!r}")
+        legacy_scaling = config.get("rope_scaling")
+        if isinstance(legacy_scaling, dict):
+            for field, value in legacy_scaling.items():
+                if field in parameters and parameters[field] != value:
+                    raise ValueError(f"{CONFIG_FILE} has rope_scaling.{field}={value!r} but "
+                                     f"rope_parameters.{field}={parameters[field]!r}")
+    else:
+        parameters = config.get("rope_scaling")
+        parameters = dict(parameters) if isinstance(parameters, dict) else {}
+        if config.get("rope_theta") is not None:
+            parameters.setdefault("rope_theta", config["rope_theta"])
+    where = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) else "rope_scaling"
+    kind = parameters.get("rope_type", parameters.get("type")) or "default"
+    fields: dict[str, Any] = {}
+    if parameters.get("rope_theta") is not None:
+        fields["rope_theta"] = float(parameters["rope_theta"])
+    if kind == "default":
+        fields["rope_scaling"] = "none"
+    elif kind in ("llama3", "linear"):
+        try:
+            fields.update(rope_scaling=kind, rope_scaling_factor=float(parameters["factor"]))
+            if kind == "llama3":
+                fields.update(rope_low_freq_factor=float(parameters["low_freq_factor"]),
+                              rope_high_freq_factor=float(parameters["high_freq_factor"]),
+                              rope_original_max_seq_len=int(parameters["original_max_position_embeddings"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{CONFIG_FILE} {where} of type {kind!r} lacks a usable field: {exc}") from None
+    else:
+        raise ValueError(f"{CONFIG_FILE} has {where}.rope_type={kind!r}; supported RoPE types: "
+                         "default, llama3, linear")
+    return fields
 
-def _rope_theta(config: Mapping[str, Any]) -> Any:
-    if "rope_theta" in config:
-        return config["rope_theta"]
-    parameters = config.get("rope_parameters")  # newer transformers releases
-    return parameters.get("rope_theta") if isinstance(parameters, dict) else None
 
-
-def _rope_scaling_type(config: Mapping[str, Any]) -> str | None:
-    for key in ("rope_scaling", "rope_parameters"):
-        value = config.get(key)
-        if isinstance(value, dict):
-            kind = value.get("rope_type", value.get("type"))
-            if kind not in (None, "default"):
-                return f"{key}.rope_type={kind!r}"
+def _family_mismatch(config: Mapping[str, Any]) -> str | None:
+    model_type = config.get("model_type")
+    if model_type is not None and model_type != LlamaHFAdapter.model_type:
+        return (f"{CONFIG_FILE} has model_type={model_type!r} but this model is "
+                f"{LlamaHFAdapter.model_type!r} ({', '.join(LlamaHFAdapter.architectures)})")
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and not set(architectures) & set(LlamaHFAdapter.architectures):
+        return (f"{CONFIG_FILE} has architectures={architectures!r} but this model is "
+                f"{', '.join(LlamaHFAdapter.architectures)}")
     return None
 
 
 def config_mismatch(config: Mapping[str, Any], args: ModelArgs) -> str | None:
-    """The first field of ``config`` that disagrees with ``args``, as a phrase, or None."""
+    """The first field of ``config`` that disagrees with ``args`` or that changes the
+    computation in a way this model does not implement, as a phrase, or None."""
+    problem = _family_mismatch(config)
+    if problem is not None:
+        return problem
     expected: list[tuple[str, Any, Any]] = [
         ("hidden_size", config.get("hidden_size"), args.dim),
         ("num_hidden_layers", config.get("num_hidden_layers"), args.n_layers),
@@ -205,14 +266,29 @@ def config_mismatch(config: Mapping[str, Any], args: ModelArgs) -> str | None:
          config.get("num_key_value_heads", config.get("num_attention_heads")), args.kv_heads),
         ("intermediate_size", config.get("intermediate_size"), args.ffn_hidden_dim),
         ("vocab_size", config.get("vocab_size"), args.vocab_size),
+        ("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), args.tie_word_embeddings),
     ]
     if config.get("head_dim") is not None:
         expected.append(("head_dim", config.get("head_dim"), args.head_dim))
     for field, value, want in expected:
         if value is not None and value != want:
             return f"{CONFIG_FILE} has {field}={value!r} but this model has {field}={want!r}"
-    for field, value, want in (("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps),
-                               ("rope_theta", _rope_theta(config), args.rope_theta)):
+    try:
+        rope = _rope_fields(config)
+    except ValueError as exc:
+        return str(exc)
+    ours = {"rope_theta": args.rope_theta, "rope_scaling": args.rope_scaling}
+    if args.rope_scaling != "none":
+        ours["rope_scaling_factor"] = args.rope_scaling_factor
+    if args.rope_scaling == "llama3":
+        ours.update(rope_low_freq_factor=args.rope_low_freq_factor, rope_high_freq_factor=args.rope_high_freq_factor,
+                    rope_original_max_seq_len=args.rope_original_max_seq_len)
+    numbers = [("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps)]
+    numbers += [(field, rope.get(field), want) for field, want in ours.items() if field != "rope_scaling"]
+    if rope.get("rope_scaling", "none") != args.rope_scaling:
+        return (f"{CONFIG_FILE} has RoPE scaling {rope.get('rope_scaling', 'none')!r} but this model has "
+                f"rope_scaling={args.rope_scaling!r}")
+    for field, value, want in numbers:
         if value is None:
             continue
         if not isinstance(value, (int, float)) or not math.isclose(value, want, rel_tol=1e-6):
@@ -222,21 +298,23 @@ def config_mismatch(config: Mapping[str, Any], args: ModelArgs) -> str | None:
     for field in ("attention_bias", "mlp_bias"):
         if config.get(field):
             return f"{CONFIG_FILE} has {field}=true but this model has no biases"
-    scaling = _rope_scaling_type(config)
-    if scaling is not None:
-        return f"{CONFIG_FILE} has {scaling} but this model implements only unscaled RoPE"
+    if config.get("attention_dropout"):
+        return f"{CONFIG_FILE} has attention_dropout={config['attention_dropout']!r} but this model has no dropout"
     return None
 
 
-
 def model_args_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> ModelArgs:
-    """``ModelArgs`` for a Hugging Face Llama ``config.json`` (``ValueError`` if it has no
-    Llama shape; ``overrides`` replace fields).
+    """``ModelArgs`` for a Hugging Face Llama ``config.json`` of any shape (``ValueError``, one
+    line, if it is not a Llama config or asks for something this model does not implement;
+    ``overrides`` replace fields).
 
-    A flavor of :data:`LLAMA3_FLAVORS` with the same shape is used as the base (vocabulary,
-    ``rms_norm_eps``, ``rope_theta`` and ``max_position_embeddings`` from the file); otherwise
-    ``intermediate_size`` is expressed through ``multiple_of`` (and ``ffn_dim_multiplier`` where
-    needed) so that ``ffn_hidden_dim`` reproduces it exactly."""
+    ``intermediate_size`` is expressed through the flavor's ``multiple_of``/``ffn_dim_multiplier``
+    when the shape is a flavor's, otherwise through ``multiple_of`` (and ``ffn_dim_multiplier``
+    where needed) so that ``ffn_hidden_dim`` reproduces it exactly. The result is checked against
+    the whole file (:func:`config_mismatch`)."""
+    problem = _family_mismatch(config)
+    if problem is not None:
+        raise ValueError(problem)
     try:
         dim = int(config["hidden_size"])
         n_heads = int(config["num_attention_heads"])
@@ -247,25 +325,30 @@ def model_args_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> Mo
             "n_kv_heads": int(config.get("num_key_value_heads") or n_heads),
             "vocab_size": int(config["vocab_size"]),
             "norm_eps": float(config.get("rms_norm_eps", 1e-5)),
-            "rope_theta": float(_rope_theta(config) or 10000.0),
+            "rope_theta": 10000.0,
             "max_seq_len": int(config.get("max_position_embeddings", 8192)),
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         }
         hidden = int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{CONFIG_FILE} lacks a usable Llama field: {exc}") from None
+    fields.update(_rope_fields(config))
     shape = (dim, fields["n_layers"], n_heads, fields["n_kv_heads"], hidden)
-    free = {k: fields[k] for k in ("vocab_size", "norm_eps", "rope_theta", "max_seq_len")}
-    for flavor in LLAMA3_FLAVORS.values():  # a known flavor's fields where the shape is one
+    args = None
+    free = {k: v for k, v in fields.items() if k not in ("dim", "n_layers", "n_heads", "n_kv_heads")}
+    for flavor in LLAMA3_FLAVORS.values():  # a known flavor's FFN fields where the shape is one
         candidate = dataclasses.replace(flavor, **{**free, **overrides})
         if (candidate.dim, candidate.n_layers, candidate.n_heads, candidate.kv_heads,
                 candidate.ffn_hidden_dim) == shape:
-            return candidate
-    base = int(2 * 4 * dim / 3)
-    fields.update(multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base)
-    fields.update(overrides)
-    args = ModelArgs(**fields)
-    if args.ffn_hidden_dim != hidden:
-        raise ValueError(f"{CONFIG_FILE} intermediate_size={hidden} cannot be expressed by ModelArgs")
+            args = candidate
+            break
+    if args is None:
+        base = int(2 * 4 * dim / 3)
+        fields.update(multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base)
+        fields.update(overrides)
+        args = ModelArgs(**fields)
+        if args.ffn_hidden_dim != hidden:
+            raise ValueError(f"{CONFIG_FILE} intermediate_size={hidden} cannot be expressed by ModelArgs")
     problem = config_mismatch(config, args)
     if problem is not None:
         raise ValueError(problem)

@@ -1,8 +1,10 @@
 """A Llama-3-style decoder-only Transformer.
 
 RMSNorm, rotary position embeddings (interleaved pairs, as in Meta's Llama reference; the
-rotations live in a non-persistent complex buffer and reach the blocks as :func:`rope_bits`), grouped-query attention through
-``scaled_dot_product_attention`` and a SwiGLU feed-forward. Parameter names follow the Llama-3
+rotations live in a non-persistent complex buffer and reach the blocks as :func:`rope_bits`;
+Llama 3.1's frequency scaling and linear scaling optional), grouped-query attention through
+``scaled_dot_product_attention``, a SwiGLU feed-forward, and optionally an output projection tied
+to the token embedding (Llama 3.2 1B and 3B). Parameter names follow the Llama-3
 checkpoint convention. Nothing here knows about FSDP: the model can be built on the meta device,
 sharded by :mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
 :meth:`Transformer.init_weights`.
@@ -19,7 +21,8 @@ from torch import nn
 
 import torchtitan_lite.models.init as init
 
-__all__ = ["ModelArgs", "Transformer", "LLAMA3_FLAVORS", "apply_rotary_emb", "precompute_freqs_cis", "rope_bits"]
+__all__ = ["LLAMA3_FLAVORS", "ROPE_SCALINGS", "ModelArgs", "Transformer", "apply_rotary_emb", "precompute_freqs_cis",
+           "rope_bits", "scale_rope_frequencies"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,26 @@ class ModelArgs:
     rope_theta: float = 500000.0
     max_seq_len: int = 8192
     depth_init: bool = True
+    rope_scaling: str = "none"
+    """RoPE frequency scaling: ``"none"``; ``"llama3"`` (Llama 3.1+: low frequencies divided by
+    ``rope_scaling_factor``, high ones kept, a smooth blend between, set by the two frequency
+    factors and ``rope_original_max_seq_len``); ``"linear"`` (every frequency divided by the
+    factor, i.e. positions interpolated)."""
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    tie_word_embeddings: bool = False
+    """The output projection is the token embedding's weight (one parameter)."""
 
     def __post_init__(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling != "none" and self.rope_scaling_factor <= 0:
+            raise ValueError(f"rope_scaling_factor {self.rope_scaling_factor} must be > 0")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"rope_high_freq_factor {self.rope_high_freq_factor} must be above "
+                             f"rope_low_freq_factor {self.rope_low_freq_factor}")
         if self.dim % self.n_heads != 0:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if (self.dim // self.n_heads) % 2 != 0:
@@ -62,12 +83,13 @@ class ModelArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def num_params(self, *, include_embedding: bool = True) -> int:
-        """Exact parameter count of :class:`Transformer` with these args."""
+        """Exact parameter count of :class:`Transformer` with these args (a tied embedding
+        counts once: as the output projection, which is not an embedding-only parameter)."""
         d, h = self.dim, self.ffn_hidden_dim
         attn = d * d * 2 + 2 * d * self.kv_heads * self.head_dim
         block = attn + 3 * d * h + 2 * d
         total = self.n_layers * block + d + d * self.vocab_size
-        if include_embedding:
+        if include_embedding and not self.tie_word_embeddings:
             total += self.vocab_size * d
         return total
 
@@ -82,6 +104,13 @@ class ModelArgs:
         return dense + self.n_layers * self.attention_flops_per_token(seq_len)
 
 
+ROPE_SCALINGS = ("none", "llama3", "linear")
+
+# Llama 3.1 and later: 128K context from an 8K-trained base.
+_LLAMA31_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
+                 "rope_high_freq_factor": 4.0, "rope_original_max_seq_len": 8192, "max_seq_len": 131072}
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "rope_scaling_factor": 32.0}
+
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     # Small enough for unit tests: GQA (4 query heads share 2 kv heads).
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258,
@@ -95,13 +124,46 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
                     multiple_of=1024, rope_theta=500000.0),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
                      multiple_of=4096, rope_theta=500000.0),
+    # The published Llama 3.1 / 3.2 / 3.3 shapes (3.3 70B is 3.1 70B's shape).
+    "3.1-8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                        multiple_of=1024, rope_theta=500000.0, **_LLAMA31_ROPE),
+    "3.1-70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                         multiple_of=4096, rope_theta=500000.0, **_LLAMA31_ROPE),
+    "3.1-405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                          multiple_of=4096, rope_theta=500000.0, **_LLAMA31_ROPE),
+    "3.2-1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                        multiple_of=256, rope_theta=500000.0, tie_word_embeddings=True, **_LLAMA32_ROPE),
+    "3.2-3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                        multiple_of=256, rope_theta=500000.0, tie_word_embeddings=True, **_LLAMA32_ROPE),
 }
 
 
+def scale_rope_frequencies(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """``inv_freq`` (radians per position, one per rotated pair) after ``args.rope_scaling``.
+
+    ``llama3``: a frequency whose wavelength is longer than ``original / low_freq_factor``
+    positions is divided by the factor, one shorter than ``original / high_freq_factor`` is
+    kept, and those between are blended linearly in ``original / wavelength``. ``linear``:
+    every frequency is divided by the factor."""
+    if args.rope_scaling == "none":
+        return inv_freq
+    factor = args.rope_scaling_factor
+    if args.rope_scaling == "linear":
+        return inv_freq / factor
+    low, high, original = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > original / low, inv_freq / factor,
+                       torch.where(wavelen < original / high, inv_freq, blended))
+
+
 def precompute_freqs_cis(
-    head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None
+    head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
+    args: ModelArgs | None = None,
 ) -> torch.Tensor:
-    """Return the ``(max_seq_len, head_dim // 2)`` complex64 rotations ``exp(i · pos · freq)``.
+    """Return the ``(max_seq_len, head_dim // 2)`` complex64 rotations ``exp(i · pos · freq)``,
+    the frequencies scaled as ``args.rope_scaling`` says (:func:`scale_rope_frequencies`).
 
     Kept complex (the buffer is not a floating-point tensor, so nothing casts it); the blocks
     get it as :func:`rope_bits`.
@@ -109,6 +171,8 @@ def precompute_freqs_cis(
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     )
+    if args is not None:
+        inv_freq = scale_rope_frequencies(inv_freq, args)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
@@ -236,9 +300,11 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer(
             "freqs_cis",
-            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta),
+            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta, args=args),
             persistent=False,
         )
 
@@ -266,8 +332,9 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]
         self.norm.init_weights()
-        final_std = self.args.dim**-0.5
-        init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+        if not self.args.tie_word_embeddings:  # tied: the embedding's values serve both
+            final_std = self.args.dim**-0.5
+            init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
 
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent RoPE table on ``buffer_device`` (default: where it is;
@@ -277,5 +344,5 @@ class Transformer(nn.Module):
         if device.type == "meta":
             device = torch.device("cpu")
         self.freqs_cis = precompute_freqs_cis(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device, args=self.args
         )

@@ -1,0 +1,191 @@
+"""Today's Hugging Face checkpoints against ``transformers`` itself: Llama with Llama 3.1's RoPE
+scaling (and linear scaling), Llama 3.2-style tied embeddings, shapes that are no flavor.
+
+Each folder is a tiny random model built and saved by ``transformers``; its logits are the
+reference. Single-process imports here; the 2-rank import → train → export round trip runs on
+spawned gloo ranks through the trainer (``model.flavor = "from_checkpoint"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_utils import read_jsonl, run_distributed
+from torchtitan_lite.checkpoint import hf_storage
+from torchtitan_lite.errors import CheckpointError
+from torchtitan_lite.models.llama3 import LLAMA3_SPEC, Transformer
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+# Not a flavor: 3 layers, dim 96, 6 heads, 2 kv heads; vocabulary above the byte tokenizer's 258.
+ODD_SHAPE = {"hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+             "intermediate_size": 200, "vocab_size": 300}
+
+
+def hf_llama(folder: Path, *, seed: int = 0, **config: Any) -> Path:
+    """A random ``LlamaForCausalLM`` saved by ``transformers`` (safetensors + config.json), its
+    query/key weights scaled up so that attention (and so RoPE) is sharp."""
+    fields = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, **config}
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def tokens_for(vocab: int, seq: int = 48) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+
+
+def our_model(folder: Path) -> Transformer:
+    config = json.loads((folder / "config.json").read_text())
+    model = Transformer(LLAMA3_SPEC.hf.args_from_config(config))
+    hf_storage.load_hf_weights(model, folder, spec=LLAMA3_SPEC)
+    return model
+
+
+CASES = {
+    "llama3 rope scaling": {"rope_scaling": LLAMA3_ROPE},
+    "linear rope scaling": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "tied (3.2 style)": {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+    "odd shape": ODD_SHAPE,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_matches_transformers(tmp_path: Path, case: str) -> None:
+    folder = hf_llama(tmp_path / "hf", **CASES[case])
+    model = our_model(folder)
+    tokens = tokens_for(model.args.vocab_size)
+    with torch.no_grad():
+        ours = model(tokens)
+    torch.testing.assert_close(ours, hf_logits(folder, tokens), rtol=0, atol=1e-5)
+    if "rope_scaling" in CASES[case]:
+        # The scaling matters at these positions: the same weights unscaled give other logits.
+        plain = Transformer(dataclasses.replace(model.args, rope_scaling="none"))
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (plain(tokens) - ours).abs().max() > 1e-3
+    if CASES[case].get("tie_word_embeddings"):
+        assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_export_of_scaled_and_tied_models_loads_in_transformers(tmp_path: Path) -> None:
+    folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)
+    model = our_model(folder)
+    hf_storage.save_hf_weights(model, tmp_path / "out", spec=LLAMA3_SPEC)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    tokens = tokens_for(300)
+    with torch.no_grad():
+        ours = model(tokens)
+    torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), ours, rtol=0, atol=1e-5)
+
+
+def test_scaled_file_into_an_unscaled_model_is_one_line(tmp_path: Path) -> None:
+    folder = hf_llama(tmp_path / "hf", rope_scaling=LLAMA3_ROPE)
+    args = dataclasses.replace(LLAMA3_SPEC.hf.args_from_config(json.loads((folder / "config.json").read_text())),
+                               rope_scaling="none")
+    with pytest.raises(CheckpointError, match=r"config.json has RoPE scaling 'llama3' but this model has "
+                                              r"rope_scaling='none'$"):
+        hf_storage.load_hf_weights(Transformer(args), folder, spec=LLAMA3_SPEC)
+
+
+def test_unsupported_rope_type_and_family_are_one_line(tmp_path: Path) -> None:
+    config = json.loads((hf_llama(tmp_path / "hf") / "config.json").read_text())
+    yarn = {**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"rope_type='yarn'; supported RoPE types: default, llama3, linear$"):
+        LLAMA3_SPEC.hf.args_from_config(yarn)
+    other = {**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    with pytest.raises(ValueError, match=r"config.json has model_type='mistral' but this model is 'llama' "
+                                         r"\(LlamaForCausalLM\)$"):
+        LLAMA3_SPEC.hf.args_from_config(other)
+
+
+# --------------------------------------------------------------------------------------------
+# 2 ranks: import at any shape, train 3 steps, export; transformers reads the export
+# --------------------------------------------------------------------------------------------
+
+
+def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor) -> dict[str, Any]:
+    """Import logits (sharded), the tied parameter's sharding, 3 trained steps, export; the
+    trained model's logits on ``tokens``."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.fsdp import reshard_all
+    from torchtitan_lite.trainer import Trainer
+
+    config = load_job_config([
+        "--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path", folder,
+        "--checkpoint.initial_load_in_hf", "--checkpoint.enable", "--checkpoint.interval", "100",
+        "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf", "--training.steps", "3",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--job.dump_folder", dump,
+        "--training.mixed_precision_param", "float32",
+        "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", "--validation.no-enable"])
+    trainer = Trainer(config)
+    model = trainer.model
+    out: dict[str, Any] = {"args": dataclasses.asdict(trainer.model_args)}
+    with torch.no_grad():
+        out["imported"] = model(tokens)
+    reshard_all(model)  # the last unit stays gathered after a forward in the default mode
+    params = dict(model.named_parameters())
+    out["param_names"] = sorted(params)
+    out["tied"] = model.output.weight is model.tok_embeddings.weight
+    out["tied_local_bytes"] = [p.to_local().numel() * p.element_size() for n, p in params.items()
+                               if n == "tok_embeddings.weight" and isinstance(p, DTensor)]
+    out["local_bytes"] = sum(p.to_local().numel() * p.element_size() for p in params.values())
+    trainer.train()
+    with torch.no_grad():
+        out["trained"] = model(tokens)
+    trainer.close()  # barrier, then the process group is destroyed
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path) -> None:
+    folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
+    tokens = tokens_for(300, 32)
+    reference = hf_logits(folder, tokens)
+    dump = tmp_path / "job"
+    ranks = run_distributed(_train_from_hf, 2, str(folder), str(dump), tokens)
+    r0 = ranks[0]
+    # The shape came from config.json (no flavor has it), RoPE scaling and tying included.
+    assert (r0["args"]["dim"], r0["args"]["n_layers"], r0["args"]["n_heads"], r0["args"]["n_kv_heads"],
+            r0["args"]["vocab_size"]) == (96, 3, 6, 2, 300)
+    assert r0["args"]["rope_scaling"] == "llama3" and r0["args"]["tie_word_embeddings"]
+    for rank in ranks:
+        torch.testing.assert_close(rank["imported"], reference, rtol=0, atol=1e-5)
+        # One parameter: output.weight is the embedding's, listed once, sharded once.
+        assert rank["tied"] and "output.weight" not in rank["param_names"]
+        assert rank["tied_local_bytes"] == [150 * 96 * 4]  # 300 rows over 2 ranks, fp32
+    args = r0["args"]
+    total = LLAMA3_SPEC.args_from_dict(args).num_params() * 4
+    assert sum(rank["local_bytes"] for rank in ranks) == total  # the tied weight counted once
+    losses = [r["loss"] for r in read_jsonl(dump / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert not torch.allclose(r0["trained"], r0["imported"])
+    export = dump / "checkpoint" / "step-3"
+    config = json.loads((export / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_type"] == "llama3"
+    torch.testing.assert_close(hf_logits(export, tokens), r0["trained"], rtol=0, atol=1e-5)
