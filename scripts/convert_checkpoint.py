@@ -277,6 +277,26 @@ def to_file(step_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str 
     _commit(out)
 
 
+def _is_hf_name(adapter: HFAdapter, name: str) -> bool:
+    if adapter.ignored(name):
+        return True
+    try:
+        adapter.from_hf_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"{str(config_file)!r}: cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"{str(config_file)!r}: is not a JSON object")
+    return config
+
+
 def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | None,
             flavor: str | None, vocab_size: int | None, overwrite: bool) -> None:
     _check_output(out, overwrite=overwrite)
@@ -287,9 +307,8 @@ def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | 
         args = model_args_from_flavor(spec, flavor, vocab_size, f"{str(config_file)!r} does not exist")
     else:
         try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-            args = adapter.args_from_config(config)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as exc:
+            args = adapter.args_from_config(_read_config(config_file))
+        except (ValueError, TypeError) as exc:
             raise ConvertError(f"{str(config_file)!r}: {exc}") from None
     with torch.device("meta"):
         built = spec.model_cls(args)
@@ -338,17 +357,36 @@ def from_file(file: Path, out: Path, *, dtype: torch.dtype | None, model: str | 
     if recorded_model is not None and model is not None and recorded_model != model:
         raise ConvertError(f"{source}: the file holds model {recorded_model!r}, not --model {model}")
     spec = model_spec(recorded_model or model, "--model" if recorded_model is None else source)
+    hf_names = spec.hf is not None and any(_is_hf_name(spec.hf, name) for name in state_dict)
+    config_file = file.parent / CONFIG_FILE
     if flavor is None and MODEL_ARGS_KEY in metadata:
         try:
             recorded = json.loads(metadata[MODEL_ARGS_KEY])
         except json.JSONDecodeError as exc:
             raise ConvertError(f"{source}: {MODEL_ARGS_KEY} metadata is not JSON: {exc}") from None
         args = model_args_from_dict(spec, recorded, source)
+    elif hf_names and config_file.is_file():
+        # Hugging Face names: the shape, RoPE and tying come from the config.json beside the file.
+        config = _read_config(config_file)
+        adapter = hf_adapter(spec)
+        if flavor is not None:
+            args = model_args_from_flavor(spec, flavor, vocab_size, "")
+            problem = adapter.config_mismatch(config, args)
+            if problem is not None:
+                raise ConvertError(f"{str(config_file)!r}: {problem} (--flavor {flavor})")
+        else:
+            try:
+                args = adapter.args_from_config(config)
+            except (ValueError, TypeError) as exc:
+                raise ConvertError(f"{str(config_file)!r}: {exc}") from None
+    elif hf_names and flavor is None:
+        raise ConvertError(f"{source} holds Hugging Face names and there is no {CONFIG_FILE} beside it to say "
+                           "the model's shape, RoPE and tying; put the checkpoint's config.json next to it, "
+                           "or pass --flavor to state the shape")
     else:
         args = model_args_from_flavor(spec, flavor, vocab_size, f"{source} does not record the model's shape")
-    expected = expected_shapes(spec, args)
-    if spec.hf is not None and state_dict and not any(name in expected for name in state_dict):
-        try:  # Hugging Face names
+    if hf_names:
+        try:
             state_dict = state_dict_from_hf(state_dict, spec, args)
         except ValueError as exc:
             raise ConvertError(f"{source}: {exc}") from None

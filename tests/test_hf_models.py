@@ -189,3 +189,91 @@ def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Pa
     config = json.loads((export / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_type"] == "llama3"
     torch.testing.assert_close(hf_logits(export, tokens), r0["trained"], rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Former silent mismatches: each path either matches or says one line
+# --------------------------------------------------------------------------------------------
+
+QWEN2 = "config.json has model_type='qwen2' but this model is 'llama' (LlamaForCausalLM)"
+
+
+def hf_qwen2(folder: Path) -> Path:
+    """A Qwen2 checkpoint (q/k/v biases): Llama's names plus three bias tensors per layer."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=192, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=300,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    from torchtitan_lite.train import main
+
+    code = main(argv)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def _converter() -> Any:
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_models", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qwen2_is_refused_by_the_trainer_the_api_and_the_converter(tmp_path: Path, capsys) -> None:
+    folder = hf_qwen2(tmp_path / "qwen2")
+    capsys.readouterr()  # transformers' progress bars
+    job = ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+           "--job.dump_folder", str(tmp_path / "job"), "--training.steps", "1", "--training.seq_len", "64"]
+    # Trainer, shape from the checkpoint: a config error before any process group.
+    code, lines = _main([*job, "--model.flavor", "from_checkpoint"], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].endswith(QWEN2), lines
+    # Trainer, a named flavor: the checkpoint is checked against it before any process group.
+    code, lines = _main([*job, "--model.flavor", "tiny"], capsys)
+    assert code == 4 and len(lines) == 1 and lines[0].endswith(QWEN2), lines
+    assert not (tmp_path / "job" / "metrics.jsonl").exists()
+    # Python API.
+    args = dataclasses.replace(LLAMA3_SPEC.flavors["tiny"], vocab_size=300)
+    with pytest.raises(CheckpointError, match=r"config.json has model_type='qwen2'"):
+        hf_storage.load_hf_weights(Transformer(args), folder, spec=LLAMA3_SPEC)
+    # Converter.
+    assert _converter().main(["from-hf", str(folder), str(tmp_path / "step-0")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith(QWEN2), lines
+    assert not (tmp_path / "step-0").exists()
+
+
+def test_from_file_reads_the_config_beside_it_or_refuses(tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = hf_llama(tmp_path / "hf", rope_scaling=LLAMA3_ROPE)
+    single = tmp_path / "single"
+    single.mkdir()
+    tensors = {k: v.clone() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(tensors, str(single / "weights.safetensors"))
+    converter = _converter()
+    capsys.readouterr()
+    # No config.json beside the file, no --flavor: refused, nothing written.
+    assert converter.main(["from-file", str(single / "weights.safetensors"), str(tmp_path / "a")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no config.json beside it" in lines[0] and not (tmp_path / "a").exists()
+    # With the config beside it: RoPE scaling kept, and the weights give transformers' logits.
+    (single / "config.json").write_text((folder / "config.json").read_text())
+    assert converter.main(["from-file", str(single / "weights.safetensors"), str(tmp_path / "b")]) == 0
+    state = json.loads((tmp_path / "b" / "train_state.json").read_text())
+    assert state["model_args"]["rope_scaling"] == "llama3" and state["model_args"]["rope_scaling_factor"] == 8.0
+    assert converter.main(["to-hf", str(tmp_path / "b"), str(tmp_path / "back")]) == 0
+    tokens = tokens_for(300)
+    torch.testing.assert_close(hf_logits(tmp_path / "back", tokens), hf_logits(folder, tokens), rtol=0, atol=1e-5)
+    # A --flavor that disagrees with the config beside the file is one line.
+    capsys.readouterr()
+    assert converter.main(["from-file", str(single / "weights.safetensors"), str(tmp_path / "c"),
+                           "--flavor", "tiny", "--vocab_size", "300"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "(--flavor tiny)" in lines[0], lines

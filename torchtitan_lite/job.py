@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
 from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import Tokenizer, build_tokenizer, check_dataset, tokenizer_file
@@ -182,6 +183,12 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
+    ck = config.checkpoint
+    if (ck.initial_load_in_hf and ck.initial_load_path is not None
+            and not (ck.enable and committed_steps(Path(config.job.dump_folder) / ck.folder))):
+        # The folder's config.json and tensor headers against the model, before any process
+        # group: a file of another family or shape is one line (CheckpointError, exit 4).
+        check_hf_checkpoint(ck.initial_load_path, spec, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,

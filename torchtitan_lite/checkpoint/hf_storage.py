@@ -78,10 +78,14 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args: Any)
     """Our (unsharded) state dict → Hugging Face names and row layout. Tensors not permuted are
     shared, not copied (``ValueError`` for a name the family does not have)."""
     adapter = _adapter(spec)
+    written = adapter.expected_shapes(args)  # a tied output projection is not written
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
+        hf_name = adapter.to_hf_name(name)
+        if hf_name not in written:
+            continue
         index = adapter.row_permutation(name, args, to_hf=True)
-        out[adapter.to_hf_name(name)] = tensor if index is None else tensor[index]
+        out[hf_name] = tensor if index is None else tensor[index]
     return out
 
 
@@ -89,13 +93,18 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args: An
     """Hugging Face state dict → our names and row layout. Tensors the family recomputes (e.g.
     ``rotary_emb.inv_freq``) are dropped; any other unknown name is a ``ValueError``."""
     adapter = _adapter(spec)
+    needed = adapter.expected_shapes(args)
     out: dict[str, torch.Tensor] = {}
     for hf_name, tensor in sd.items():
         if adapter.ignored(hf_name):
             continue
         name = adapter.from_hf_name(hf_name)
+        if hf_name not in needed:  # a tied model's copy of its output projection
+            continue
         index = adapter.row_permutation(name, args, to_hf=False)
         out[name] = tensor if index is None else tensor[index]
+    if adapter.to_hf_name(adapter.output_name) not in needed and adapter.embedding_name in out:
+        out[adapter.output_name] = out[adapter.embedding_name]  # tied: one tensor under both names
     return out
 
 
