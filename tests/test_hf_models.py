@@ -1,5 +1,6 @@
 """Today's Hugging Face checkpoints against ``transformers`` itself: Llama with Llama 3.1's RoPE
-scaling (and linear scaling), Llama 3.2-style tied embeddings, shapes that are no flavor.
+scaling (and linear scaling), Llama 3.2-style tied embeddings, shapes that are no flavor, Qwen3
+(q/k norms, its own head size; tied and untied).
 
 Each folder is a tiny random model built and saved by ``transformers``; its logits are the
 reference. Single-process imports here; the 2-rank import → train → export round trip runs on
@@ -19,6 +20,7 @@ import torch
 from tests.dist_utils import read_jsonl, run_distributed
 from torchtitan_lite.checkpoint import hf_storage
 from torchtitan_lite.errors import CheckpointError
+from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.llama3 import LLAMA3_SPEC, Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -46,6 +48,25 @@ def hf_llama(folder: Path, *, seed: int = 0, **config: Any) -> Path:
     return folder
 
 
+def hf_qwen3(folder: Path, *, seed: int = 0, **config: Any) -> Path:
+    """A random ``Qwen3ForCausalLM`` (head_dim 32, not hidden / heads = 16) saved by
+    ``transformers``, its query/key weights and q/k norms perturbed so that the norms' weight
+    permutation matters."""
+    fields = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, **config}
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(str(folder))
+    return folder
+
+
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -56,10 +77,11 @@ def tokens_for(vocab: int, seq: int = 48) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
 
 
-def our_model(folder: Path) -> Transformer:
+def our_model(folder: Path, family: str = "llama3") -> torch.nn.Module:
+    spec = get_model_spec(family)
     config = json.loads((folder / "config.json").read_text())
-    model = Transformer(LLAMA3_SPEC.hf.args_from_config(config))
-    hf_storage.load_hf_weights(model, folder, spec=LLAMA3_SPEC)
+    model = spec.model_cls(spec.hf.args_from_config(config))
+    hf_storage.load_hf_weights(model, folder, spec=spec)
     return model
 
 
@@ -87,6 +109,27 @@ def test_import_matches_transformers(tmp_path: Path, case: str) -> None:
             assert (plain(tokens) - ours).abs().max() > 1e-3
     if CASES[case].get("tie_word_embeddings"):
         assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen3_import_and_export_match_transformers(tmp_path: Path, tied: bool) -> None:
+    folder = hf_qwen3(tmp_path / "hf", tie_word_embeddings=tied)
+    model = our_model(folder, "qwen3")
+    assert model.args.head_dim == 32 and (model.output.weight is model.tok_embeddings.weight) == tied
+    tokens = tokens_for(300)
+    with torch.no_grad():
+        ours = model(tokens)
+    torch.testing.assert_close(ours, hf_logits(folder, tokens), rtol=0, atol=1e-5)
+    spec = get_model_spec("qwen3")
+    hf_storage.save_hf_weights(model, tmp_path / "out", spec=spec)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), ours, rtol=0, atol=1e-5)
+    # A Qwen3 folder is not a Llama one, and the other way round: one line each.
+    with pytest.raises(CheckpointError, match=r"model_type='qwen3' but this model is 'llama'"):
+        hf_storage.load_hf_weights(Transformer(LLAMA3_SPEC.flavors["tiny"]), folder, spec=LLAMA3_SPEC)
+    llama = hf_llama(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"model_type='llama' but this model is 'qwen3'"):
+        spec.hf.args_from_config(json.loads((llama / "config.json").read_text()))
 
 
 def test_export_of_scaled_and_tied_models_loads_in_transformers(tmp_path: Path) -> None:
@@ -127,7 +170,7 @@ def test_unsupported_rope_type_and_family_are_one_line(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor) -> dict[str, Any]:
+def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor, family: str) -> dict[str, Any]:
     """Import logits (sharded), the tied parameter's sharding, 3 trained steps, export; the
     trained model's logits on ``tokens``."""
     from torch.distributed.tensor import DTensor
@@ -137,7 +180,7 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor) -> dict[str, An
     from torchtitan_lite.trainer import Trainer
 
     config = load_job_config([
-        "--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path", folder,
+        "--model.name", family, "--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path", folder,
         "--checkpoint.initial_load_in_hf", "--checkpoint.enable", "--checkpoint.interval", "100",
         "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf", "--training.steps", "3",
         "--training.seq_len", "32", "--training.local_batch_size", "2", "--job.dump_folder", dump,
@@ -163,31 +206,43 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor) -> dict[str, An
 
 
 @pytest.mark.slow
-def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path) -> None:
-    folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path, family: str) -> None:
+    if family == "llama3":  # a shape no flavor has, Llama 3.1 RoPE scaling, tied
+        folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
+        dim = 96
+    else:
+        folder = hf_qwen3(tmp_path / "hf")
+        dim = 64
+    spec = get_model_spec(family)
     tokens = tokens_for(300, 32)
     reference = hf_logits(folder, tokens)
     dump = tmp_path / "job"
-    ranks = run_distributed(_train_from_hf, 2, str(folder), str(dump), tokens)
+    ranks = run_distributed(_train_from_hf, 2, str(folder), str(dump), tokens, family)
     r0 = ranks[0]
-    # The shape came from config.json (no flavor has it), RoPE scaling and tying included.
-    assert (r0["args"]["dim"], r0["args"]["n_layers"], r0["args"]["n_heads"], r0["args"]["n_kv_heads"],
-            r0["args"]["vocab_size"]) == (96, 3, 6, 2, 300)
-    assert r0["args"]["rope_scaling"] == "llama3" and r0["args"]["tie_word_embeddings"]
+    # The shape came from config.json, tying (and RoPE scaling) included.
+    if family == "llama3":
+        assert (r0["args"]["dim"], r0["args"]["n_layers"], r0["args"]["n_heads"], r0["args"]["n_kv_heads"],
+                r0["args"]["vocab_size"]) == (96, 3, 6, 2, 300)
+        assert r0["args"]["rope_scaling"] == "llama3"
+    else:
+        assert (r0["args"]["dim"], r0["args"]["head_dim"], r0["args"]["vocab_size"]) == (64, 32, 300)
+    assert r0["args"]["tie_word_embeddings"]
     for rank in ranks:
         torch.testing.assert_close(rank["imported"], reference, rtol=0, atol=1e-5)
         # One parameter: output.weight is the embedding's, listed once, sharded once.
         assert rank["tied"] and "output.weight" not in rank["param_names"]
-        assert rank["tied_local_bytes"] == [150 * 96 * 4]  # 300 rows over 2 ranks, fp32
+        assert rank["tied_local_bytes"] == [150 * dim * 4]  # 300 rows over 2 ranks, fp32
     args = r0["args"]
-    total = LLAMA3_SPEC.args_from_dict(args).num_params() * 4
+    total = spec.args_from_dict(args).num_params() * 4
     assert sum(rank["local_bytes"] for rank in ranks) == total  # the tied weight counted once
     losses = [r["loss"] for r in read_jsonl(dump / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert not torch.allclose(r0["trained"], r0["imported"])
     export = dump / "checkpoint" / "step-3"
     config = json.loads((export / "config.json").read_text())
-    assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_type"] == "llama3"
+    assert config["tie_word_embeddings"] is True
+    assert config["rope_parameters"]["rope_type"] == ("llama3" if family == "llama3" else "default")
     torch.testing.assert_close(hf_logits(export, tokens), r0["trained"], rtol=0, atol=1e-5)
 
 

@@ -4,10 +4,8 @@ The family-specific half of Hugging Face import and export (the generic half, re
 sharded safetensors, is :mod:`torchtitan_lite.checkpoint.hf_storage`). Two layouts differ
 besides the names:
 
-- **RoPE.** Our model (like Meta's reference) rotates interleaved pairs ``(x[2i], x[2i+1])`` of
-  each head; Hugging Face's ``LlamaForCausalLM`` rotates halves (``rotate_half``). The query and
-  key weights are the same up to a permutation of rows within each head:
-  :func:`permute_for_hf` and :func:`unpermute_from_hf`.
+- **RoPE.** Query and key rows are permuted within each head (interleaved pairs ours, halves
+  Hugging Face's): :mod:`torchtitan_lite.models.decoder_hf`.
 - **config.json.** :func:`hf_config` writes one for a shape; :func:`config_mismatch` names the
   first field of a file that disagrees with a shape or asks for computation the model lacks
   (family, sizes, head counts, tied embeddings, ``rms_norm_eps``, RoPE theta and scaling,
@@ -25,6 +23,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_lite.models.decoder_hf import NameMap, permute_for_hf, row_permutation, unpermute_from_hf
 from torchtitan_lite.models.llama3.model import LLAMA3_FLAVORS, ModelArgs
 
 __all__ = [
@@ -59,32 +58,19 @@ _PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in _TOP_LEVEL.items()}
-_PER_LAYER_FROM_HF = {hf: ours for ours, hf in _PER_LAYER.items()}
-_OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+NAMES = NameMap("Llama", _TOP_LEVEL, _PER_LAYER)
 # Tensors some Hugging Face checkpoints carry that the model does not need (recomputed buffers).
 _IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def to_hf_name(name: str) -> str:
     """Our parameter name → the Hugging Face Llama name (``ValueError`` for an unknown name)."""
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = _OUR_LAYER.match(name)
-    if match and match.group(2) in _PER_LAYER:
-        return f"model.layers.{match.group(1)}.{_PER_LAYER[match.group(2)]}"
-    raise ValueError(f"{name!r} is not a parameter name of the Llama model")
+    return NAMES.to_hf(name)
 
 
 def from_hf_name(name: str) -> str:
     """Hugging Face Llama name → our parameter name (``ValueError`` for an unknown name)."""
-    if name in _TOP_LEVEL_FROM_HF:
-        return _TOP_LEVEL_FROM_HF[name]
-    match = _HF_LAYER.match(name)
-    if match and match.group(2) in _PER_LAYER_FROM_HF:
-        return f"layers.{match.group(1)}.{_PER_LAYER_FROM_HF[match.group(2)]}"
-    raise ValueError(f"{name!r} is not a Hugging Face Llama parameter name")
+    return NAMES.from_hf(name)
 
 
 def heads_to_permute(name: str, args: ModelArgs) -> int | None:
@@ -94,39 +80,6 @@ def heads_to_permute(name: str, args: ModelArgs) -> int | None:
     if name.endswith("attention.wk.weight"):
         return args.kv_heads
     return None
-
-
-
-def _check_rows(w: torch.Tensor, n_heads: int) -> tuple[int, int]:
-    if w.dim() != 2 or n_heads <= 0 or w.shape[0] % n_heads or (w.shape[0] // n_heads) % 2:
-        raise ValueError(
-            f"expected a 2-D weight whose {w.shape[0] if w.dim() else 0} rows split into {n_heads} "
-            f"heads of even size, got shape {list(w.shape)}"
-        )
-    return w.shape[0] // n_heads, w.shape[1]
-
-
-def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a query/key weight from interleaved-pair RoPE (ours) to half-split RoPE (HF).
-
-    Within each head, our row ``2i + p`` (pair ``i``, component ``p``) becomes row
-    ``p · head_dim/2 + i``.
-    """
-    head_dim, dim = _check_rows(w, n_heads)
-    return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
-
-
-def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of :func:`permute_for_hf`: half-split RoPE rows (HF) back to interleaved pairs."""
-    head_dim, dim = _check_rows(w, n_heads)
-    return w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
-
-
-def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
-    """Indices ``idx`` with ``permuted = w[idx]`` (``to_hf``: ours → HF, else HF → ours)."""
-    index = torch.arange(rows).unsqueeze(1)  # permuting the row numbers gives the gather index
-    permuted = permute_for_hf(index, n_heads) if to_hf else unpermute_from_hf(index, n_heads)
-    return permuted.squeeze(1)
 
 
 

@@ -1,0 +1,238 @@
+"""The decoder-only Transformer our model families share, built from its args.
+
+RMSNorm; rotary position embeddings on interleaved pairs (as in Meta's Llama reference; the
+rotations live in a non-persistent complex buffer and reach the blocks as :func:`rope_bits`),
+with the frequencies scaled as the args say (``args.scale_rope_frequencies``); grouped-query attention through
+``scaled_dot_product_attention``, optionally with an RMSNorm over each head's queries and keys
+before RoPE (``qk_norm``); a SwiGLU feed-forward; an output projection optionally tied to the
+token embedding. A family (``models/<family>/``) supplies the args: a frozen dataclass with
+``dim``, ``n_layers``, ``n_heads``, ``kv_heads``, ``head_dim``, ``ffn_hidden_dim``,
+``vocab_size``, ``norm_eps``, ``rope_theta``, ``max_seq_len``, ``depth_init``,
+``tie_word_embeddings`` and ``qk_norm``, and the method ``scale_rope_frequencies(inv_freq)``.
+
+Nothing here knows about FSDP: the model can be built on the meta device, sharded by
+:mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
+:meth:`Decoder.init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtitan_lite.models.init as init
+from torchtitan_lite.models.spec import FSDPLayout
+
+__all__ = ["Decoder", "apply_rotary_emb", "decoder_fsdp_units", "precompute_freqs_cis", "rope_bits"]
+
+def precompute_freqs_cis(
+    head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
+    args: Any = None,
+) -> torch.Tensor:
+    """Return the ``(max_seq_len, head_dim // 2)`` complex64 rotations ``exp(i · pos · freq)``,
+    the frequencies scaled by ``args.scale_rope_frequencies`` when ``args`` is given.
+
+    Kept complex (the buffer is not a floating-point tensor, so nothing casts it); the blocks
+    get it as :func:`rope_bits`.
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    )
+    if args is not None:
+        inv_freq = args.scale_rope_frequencies(inv_freq)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def rope_bits(freqs_cis: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` rotations as the raw bits (``int32``) of their float32 cos/sin pairs.
+
+    This is the form the blocks receive: FSDP's mixed precision casts floating-point inputs of
+    a unit to the compute dtype, which would round the table to bf16; integer tensors pass
+    unchanged, and reading them back as float32 is free (a bit-cast view).
+    """
+    return torch.view_as_real(freqs_cis[:seq_len]).view(torch.int32)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (bs, seq, heads, head_dim)`` by the
+    table ``freqs_cis`` (complex, or its :func:`rope_bits`).
+
+    The product with ``exp(i·θ)`` is written with real cos/sin arithmetic (the same values as a
+    complex multiply, bit for bit on CPU): inductor generates code for it, which it does not for
+    complex operators.
+    """
+    seq_len, head_dim = x.shape[1], x.shape[-1]
+    table = freqs_cis.view(torch.float32) if freqs_cis.dtype == torch.int32 else torch.view_as_real(freqs_cis)
+    table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
+    cos, sin = table[..., 0], table[..., 1]
+    pairs = x.float().reshape(*x.shape[:-1], head_dim // 2, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Per-head RMSNorm of queries and keys before RoPE (Qwen3): weights over head_dim.
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        q = self.wq(x).view(bs, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary_emb(q, freqs_cis)
+        k = apply_rotary_emb(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init.trunc_normal_(linear.weight, std=0.02)
+        init.trunc_normal_(self.wo.weight, std=out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float) -> None:
+        init.trunc_normal_(self.w1.weight, std=0.02)
+        init.trunc_normal_(self.w2.weight, std=out_std)
+        init.trunc_normal_(self.w3.weight, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: Any) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_std = 0.02 / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+
+class Decoder(nn.Module):
+    """The decoder. ``forward(tokens)`` returns logits ``(bs, seq, vocab)``."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta, args=args),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        rope = rope_bits(self.freqs_cis, tokens.shape[1])
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Initialise every parameter and buffer.
+
+        Parameters are filled in place (sharded or not) from the global RNG, so the result
+        depends only on the seed. ``buffer_device`` is where buffers are (re)built: the compute
+        device, which differs from the parameters' device under CPU offload.
+        """
+        self.init_buffers(buffer_device)
+        init.normal_(self.tok_embeddings.weight, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()  # type: ignore[operator]
+        self.norm.init_weights()
+        if not self.args.tie_word_embeddings:  # tied: the embedding's values serve both
+            final_std = self.args.dim**-0.5
+            init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent RoPE table on ``buffer_device`` (default: where it is;
+        CPU when that is the meta device): after ``to_empty`` and a load, which fill only
+        parameters."""
+        device = torch.device(buffer_device) if buffer_device is not None else self.freqs_cis.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.freqs_cis = precompute_freqs_cis(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device, args=self.args
+        )
+
+
+def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:
+    """A :class:`Decoder`'s FSDP units: token embedding, each block, then final norm and output
+    projection as one unit. With tied embeddings the embedding and the output projection (one
+    parameter) are one unit, and the final norm a unit of its own."""
+    assert isinstance(model, Decoder)
+    blocks = list(model.layers.values())
+    if model.args.tie_word_embeddings:
+        return FSDPLayout(first_unit=[model.tok_embeddings, model.output], blocks=blocks, last_unit=model.norm)
+    return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks, last_unit=[model.norm, model.output])

@@ -1,0 +1,82 @@
+"""Hugging Face layouts our decoder families share: the RoPE row permutation and parameter
+name maps. Each family's adapter (``models/<family>/hf.py``) builds on these.
+
+**RoPE.** Our decoder (like Meta's reference) rotates interleaved pairs ``(x[2i], x[2i+1])`` of
+each head; Hugging Face's implementations rotate halves (``rotate_half``). Query and key weights
+(and per-head q/k norm weights) are the same up to a permutation of rows within each head:
+:func:`permute_for_hf` and :func:`unpermute_from_hf`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["NameMap", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+
+
+def _check_rows(w: torch.Tensor, n_heads: int) -> tuple[int, int]:
+    if w.dim() != 2 or n_heads <= 0 or w.shape[0] % n_heads or (w.shape[0] // n_heads) % 2:
+        raise ValueError(
+            f"expected a 2-D weight whose {w.shape[0] if w.dim() else 0} rows split into {n_heads} "
+            f"heads of even size, got shape {list(w.shape)}"
+        )
+    return w.shape[0] // n_heads, w.shape[1]
+
+
+def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a query/key weight from interleaved-pair RoPE (ours) to half-split RoPE (HF).
+
+    Within each head, our row ``2i + p`` (pair ``i``, component ``p``) becomes row
+    ``p · head_dim/2 + i``.
+    """
+    head_dim, dim = _check_rows(w, n_heads)
+    return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
+
+
+def unpermute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_for_hf`: half-split RoPE rows (HF) back to interleaved pairs."""
+    head_dim, dim = _check_rows(w, n_heads)
+    return w.view(n_heads, 2, head_dim // 2, dim).transpose(1, 2).reshape(n_heads * head_dim, dim)
+
+
+def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
+    """Indices ``idx`` with ``permuted = w[idx]`` (``to_hf``: ours → HF, else HF → ours)."""
+    index = torch.arange(rows).unsqueeze(1)  # permuting the row numbers gives the gather index
+    permuted = permute_for_hf(index, n_heads) if to_hf else unpermute_from_hf(index, n_heads)
+    return permuted.squeeze(1)
+
+
+class NameMap:
+    """Our parameter names ↔ Hugging Face names: fixed top-level names and per-layer suffixes
+    under ``layers.N.`` (ours) and ``model.layers.N.`` (theirs)."""
+
+    _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+    _THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+    def __init__(self, family: str, top_level: Mapping[str, str], per_layer: Mapping[str, str]) -> None:
+        self.family = family
+        self.top_level = dict(top_level)
+        self.per_layer = dict(per_layer)
+        self._top_from_hf = {hf: ours for ours, hf in self.top_level.items()}
+        self._layer_from_hf = {hf: ours for ours, hf in self.per_layer.items()}
+
+    def to_hf(self, name: str) -> str:
+        """Our parameter name → the Hugging Face name (``ValueError`` for an unknown name)."""
+        if name in self.top_level:
+            return self.top_level[name]
+        match = self._OURS.match(name)
+        if match and match.group(2) in self.per_layer:
+            return f"model.layers.{match.group(1)}.{self.per_layer[match.group(2)]}"
+        raise ValueError(f"{name!r} is not a parameter name of the {self.family} model")
+
+    def from_hf(self, name: str) -> str:
+        """Hugging Face name → our parameter name (``ValueError`` for an unknown name)."""
+        if name in self._top_from_hf:
+            return self._top_from_hf[name]
+        match = self._THEIRS.match(name)
+        if match and match.group(2) in self._layer_from_hf:
+            return f"layers.{match.group(1)}.{self._layer_from_hf[match.group(2)]}"
+        raise ValueError(f"{name!r} is not a Hugging Face {self.family} parameter name")
