@@ -246,3 +246,20 @@ def test_cli_bad_values_exit_2_with_one_line(argv: list[str], message: str, caps
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_tied_embeddings_count_once_in_the_estimate() -> None:
+    """A tied embedding is one parameter: the estimate's sharded parameters (and gradients and
+    optimizer state) shrink by exactly the output projection's share."""
+    import dataclasses
+
+    def estimate(args: ModelArgs) -> MemoryEstimate:
+        return estimate_memory(SPEC, args, world_size=2, local_batch_size=1, seq_len=32,
+                               reshard_after_forward_mode="default", param_dtype=torch.float32,
+                               reduce_dtype=torch.float32, cpu_offload=False)
+
+    untied, tied = estimate(SMALL), estimate(dataclasses.replace(SMALL, tie_word_embeddings=True))
+    share = SMALL.vocab_size * SMALL.dim * 4 // 2
+    assert untied.state["sharded_params"] - tied.state["sharded_params"] == share
+    # AdamW's two moments, plus one parameter's step counter fewer.
+    assert 0 <= untied.state["optimizer_state"] - tied.state["optimizer_state"] - 2 * share <= 8

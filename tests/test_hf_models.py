@@ -332,3 +332,53 @@ def test_from_file_reads_the_config_beside_it_or_refuses(tmp_path: Path, capsys)
                            "--flavor", "tiny", "--vocab_size", "300"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "(--flavor tiny)" in lines[0], lines
+
+
+# --------------------------------------------------------------------------------------------
+# A complete export: tokenizer, special tokens, generation config
+# --------------------------------------------------------------------------------------------
+
+
+def _train_and_export(argv: list[str]) -> None:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    trainer.train()
+    trainer.close()
+
+
+def test_export_is_a_complete_folder_for_transformers(tmp_path: Path) -> None:
+    from tests.test_data import DOCS, train_hf_tokenizer
+
+    tok_path = train_hf_tokenizer(tmp_path / "tok")  # special tokens <s> and </s>, no tokenizer_config.json
+    data = tmp_path / "corpus.txt"
+    data.write_text("\n".join(DOCS) * 30)
+    folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)
+    dump = tmp_path / "job"
+    run_distributed(_train_and_export, 1, [
+        "--model.flavor", "from_checkpoint", "--model.tokenizer_path", str(tok_path),
+        "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+        "--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_model_only",
+        "--checkpoint.last_save_in_hf", "--training.steps", "2", "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.dataset", "text", "--training.dataset_path", str(data),
+        "--job.dump_folder", str(dump), "--metrics.no-enable_tensorboard", "--validation.no-enable"])
+    export = dump / "checkpoint" / "step-2"
+    files = {p.name for p in export.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tok_path))
+    bos, eos = vocab.token_to_id("<s>"), vocab.token_to_id("</s>")
+    config = json.loads((export / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (bos, eos)
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (bos, eos)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    text = DOCS[0][:40]
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == vocab.encode(text).ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    prompt = torch.tensor([[bos, *vocab.encode(text).ids]])
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > prompt.shape[1] and torch.equal(out[:, :prompt.shape[1]], prompt)

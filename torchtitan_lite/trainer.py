@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream
+from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream, tokenizer_file
 from torchtitan_lite.distributed import (
     build_mesh,
     choose_device,
@@ -201,6 +202,10 @@ class Trainer:
                 ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, loader=self.loader, model_spec=plan.spec,
                 timeout_s=config.comm.init_timeout_seconds,
+                hf_extras=HFExportExtras(
+                    bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
+                    tokenizer_file=(None if config.model.tokenizer_path is None
+                                    else tokenizer_file(config.model.tokenizer_path).resolve())),
             )
             # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
             state = None if ck.create_seed_checkpoint else self.checkpointer.load()

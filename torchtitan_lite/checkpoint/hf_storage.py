@@ -45,6 +45,7 @@ from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
 __all__ = [
     "CONFIG_FILE",
+    "HFExportExtras",
     "check_hf_checkpoint",
     "check_hf_config",
     "load_hf_weights",
@@ -434,15 +435,57 @@ def _file_index_mapping(shapes: Mapping[str, tuple[int, ...]], itemsize: int,
     return mapping
 
 
+@dataclasses.dataclass(frozen=True)
+class HFExportExtras:
+    """What a Hugging Face export needs besides the weights to be used as it is: the job's
+    special token ids and the ``tokenizer.json`` it trained with (None: the built-in byte
+    tokenizer, which has no Hugging Face form)."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    tokenizer_file: Path | None = None
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _write_extras(path: Path, config: dict[str, Any], extras: HFExportExtras) -> None:
+    """Token ids into ``config`` and ``generation_config.json``; the tokenizer files beside the
+    weights (its ``tokenizer_config.json`` and ``special_tokens_map.json`` when the job's folder
+    has them, else a ``tokenizer_config.json`` naming the fast tokenizer class and the tokens)."""
+    ids = {"bos_token_id": extras.bos_id, "eos_token_id": extras.eos_id}
+    config.update(ids)
+    generation = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
+    (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    if extras.tokenizer_file is None:
+        return
+    shutil.copyfile(extras.tokenizer_file, path / "tokenizer.json")
+    beside = [extras.tokenizer_file.parent / name for name in _TOKENIZER_SIDE_FILES]
+    for file in beside:
+        if file.is_file():
+            shutil.copyfile(file, path / file.name)
+    if not beside[0].is_file():
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(extras.tokenizer_file))
+        tokens = {f"{which}_token": vocab.id_to_token(token_id)
+                  for which, token_id in (("bos", extras.bos_id), ("eos", extras.eos_id)) if token_id is not None}
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
+        (path / beside[0].name).write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
+
+
 def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtype: torch.dtype | None = None,
-                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, extras: HFExportExtras | None = None) -> None:
     """Write ``model``'s weights (sharded or not) as a Hugging Face folder of family ``spec``.
 
     Collective when the model is sharded. Each rank writes its own shards (in ``dtype``, default
     the parameters' dtype) to ``path/sharded``; rank 0 then joins them into
     ``model-0000i-of-0000n.safetensors`` files of at most ``max_file_bytes`` each, writes
     ``model.safetensors.index.json`` and ``config.json`` and removes ``path/sharded``. Only the
-    query/key weights are gathered, one matrix at a time, to apply the RoPE permutation.
+    query/key weights are gathered, one matrix at a time, to apply the RoPE permutation. With
+    ``extras``, the folder is complete for ``transformers``: token ids in ``config.json`` and
+    ``generation_config.json``, and the tokenizer files (:class:`HFExportExtras`).
     The caller handles writing to a temporary folder and renaming it.
     """
     path = Path(path)
@@ -476,5 +519,7 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
     if rank == 0:
         shutil.rmtree(path / "sharded", ignore_errors=True)
         config = adapter.config_for(args, export_dtype)
+        if extras is not None:
+            _write_extras(path, config, extras)
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     _barrier()

@@ -44,7 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan_lite.checkpoint.hf_storage import load_hf_weights, read_hf_config, save_hf_weights
+from torchtitan_lite.checkpoint.hf_storage import (
+    HFExportExtras,
+    load_hf_weights,
+    read_hf_config,
+    save_hf_weights,
+)
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
 from torchtitan_lite.dtypes import DTYPES
@@ -224,9 +229,11 @@ class CheckpointManager:
         loader: Any,
         model_spec: ModelSpec | None = None,
         timeout_s: float = 1800.0,
+        hf_extras: HFExportExtras | None = None,
     ) -> None:
         self.config = config
         self.model_spec = model_spec
+        self.hf_extras = hf_extras  # token ids and tokenizer files for a Hugging Face export
         self.folder = Path(dump_folder) / config.folder
         self.model = model
         self.optimizer = optimizer
@@ -297,7 +304,7 @@ class CheckpointManager:
         dist.barrier()
         dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
         if in_hf:
-            save_hf_weights(self.model, staging, spec=self._spec(), dtype=dtype)
+            save_hf_weights(self.model, staging, spec=self._spec(), dtype=dtype, extras=self.hf_extras)
             self._commit(step, staging, final, started)
             dist.barrier()
             return final
