@@ -488,8 +488,9 @@ def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
                                      "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"))
     hf_dir = dump / "checkpoint" / "step-4"
     assert committed_steps(dump / "checkpoint") == [2, 4]
-    assert sorted(p.name for p in hf_dir.iterdir()) == [
-        "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "train_state.json"]
+    assert sorted(p.name for p in hf_dir.iterdir()) == [  # the byte tokenizer: ids, no tokenizer files
+        "config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+        "train_state.json"]
     assert json.loads((hf_dir / "train_state.json").read_text())["format"] == "hf"
     from torchtitan_lite.models import get_model_spec
 
