@@ -287,6 +287,14 @@ def _is_hf_name(adapter: HFAdapter, name: str) -> bool:
     return True
 
 
+def _model_hint(config: Mapping[str, Any], spec: ModelSpec) -> str:
+    """`` (pass --model qwen3)`` when the config's model_type is another registered family's."""
+    for other in MODEL_SPECS.values():
+        if other is not spec and other.hf is not None and config.get("model_type") == other.hf.model_type:
+            return f" (pass --model {other.name})"
+    return ""
+
+
 def _read_config(config_file: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -306,10 +314,11 @@ def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | 
     if flavor is not None or not config_file.is_file():
         args = model_args_from_flavor(spec, flavor, vocab_size, f"{str(config_file)!r} does not exist")
     else:
+        config = _read_config(config_file)
         try:
-            args = adapter.args_from_config(_read_config(config_file))
+            args = adapter.args_from_config(config)
         except (ValueError, TypeError) as exc:
-            raise ConvertError(f"{str(config_file)!r}: {exc}") from None
+            raise ConvertError(f"{str(config_file)!r}: {exc}{_model_hint(config, spec)}") from None
     with torch.device("meta"):
         built = spec.model_cls(args)
     built.to_empty(device="cpu")
@@ -378,7 +387,7 @@ def from_file(file: Path, out: Path, *, dtype: torch.dtype | None, model: str | 
             try:
                 args = adapter.args_from_config(config)
             except (ValueError, TypeError) as exc:
-                raise ConvertError(f"{str(config_file)!r}: {exc}") from None
+                raise ConvertError(f"{str(config_file)!r}: {exc}{_model_hint(config, spec)}") from None
     elif hf_names and flavor is None:
         raise ConvertError(f"{source} holds Hugging Face names and there is no {CONFIG_FILE} beside it to say "
                            "the model's shape, RoPE and tying; put the checkpoint's config.json next to it, "

@@ -467,7 +467,11 @@ def test_errors_name_the_folder_the_tensor_and_the_mismatch(tmp_path):
     assert "rope_theta=500000.0" in _load_error(tiny, folder)
     (folder / "config.json").write_text(
         json.dumps({**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
-    assert "rope_scaling.rope_type='llama3'" in _load_error(tiny, folder)
+    assert "rope_scaling of type 'llama3' lacks a usable field: 'low_freq_factor'" in _load_error(tiny, folder)
+    complete = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": complete}))
+    assert "config.json has RoPE scaling 'llama3' but this model has rope_scaling='none'" in _load_error(tiny, folder)
     (folder / "config.json").write_text(json.dumps(config))
 
     sd = load_file(str(folder / "model.safetensors"))

@@ -9,6 +9,7 @@ spawned gloo ranks through the trainer (``model.flavor = "from_checkpoint"``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -37,8 +38,8 @@ def hf_llama(folder: Path, *, seed: int = 0, **config: Any) -> Path:
     query/key weights scaled up so that attention (and so RoPE) is sharp."""
     fields = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, **config}
-    torch.manual_seed(seed)
+              "rope_theta": 10000.0, "tie_word_embeddings": False, **copy.deepcopy(config)}  # (transformers
+    torch.manual_seed(seed)                                                          # edits the dicts)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -54,7 +55,7 @@ def hf_qwen3(folder: Path, *, seed: int = 0, **config: Any) -> Path:
     permutation matters."""
     fields = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, **config}
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, **copy.deepcopy(config)}
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).eval()
     with torch.no_grad():
@@ -152,6 +153,43 @@ def test_scaled_file_into_an_unscaled_model_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"config.json has RoPE scaling 'llama3' but this model has "
                                               r"rope_scaling='none'$"):
         hf_storage.load_hf_weights(Transformer(args), folder, spec=LLAMA3_SPEC)
+
+
+def test_rope_settings_are_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """``rope_parameters`` without a theta takes the top-level one; ``rope_scaling`` entries
+    apply over ``rope_parameters`` (as in ``transformers``); two different thetas are refused."""
+    config = json.loads((hf_llama(tmp_path / "hf") / "config.json").read_text())
+    base = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_type": "default"}, "rope_theta": 5e5})
+    assert args.rope_theta == 5e5 and args.rope_scaling == "none"
+    args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_theta": 5e5}, "rope_scaling": LLAMA3_ROPE})
+    assert (args.rope_theta, args.rope_scaling, args.rope_original_max_seq_len) == (5e5, "llama3", 32)
+    args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5},
+                                            "rope_scaling": {**LLAMA3_ROPE, "factor": 4.0}})
+    assert args.rope_scaling_factor == 4.0
+    with pytest.raises(ValueError, match=r"has rope_theta=10000.0 but rope_parameters.rope_theta=500000.0$"):
+        LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_theta": 5e5}, "rope_theta": 1e4})
+    qwen = json.loads((hf_qwen3(tmp_path / "qwen") / "config.json").read_text())
+    yarn = {**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type='yarn'; Qwen3 here supports only default RoPE$"):
+        get_model_spec("qwen3").hf.args_from_config(yarn)
+
+
+def test_tied_models_start_with_output_scaled_logits() -> None:
+    """From scratch, a tied weight gets the output projection's init (std dim**-0.5), not the
+    embedding's std 1 (which gives logits of std about sqrt(dim))."""
+    for family in ("llama3", "qwen3"):
+        spec = get_model_spec(family)
+        args = dataclasses.replace(spec.flavors["tiny"], tie_word_embeddings=True, dim=256) if family == "llama3" \
+            else dataclasses.replace(spec.flavors["tiny"], dim=256)
+        torch.manual_seed(0)
+        model = spec.model_cls(args)
+        model.init_weights()
+        assert model.output.weight is model.tok_embeddings.weight
+        assert abs(float(model.output.weight.std()) * 16 - 1) < 0.1, family  # dim 256: std 1/16
+        with torch.no_grad():
+            logits = model(tokens_for(args.vocab_size, 32))
+        assert logits.std() < 2.0, (family, float(logits.std()))
 
 
 def test_unsupported_rope_type_and_family_are_one_line(tmp_path: Path) -> None:
@@ -286,9 +324,9 @@ def test_qwen2_is_refused_by_the_trainer_the_api_and_the_converter(tmp_path: Pat
     capsys.readouterr()  # transformers' progress bars
     job = ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
            "--job.dump_folder", str(tmp_path / "job"), "--training.steps", "1", "--training.seq_len", "64"]
-    # Trainer, shape from the checkpoint: a config error before any process group.
+    # Trainer, shape from the checkpoint: a checkpoint error before any process group.
     code, lines = _main([*job, "--model.flavor", "from_checkpoint"], capsys)
-    assert code == 2 and len(lines) == 1 and lines[0].endswith(QWEN2), lines
+    assert code == 4 and len(lines) == 1 and lines[0].endswith(QWEN2), lines
     # Trainer, a named flavor: the checkpoint is checked against it before any process group.
     code, lines = _main([*job, "--model.flavor", "tiny"], capsys)
     assert code == 4 and len(lines) == 1 and lines[0].endswith(QWEN2), lines
@@ -382,3 +420,37 @@ def test_export_is_a_complete_folder_for_transformers(tmp_path: Path) -> None:
     prompt = torch.tensor([[bos, *vocab.encode(text).ids]])
     out = model.generate(prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > prompt.shape[1] and torch.equal(out[:, :prompt.shape[1]], prompt)
+
+
+def _train_steps(argv: list[str]) -> dict[str, Any]:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    start = trainer.step
+    history = trainer.train()
+    trainer.close()
+    return {"start": start, "steps": len(history), "dim": trainer.model_args.dim}
+
+
+def test_from_checkpoint_resumes_from_its_own_steps_and_plans_without_the_files(tmp_path: Path, capsys) -> None:
+    """A resumed from_checkpoint job takes the shape from the step it resumes (the initial folder
+    may be gone); the memory estimator plans such a job without reading the files."""
+    folder = hf_llama(tmp_path / "hf", **ODD_SHAPE)
+    job = ["--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path", str(folder),
+           "--checkpoint.initial_load_in_hf", "--checkpoint.enable", "--checkpoint.interval", "2",
+           "--training.seq_len", "32", "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "job"),
+           "--metrics.no-enable_tensorboard", "--validation.no-enable"]
+    first = run_distributed(_train_steps, 1, [*job, "--training.steps", "2"])[0]
+    assert (first["start"], first["steps"], first["dim"]) == (0, 2, 96)
+    import shutil
+
+    shutil.rmtree(folder)
+    again = run_distributed(_train_steps, 1, [*job, "--training.steps", "3"])[0]
+    assert (again["start"], again["steps"], again["dim"]) == (2, 1, 96)
+    # Planning a named flavor never opens the Hugging Face folder (here: gone).
+    from torchtitan_lite.memory.cli import main as estimate_main
+
+    capsys.readouterr()
+    assert estimate_main(["--model.flavor", "tiny", "--training.seq_len", "64", "--world_size", "2",
+                          "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"]) == 0

@@ -27,7 +27,7 @@ from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["FROM_CHECKPOINT", "JobPlan", "model_vocab_size", "plan_job", "preflight"]
+__all__ = ["FROM_CHECKPOINT", "JobPlan", "check_initial_load", "model_vocab_size", "plan_job", "preflight"]
 
 
 def preflight(config: JobConfig) -> None:
@@ -123,11 +123,30 @@ FROM_CHECKPOINT = "from_checkpoint"
 
 
 def _checkpoint_shape(config: JobConfig, spec: ModelSpec) -> Any:
+    """The shape for ``from_checkpoint``: of the step a resumed job loads (its own folder's
+    ``load_step`` or latest), else of ``initial_load_path``."""
     ck = config.checkpoint
+    folder = Path(config.job.dump_folder) / ck.folder
+    own = committed_steps(folder) if ck.enable else []
+    if own:
+        step = ck.load_step if ck.load_step != -1 else own[-1]
+        return checkpoint_model_args(folder / f"step-{step}", in_hf=False, spec=spec, key="checkpoint.load_step")
     if ck.initial_load_path is None:
         raise ConfigError("model.flavor: invalid value 'from_checkpoint'; it takes the model's shape from "
                           "checkpoint.initial_load_path, which is unset")
     return checkpoint_model_args(ck.initial_load_path, in_hf=ck.initial_load_in_hf, spec=spec)
+
+
+def check_initial_load(config: JobConfig, plan: JobPlan) -> None:
+    """A Hugging Face ``initial_load_path`` that the job will load (its own folder holds no
+    checkpoint) checked against the planned model from its ``config.json`` and tensor headers:
+    another family or shape, or a tensor no parameter uses, is one
+    :class:`~torchtitan_lite.errors.CheckpointError` line before any process group. (Not part of
+    :func:`plan_job`: the memory estimator plans jobs whose files need not be on this machine.)"""
+    ck = config.checkpoint
+    if (ck.initial_load_in_hf and ck.initial_load_path is not None
+            and not (ck.enable and committed_steps(Path(config.job.dump_folder) / ck.folder))):
+        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -183,12 +202,6 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
-    ck = config.checkpoint
-    if (ck.initial_load_in_hf and ck.initial_load_path is not None
-            and not (ck.enable and committed_steps(Path(config.job.dump_folder) / ck.folder))):
-        # The folder's config.json and tensor headers against the model, before any process
-        # group: a file of another family or shape is one line (CheckpointError, exit 4).
-        check_hf_checkpoint(ck.initial_load_path, spec, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,

@@ -32,7 +32,7 @@ from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.gc_control import GarbageCollection
-from torchtitan_lite.job import JobPlan, plan_job, preflight
+from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
@@ -79,6 +79,7 @@ class Trainer:
         if plan is None:
             preflight(config)
             plan = plan_job(config, world_size=world_size, local_world_size=local_world_size_from_env())
+        check_initial_load(config, plan)
         self.plan = plan
         t, p, v = config.training, config.parallelism, config.validation
 

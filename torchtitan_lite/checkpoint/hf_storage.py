@@ -139,7 +139,10 @@ def check_hf_config(path: str | Path, spec: ModelSpec, args: Any) -> None:
         return
     problem = _adapter(spec).config_mismatch(config, args)
     if problem is not None:
-        raise _error(path, problem)
+        from torchtitan_lite.models import family_hint
+
+        hint = family_hint(config) if config.get("model_type") != _adapter(spec).model_type else ""
+        raise _error(path, problem + hint)
 
 
 # --------------------------------------------------------------------------------------------

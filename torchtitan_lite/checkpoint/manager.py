@@ -100,40 +100,40 @@ def check_initial_load_path(path: str, *, in_hf: bool) -> None:
                           f"file){hint}")
 
 
-def checkpoint_model_args(path: str, *, in_hf: bool, spec: ModelSpec) -> Any:
+def checkpoint_model_args(path: str | Path, *, in_hf: bool, spec: ModelSpec,
+                          key: str = "checkpoint.initial_load_path") -> Any:
     """The model shape a checkpoint was written for (``model.flavor = "from_checkpoint"``): from
     a Hugging Face folder's ``config.json`` through the family's adapter, or from the
-    ``model_args`` of one of our step folders. Raises :class:`ConfigError` naming
-    ``checkpoint.initial_load_path`` when the folder does not say, or says something the family
-    does not implement."""
-    key = "checkpoint.initial_load_path"
+    ``model_args`` of one of our step folders. A folder that does not exist is a
+    :class:`ConfigError` naming ``key``; one that does not say, or says something the family
+    does not implement, a :class:`CheckpointError` naming the folder."""
     folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: invalid value {str(path)!r}; no such folder")
     if in_hf:
         if spec.hf is None:
             raise ConfigError(f"model.flavor: invalid value 'from_checkpoint'; model {spec.name!r} has no "
                               "Hugging Face adapter")
-        try:
-            hf_config = read_hf_config(folder)
-        except CheckpointError as exc:
-            raise ConfigError(f"{key}: {exc}") from None
+        hf_config = read_hf_config(folder)
         if hf_config is None:
-            raise ConfigError(f"{key}: invalid value {path!r}; model.flavor = 'from_checkpoint' needs its "
-                              "config.json, and the folder has none")
+            raise CheckpointError(f"HF checkpoint {str(path)!r}: model.flavor = 'from_checkpoint' needs its "
+                                  "config.json, and the folder has none")
         try:
             return spec.hf.args_from_config(hf_config)
         except ValueError as exc:
-            raise ConfigError(f"{key}: invalid value {path!r}; {exc}") from None
-    try:
-        values = _read_train_state(folder).get("model_args")
-    except CheckpointError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
+            from torchtitan_lite.models import family_hint
+
+            hint = family_hint(hf_config) if hf_config.get("model_type") != spec.hf.model_type else ""
+            raise CheckpointError(f"HF checkpoint {str(path)!r}: {exc}{hint}") from None
+    values = _read_train_state(folder).get("model_args")
     if not isinstance(values, dict):
-        raise ConfigError(f"{key}: invalid value {path!r}; its {TRAIN_STATE_FILE} records no model_args "
-                          "for model.flavor = 'from_checkpoint'")
+        raise CheckpointError(f"checkpoint {str(path)!r}: its {TRAIN_STATE_FILE} records no model_args "
+                              "for model.flavor = 'from_checkpoint'")
     try:
         return spec.args_from_dict(values)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}: invalid value {path!r}; its model_args are not a {spec.name} shape: {exc}") from None
+        raise CheckpointError(f"checkpoint {str(path)!r}: its model_args are not a {spec.name} shape: "
+                              f"{exc}") from None
 
 
 def _fsync_dir(path: Path) -> None:

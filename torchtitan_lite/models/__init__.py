@@ -8,7 +8,7 @@ from torchtitan_lite.models.llama3 import LLAMA3_SPEC
 from torchtitan_lite.models.qwen3 import QWEN3_SPEC
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["MODEL_SPECS", "ModelSpec", "get_model_spec"]
+__all__ = ["MODEL_SPECS", "ModelSpec", "family_hint", "get_model_spec"]
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3_SPEC, QWEN3_SPEC)}
 
@@ -19,3 +19,13 @@ def get_model_spec(name: str) -> ModelSpec:
         raise ConfigError(f"model.name: invalid value {name!r}; expected one of "
                           f"{', '.join(map(repr, MODEL_SPECS))}")
     return MODEL_SPECS[name]
+
+
+def family_hint(config: object) -> str:
+    """`` (model.name = 'qwen3' reads it)``-style text when a ``config.json`` dict's
+    ``model_type`` is that of a registered family, else empty."""
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    for spec in MODEL_SPECS.values():
+        if spec.hf is not None and model_type == spec.hf.model_type:
+            return f" (model.name = {spec.name!r} reads it)"
+    return ""

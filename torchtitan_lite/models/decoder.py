@@ -211,9 +211,10 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             layer.init_weights()  # type: ignore[operator]
         self.norm.init_weights()
-        if not self.args.tie_word_embeddings:  # tied: the embedding's values serve both
-            final_std = self.args.dim**-0.5
-            init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+        # The output projection's init; tied, it is also the embedding's (an embedding of std 1
+        # would give logits of std sqrt(dim)).
+        final_std = self.args.dim**-0.5
+        init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
 
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent RoPE table on ``buffer_device`` (default: where it is;
@@ -230,9 +231,11 @@ class Decoder(nn.Module):
 def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:
     """A :class:`Decoder`'s FSDP units: token embedding, each block, then final norm and output
     projection as one unit. With tied embeddings the embedding and the output projection (one
-    parameter) are one unit, and the final norm a unit of its own."""
+    parameter) join the final norm in the last unit: it is gathered for the embedding, stays
+    gathered until the output projection has run (FSDP2 frees a unit after all its modules'
+    forwards), and as the last unit is not freed before backward, which needs it at once."""
     assert isinstance(model, Decoder)
     blocks = list(model.layers.values())
     if model.args.tie_word_embeddings:
-        return FSDPLayout(first_unit=[model.tok_embeddings, model.output], blocks=blocks, last_unit=model.norm)
+        return FSDPLayout(blocks=blocks, last_unit=[model.norm, model.output, model.tok_embeddings])
     return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks, last_unit=[model.norm, model.output])

@@ -11,10 +11,34 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-__all__ = ["NameMap", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+__all__ = ["NameMap", "merged_rope_parameters", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+
+
+def merged_rope_parameters(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """A ``config.json``'s RoPE settings as one dict, read as ``transformers`` reads them:
+    ``rope_parameters`` (the current layout) with the earlier ``rope_scaling`` entries over it
+    (a ``rope_scaling`` added to a current file wins, as in ``transformers``), and the top-level
+    ``rope_theta``; and the name of the key that set the RoPE type (for messages). A top-level
+    ``rope_theta`` that contradicts ``rope_parameters`` is a ``ValueError``."""
+    parameters = config.get("rope_parameters")
+    merged: dict[str, Any] = dict(parameters) if isinstance(parameters, dict) else {}
+    where = "rope_parameters"
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        merged.update(scaling)
+        if "rope_type" in scaling or "type" in scaling:
+            where = "rope_scaling"
+    theta = config.get("rope_theta")
+    if theta is not None:
+        if merged.get("rope_theta") is not None and merged["rope_theta"] != theta:
+            raise ValueError(f"config.json has rope_theta={theta!r} but rope_parameters.rope_theta="
+                             f"{merged['rope_theta']!r}")
+        merged["rope_theta"] = theta
+    return merged, where
 
 
 def _check_rows(w: torch.Tensor, n_heads: int) -> tuple[int, int]:

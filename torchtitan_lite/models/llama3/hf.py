@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.models.decoder_hf import NameMap, permute_for_hf, row_permutation, unpermute_from_hf
+from torchtitan_lite.models.decoder_hf import (
+    NameMap,
+    merged_rope_parameters,
+    permute_for_hf,
+    row_permutation,
+    unpermute_from_hf,
+)
 from torchtitan_lite.models.llama3.model import LLAMA3_FLAVORS, ModelArgs
 
 __all__ = [
@@ -152,26 +158,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE fields of a ``config.json`` in our terms, from ``rope_parameters`` (current
-    layout) or ``rope_theta`` + ``rope_scaling`` (earlier). ``ValueError`` for a RoPE type we do
-    not implement (``yarn``, ``dynamic``, ``longrope``…) or a malformed entry."""
-    parameters = config.get("rope_parameters")
-    if isinstance(parameters, dict):
-        theta, legacy = parameters.get("rope_theta"), config.get("rope_theta")
-        if theta is not None and legacy is not None and theta != legacy:
-            raise ValueError(f"{CONFIG_FILE} has rope_theta={legacy!r} but rope_parameters.rope_theta={theta!r}")
-        legacy_scaling = config.get("rope_scaling")
-        if isinstance(legacy_scaling, dict):
-            for field, value in legacy_scaling.items():
-                if field in parameters and parameters[field] != value:
-                    raise ValueError(f"{CONFIG_FILE} has rope_scaling.{field}={value!r} but "
-                                     f"rope_parameters.{field}={parameters[field]!r}")
-    else:
-        parameters = config.get("rope_scaling")
-        parameters = dict(parameters) if isinstance(parameters, dict) else {}
-        if config.get("rope_theta") is not None:
-            parameters.setdefault("rope_theta", config["rope_theta"])
-    where = "rope_parameters" if isinstance(config.get("rope_parameters"), dict) else "rope_scaling"
+    """The RoPE fields of a ``config.json`` in our terms (:func:`merged_rope_parameters`).
+    ``ValueError`` for a RoPE type we do not implement (``yarn``, ``dynamic``, ``longrope``…) or
+    a malformed entry."""
+    parameters, where = merged_rope_parameters(config)
     kind = parameters.get("rope_type", parameters.get("type")) or "default"
     fields: dict[str, Any] = {}
     if parameters.get("rope_theta") is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.models.decoder_hf import NameMap, row_permutation
+from torchtitan_lite.models.decoder_hf import NameMap, merged_rope_parameters, row_permutation
 from torchtitan_lite.models.qwen3.model import Qwen3Args
 
 __all__ = ["ADAPTER", "Qwen3HFAdapter"]
@@ -78,22 +78,11 @@ def hf_config(args: Qwen3Args, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def _rope_theta(config: Mapping[str, Any]) -> Any:
-    parameters = config.get("rope_parameters")
-    legacy = config.get("rope_theta")
-    if isinstance(parameters, dict):
-        kind = parameters.get("rope_type", parameters.get("type")) or "default"
-        if kind != "default":
-            raise ValueError(f"{CONFIG_FILE} has rope_parameters.rope_type={kind!r}; Qwen3 here supports "
-                             "only default RoPE")
-        theta = parameters.get("rope_theta")
-        if theta is not None and legacy is not None and theta != legacy:
-            raise ValueError(f"{CONFIG_FILE} has rope_theta={legacy!r} but rope_parameters.rope_theta={theta!r}")
-        return theta if theta is not None else legacy
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict) and (scaling.get("rope_type", scaling.get("type")) or "default") != "default":
-        raise ValueError(f"{CONFIG_FILE} has rope_scaling.rope_type="
-                         f"{scaling.get('rope_type', scaling.get('type'))!r}; Qwen3 here supports only default RoPE")
-    return legacy
+    parameters, where = merged_rope_parameters(config)
+    kind = parameters.get("rope_type", parameters.get("type")) or "default"
+    if kind != "default":
+        raise ValueError(f"{CONFIG_FILE} has {where}.rope_type={kind!r}; Qwen3 here supports only default RoPE")
+    return parameters.get("rope_theta")
 
 
 def _unsupported(config: Mapping[str, Any]) -> str | None:
@@ -153,9 +142,9 @@ def args_from_config(config: Mapping[str, Any], **overrides: Any) -> Qwen3Args:
         args = Qwen3Args(
             dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=n_heads,
             n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-            head_dim=int(config.get("head_dim") or dim // n_heads),
+            head_dim=int(config.get("head_dim") or 128),  # transformers' Qwen3Config defaults
             ffn_hidden_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(_rope_theta(config) or 1000000.0),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(_rope_theta(config) or 10000.0),
             max_seq_len=int(config.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
     except (KeyError, TypeError) as exc:
