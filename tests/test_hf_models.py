@@ -112,24 +112,29 @@ def test_import_matches_transformers(tmp_path: Path, case: str) -> None:
         assert model.output.weight is model.tok_embeddings.weight
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_qwen3_import_and_export_match_transformers(tmp_path: Path, tied: bool) -> None:
-    folder = hf_qwen3(tmp_path / "hf", tie_word_embeddings=tied)
-    model = our_model(folder, "qwen3")
-    assert model.args.head_dim == 32 and (model.output.weight is model.tok_embeddings.weight) == tied
+def test_qwen_import_and_export_match_transformers(tmp_path: Path, family: str, tied: bool) -> None:
+    build = hf_qwen3 if family == "qwen3" else hf_qwen2
+    folder = build(tmp_path / "hf", tie_word_embeddings=tied)
+    model = our_model(folder, family)
+    assert model.args.head_dim == (32 if family == "qwen3" else 16)
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
     tokens = tokens_for(300)
     with torch.no_grad():
         ours = model(tokens)
     torch.testing.assert_close(ours, hf_logits(folder, tokens), rtol=0, atol=1e-5)
-    spec = get_model_spec("qwen3")
+    spec = get_model_spec(family)
     hf_storage.save_hf_weights(model, tmp_path / "out", spec=spec)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
     torch.testing.assert_close(hf_logits(tmp_path / "out", tokens), ours, rtol=0, atol=1e-5)
-    # A Qwen3 folder is not a Llama one, and the other way round: one line each.
-    with pytest.raises(CheckpointError, match=r"model_type='qwen3' but this model is 'llama'"):
+    # A Qwen folder is not a Llama one, and the other way round: one line each, naming the
+    # family that reads it.
+    with pytest.raises(CheckpointError, match=rf"model_type='{family}' but this model is 'llama' "
+                                              rf"\(LlamaForCausalLM\) \(model.name = '{family}' reads it\)$"):
         hf_storage.load_hf_weights(Transformer(LLAMA3_SPEC.flavors["tiny"]), folder, spec=LLAMA3_SPEC)
     llama = hf_llama(tmp_path / "llama")
-    with pytest.raises(ValueError, match=r"model_type='llama' but this model is 'qwen3'"):
+    with pytest.raises(ValueError, match=rf"model_type='llama' but this model is '{family}'"):
         spec.hf.args_from_config(json.loads((llama / "config.json").read_text()))
 
 
@@ -171,7 +176,7 @@ def test_rope_settings_are_read_as_transformers_reads_them(tmp_path: Path) -> No
         LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_theta": 5e5}, "rope_theta": 1e4})
     qwen = json.loads((hf_qwen3(tmp_path / "qwen") / "config.json").read_text())
     yarn = {**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
-    with pytest.raises(ValueError, match=r"rope_scaling.rope_type='yarn'; Qwen3 here supports only default RoPE$"):
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type='yarn'; Qwen3ForCausalLM here supports only default RoPE$"):
         get_model_spec("qwen3").hf.args_from_config(yarn)
 
 
@@ -244,13 +249,13 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor, family: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen2"])
 def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path, family: str) -> None:
     if family == "llama3":  # a shape no flavor has, Llama 3.1 RoPE scaling, tied
         folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
         dim = 96
     else:
-        folder = hf_qwen3(tmp_path / "hf")
+        folder = (hf_qwen3 if family == "qwen3" else hf_qwen2)(tmp_path / "hf", tie_word_embeddings=True)
         dim = 64
     spec = get_model_spec(family)
     tokens = tokens_for(300, 32)
@@ -263,8 +268,10 @@ def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Pa
         assert (r0["args"]["dim"], r0["args"]["n_layers"], r0["args"]["n_heads"], r0["args"]["n_kv_heads"],
                 r0["args"]["vocab_size"]) == (96, 3, 6, 2, 300)
         assert r0["args"]["rope_scaling"] == "llama3"
-    else:
+    elif family == "qwen3":
         assert (r0["args"]["dim"], r0["args"]["head_dim"], r0["args"]["vocab_size"]) == (64, 32, 300)
+    else:
+        assert (r0["args"]["dim"], r0["args"]["vocab_size"]) == (64, 300)
     assert r0["args"]["tie_word_embeddings"]
     for rank in ranks:
         torch.testing.assert_close(rank["imported"], reference, rtol=0, atol=1e-5)
@@ -288,16 +295,24 @@ def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Pa
 # Former silent mismatches: each path either matches or says one line
 # --------------------------------------------------------------------------------------------
 
-QWEN2 = "config.json has model_type='qwen2' but this model is 'llama' (LlamaForCausalLM)"
+QWEN2 = ("config.json has model_type='qwen2' but this model is 'llama' (LlamaForCausalLM) "
+         "(model.name = 'qwen2' reads it)")
 
 
-def hf_qwen2(folder: Path) -> Path:
-    """A Qwen2 checkpoint (q/k/v biases): Llama's names plus three bias tensors per layer."""
+def hf_qwen2(folder: Path, **config: Any) -> Path:
+    """A Qwen2 checkpoint (q/k/v biases): Llama's names plus three bias tensors per layer; the
+    biases and query/key weights perturbed so that their row permutation matters."""
+    fields = {"hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 256,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, **copy.deepcopy(config)}
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=192, num_attention_heads=4,
-                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=300,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(str(folder))
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(8)
+                proj.bias.uniform_(-1.0, 1.0)
+    model.save_pretrained(str(folder))
     return folder
 
 
@@ -319,7 +334,10 @@ def _converter() -> Any:
     return module
 
 
-def test_qwen2_is_refused_by_the_trainer_the_api_and_the_converter(tmp_path: Path, capsys) -> None:
+def test_qwen2_into_llama_is_refused_by_the_trainer_the_api_and_the_converter(tmp_path: Path, capsys) -> None:
+    """A Qwen2 checkpoint (which once trained silently as a Llama, its biases dropped) loaded as
+    Llama: one line on every path, naming the family that reads it; the converter then reads
+    it with --model qwen2."""
     folder = hf_qwen2(tmp_path / "qwen2")
     capsys.readouterr()  # transformers' progress bars
     job = ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
@@ -338,8 +356,12 @@ def test_qwen2_is_refused_by_the_trainer_the_api_and_the_converter(tmp_path: Pat
     # Converter.
     assert _converter().main(["from-hf", str(folder), str(tmp_path / "step-0")]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].endswith(QWEN2), lines
+    assert len(lines) == 1 and lines[0].endswith(
+        "config.json has model_type='qwen2' but this model is 'llama' (LlamaForCausalLM) (pass --model qwen2)"), lines
     assert not (tmp_path / "step-0").exists()
+    assert _converter().main(["from-hf", str(folder), str(tmp_path / "step-0"), "--model", "qwen2"]) == 0
+    state = json.loads((tmp_path / "step-0" / "train_state.json").read_text())
+    assert state["model_name"] == "qwen2" and state["model_args"]["dim"] == 64
 
 
 def test_from_file_reads_the_config_beside_it_or_refuses(tmp_path: Path, capsys) -> None:

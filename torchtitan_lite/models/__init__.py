@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.models.llama3 import LLAMA3_SPEC
+from torchtitan_lite.models.qwen2 import QWEN2_SPEC
 from torchtitan_lite.models.qwen3 import QWEN3_SPEC
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["MODEL_SPECS", "ModelSpec", "family_hint", "get_model_spec"]
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3_SPEC, QWEN3_SPEC)}
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA3_SPEC, QWEN3_SPEC, QWEN2_SPEC)}
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -4,11 +4,12 @@ RMSNorm; rotary position embeddings on interleaved pairs (as in Meta's Llama ref
 rotations live in a non-persistent complex buffer and reach the blocks as :func:`rope_bits`),
 with the frequencies scaled as the args say (``args.scale_rope_frequencies``); grouped-query attention through
 ``scaled_dot_product_attention``, optionally with an RMSNorm over each head's queries and keys
-before RoPE (``qk_norm``); a SwiGLU feed-forward; an output projection optionally tied to the
+before RoPE (``qk_norm``, Qwen3) or biases on the query, key and value projections
+(``qkv_bias``, Qwen2); a SwiGLU feed-forward; an output projection optionally tied to the
 token embedding. A family (``models/<family>/``) supplies the args: a frozen dataclass with
 ``dim``, ``n_layers``, ``n_heads``, ``kv_heads``, ``head_dim``, ``ffn_hidden_dim``,
 ``vocab_size``, ``norm_eps``, ``rope_theta``, ``max_seq_len``, ``depth_init``,
-``tie_word_embeddings`` and ``qk_norm``, and the method ``scale_rope_frequencies(inv_freq)``.
+``tie_word_embeddings``, ``qk_norm`` and ``qkv_bias``, and the method ``scale_rope_frequencies(inv_freq)``.
 
 Nothing here knows about FSDP: the model can be built on the meta device, sharded by
 :mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
@@ -97,9 +98,9 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         # Per-head RMSNorm of queries and keys before RoPE (Qwen3): weights over head_dim.
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
@@ -123,6 +124,8 @@ class Attention(nn.Module):
     def init_weights(self, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             init.trunc_normal_(linear.weight, std=0.02)
+            if linear.bias is not None:
+                init.zeros_(linear.bias)
         init.trunc_normal_(self.wo.weight, std=out_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:

@@ -50,7 +50,8 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     """The output projection is the token embedding's weight (one parameter)."""
 
-    qk_norm = False  # (a class constant: Llama has no q/k norms)
+    qk_norm = False  # (class constants: Llama has neither q/k norms nor q/k/v biases)
+    qkv_bias = False
 
     def __post_init__(self) -> None:
         if self.rope_scaling not in ROPE_SCALINGS:

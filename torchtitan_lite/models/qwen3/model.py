@@ -34,7 +34,8 @@ class Qwen3Args:
     tie_word_embeddings: bool = True
     depth_init: bool = True
 
-    qk_norm = True  # (a class constant: every Qwen3 attention normalises q and k)
+    qk_norm = True  # (class constants: every Qwen3 attention normalises q and k; no biases)
+    qkv_bias = False
 
     def __post_init__(self) -> None:
         if self.head_dim % 2:
