@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NameMap", "merged_rope_parameters", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+__all__ = ["NameMap", "decoder_shapes", "merged_rope_parameters", "permute_for_hf", "row_permutation",
+           "unpermute_from_hf"]
 
 
 def merged_rope_parameters(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -104,3 +105,17 @@ class NameMap:
         if match and match.group(2) in self._layer_from_hf:
             return f"layers.{match.group(1)}.{self._layer_from_hf[match.group(2)]}"
         raise ValueError(f"{name!r} is not a Hugging Face {self.family} parameter name")
+
+
+def decoder_shapes(args: Any, per_layer: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name → shape of a decoder's tensors in file order: the embedding, the
+    ``per_layer`` suffixes under ``model.layers.N.``, the final norm, and ``lm_head.weight``
+    unless the embeddings are tied."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        for suffix, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{suffix}"] = shape
+    shapes["model.norm.weight"] = (args.dim,)
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, args.dim)
+    return shapes

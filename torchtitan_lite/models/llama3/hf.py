@@ -25,6 +25,7 @@ import torch
 
 from torchtitan_lite.models.decoder_hf import (
     NameMap,
+    decoder_shapes,
     merged_rope_parameters,
     permute_for_hf,
     row_permutation,
@@ -93,8 +94,7 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order
     (no ``lm_head.weight`` when the embeddings are tied)."""
     d, h, kv = args.dim, args.ffn_hidden_dim, args.kv_heads * args.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
-    per_layer = {
+    return decoder_shapes(args, {
         "self_attn.q_proj.weight": (args.n_heads * args.head_dim, d),
         "self_attn.k_proj.weight": (kv, d),
         "self_attn.v_proj.weight": (kv, d),
@@ -104,14 +104,7 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (h, d),
         "input_layernorm.weight": (d,),
         "post_attention_layernorm.weight": (d,),
-    }
-    for i in range(args.n_layers):
-        for suffix, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{suffix}"] = shape
-    shapes["model.norm.weight"] = (d,)
-    if not args.tie_word_embeddings:
-        shapes["lm_head.weight"] = (args.vocab_size, d)
-    return shapes
+    })
 
 
 def rope_parameters(args: ModelArgs) -> dict[str, Any]:

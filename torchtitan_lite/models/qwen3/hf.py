@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_lite.models.decoder_hf import NameMap, merged_rope_parameters, row_permutation
+from torchtitan_lite.models.decoder_hf import NameMap, decoder_shapes, merged_rope_parameters, row_permutation
 from torchtitan_lite.models.qwen3.model import Qwen3Args
 
 __all__ = ["ADAPTER", "QwenHFAdapter"]
@@ -86,14 +86,7 @@ class QwenHFAdapter:
             per_layer.update({"self_attn.q_norm.weight": (args.head_dim,), "self_attn.k_norm.weight": (args.head_dim,)})
         per_layer.update({"mlp.gate_proj.weight": (h, d), "mlp.down_proj.weight": (d, h), "mlp.up_proj.weight": (h, d),
                           "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)})
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
-        for i in range(args.n_layers):
-            for suffix, shape in per_layer.items():
-                shapes[f"model.layers.{i}.{suffix}"] = shape
-        shapes["model.norm.weight"] = (d,)
-        if not args.tie_word_embeddings:
-            shapes["lm_head.weight"] = (args.vocab_size, d)
-        return shapes
+        return decoder_shapes(args, per_layer)
 
     def config_for(self, args: Any, dtype: torch.dtype) -> dict[str, Any]:
         """A ``config.json`` for ``args`` stored in ``dtype`` (RoPE in both layouts)."""

@@ -1,7 +1,8 @@
 """Qwen3 dense shapes: :class:`Qwen3Args` and the named flavors. The model is the shared
 :class:`~torchtitan_lite.models.decoder.Decoder` with an RMSNorm over each head's queries and keys
 before RoPE, a head size of its own (not ``dim / n_heads``), an explicit feed-forward width and,
-in the small sizes, the output projection tied to the token embedding."""
+in the small sizes, the output projection tied to the token embedding. :class:`QwenArgs` holds
+what Qwen3 and Qwen2 (:mod:`torchtitan_lite.models.qwen2`) shapes share."""
 
 from __future__ import annotations
 
@@ -11,21 +12,21 @@ import torch
 
 from torchtitan_lite.models.decoder import Decoder
 
-__all__ = ["QWEN3_FLAVORS", "Qwen3", "Qwen3Args"]
+__all__ = ["QWEN3_FLAVORS", "Qwen3", "Qwen3Args", "QwenArgs"]
 
 Qwen3 = Decoder
 """The Qwen3 model: the shared decoder with q/k norms."""
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
-    """Shape of a Qwen3 dense model."""
+class QwenArgs:
+    """Fields and counts a Qwen shape shares; a family sets ``head_dim`` and the class constants
+    ``qk_norm`` (q/k RMSNorms) and ``qkv_bias`` (q/k/v biases)."""
 
     dim: int = 1024
     n_layers: int = 28
     n_heads: int = 16
     n_kv_heads: int = 8
-    head_dim: int = 128
     ffn_hidden_dim: int = 3072
     vocab_size: int = 151936
     norm_eps: float = 1e-6
@@ -34,8 +35,9 @@ class Qwen3Args:
     tie_word_embeddings: bool = True
     depth_init: bool = True
 
-    qk_norm = True  # (class constants: every Qwen3 attention normalises q and k; no biases)
+    qk_norm = False
     qkv_bias = False
+    # head_dim: a field (Qwen3) or a property (Qwen2) of each family
 
     def __post_init__(self) -> None:
         if self.head_dim % 2:
@@ -50,7 +52,8 @@ class Qwen3Args:
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count (a tied embedding counts once, as the output projection)."""
         d, h, q, kv = self.dim, self.ffn_hidden_dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        block = 2 * d * q + 2 * d * kv + 2 * self.head_dim + 3 * d * h + 2 * d
+        block = 2 * d * q + 2 * d * kv + 3 * d * h + 2 * d
+        block += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         total = self.n_layers * block + d + d * self.vocab_size
         if include_embedding and not self.tie_word_embeddings:
             total += self.vocab_size * d
@@ -66,8 +69,18 @@ class Qwen3Args:
         return 6 * self.num_params(include_embedding=False) + self.n_layers * self.attention_flops_per_token(seq_len)
 
     def scale_rope_frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Qwen3 uses unscaled RoPE."""
+        """Unscaled RoPE."""
         return inv_freq
+
+
+@dataclass(frozen=True)
+class Qwen3Args(QwenArgs):
+    """Shape of a Qwen3 dense model."""
+
+    head_dim: int = 128
+
+    qk_norm = True  # (class constants: every Qwen3 attention normalises q and k; no biases)
+    qkv_bias = False
 
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
