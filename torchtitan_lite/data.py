@@ -477,6 +477,7 @@ class GlobalBatchLoader:
         self.shuffle = shuffle
         self.grad_accum_steps = global_batch_size // (local_batch_size * dp_size)
         self.step = 0  # global batches consumed
+        self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
         self._epoch = -1
         self._perm: np.ndarray | None = None
 
@@ -498,7 +499,10 @@ class GlobalBatchLoader:
         return [self._window_index(first + i) for i in range(per_rank)]
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches of this rank for the next global batch."""
+        """The micro-batches of this rank for the next global batch (batches in
+        :attr:`skipped` are passed over)."""
+        while self.step in self.skipped:
+            self.step += 1
         rows = np.stack([self.windows[i] for i in self.sample_indices(self.step)])
         self.step += 1
         data = torch.from_numpy(rows)
@@ -517,6 +521,7 @@ class GlobalBatchLoader:
             "shuffle": self.shuffle,
             "num_windows": len(self.windows),
             "seq_len": self.windows.seq_len,
+            "skipped": sorted(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -534,7 +539,11 @@ class GlobalBatchLoader:
         step = state.get("step")
         if not isinstance(step, int) or step < 0:
             raise DataError(f"data loader state: invalid step {step!r}; expected an integer >= 0")
+        skipped = state.get("skipped", [])
+        if not isinstance(skipped, list) or not all(isinstance(s, int) and s >= 0 for s in skipped):
+            raise DataError(f"data loader state: invalid skipped {skipped!r}; expected a list of integers >= 0")
         self.step = step
+        self.skipped = set(skipped)
 
 
 def padded_batch(

@@ -12,6 +12,8 @@ class                     exit   meaning
 :class:`DataError`        3      a dataset or tokenizer file is missing, empty or unreadable
 :class:`CheckpointError`  4      a checkpoint is missing, incomplete, or made for another model,
                                  or saving one failed
+:class:`TrainingError`    5      training cannot go on: the loss or gradient norm is not
+                                 finite (``training.on_nonfinite``)
 ========================  =====  ===========================================================
 
 This module imports nothing else of the package: every layer may raise these.
@@ -19,7 +21,7 @@ This module imports nothing else of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "UserError"]
+__all__ = ["CheckpointError", "ConfigError", "DataError", "TrainingError", "UserError"]
 
 
 class UserError(ValueError):
@@ -46,3 +48,9 @@ class CheckpointError(UserError):
 
     exit_code = 4
 
+
+class TrainingError(UserError):
+    """Training stopped because it diverged: a non-finite loss or gradient norm (no update was
+    applied and no checkpoint written from it)."""
+
+    exit_code = 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -54,6 +55,7 @@ RECORD_KEYS = (
     "time",
     "loss",
     "grad_norm",
+    "skipped",
     "lr",
     "tokens_seen",
     "tps",
@@ -179,7 +181,9 @@ class MetricsLogger:
         record: dict[str, Any] = {key: values.get(key) for key in RECORD_KEYS}
         record.update(step=step, run_id=self.run_id, time=time.time())
         record.update({k: v for k, v in values.items() if k not in record})  # caller's extras last
-        self._jsonl.write(json.dumps(record) + "\n")
+        # JSON has no NaN or Infinity: a non-finite value (a diverged step) is written as null.
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self._jsonl.write(json.dumps(finite, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():

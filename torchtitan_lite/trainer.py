@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
-from torchtitan_lite.checkpoint.manager import CheckpointManager
+from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream, tokenizer_file
 from torchtitan_lite.distributed import (
@@ -30,7 +31,7 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.parallelize import build_sharded_model
-from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.errors import ConfigError, TrainingError
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
@@ -196,6 +197,7 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self._rollbacks = 0
         self.checkpointer: CheckpointManager | None = None
         ck = config.checkpoint
         if ck.enable or ck.create_seed_checkpoint or ck.initial_load_path is not None:
@@ -296,21 +298,62 @@ class Trainer:
 
         grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
         global_tokens = tokens_this_rank * self.dims.dp_size
         dist.all_reduce(loss_sum)
+        loss, norm = float(loss_sum.item() / global_tokens), float(grad_norm.item())
+        # Both are global (the same on every rank), so every rank decides alike: a non-finite
+        # step's update is never applied (training.on_nonfinite says what happens next).
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += global_tokens
         return {
-            "loss": float(loss_sum.item() / global_tokens),
-            "grad_norm": float(grad_norm.item()),
+            "loss": loss,
+            "grad_norm": norm,
             "lr": float(lr),
             "data_time_s": data_time,
             "tokens_per_rank": float(tokens_this_rank),
+            "skipped": 0.0 if finite else 1.0,
         }
+
+    def _diverged(self, values: dict[str, float]) -> None:
+        """A step whose update was not applied: stop, go on, or roll back
+        (``training.on_nonfinite``). Raises :class:`TrainingError` to stop."""
+        t = self.config.training
+        what = f"step {self.step}: the loss ({values['loss']}) or gradient norm ({values['grad_norm']})"
+        folder = None if self.checkpointer is None else self.checkpointer.folder
+        kept = committed_steps(folder) if folder is not None and self.config.checkpoint.enable else []
+        intact = (f"the checkpoints in {str(folder)!r} (steps {kept}) are from finite steps" if kept
+                  else "no checkpoint was written")
+        if t.on_nonfinite == "skip":
+            if self.rank == 0:
+                logger.warning("%s is not finite: its update was skipped (training.on_nonfinite = 'skip')", what)
+            return
+        if t.on_nonfinite == "rollback" and self.checkpointer is not None and self._rollbacks < t.max_rollbacks:
+            bad = self.loader.step - 1  # the global batch this step read
+            state = self.checkpointer.rollback()
+            if state is not None:
+                self._rollbacks += 1
+                self.loader.skipped.add(bad)
+                self.step = int(state["step"])
+                self.tokens_seen = int(state.get("tokens_seen", 0))
+                if self.rank == 0:
+                    logger.warning("%s is not finite: rolled back to step %d, leaving out global batch %d "
+                                   "(rollback %d of at most %d)", what, self.step, bad, self._rollbacks,
+                                   t.max_rollbacks)
+                return
+            raise TrainingError(f"training diverged at {what} is not finite; the update was not applied; "
+                                "training.on_nonfinite = 'rollback' found no checkpoint of this run with its "
+                                "optimizer state to go back to (the first is written at checkpoint.interval)")
+        if t.on_nonfinite == "rollback":
+            raise TrainingError(f"training diverged at {what} is not finite after {self._rollbacks} rollbacks "
+                                f"(training.max_rollbacks = {t.max_rollbacks}); the update was not applied and "
+                                f"{intact}; lower optimizer.lr or raise training.max_rollbacks")
+        raise TrainingError(f"training diverged at {what} is not finite; the update was not applied and "
+                            f"{intact}; lower optimizer.lr, or set training.on_nonfinite = 'skip' or 'rollback'")
 
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off)."""
@@ -346,6 +389,13 @@ class Trainer:
         cfg = self.config
         start = time.perf_counter()
         values = self.train_step()
+        logged = bool(values["skipped"])
+        if logged:
+            step = self.step
+            self.metrics.log(step, values)  # the diverged step is on record (loss null in JSON)
+            self._diverged(values)
+            if self.step != step:  # rolled back: the steps since the checkpoint run again
+                return {"step": step, **values}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -363,13 +413,28 @@ class Trainer:
         v = cfg.validation
         if self.validator is not None and (self.step % v.freq == 0 or last):
             values.update(self.validate())
-        if self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or "validation_loss" in values:
+        if not logged and (self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last
+                           or "validation_loss" in values):
             self.metrics.log(self.step, {**values, **memory_stats(self.device)})
             reset_peak_memory(self.device)
         if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):
+            if not self._weights_finite():
+                raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
+                                    "no checkpoint was written from them; lower optimizer.lr")
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
         gc_handler.run(self.step)
         return {"step": self.step, **values}
+
+    def _weights_finite(self) -> bool:
+        """Whether every parameter of every rank is finite (before a save: a checkpoint is never
+        written from non-finite weights)."""
+        bad = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                bad += (~torch.isfinite(local)).sum().to(bad.dtype)
+        dist.all_reduce(bad)
+        return bad.item() == 0
 
     def close(self, *, clean: bool = True) -> None:
         """Release the metrics files and the process group.

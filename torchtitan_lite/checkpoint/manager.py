@@ -412,6 +412,16 @@ class CheckpointManager:
             return {}
         return self._load_from(path, parts)
 
+    def rollback(self) -> dict[str, Any] | None:
+        """Reload everything from the latest committed checkpoint of this run that holds the
+        optimizer too (``training.on_nonfinite = "rollback"``); returns its train state, or None
+        when there is none. A background save still running is committed first."""
+        self.wait()
+        full = [s for s in committed_steps(self.folder) if s > 0 and not _weights_only(self.folder / f"step-{s}")]
+        if not full:
+            return None
+        return self._load_from(self.folder / f"step-{full[-1]}", set(LOADABLE_PARTS))
+
     def _load_from(self, path: Path, parts: set[str]) -> dict[str, Any]:
         state = _read_train_state(path)
         if state.get("model_only") and "optimizer" in parts:

@@ -115,6 +115,10 @@ class Training:
     """Dtype of raw .bin token files (.npy files carry their own)."""
     gc_freq: int = 50
     """Python's automatic garbage collection is off during training; collect every this many steps (so step times do not jitter)."""
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    """When a step's loss or gradient norm is not finite its update is never applied; then: stop (one line naming the step, exit 5), skip (go on to the next batch; the step is logged with skipped = 1), or rollback (reload the last checkpoint of this run and go on from there without the batch that diverged; needs checkpoint.enable)."""
+    max_rollbacks: int = 3
+    """With on_nonfinite = "rollback": stop (exit 5) when a run would roll back more often than this."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
@@ -444,6 +448,9 @@ def validate_config(c: JobConfig) -> None:
              "expected a finite number >= 0 (0 disables clipping)")
     _require(t.steps >= 1, "training.steps", t.steps, "expected an integer >= 1")
     _require(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "expected an integer >= 1")
+    _require(t.max_rollbacks >= 0, "training.max_rollbacks", t.max_rollbacks, "expected an integer >= 0")
+    _require(t.on_nonfinite != "rollback" or c.checkpoint.enable, "training.on_nonfinite", t.on_nonfinite,
+             "rollback reloads this run's checkpoints: set checkpoint.enable = true too")
     _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
              "expected an integer >= 1, or -1 (follow the tokenizer)")
     v = c.validation
