@@ -31,6 +31,7 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.parallelize import build_sharded_model
+from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import ConfigError, TrainingError
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
@@ -127,6 +128,18 @@ class Trainer:
         if self.world_size != plan.world_size:
             raise ConfigError(f"the job was planned for {plan.world_size} ranks but the process group has "
                               f"{self.world_size}")
+        # One job per dump folder: rank 0 holds the folder's lock for the job's life; every rank
+        # learns whether it got it, so a second job ends on all ranks at once.
+        self._lock = DumpFolderLock(config.job.dump_folder)
+        refused: list[ConfigError | None] = [None]
+        if self.rank == 0:
+            try:
+                self._lock.acquire()
+            except ConfigError as exc:
+                refused[0] = exc
+        dist.broadcast_object_list(refused, src=0)
+        if refused[0] is not None:
+            raise refused[0]
         self.dims = plan.dims
         self.mesh = build_mesh(self.device, self.dims)
         set_collective_timeout(config.comm.init_timeout_seconds, self.mesh)  # HSDP's subgroups too
@@ -446,4 +459,5 @@ class Trainer:
         self.metrics.close()
         if clean and self.checkpointer is not None:
             self.checkpointer.close()
+        self._lock.release()
         destroy_distributed(barrier=clean)
