@@ -385,7 +385,9 @@ class Trainer:
                     history.append(self._timed_step(gc_handler))
                     profiler.step()
                     if len(history) == 1:  # start-up is over: from now on a missing peer is an error soon
-                        set_collective_timeout(cfg.comm.train_timeout_seconds, self.mesh)
+                        set_collective_timeout(
+                            cfg.comm.train_timeout_seconds, self.mesh,
+                            extra_groups=[] if self.checkpointer is None else self.checkpointer.process_groups)
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last background save is committed before we return
         finally:

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,8 @@ class _PendingSave:
     final: Path
     future: Any
     started: float
+    committed: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class CheckpointManager:
@@ -317,7 +320,12 @@ class CheckpointManager:
         if self._async_group is not None:
             response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
             future = getattr(response, "upload_completion", response)
-            self._pending = _PendingSave(step, staging, final, future, started)
+            pending = self._pending = _PendingSave(step, staging, final, future, started)
+            if self.rank == 0:
+                # Rank 0's save finishes after every rank's shards and the metadata are written:
+                # commit then, from the writing thread, not at the next save (a crash in between
+                # would otherwise lose a complete checkpoint).
+                future.add_done_callback(lambda done, pending=pending: self._commit_when_written(done, pending))
             self.last_blocked_s = time.perf_counter() - started
             if self.rank == 0:
                 logger.info("checkpoint step %d: training blocked %.3f s to stage it; writing in the "
@@ -341,7 +349,27 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"saving checkpoint step {pending.step} to {str(pending.staging)!r} "
                                   f"failed: {failure_reason(exc)}") from None
-        self._commit(pending.step, pending.staging, pending.final, pending.started)
+        self._commit_once(pending)
+
+    def _commit_when_written(self, future: Any, pending: _PendingSave) -> None:
+        """Done-callback of a background save (rank 0): commit it if it succeeded. A failure is
+        left for :meth:`wait` to report; nothing here may raise into the writer thread."""
+        try:
+            if future.exception() is None:
+                self._commit_once(pending)
+        except BaseException:  # noqa: BLE001 - reported by wait(), which commits again or raises
+            logger.exception("checkpoint step %d: committing in the background failed", pending.step)
+
+    def _commit_once(self, pending: _PendingSave) -> None:
+        with pending.lock:
+            if not pending.committed:
+                self._commit(pending.step, pending.staging, pending.final, pending.started)
+                pending.committed = True
+
+    @property
+    def process_groups(self) -> list[Any]:
+        """The groups this manager created (the background save's), e.g. for their timeouts."""
+        return [] if self._async_group is None else [self._async_group]
 
     def close(self) -> None:
         """Finish a pending background save and release the save group."""

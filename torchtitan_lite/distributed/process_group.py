@@ -9,6 +9,8 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,16 +121,19 @@ def init_distributed(
     )
 
 
-def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None) -> None:
-    """Set the timeout of the default process group and of every group of ``mesh`` (FSDP's
-    collectives run on the mesh's groups): a collective that a dead or hung peer never joins
-    then fails with an error after ``seconds`` instead of waiting for the creation timeout."""
+def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None,
+                           extra_groups: Sequence[Any] = ()) -> None:
+    """Set the timeout of the default process group, of every group of ``mesh`` (FSDP's
+    collectives run on the mesh's groups) and of ``extra_groups`` (e.g. a background save's): a
+    collective that a dead or hung peer never joins then fails with an error after ``seconds``
+    instead of waiting for the creation timeout."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     timeout = datetime.timedelta(seconds=seconds)
     groups = [dist.group.WORLD]
     if mesh is not None:
         groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    groups += list(extra_groups)
     seen: set[int] = set()
     for group in groups:
         if group is not None and id(group) not in seen:

@@ -1,0 +1,56 @@
+"""Background (async) saves commit as soon as their write finishes, not at the next save, and
+their process group takes ``comm.train_timeout_seconds`` once training runs."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import TINY_ARGS
+from tests.dist_utils import run_distributed
+
+
+def _async_run(dump: str) -> dict[str, Any]:
+    """10 steps, async saves every 4; before step 9 runs (the next save, which would commit
+    step 8 the old way, is at step 10), the ranks wait until step-8 is committed."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.checkpoint.manager import committed_steps
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config([
+        *TINY_ARGS, "--job.dump_folder", dump, "--training.steps", "10", "--checkpoint.enable",
+        "--checkpoint.interval", "4", "--checkpoint.async_mode", "async", "--comm.train_timeout_seconds", "37"]))
+    checkpointer = trainer.checkpointer
+    assert checkpointer is not None
+    seen: dict[str, Any] = {}
+    step = trainer.train_step
+
+    def watched() -> dict[str, float]:
+        if trainer.step == 8:  # step 9 is next; nobody has called wait() since step 8's save
+            folder = checkpointer.folder
+            deadline = time.monotonic() + 120  # a bound against hanging, not a speed check
+            while 8 not in committed_steps(folder) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            dist.barrier()
+            seen["committed_before_step_9"] = committed_steps(folder)
+            seen["pending_still_set"] = checkpointer._pending is not None
+            groups = checkpointer.process_groups
+            seen["save_group_timeouts"] = [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
+        return step()
+
+    trainer.train_step = watched  # type: ignore[method-assign]
+    trainer.train()
+    trainer.close()
+    return seen
+
+
+def test_async_save_commits_when_written_and_its_group_takes_the_train_timeout(tmp_path: Path) -> None:
+    for rank in run_distributed(_async_run, 2, str(tmp_path / "job")):
+        assert rank["committed_before_step_9"] == [4, 8]
+        assert rank["pending_still_set"]  # committed without wait(), which the next save calls
+        assert rank["save_group_timeouts"] == [datetime.timedelta(seconds=37)]
