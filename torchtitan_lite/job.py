@@ -50,6 +50,10 @@ def preflight(config: JobConfig) -> None:
                           f"holds checkpoints (steps {own}); a seed checkpoint starts a new run: use an "
                           "empty job.dump_folder or checkpoint.folder")
     _check_writable_folder("job.dump_folder", config.job.dump_folder)
+    if ck.enable or ck.create_seed_checkpoint:
+        _check_writable_folder("checkpoint.folder", str(folder))
+    if config.metrics.enable_tensorboard:
+        _check_writable_folder("metrics.save_tb_folder", str(Path(config.job.dump_folder) / config.metrics.save_tb_folder))
 
 
 def _check_writable_folder(key: str, folder: str) -> None:

@@ -332,8 +332,11 @@ class CheckpointManager:
                             "background", step, self.last_blocked_s)
             return final
         # dcp.save returns on every rank only after rank 0 has written the metadata, which it
-        # does only after every rank reported its shards written.
-        dcp.save(state, checkpoint_id=str(staging))
+        # does only after every rank reported its shards written; a rank's failure reaches all.
+        try:
+            dcp.save(state, checkpoint_id=str(staging))
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise self._failed(step, staging, exc) from None
         self._commit(step, staging, final, started)
         dist.barrier()
         self.last_blocked_s = time.perf_counter() - started
@@ -347,9 +350,18 @@ class CheckpointManager:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"saving checkpoint step {pending.step} to {str(pending.staging)!r} "
-                                  f"failed: {failure_reason(exc)}") from None
+            raise self._failed(pending.step, pending.staging, exc) from None
         self._commit_once(pending)
+
+    def _failed(self, step: int, staging: Path, exc: BaseException) -> CheckpointError:
+        """The one-line error of a save that failed (its cause: e.g. "No space left on device");
+        rank 0 removes the partial folder, so a full disk is not kept full. Earlier checkpoints
+        are untouched."""
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        kept = committed_steps(self.folder)
+        return CheckpointError(f"saving checkpoint step {step} to {str(self.folder)!r} failed: {failure_reason(exc)}; "
+                               f"the partial folder was removed and the checkpoints {kept or 'before it'} are intact")
 
     def _commit_when_written(self, future: Any, pending: _PendingSave) -> None:
         """Done-callback of a background save (rank 0): commit it if it succeeded. A failure is

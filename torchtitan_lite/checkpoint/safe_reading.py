@@ -86,5 +86,15 @@ def failure_reason(exc: BaseException) -> str:
         exc = next(iter(failures.values()))
         if isinstance(exc, tuple):  # (exception, traceback frames)
             exc = exc[0]
+    # An operating-system error (no space left, permission denied, I/O error) anywhere in the
+    # chain is the cause a user can act on: name it, not the wrapper's message.
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            where = f": {cause.filename!r}" if cause.filename else ""
+            return f"{cause.strerror} (errno {cause.errno}){where}"
+        cause = cause.__cause__ or cause.__context__
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
