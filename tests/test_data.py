@@ -473,3 +473,76 @@ def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
     broken = _pretokenize([*argv[:-2], "--overwrite"], in_process=in_process)
     assert broken.returncode == 2 and broken.stderr.startswith("error: --input: ")
     assert not list(tmp_path.glob("*.partial"))  # no half-written file left behind
+
+
+# --------------------------------------------------------------------------------------------
+# Files that cannot be read, text that is not UTF-8
+# --------------------------------------------------------------------------------------------
+
+
+def test_unreadable_files_and_folders_are_one_line(tmp_path, monkeypatch):
+    """(As root, permissions do not stop reads here: the OS error is injected.)"""
+    import errno
+    import os
+
+    from torchtitan_lite.data import build_token_stream
+
+    good = tmp_path / "corpus"
+    (good / "sub").mkdir(parents=True)
+    (good / "a.txt").write_text("hello " * 100)
+    (good / "sub" / "b.txt").write_text("world " * 100)
+    (tmp_path / "tokens.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    denied = OSError(errno.EACCES, os.strerror(errno.EACCES))
+    real_read, real_open, real_scandir = Path.read_bytes, Path.open, os.scandir
+
+    def read_bytes(self):
+        if self.name == "b.txt":
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    with pytest.raises(DataError) as err:
+        build_token_stream("text", str(good), ByteTokenizer())
+    assert str(err.value) == (f"training.dataset_path: {str(good / 'sub' / 'b.txt')!r} cannot be read: "
+                              "Permission denied (errno 13)")
+    monkeypatch.setattr(Path, "read_bytes", real_read)
+
+    def scandir(path="."):
+        if str(path).endswith("sub"):
+            raise PermissionError(denied.errno, denied.strerror, str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(DataError, match=r"'.*sub' cannot be read: Permission denied \(errno 13\)$"):
+        check_dataset("text", str(good))
+    monkeypatch.setattr(os, "scandir", real_scandir)
+
+    def open_(self, *args, **kwargs):
+        if self.name == "tokens.bin":
+            raise PermissionError(denied.errno, denied.strerror, str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_)
+    with pytest.raises(DataError, match=r"'.*tokens.bin' cannot be read: Permission denied \(errno 13\)$"):
+        build_token_stream("tokens", str(tmp_path / "tokens.bin"), ByteTokenizer())
+
+
+def test_text_that_is_not_utf8_is_counted_and_refused_above_the_threshold(tmp_path, caplog):
+    import logging
+
+    from torchtitan_lite.data import MAX_INVALID_UTF8_FRACTION, build_token_stream
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"plain text " * 1000)  # 11,000 valid bytes
+    (corpus / "b.txt").write_bytes("caf\u00e9 ".encode() * 100 + b"\xff")  # one stray byte
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        build_token_stream("text", str(corpus), ByteTokenizer())
+    assert "1 of 11601 bytes are not valid UTF-8 (1 of them in" in caplog.text
+    (corpus / "c.bin.txt").write_bytes(bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)))
+    with pytest.raises(DataError) as err:
+        build_token_stream("text", str(corpus), ByteTokenizer())
+    message = str(err.value)
+    assert message.startswith("training.dataset_path: ") and "are not valid UTF-8" in message
+    assert f"more than {MAX_INVALID_UTF8_FRACTION:.1%} means the files are not UTF-8 text" in message
+    assert "c.bin.txt" in message and "\n" not in message

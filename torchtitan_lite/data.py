@@ -23,8 +23,11 @@ step, and the loader state (plain integers) resumes on any world size.
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import math
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ import numpy as np
 import torch
 
 from torchtitan_lite.errors import ConfigError, DataError
+
+logger = logging.getLogger("torchtitan_lite")
 
 __all__ = [
     "ByteTokenizer",
@@ -258,7 +263,11 @@ def check_dataset(
     if not path.exists():
         raise DataError(f"{key}: path not found: {dataset_path!r}")
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in suffixes)
+        errors: list[OSError] = []
+        found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
+        if errors:
+            raise _unreadable(key, Path(errors[0].filename or path), errors[0])
+        files = sorted(f for f in found if f.is_file() and f.suffix in suffixes)
         if not files:
             raise DataError(
                 f"{key}: folder {dataset_path!r} holds no {' or '.join(suffixes)} files "
@@ -273,36 +282,97 @@ def check_dataset(
     return [path]
 
 
+MAX_INVALID_UTF8_FRACTION = 0.001
+"""Text datasets: above this fraction of bytes that are not valid UTF-8 (over all files read),
+the data is refused as not text; below it, each invalid byte becomes U+FFFD and the count is
+logged."""
+
+
+def _unreadable(key: str, path: Path, exc: OSError) -> DataError:
+    reason = f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
+    return DataError(f"{key}: {str(path)!r} cannot be read: {reason}")
+
+
+@dataclass
+class _Utf8Count:
+    """Bytes read and bytes that were not valid UTF-8, and the file with the most of those."""
+
+    total: int = 0
+    invalid: int = 0
+    worst: tuple[int, str] = (0, "")
+
+    def decode(self, raw: bytes, file: Path) -> str:
+        self.total += len(raw)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+        bad = 0
+
+        def replace_and_count(exc: UnicodeError) -> tuple[str, int]:
+            nonlocal bad
+            assert isinstance(exc, UnicodeDecodeError)
+            bad += exc.end - exc.start
+            return "\ufffd", exc.end
+
+        codecs.register_error("torchtitan_lite.count_invalid", replace_and_count)
+        text = raw.decode("utf-8", errors="torchtitan_lite.count_invalid")
+        self.invalid += bad
+        if bad > self.worst[0]:
+            self.worst = (bad, str(file))
+        return text
+
+
 def read_documents(files: list[Path], key: str = "training.dataset_path") -> Iterator[str]:
-    """The documents of text files: a whole ``.txt`` file, or each ``.jsonl`` line's ``text``."""
+    """The documents of text files: a whole ``.txt`` file, or each ``.jsonl`` line's ``text``.
+
+    A file that cannot be read is one :class:`DataError` line naming it and the cause. Bytes that
+    are not valid UTF-8 become U+FFFD and are counted: above :data:`MAX_INVALID_UTF8_FRACTION` of
+    all bytes read, a :class:`DataError` (the data is not text: a binary file, another
+    encoding); below, a warning with the count."""
+    count = _Utf8Count()
     for file in files:
+        try:
+            raw = file.read_bytes()
+        except OSError as exc:
+            raise _unreadable(key, file, exc) from None
         if file.suffix == ".jsonl":
-            with file.open(encoding="utf-8", errors="replace") as fh:
-                for lineno, line in enumerate(fh, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        record = None
-                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise DataError(
-                            f"{key}: {str(file)!r} line {lineno} is not a JSON object with a "
-                            "string 'text' field"
-                        )
-                    if record["text"]:
-                        yield record["text"]
+            for lineno, line in enumerate(raw.split(b"\n"), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(count.decode(line, file))
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise DataError(
+                        f"{key}: {str(file)!r} line {lineno} is not a JSON object with a "
+                        "string 'text' field"
+                    )
+                if record["text"]:
+                    yield record["text"]
         else:
-            text = file.read_text(encoding="utf-8", errors="replace")
+            text = count.decode(raw, file)
             if text:
                 yield text
+    if count.invalid:
+        fraction = count.invalid / max(count.total, 1)
+        where = f"{count.worst[0]} of them in {count.worst[1]!r}"
+        if fraction > MAX_INVALID_UTF8_FRACTION:
+            raise DataError(f"{key}: {count.invalid} of {count.total} bytes ({fraction:.2%}) are not valid UTF-8 "
+                            f"({where}); more than {MAX_INVALID_UTF8_FRACTION:.1%} means the files are not UTF-8 "
+                            "text (a binary file, or another encoding: convert it first)")
+        logger.warning("%s: %d of %d bytes are not valid UTF-8 (%s) and were read as U+FFFD",
+                       key, count.invalid, count.total, where)
 
 
 def _token_file(file: Path, token_dtype: str, key: str, vocab_size: int) -> np.ndarray:
     if file.suffix == ".npy":
         try:
             array = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as exc:
+        except OSError as exc:
+            raise _unreadable(key, file, exc) from None
+        except ValueError as exc:
             raise DataError(f"{key}: {str(file)!r} is not a readable .npy array ({exc})") from None
         if array.dtype not in _TOKEN_DTYPES.values() or array.ndim != 1:
             raise DataError(
@@ -317,7 +387,12 @@ def _token_file(file: Path, token_dtype: str, key: str, vocab_size: int) -> np.n
             f"training.dataset_token_dtype: invalid value {token_dtype!r} for {str(file)!r}; the "
             f"tokenizer has {vocab_size} ids, which need 'uint32'"
         )
-    size = file.stat().st_size
+    try:
+        size = file.stat().st_size
+        with file.open("rb"):
+            pass
+    except OSError as exc:
+        raise _unreadable(key, file, exc) from None
     if size % dtype.itemsize:
         raise DataError(
             f"{key}: {str(file)!r} has {size} bytes, not a whole number of {token_dtype} tokens "
