@@ -218,6 +218,8 @@ class Trainer:
                 ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, loader=self.loader, model_spec=plan.spec,
                 timeout_s=config.comm.init_timeout_seconds,
+                run_config={f"{section}.{key}": value for section, values in config.to_dict().items()
+                            for key, value in values.items()},
                 hf_extras=HFExportExtras(
                     bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
                     tokenizer_file=(None if config.model.tokenizer_path is None
@@ -376,6 +378,9 @@ class Trainer:
         """Run until ``training.steps``; returns every step's metrics (validation included)."""
         cfg = self.config
         history: list[dict[str, float]] = []
+        if self.step >= cfg.training.steps and self.rank == 0:
+            logger.warning("nothing to train: the run is at step %d and training.steps = %d (raise "
+                           "training.steps to train further)", self.step, cfg.training.steps)
         reset_peak_memory(self.device)
         gc_handler = GarbageCollection(cfg.training.gc_freq)
         try:

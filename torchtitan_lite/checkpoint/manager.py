@@ -68,6 +68,10 @@ __all__ = [
 logger = logging.getLogger("torchtitan_lite")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# Settings a resumed run must keep (the data it reads and the model's vocabulary depend on them).
+_FIXED_ON_RESUME = ("model.name", "model.tokenizer_path", "model.vocab_size")
+# Settings that name places and say nothing about training.
+_NOT_SHOWN = ("job.dump_folder", "job.config_file", "checkpoint.load_step")
 TRAIN_STATE_FILE = "train_state.json"
 # --------------------------------------------------------------------------------------------
 # Folders
@@ -233,8 +237,10 @@ class CheckpointManager:
         model_spec: ModelSpec | None = None,
         timeout_s: float = 1800.0,
         hf_extras: HFExportExtras | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
+        self.run_config = run_config  # the job's settings ("section.key": value), saved with each checkpoint
         self.model_spec = model_spec
         self.hf_extras = hf_extras  # token ids and tokenizer files for a Hugging Face export
         self.folder = Path(dump_folder) / config.folder
@@ -299,6 +305,7 @@ class CheckpointManager:
                 "world_size": self.world_size,
                 "model_name": None if self.model_spec is None else self.model_spec.name,
                 "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
+                "config": self.run_config,
             }
             if step > 0:  # a seed checkpoint is weights only: runs from it choose their own data/schedule
                 state_json.update(dataloader=self.loader.state_dict(),
@@ -464,6 +471,8 @@ class CheckpointManager:
 
     def _load_from(self, path: Path, parts: set[str]) -> dict[str, Any]:
         state = _read_train_state(path)
+        if "train_state" in parts:
+            self._check_changes(path, state.get("config"))  # before any weight is read
         if state.get("model_only") and "optimizer" in parts:
             parts = parts - {"optimizer"}
             if state["step"] > 0 and self.rank == 0:
@@ -475,7 +484,16 @@ class CheckpointManager:
         else:
             self._load_dcp(path, parts)
         if "lr_scheduler" in parts and "lr_scheduler" in state:
+            # The schedule's position comes from the checkpoint; its settings (peak lr, and the
+            # warmup/decay/steps that shape it) from this run's config, from this step on.
+            configured = list(self.lr_scheduler.base_lrs)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.lr_scheduler.base_lrs = configured
+            lrs = [base * fn(self.lr_scheduler.last_epoch)
+                   for base, fn in zip(configured, self.lr_scheduler.lr_lambdas, strict=True)]
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            self.lr_scheduler._last_lr = list(lrs)
         if "dataloader" in parts and "dataloader" in state:
             self.loader.load_state_dict(state["dataloader"])
         if self.rank == 0:
@@ -488,6 +506,24 @@ class CheckpointManager:
             # The same world size gets each rank's own generator back; another one gets rank 0's.
             _set_rng_state(saved_rng[self.rank] if len(saved_rng) == self.world_size else saved_rng[0])
         return state
+
+    def _check_changes(self, path: Path, saved: Any) -> None:
+        """Compare this run's settings with those the checkpoint was trained with: list the
+        changes (rank 0, one log line); refuse the ones a resumed run cannot take."""
+        if not isinstance(saved, dict) or self.run_config is None:
+            return
+        changed = {k: (saved.get(k), v) for k, v in self.run_config.items() if k in saved and saved[k] != v}
+        for key in _FIXED_ON_RESUME:
+            if key in changed:
+                before, now = changed[key]
+                raise ConfigError(f"{key}: invalid value {now!r}; {str(path)!r} was trained with {before!r}, and a "
+                                  "resumed run cannot change it (start a new run from it with "
+                                  "checkpoint.initial_load_path instead)")
+        shown = {k: v for k, v in changed.items() if not k.startswith(_NOT_SHOWN)}
+        if shown and self.rank == 0:
+            logger.warning("resuming %s with changed settings (they apply from step %s on): %s", path,
+                           path.name.removeprefix("step-"),
+                           "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(shown.items())))
 
     def _load_dcp(self, path: Path, parts: set[str]) -> None:
         """Load the model and/or optimizer from DCP files, each rank reading only its shards."""
