@@ -68,8 +68,8 @@ __all__ = [
 logger = logging.getLogger("torchtitan_lite")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-# Settings a resumed run must keep (the data it reads and the model's vocabulary depend on them).
-_FIXED_ON_RESUME = ("model.name", "model.tokenizer_path", "model.vocab_size")
+# Settings a resumed run must keep (a vocabulary change is caught by the weights' shapes).
+_FIXED_ON_RESUME = ("model.name", "model.tokenizer_path")
 # Settings that name places and say nothing about training.
 _NOT_SHOWN = ("job.dump_folder", "job.config_file", "checkpoint.load_step")
 TRAIN_STATE_FILE = "train_state.json"
