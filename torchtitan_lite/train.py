@@ -35,8 +35,10 @@ def _setup_logging(rank: int) -> None:
 
 
 def _report(error: UserError, local_rank: int) -> int:
+    """One ``error:`` line per problem (a config with several has one line each)."""
     if local_rank == 0:
-        print(f"error: {error}", file=sys.stderr)
+        for line in str(error).splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
     return error.exit_code
 
 

@@ -62,17 +62,17 @@ def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any, str]]:
-    """Return ``(section, key, field type, raw value)`` overrides in order."""
+def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str, Any, str]]:
+    """Return ``(section, key, field type, raw value)`` overrides in order; each problem (an
+    unknown key, a flag misused, a missing value) goes to ``errors`` and parsing goes on."""
     overrides: list[tuple[str, str, Any, str]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; options look like --section.key value "
-                "(see --help)"
-            )
+            errors.append(f"unexpected argument {arg!r}; options look like --section.key value (see --help)")
+            i += 1
+            continue
         name, eq, inline = arg[2:].partition("=")
         section, _, key = name.partition(".")
         section = section.replace("-", "_")
@@ -83,31 +83,38 @@ def _parse_cli(argv: list[str]) -> list[tuple[str, str, Any, str]]:
                 negated = True
                 key = candidate
         key = key.replace("-", "_")
-        _, tp = _lookup(section, key, where="command line")
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        takes_next = not eq and nxt is not None and not nxt.startswith("--")
+        try:
+            _, tp = _lookup(section, key, where="command line")
+        except ConfigError as exc:
+            errors.append(str(exc))
+            i += 2 if takes_next else 1  # its value too, if it has one
+            continue
         is_bool = is_optional(tp)[1] is bool
         if negated:
             if not is_bool:
-                raise ConfigError(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
-            if eq:
-                raise ConfigError(f"--{section}.no-{key} takes no value")
-            overrides.append((section, key, tp, "false"))
+                errors.append(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
+            elif eq:
+                errors.append(f"--{section}.no-{key} takes no value")
+            else:
+                overrides.append((section, key, tp, "false"))
             i += 1
             continue
         if eq:
             overrides.append((section, key, tp, inline))
             i += 1
             continue
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if is_bool and (nxt is None or nxt.startswith("--")):
+        if is_bool and not takes_next:
             overrides.append((section, key, tp, "true"))
             i += 1
             continue
-        if nxt is None or nxt.startswith("--"):
-            raise ConfigError(
-                f"--{section}.{key} expects a value ({allowed_values(tp)}); "
-                f"write --{section}.{key}=VALUE for a value that starts with --"
-            )
-        overrides.append((section, key, tp, nxt))
+        if not takes_next:
+            errors.append(f"--{section}.{key} expects a value ({allowed_values(tp)}); "
+                          f"write --{section}.{key}=VALUE for a value that starts with --")
+            i += 1
+            continue
+        overrides.append((section, key, tp, nxt))  # type: ignore[arg-type]
         i += 2
     return overrides
 
@@ -142,45 +149,64 @@ def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
 def load_job_config(argv: list[str] | None = None) -> JobConfig:
     """Build a :class:`JobConfig` from defaults, a TOML file and ``argv`` overrides, checked by
     :func:`~torchtitan_lite.config.schema.validate_config` (the checks that need files, the
-    world size or the model family follow in :mod:`torchtitan_lite.job`)."""
+    world size or the model family follow in :mod:`torchtitan_lite.job`).
+
+    Every unknown section or key and every bad value of the file and the command line is
+    reported at once: one :class:`ConfigError` whose message has one line per problem. The
+    checks of combinations (:func:`validate_config`) run once those are all fixed."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = _parse_cli(argv)
+    errors: list[str] = []
+    overrides = _parse_cli(argv, errors)
     config = JobConfig()
 
-    values = [
-        (section, key, coerce(f"{section}.{key}", raw, tp, from_cli=True))
-        for section, key, tp, raw in overrides
-    ]
+    values = []
+    for section, key, tp, raw in overrides:
+        try:
+            values.append((section, key, coerce(f"{section}.{key}", raw, tp, from_cli=True)))
+        except ConfigError as exc:
+            errors.append(str(exc))
     config_file = next(
         (v for section, key, v in reversed(values) if (section, key) == ("job", "config_file")),
         None,
     )
     if config_file:
-        _apply_toml(config, Path(config_file))
+        _apply_toml(config, Path(config_file), errors)
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
     for section, key, value in values:
         setattr(getattr(config, section), key, value)
     validate_config(config)
     return config
 
 
-def _apply_toml(config: JobConfig, path: Path) -> None:
+def _apply_toml(config: JobConfig, path: Path, errors: list[str]) -> None:
     if not path.is_file():
-        raise ConfigError(f"job.config_file: file not found: {str(path)!r}")
+        errors.append(f"job.config_file: file not found: {str(path)!r}")
+        return
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"job.config_file: {str(path)!r} is not valid TOML: {exc}") from None
+        errors.append(f"job.config_file: {str(path)!r} is not valid TOML: {exc}")
+        return
     where = f"'{path}'"
     for section, values in data.items():
-        _lookup(section, None, where=where)
+        try:
+            _lookup(section, None, where=where)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         if not isinstance(values, dict):
-            raise ConfigError(f"{where}: '{section}' must be a [section] table, got {values!r}")
+            errors.append(f"{where}: '{section}' must be a [section] table, got {values!r}")
+            continue
         for key, value in values.items():
-            _, tp = _lookup(section, key, where=where)
-            if (section, key) == ("job", "config_file"):
-                raise ConfigError(
-                    f"job.config_file cannot be set inside a config file ({where}); "
-                    "pass it on the command line"
-                )
-            setattr(getattr(config, section), key, coerce(f"{section}.{key}", value, tp, from_cli=False))
+            try:
+                _, tp = _lookup(section, key, where=where)
+                if (section, key) == ("job", "config_file"):
+                    raise ConfigError(
+                        f"job.config_file cannot be set inside a config file ({where}); "
+                        "pass it on the command line"
+                    )
+                setattr(getattr(config, section), key, coerce(f"{section}.{key}", value, tp, from_cli=False))
+            except ConfigError as exc:
+                errors.append(str(exc))
     config.job.config_file = str(path)

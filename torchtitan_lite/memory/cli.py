@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             seconds += plan_auto.seconds
             estimates.append(plan_auto.estimate)
     except (UserError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines() or [""]:  # one line per problem
+            print(f"error: {line}", file=sys.stderr)
         return 2
     first = estimates[0]
     unit = ("GiB", GIB) if max(e.device_peak for e in estimates) >= GIB else ("MiB", 2**20)
