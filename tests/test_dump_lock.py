@@ -65,9 +65,9 @@ def test_lock_names_its_holder_and_is_released_when_the_holder_dies(tmp_path: Pa
 
 
 def _job(dump: Path) -> list[str]:
-    # Long enough (a few seconds) for the second job to try while the first one trains.
-    return [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", "200", "--checkpoint.enable",
-            "--checkpoint.interval", "50", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "10"]
+    # Long enough (a second or two) that the first job is caught training and paused.
+    return [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", "60", "--checkpoint.enable",
+            "--checkpoint.interval", "20", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "10"]
 
 
 @pytest.mark.slow
@@ -78,7 +78,6 @@ def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alon
         env.pop(key, None)
     from torchtitan_lite.distributed import free_port
 
-    run_distributed(os.getpid, 2)  # the second job's ranks are up before the first job starts
     first = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "-m", "torchtitan_lite.train", *_job(shared)],
@@ -89,8 +88,15 @@ def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alon
         while not metrics.is_file() or not metrics.read_text().strip():  # the first job is training
             assert first.poll() is None and time.monotonic() < deadline, "the first job never started training"
             time.sleep(0.05)
-        code, err = run_distributed(_main, 2, _job(shared))[0]
-        assert first.poll() is None, "the first job ended before the second one tried"
+        # Its rank 0 (the lock holder; rank 1 then waits in a collective) is frozen while the
+        # second job tries: the attempt cannot come too late however slow the machine is.
+        holder = json.loads((shared / LOCK_FILE).read_text())["pid"]
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            assert first.poll() is None, "the first job ended before it could be paused"
+            code, err = run_distributed(_main, 2, _job(shared))[0]
+        finally:
+            os.kill(holder, signal.SIGCONT)
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1, (code, err)
         assert lines[0].startswith(f"error: job.dump_folder: invalid value {str(shared)!r}; another job is using "
@@ -103,6 +109,6 @@ def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alon
     assert first.returncode == 0, err[-3000:]
     # The first job's checkpoints and metrics are those of the same job run alone.
     run_distributed(_main, 2, _job(solo))
-    assert committed_steps(shared / "checkpoint") == committed_steps(solo / "checkpoint") == [150, 200]
+    assert committed_steps(shared / "checkpoint") == committed_steps(solo / "checkpoint") == [40, 60]
     assert [r["loss"] for r in read_jsonl(shared / "metrics.jsonl")] == [r["loss"] for r in read_jsonl(solo / "metrics.jsonl")]
     assert len({r["run_id"] for r in read_jsonl(shared / "metrics.jsonl")}) == 1

@@ -365,6 +365,7 @@ def test_run_process_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     started = time.monotonic()
     code, _ = it.run_process(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], env=dict(os.environ),
                              timeout=1, log_prefix=tmp_path / "run1")
+    # Hang bound: killed at the 1 s timeout, long before the 60 s sleep would have ended.
     assert code is None and time.monotonic() - started < 30
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10

@@ -348,7 +348,6 @@ def test_metrics_jsonl_and_tensorboard(tiny_run: dict[str, Any]) -> None:
 
 
 def _fail_on_rank1(dump: str) -> dict:
-    import time
 
     from torchtitan_lite import train, trainer
 
@@ -360,19 +359,18 @@ def _fail_on_rank1(dump: str) -> dict:
         return original(self)
 
     trainer.Trainer.train_step = flaky
-    start = time.monotonic()
     try:
         code = train.main([*TINY_ARGS, "--training.steps", "6", "--job.dump_folder", dump])
         outcome = "finished" if code == 0 else f"exit code {code}"
     except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
         outcome = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "seconds": time.monotonic() - start}
+    return {"outcome": outcome}
 
 
 def test_failing_rank_does_not_hang_the_job(tmp_path):
     """A rank that fails mid-run leaves at once, and its peer's collective fails instead of
-    waiting for the process-group timeout (600 s)."""
+    waiting for the process-group timeout (600 s). The hang bound is run_distributed's timeout
+    (200 s, a third of the process-group timeout): a peer still waiting then fails the test."""
     r0, r1 = run_distributed(_fail_on_rank1, 2, str(tmp_path), timeout=200, fresh=True)
     assert "injected failure" in r1["outcome"]
     assert r0["outcome"] != "finished"
-    assert max(r0["seconds"], r1["seconds"]) < 120, (r0, r1)
