@@ -49,7 +49,7 @@ from torchtitan_lite.checkpoint.manager import TRAIN_STATE_FILE
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import UserError
-from torchtitan_lite.models import MODEL_SPECS
+from torchtitan_lite.models import MODEL_SPECS, family_of
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -289,10 +289,8 @@ def _is_hf_name(adapter: HFAdapter, name: str) -> bool:
 
 def _model_hint(config: Mapping[str, Any], spec: ModelSpec) -> str:
     """`` (pass --model qwen3)`` when the config's model_type is another registered family's."""
-    for other in MODEL_SPECS.values():
-        if other is not spec and other.hf is not None and config.get("model_type") == other.hf.model_type:
-            return f" (pass --model {other.name})"
-    return ""
+    family = family_of(dict(config))
+    return f" (pass --model {family})" if family not in (None, spec.name) else ""
 
 
 def _read_config(config_file: Path) -> dict[str, Any]:

@@ -41,9 +41,9 @@ def preflight(config: JobConfig) -> None:
     check_dataset(t.dataset, t.dataset_path, section="training")
     if v.enable:
         check_dataset(v.dataset, v.dataset_path, section="validation")
-    folder = Path(config.job.dump_folder) / ck.folder
+    folder = _own_folder(config)
     own = committed_steps(folder)
-    if ck.initial_load_path is not None and not (ck.enable and own):  # used only while the folder holds none
+    if _initial_load_used(config):
         check_initial_load_path(ck.initial_load_path, in_hf=ck.initial_load_in_hf)
     if ck.create_seed_checkpoint and own:
         raise ConfigError(f"checkpoint.create_seed_checkpoint: invalid value True; {str(folder)!r} already "
@@ -54,6 +54,20 @@ def preflight(config: JobConfig) -> None:
         _check_writable_folder("checkpoint.folder", str(folder))
     if config.metrics.enable_tensorboard:
         _check_writable_folder("metrics.save_tb_folder", str(Path(config.job.dump_folder) / config.metrics.save_tb_folder))
+
+
+def _own_folder(config: JobConfig) -> Path:
+    return Path(config.job.dump_folder) / config.checkpoint.folder
+
+
+def _resumable_steps(config: JobConfig) -> list[int]:
+    """The committed steps the job resumes from (none when checkpointing is off)."""
+    return committed_steps(_own_folder(config)) if config.checkpoint.enable else []
+
+
+def _initial_load_used(config: JobConfig) -> bool:
+    """``initial_load_path`` is loaded only while the job's own folder holds no checkpoint."""
+    return config.checkpoint.initial_load_path is not None and not _resumable_steps(config)
 
 
 def _check_writable_folder(key: str, folder: str) -> None:
@@ -130,11 +144,11 @@ def _checkpoint_shape(config: JobConfig, spec: ModelSpec) -> Any:
     """The shape for ``from_checkpoint``: of the step a resumed job loads (its own folder's
     ``load_step`` or latest), else of ``initial_load_path``."""
     ck = config.checkpoint
-    folder = Path(config.job.dump_folder) / ck.folder
-    own = committed_steps(folder) if ck.enable else []
+    own = _resumable_steps(config)
     if own:
         step = ck.load_step if ck.load_step != -1 else own[-1]
-        return checkpoint_model_args(folder / f"step-{step}", in_hf=False, spec=spec, key="checkpoint.load_step")
+        return checkpoint_model_args(_own_folder(config) / f"step-{step}", in_hf=False, spec=spec,
+                                     key="checkpoint.load_step")
     if ck.initial_load_path is None:
         raise ConfigError("model.flavor: invalid value 'from_checkpoint'; it takes the model's shape from "
                           "checkpoint.initial_load_path, which is unset")
@@ -148,9 +162,8 @@ def check_initial_load(config: JobConfig, plan: JobPlan) -> None:
     :class:`~torchtitan_lite.errors.CheckpointError` line before any process group. (Not part of
     :func:`plan_job`: the memory estimator plans jobs whose files need not be on this machine.)"""
     ck = config.checkpoint
-    if (ck.initial_load_in_hf and ck.initial_load_path is not None
-            and not (ck.enable and committed_steps(Path(config.job.dump_folder) / ck.folder))):
-        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)
+    if ck.initial_load_in_hf and _initial_load_used(config):
+        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)  # type: ignore[arg-type]
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

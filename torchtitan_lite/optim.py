@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from torchtitan_lite.config.schema import LRScheduler as LRSchedulerConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.errors import ConfigError
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor", "param_groups"]
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor", "load_lr_scheduler_position", "param_groups"]
 
 
 def param_groups(model: nn.Module, *, weight_decay: float, decay_norms_and_biases: bool) -> list[dict]:
@@ -126,3 +127,17 @@ def build_lr_scheduler(
             min_lr_factor=cfg.min_lr_factor,
         ),
     )
+
+
+def load_lr_scheduler_position(scheduler: LambdaLR, optimizer: torch.optim.Optimizer,
+                               state: dict[str, Any]) -> None:
+    """Resume ``scheduler`` (built from this run's config) at the position saved in ``state``:
+    the step count comes from the checkpoint, the peak lr and the schedule's shape from the
+    config, and the optimizer's lr is set to the configured schedule's value at that step."""
+    configured = list(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = configured
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(configured, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

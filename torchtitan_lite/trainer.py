@@ -339,10 +339,6 @@ class Trainer:
         (``training.on_nonfinite``). Raises :class:`TrainingError` to stop."""
         t = self.config.training
         what = f"step {self.step}: the loss ({values['loss']}) or gradient norm ({values['grad_norm']})"
-        folder = None if self.checkpointer is None else self.checkpointer.folder
-        kept = committed_steps(folder) if folder is not None and self.config.checkpoint.enable else []
-        intact = (f"the checkpoints in {str(folder)!r} (steps {kept}) are from finite steps" if kept
-                  else "no checkpoint was written")
         if t.on_nonfinite == "skip":
             if self.rank == 0:
                 logger.warning("%s is not finite: its update was skipped (training.on_nonfinite = 'skip')", what)
@@ -363,6 +359,10 @@ class Trainer:
             raise TrainingError(f"training diverged at {what} is not finite; the update was not applied; "
                                 "training.on_nonfinite = 'rollback' found no checkpoint of this run with its "
                                 "optimizer state to go back to (the first is written at checkpoint.interval)")
+        folder = None if self.checkpointer is None else self.checkpointer.folder
+        kept = committed_steps(folder) if folder is not None and self.config.checkpoint.enable else []
+        intact = (f"the checkpoints in {str(folder)!r} (steps {kept}) are from finite steps" if kept
+                  else "no checkpoint was written")
         if t.on_nonfinite == "rollback":
             raise TrainingError(f"training diverged at {what} is not finite after {self._rollbacks} rollbacks "
                                 f"(training.max_rollbacks = {t.max_rollbacks}); the update was not applied and "

@@ -141,8 +141,7 @@ def check_hf_config(path: str | Path, spec: ModelSpec, args: Any) -> None:
     if problem is not None:
         from torchtitan_lite.models import family_hint
 
-        hint = family_hint(config) if config.get("model_type") != _adapter(spec).model_type else ""
-        raise _error(path, problem + hint)
+        raise _error(path, problem + family_hint(config, spec))
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.optim import load_lr_scheduler_position
 
 __all__ = [
     "checkpoint_model_args",
@@ -128,8 +129,7 @@ def checkpoint_model_args(path: str | Path, *, in_hf: bool, spec: ModelSpec,
         except ValueError as exc:
             from torchtitan_lite.models import family_hint
 
-            hint = family_hint(hf_config) if hf_config.get("model_type") != spec.hf.model_type else ""
-            raise CheckpointError(f"HF checkpoint {str(path)!r}: {exc}{hint}") from None
+            raise CheckpointError(f"HF checkpoint {str(path)!r}: {exc}{family_hint(hf_config, spec)}") from None
     values = _read_train_state(folder).get("model_args")
     if not isinstance(values, dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: its {TRAIN_STATE_FILE} records no model_args "
@@ -486,14 +486,7 @@ class CheckpointManager:
         if "lr_scheduler" in parts and "lr_scheduler" in state:
             # The schedule's position comes from the checkpoint; its settings (peak lr, and the
             # warmup/decay/steps that shape it) from this run's config, from this step on.
-            configured = list(self.lr_scheduler.base_lrs)
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            self.lr_scheduler.base_lrs = configured
-            lrs = [base * fn(self.lr_scheduler.last_epoch)
-                   for base, fn in zip(configured, self.lr_scheduler.lr_lambdas, strict=True)]
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
-            self.lr_scheduler._last_lr = list(lrs)
+            load_lr_scheduler_position(self.lr_scheduler, self.optimizer, state["lr_scheduler"])
         if "dataloader" in parts and "dataloader" in state:
             self.loader.load_state_dict(state["dataloader"])
         if self.rank == 0:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["NameMap", "decoder_shapes", "merged_rope_parameters", "permute_for_hf", "row_permutation",
-           "unpermute_from_hf"]
+__all__ = ["DECODER_PER_LAYER", "DECODER_TOP_LEVEL", "NameMap", "decoder_shapes", "family_mismatch",
+           "ignored_hf_name", "merged_rope_parameters", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
 
 
 def merged_rope_parameters(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -74,37 +74,80 @@ def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
     return permuted.squeeze(1)
 
 
+DECODER_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+"""Our top-level parameter names → Hugging Face's, the same for every decoder family."""
+DECODER_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+"""Per-layer suffixes every decoder family has (a family adds its own: q/k norms, biases)."""
+_RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def ignored_hf_name(hf_name: str) -> bool:
+    """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)."""
+    return bool(_RECOMPUTED.search(hf_name))
+
+
+def family_mismatch(config: Mapping[str, Any], model_type: str, architecture: str) -> str | None:
+    """The ``config.json`` field that says the file is of another family than ``model_type`` /
+    ``architecture``, as a phrase, or None."""
+    found = config.get("model_type")
+    if found is not None and found != model_type:
+        return f"config.json has model_type={found!r} but this model is {model_type!r} ({architecture})"
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and architecture not in architectures:
+        return f"config.json has architectures={architectures!r} but this model is {architecture}"
+    return None
+
+
 class NameMap:
     """Our parameter names ↔ Hugging Face names: fixed top-level names and per-layer suffixes
     under ``layers.N.`` (ours) and ``model.layers.N.`` (theirs)."""
 
-    _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
-    _THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+    _OURS = (re.compile(r"^layers\.(\d+)\.(.+)$"), "model.layers.")
+    _THEIRS = (re.compile(r"^model\.layers\.(\d+)\.(.+)$"), "layers.")
 
     def __init__(self, family: str, top_level: Mapping[str, str], per_layer: Mapping[str, str]) -> None:
         self.family = family
-        self.top_level = dict(top_level)
-        self.per_layer = dict(per_layer)
-        self._top_from_hf = {hf: ours for ours, hf in self.top_level.items()}
-        self._layer_from_hf = {hf: ours for ours, hf in self.per_layer.items()}
+        self._to_hf = (dict(top_level), dict(per_layer))
+        self._from_hf = ({hf: ours for ours, hf in top_level.items()}, {hf: ours for ours, hf in per_layer.items()})
+
+    @staticmethod
+    def _translate(name: str, tables: tuple[dict[str, str], dict[str, str]],
+                   layer: tuple[re.Pattern[str], str]) -> str | None:
+        top, per_layer = tables
+        if name in top:
+            return top[name]
+        match = layer[0].match(name)
+        if match and match.group(2) in per_layer:
+            return f"{layer[1]}{match.group(1)}.{per_layer[match.group(2)]}"
+        return None
 
     def to_hf(self, name: str) -> str:
         """Our parameter name → the Hugging Face name (``ValueError`` for an unknown name)."""
-        if name in self.top_level:
-            return self.top_level[name]
-        match = self._OURS.match(name)
-        if match and match.group(2) in self.per_layer:
-            return f"model.layers.{match.group(1)}.{self.per_layer[match.group(2)]}"
-        raise ValueError(f"{name!r} is not a parameter name of the {self.family} model")
+        found = self._translate(name, self._to_hf, self._OURS)
+        if found is None:
+            raise ValueError(f"{name!r} is not a parameter name of the {self.family} model")
+        return found
 
     def from_hf(self, name: str) -> str:
         """Hugging Face name → our parameter name (``ValueError`` for an unknown name)."""
-        if name in self._top_from_hf:
-            return self._top_from_hf[name]
-        match = self._THEIRS.match(name)
-        if match and match.group(2) in self._layer_from_hf:
-            return f"layers.{match.group(1)}.{self._layer_from_hf[match.group(2)]}"
-        raise ValueError(f"{name!r} is not a Hugging Face {self.family} parameter name")
+        found = self._translate(name, self._from_hf, self._THEIRS)
+        if found is None:
+            raise ValueError(f"{name!r} is not a Hugging Face {self.family} parameter name")
+        return found
 
 
 def decoder_shapes(args: Any, per_layer: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

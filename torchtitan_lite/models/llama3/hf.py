@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from torchtitan_lite.models.decoder_hf import (
+    DECODER_PER_LAYER,
+    DECODER_TOP_LEVEL,
     NameMap,
     decoder_shapes,
+    family_mismatch,
+    ignored_hf_name,
     merged_rope_parameters,
     permute_for_hf,
     row_permutation,
@@ -49,25 +52,7 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-NAMES = NameMap("Llama", _TOP_LEVEL, _PER_LAYER)
-# Tensors some Hugging Face checkpoints carry that the model does not need (recomputed buffers).
-_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+NAMES = NameMap("Llama", DECODER_TOP_LEVEL, DECODER_PER_LAYER)
 
 
 def to_hf_name(name: str) -> str:
@@ -177,15 +162,7 @@ def _rope_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _family_mismatch(config: Mapping[str, Any]) -> str | None:
-    model_type = config.get("model_type")
-    if model_type is not None and model_type != LlamaHFAdapter.model_type:
-        return (f"{CONFIG_FILE} has model_type={model_type!r} but this model is "
-                f"{LlamaHFAdapter.model_type!r} ({', '.join(LlamaHFAdapter.architectures)})")
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures and not set(architectures) & set(LlamaHFAdapter.architectures):
-        return (f"{CONFIG_FILE} has architectures={architectures!r} but this model is "
-                f"{', '.join(LlamaHFAdapter.architectures)}")
-    return None
+    return family_mismatch(config, LlamaHFAdapter.model_type, LlamaHFAdapter.architectures[0])
 
 
 def config_mismatch(config: Mapping[str, Any], args: ModelArgs) -> str | None:
@@ -309,10 +286,7 @@ class LlamaHFAdapter:
     config_mismatch = staticmethod(config_mismatch)
     args_from_config = staticmethod(model_args_from_hf_config)
 
-    @staticmethod
-    def ignored(hf_name: str) -> bool:
-        """Tensors of Hugging Face files the model recomputes (``rotary_emb.inv_freq``)."""
-        return bool(_IGNORED_HF.search(hf_name))
+    ignored = staticmethod(ignored_hf_name)
 
     @staticmethod
     def row_permutation(name: str, args: ModelArgs, *, to_hf: bool) -> torch.Tensor | None:

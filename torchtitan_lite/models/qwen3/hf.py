@@ -11,38 +11,29 @@ unscaled RoPE, SiLU and no sliding window; anything else is one line.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from torchtitan_lite.models.decoder_hf import NameMap, decoder_shapes, merged_rope_parameters, row_permutation
+from torchtitan_lite.models.decoder_hf import (
+    DECODER_PER_LAYER,
+    DECODER_TOP_LEVEL,
+    NameMap,
+    decoder_shapes,
+    family_mismatch,
+    ignored_hf_name,
+    merged_rope_parameters,
+    row_permutation,
+)
 from torchtitan_lite.models.qwen3.model import Qwen3Args
 
 __all__ = ["ADAPTER", "QwenHFAdapter"]
 
 CONFIG_FILE = "config.json"
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_PER_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
 _QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
 _QKV_BIASES = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
-_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 class QwenHFAdapter:
@@ -59,8 +50,9 @@ class QwenHFAdapter:
         self.args_cls = args_cls
         self.qk_norm: bool = args_cls.qk_norm
         self.qkv_bias: bool = args_cls.qkv_bias
-        per_layer = {**_PER_LAYER, **(_QK_NORMS if self.qk_norm else {}), **(_QKV_BIASES if self.qkv_bias else {})}
-        self.names = NameMap(architecture.removesuffix("ForCausalLM"), _TOP_LEVEL, per_layer)
+        per_layer = {**DECODER_PER_LAYER, **(_QK_NORMS if self.qk_norm else {}),
+                     **(_QKV_BIASES if self.qkv_bias else {})}
+        self.names = NameMap(architecture.removesuffix("ForCausalLM"), DECODER_TOP_LEVEL, per_layer)
 
     def to_hf_name(self, name: str) -> str:
         return self.names.to_hf(name)
@@ -68,9 +60,7 @@ class QwenHFAdapter:
     def from_hf_name(self, hf_name: str) -> str:
         return self.names.from_hf(hf_name)
 
-    def ignored(self, hf_name: str) -> bool:
-        """Tensors of Hugging Face files the model recomputes (``rotary_emb.inv_freq``)."""
-        return bool(_IGNORED_HF.search(hf_name))
+    ignored = staticmethod(ignored_hf_name)
 
     def expected_shapes(self, args: Any) -> dict[str, tuple[int, ...]]:
         """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order."""
@@ -114,13 +104,9 @@ class QwenHFAdapter:
         return parameters.get("rope_theta")
 
     def _unsupported(self, config: Mapping[str, Any]) -> str | None:
-        architecture = self.architectures[0]
-        model_type = config.get("model_type")
-        if model_type is not None and model_type != self.model_type:
-            return f"{CONFIG_FILE} has model_type={model_type!r} but this model is {self.model_type!r} ({architecture})"
-        architectures = config.get("architectures")
-        if isinstance(architectures, list) and architectures and architecture not in architectures:
-            return f"{CONFIG_FILE} has architectures={architectures!r} but this model is {architecture}"
+        problem = family_mismatch(config, self.model_type, self.architectures[0])
+        if problem is not None:
+            return problem
         if config.get("hidden_act", "silu") != "silu":
             return f"{CONFIG_FILE} has hidden_act={config['hidden_act']!r} but this model uses 'silu'"
         if self.qk_norm and config.get("attention_bias"):
