@@ -249,13 +249,15 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor, family: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen2"])
-def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path, family: str) -> None:
-    if family == "llama3":  # a shape no flavor has, Llama 3.1 RoPE scaling, tied
-        folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
+@pytest.mark.parametrize(("family", "tied"), [("llama3", True), ("llama3", False), ("qwen3", True),
+                                              ("qwen3", False), ("qwen2", True)],
+                         ids=["llama3-tied", "llama3-untied", "qwen3-tied", "qwen3-untied", "qwen2-tied"])
+def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path, family: str, tied: bool) -> None:
+    if family == "llama3":  # a shape no flavor has, with Llama 3.1 RoPE scaling
+        folder = hf_llama(tmp_path / "hf", tie_word_embeddings=tied, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
         dim = 96
     else:
-        folder = (hf_qwen3 if family == "qwen3" else hf_qwen2)(tmp_path / "hf", tie_word_embeddings=True)
+        folder = (hf_qwen3 if family == "qwen3" else hf_qwen2)(tmp_path / "hf", tie_word_embeddings=tied)
         dim = 64
     spec = get_model_spec(family)
     tokens = tokens_for(300, 32)
@@ -272,21 +274,21 @@ def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Pa
         assert (r0["args"]["dim"], r0["args"]["head_dim"], r0["args"]["vocab_size"]) == (64, 32, 300)
     else:
         assert (r0["args"]["dim"], r0["args"]["vocab_size"]) == (64, 300)
-    assert r0["args"]["tie_word_embeddings"]
+    assert r0["args"]["tie_word_embeddings"] == tied
     for rank in ranks:
         torch.testing.assert_close(rank["imported"], reference, rtol=0, atol=1e-5)
-        # One parameter: output.weight is the embedding's, listed once, sharded once.
-        assert rank["tied"] and "output.weight" not in rank["param_names"]
-        assert rank["tied_local_bytes"] == [150 * dim * 4]  # 300 rows over 2 ranks, fp32
+        # Tied: one parameter, output.weight is the embedding's, listed once, sharded once.
+        assert rank["tied"] == tied and ("output.weight" not in rank["param_names"]) == tied
+        assert rank["tied_local_bytes"] == [150 * dim * 4]  # the embedding: 300 rows over 2 ranks, fp32
     args = r0["args"]
     total = spec.args_from_dict(args).num_params() * 4
-    assert sum(rank["local_bytes"] for rank in ranks) == total  # the tied weight counted once
+    assert sum(rank["local_bytes"] for rank in ranks) == total  # a tied weight counted once
     losses = [r["loss"] for r in read_jsonl(dump / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert not torch.allclose(r0["trained"], r0["imported"])
     export = dump / "checkpoint" / "step-3"
     config = json.loads((export / "config.json").read_text())
-    assert config["tie_word_embeddings"] is True
+    assert config["tie_word_embeddings"] is tied
     assert config["rope_parameters"]["rope_type"] == ("llama3" if family == "llama3" else "default")
     torch.testing.assert_close(hf_logits(export, tokens), r0["trained"], rtol=0, atol=1e-5)
 
