@@ -7,10 +7,15 @@ Datasets (``[training] dataset`` / ``dataset_path``, and the same keys under ``[
 - ``python_stdlib_validation``: a held-out part of the same library (a few of its packages, never
   part of ``python_stdlib``), the default validation set;
 - ``text``: a ``.txt`` file (one document), a ``.jsonl`` file (one document per line, in its
-  ``text`` field), or a folder searched recursively for both;
+  ``text`` field; ``.jsonl.gz``/``.json.gz`` gzip-compressed, as c4's shards), or a folder searched
+  recursively for them; read and tokenized whole at start-up;
 - ``tokens``: pre-tokenized token ids as ``numpy`` memmaps, a ``.npy`` file (``uint16``/``uint32``)
   or a raw ``.bin`` file (``[training] dataset_token_dtype``), or a folder of them. They are read
-  lazily, never loaded whole, and are expected to hold their own BOS/EOS separators.
+  lazily, never loaded whole, and are expected to hold their own BOS/EOS separators;
+- ``parquet`` / ``arrow``: Parquet files, or a Hugging Face ``datasets`` folder (``save_to_disk``)
+  or ``.arrow`` files, with a text column (``[training] dataset_text_column``): streamed, read and
+  tokenized as windows are needed (:mod:`torchtitan_lite.arrow_data`, whose
+  :class:`~torchtitan_lite.arrow_data.StreamingLoader` replaces the global-batch loader for them).
 
 Text is tokenized with BOS/EOS around every document and the documents are packed back to back
 into one token stream, cut into non-overlapping windows of ``seq_len + 1`` tokens.
@@ -23,12 +28,17 @@ step, and the loader state (plain integers) resumes on any world size.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
+import gzip
 import json
 import logging
 import math
 import os
+import re
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +47,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from torchtitan_lite.arrow_data import (
+    STREAMED_DATASETS,
+    ArrowCorpus,
+    check_streamed_dataset,
+    unreadable_error,
+)
 from torchtitan_lite.errors import ConfigError, DataError
 
 logger = logging.getLogger("torchtitan_lite")
@@ -49,13 +65,17 @@ __all__ = [
     "IGNORE_INDEX",
     "TokenStream",
     "TokenWindows",
+    "TOKENIZER_FILES",
+    "TiktokenTokenizer",
     "Tokenizer",
     "build_token_stream",
     "build_tokenizer",
     "check_dataset",
+    "hf_tokenizer_json",
     "num_batches",
     "padded_batch",
     "read_documents",
+    "read_tiktoken_ranks",
     "tokenizer_file",
     "token_dtype_for",
 ]
@@ -124,6 +144,8 @@ class HFTokenizer:
         except ImportError as exc:  # pragma: no cover - tokenizers is a dependency
             raise DataError(f"{key}: reading tokenizer.json files needs the 'tokenizers' package") from exc
         file = tokenizer_file(path, key=key)
+        if not _is_hf_json(file):
+            raise DataError(f"{key}: {str(file)!r} is not a tokenizer.json file")
         try:
             self._tok = _HFTokenizer.from_file(str(file))
         except Exception as exc:  # the library raises its own exception types
@@ -169,15 +191,36 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
+"""What a tokenizer folder is searched for, in this order: a Hugging Face ``tokenizer.json``
+(an ``hf_assets_path`` folder, a Hugging Face model folder), Meta's tiktoken ``tokenizer.model``
+(Llama 3's original download), or the same under ``original/`` (a Hugging Face Llama 3 folder
+without tokenizer.json)."""
+
+
 def tokenizer_file(path: str | Path, *, key: str = "model.tokenizer_path") -> Path:
-    """The ``tokenizer.json`` that ``path`` names: the file itself, or the one in a folder."""
+    """The tokenizer file ``path`` names: the file itself (a ``tokenizer.json`` or a tiktoken
+    ``tokenizer.model``), or the first of :data:`TOKENIZER_FILES` in a folder. The one place that
+    decides which file a tokenizer path means; raises :class:`DataError` when there is none."""
     path = Path(path).expanduser()
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
+    if path.is_dir():
+        file = next((path / name for name in TOKENIZER_FILES if (path / name).is_file()), None)
+        if file is None:
+            raise DataError(
+                f"{key}: invalid value {str(path)!r}; the folder holds none of "
+                f"{', '.join(TOKENIZER_FILES)}"
+            )
+        return file
+    if not path.is_file():
         raise DataError(
-            f"{key}: invalid value {str(path)!r}; expected a tokenizer.json file or a folder holding one"
+            f"{key}: invalid value {str(path)!r}; expected a tokenizer.json or tiktoken tokenizer.model "
+            "file, or a folder holding one"
         )
-    return file
+    return path
+
+
+def _is_hf_json(file: Path) -> bool:
+    return file.suffix == ".json"
 
 
 def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
@@ -200,9 +243,158 @@ def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
     return out
 
 
-def build_tokenizer(tokenizer_path: str | None) -> Tokenizer:
-    """The byte tokenizer when no path is given, else the ``tokenizer.json`` at the path."""
-    return ByteTokenizer() if tokenizer_path is None else HFTokenizer(tokenizer_path)
+# Meta's Llama 3 tokenizer (llama/tokenizer.py of meta-llama/llama3): the pre-tokenizer pattern
+# and the 256 special tokens that follow the base ranks.
+LLAMA3_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_RESERVED_SPECIAL_TOKENS = 256
+LLAMA3_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>",
+    "<|reserved_special_token_3|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",  # end of turn
+    *(f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_RESERVED_SPECIAL_TOKENS - 5)),
+)
+# Meta's encode() cuts a text into pieces of at most this many characters, and those into pieces
+# with at most _TIKTOKEN_MAX_RUN consecutive whitespace or non-whitespace characters (tiktoken
+# issue 195), and encodes each piece on its own; so do we, for the same ids.
+_TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+_TIKTOKEN_MAX_RUN = 25_000
+_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN + 1}}}|\S{{{_TIKTOKEN_MAX_RUN + 1}}}")
+
+
+def _split_runs(text: str, max_run: int) -> Iterator[str]:
+    """Meta's ``_split_whitespaces_or_nonwhitespaces``: pieces of ``text`` with no more than
+    ``max_run`` consecutive whitespace or non-whitespace characters."""
+    run = 0
+    in_space = text[0].isspace() if text else False
+    start = 0
+    for i, char in enumerate(text):
+        space = char.isspace()
+        if in_space ^ space:
+            run, in_space = 1, space
+        else:
+            run += 1
+            if run > max_run:
+                yield text[start:i]
+                start, run = i, 1
+    yield text[start:]
+
+
+def read_tiktoken_ranks(file: Path, *, key: str = "model.tokenizer_path") -> dict[bytes, int]:
+    """The mergeable ranks of a tiktoken BPE file (one ``<base64 token> <rank>`` line each), read
+    directly (``tiktoken.load.load_tiktoken_bpe`` caches files by path name in a temporary
+    folder, so a changed file at the same path would not be seen)."""
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise _unreadable(key, file, exc) from None
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise DataError(
+                f"{key}: {str(file)!r} line {lineno} is not '<base64 token> <rank>': not a tiktoken "
+                "tokenizer.model (a SentencePiece tokenizer.model, as Llama 2 has, is not supported; "
+                "use its tokenizer.json)"
+            ) from None
+    if not ranks:
+        raise DataError(f"{key}: {str(file)!r} is empty; expected a tiktoken tokenizer.model")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(f"{key}: {str(file)!r} has ranks that are not 0..{len(ranks) - 1}, each once")
+    return ranks
+
+
+class TiktokenTokenizer:
+    """Meta's original Llama 3 ``tokenizer.model`` (tiktoken BPE ranks), read with the
+    ``tiktoken`` library exactly as Meta's ``llama/tokenizer.py`` builds it: Llama 3's
+    pattern, 256 special tokens from id ``len(ranks)`` on, BOS ``<|begin_of_text|>``, EOS
+    ``<|end_of_text|>``. Text that spells a special token is encoded as plain text (Meta's
+    default, ``disallowed_special=()``), and long texts are cut as Meta's ``encode`` cuts them,
+    so the ids are Meta's."""
+
+    def __init__(self, path: str | Path, *, key: str = "model.tokenizer_path") -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            raise DataError(
+                f"{key}: reading a tiktoken tokenizer.model needs the 'tiktoken' package: "
+                "pip install tiktoken (or pip install 'torchtitan_lite[tiktoken]')"
+            ) from None
+        file = tokenizer_file(path, key=key)
+        ranks = read_tiktoken_ranks(file, key=key)
+        self.path = file
+        self.num_base_tokens = len(ranks)
+        self.special_tokens = {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        try:
+            self._enc = tiktoken.Encoding(name=file.name, pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
+                                          special_tokens=self.special_tokens)
+        except Exception as exc:  # the library raises its own exception types
+            raise DataError(f"{key}: {str(file)!r} is not a usable tiktoken BPE file ({exc})") from None
+        self.vocab_size = len(ranks) + len(LLAMA3_SPECIAL_TOKENS)
+        self.bos_id: int | None = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id: int | None = self.special_tokens["<|end_of_text|>"]
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        """Ids of ``text`` (special-token spellings as plain text), with BOS/EOS when asked."""
+        (body,) = self._encode_texts([text])
+        return ([self.bos_id] if bos else []) + body + ([self.eos_id] if eos else [])  # type: ignore[list-item]
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        simple = [len(t) <= _TIKTOKEN_MAX_ENCODE_CHARS and not _LONG_RUN.search(t) for t in texts]
+        batch = self._enc.encode_ordinary_batch([t for t, ok in zip(texts, simple, strict=True) if ok])
+        out: list[list[int]] = []
+        done = iter(batch)
+        for text, ok in zip(texts, simple, strict=True):
+            if ok:
+                out.append(next(done))
+                continue
+            ids: list[int] = []
+            for i in range(0, len(text), _TIKTOKEN_MAX_ENCODE_CHARS):
+                for piece in _split_runs(text[i : i + _TIKTOKEN_MAX_ENCODE_CHARS], _TIKTOKEN_MAX_RUN):
+                    ids.extend(self._enc.encode_ordinary(piece))
+            out.append(ids)
+        return out
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        out = []
+        for body in self._encode_texts(texts):
+            ids = np.empty(len(body) + 2, dtype=np.uint32)
+            ids[0], ids[1:-1], ids[-1] = self.bos_id, body, self.eos_id
+            out.append(ids)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode([i for i in ids if i < self.num_base_tokens])
+
+
+def build_tokenizer(tokenizer_path: str | Path | None) -> Tokenizer:
+    """The job's tokenizer: the byte tokenizer when no path is given, else the file
+    :func:`tokenizer_file` finds at the path (a file, an ``hf_assets_path`` folder, a Hugging
+    Face or Meta Llama 3 download): a ``tokenizer.json`` read with ``tokenizers``, a tiktoken
+    ``tokenizer.model`` with ``tiktoken``."""
+    if tokenizer_path is None:
+        return ByteTokenizer()
+    file = tokenizer_file(tokenizer_path)
+    return HFTokenizer(file) if _is_hf_json(file) else TiktokenTokenizer(file)
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> Path | None:
+    """The ``tokenizer.json`` a Hugging Face export copies (None: the tokenizer has no such file,
+    e.g. the byte tokenizer or a tiktoken ``tokenizer.model``)."""
+    return tokenizer.path.resolve() if isinstance(tokenizer, HFTokenizer) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,8 +410,20 @@ DATASETS: dict[str, str] = {
     "python_stdlib_validation": "held-out standard-library packages (no path)",
     "text": ".txt / .jsonl files or a folder of them (dataset_path)",
     "tokens": "pre-tokenized .bin / .npy token files or a folder of them (dataset_path)",
+    **STREAMED_DATASETS,
 }
-_SUFFIXES = {"text": (".txt", ".jsonl"), "tokens": (".bin", ".npy")}
+# TorchTitan's dataset names that download from the Hugging Face Hub: one line on how to point at
+# local files instead (nothing here downloads).
+TORCHTITAN_HUB_DATASETS: dict[str, str] = {
+    "c4": "allenai/c4 (en)", "c4_test": "a slice of allenai/c4 kept in TorchTitan's tests/assets",
+    "c4_validation": "allenai/c4 (en, validation)", "c4_mini": "a slice of allenai/c4",
+    "fineweb": "HuggingFaceFW/fineweb", "fineweb_edu": "HuggingFaceFW/fineweb-edu",
+}
+_SUFFIXES = {"text": (".txt", ".jsonl", ".jsonl.gz", ".json.gz"), "tokens": (".bin", ".npy")}
+
+
+def _has_suffix(file: Path, suffixes: tuple[str, ...]) -> bool:
+    return file.name.endswith(suffixes)
 _TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
@@ -238,16 +442,28 @@ def _stdlib_files(dataset: str) -> list[Path]:
 
 
 def check_dataset(
-    dataset: str, dataset_path: str | None, *, section: str = "training", key: str | None = None
+    dataset: str, dataset_path: str | None, *, section: str = "training", key: str | None = None,
+    text_column: str = "text",
 ) -> list[Path]:
-    """The files a dataset reads; cheap checks only (names, existence, suffixes).
+    """The files a dataset reads; cheap checks only (names, existence, suffixes; for Parquet and
+    Arrow files the schema has ``text_column``).
 
     Raises :class:`DataError` naming ``<section>.dataset`` / ``<section>.dataset_path`` (or
     ``key`` for the path, for callers with their own option names).
     """
+    if dataset in TORCHTITAN_HUB_DATASETS:
+        raise ConfigError(
+            f"{section}.dataset: {dataset!r} is TorchTitan's name for {TORCHTITAN_HUB_DATASETS[dataset]} "
+            f"downloaded from the Hugging Face Hub, and nothing here downloads; point at local files "
+            f"instead: {section}.dataset = 'parquet' with {section}.dataset_path = a folder of its .parquet "
+            f"files, 'arrow' with a datasets save_to_disk folder, or 'text' with .jsonl / .json.gz files "
+            "(c4's shards; read whole at start-up)"
+        )
     if dataset not in DATASETS:
         allowed = ", ".join(map(repr, DATASETS))
         raise ConfigError(f"{section}.dataset: invalid value {dataset!r}; expected one of {allowed}")
+    if dataset in STREAMED_DATASETS:
+        return check_streamed_dataset(dataset, dataset_path, text_column=text_column, section=section, key=key)
     if dataset in ("python_stdlib", "python_stdlib_validation"):
         if dataset_path is not None:
             raise ConfigError(
@@ -267,14 +483,14 @@ def check_dataset(
         found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
         if errors:
             raise _unreadable(key, Path(errors[0].filename or path), errors[0])
-        files = sorted(f for f in found if f.is_file() and f.suffix in suffixes)
+        files = sorted(f for f in found if f.is_file() and _has_suffix(f, suffixes))
         if not files:
             raise DataError(
                 f"{key}: folder {dataset_path!r} holds no {' or '.join(suffixes)} files "
                 f"(needed by {section}.dataset={dataset!r})"
             )
         return files
-    if path.suffix not in suffixes:
+    if not _has_suffix(path, suffixes):
         raise DataError(
             f"{key}: {dataset_path!r} is not a {' or '.join(suffixes)} file "
             f"(needed by {section}.dataset={dataset!r})"
@@ -288,9 +504,7 @@ the data is refused as not text; below it, each invalid byte becomes U+FFFD and 
 logged."""
 
 
-def _unreadable(key: str, path: Path, exc: OSError) -> DataError:
-    reason = f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
-    return DataError(f"{key}: {str(path)!r} cannot be read: {reason}")
+_unreadable = unreadable_error
 
 
 @dataclass
@@ -336,7 +550,12 @@ def read_documents(files: list[Path], key: str = "training.dataset_path") -> Ite
             raw = file.read_bytes()
         except OSError as exc:
             raise _unreadable(key, file, exc) from None
-        if file.suffix == ".jsonl":
+        if file.name.endswith(".gz"):  # JSON lines, gzip-compressed (c4's .json.gz shards)
+            try:
+                raw = gzip.decompress(raw)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise DataError(f"{key}: {str(file)!r} is not a readable gzip file ({exc})") from None
+        if file.name.endswith((".jsonl", ".gz")):
             for lineno, line in enumerate(raw.split(b"\n"), start=1):
                 if not line.strip():
                     continue
@@ -447,15 +666,22 @@ def build_token_stream(
     *,
     section: str = "training",
     token_dtype: str = "uint16",
+    text_column: str = "text",
+    max_tokens: int | None = None,
 ) -> TokenStream:
     """Every document of a dataset tokenized and packed (text), or the token files mapped (tokens).
 
-    Raises :class:`DataError` for a missing path, an empty dataset, unreadable files, or token
-    ids the tokenizer's vocabulary does not have.
+    For the streamed datasets (``parquet``, ``arrow``) the rows are read in order and tokenized
+    only until ``max_tokens`` tokens are packed (None: all of them): validation reads the first
+    windows it needs, not the whole set. Raises :class:`DataError` for a missing path, an empty
+    dataset, unreadable files, or token ids the tokenizer's vocabulary does not have.
     """
-    files = check_dataset(dataset, dataset_path, section=section)
     key = f"{section}.dataset_path" if dataset_path is not None else f"{section}.dataset"
     where = repr(dataset_path) if dataset_path is not None else repr(dataset)
+    if dataset in STREAMED_DATASETS:
+        corpus = ArrowCorpus(dataset, dataset_path, text_column=text_column, section=section)  # type: ignore[arg-type]
+        return TokenStream([_pack_rows(corpus.texts(0, corpus.num_rows), tokenizer, max_tokens, key, where)])
+    files = check_dataset(dataset, dataset_path, section=section)
     if dataset == "tokens":
         stream = TokenStream([_token_file(f, token_dtype, key, tokenizer.vocab_size) for f in files])
         if len(stream) == 0:
@@ -480,6 +706,33 @@ def build_token_stream(
     if not parts:
         raise DataError(f"{key}: {where} is empty (no text in {len(files)} file(s))")
     return TokenStream([np.concatenate(parts).astype(token_dtype_for(tokenizer.vocab_size))])
+
+
+def _pack_rows(texts: Iterator[str | None], tokenizer: Tokenizer, max_tokens: int | None,
+               key: str, where: str) -> np.ndarray:
+    """Texts tokenized 256 at a time and packed, until ``max_tokens`` (None: all)."""
+    parts: list[np.ndarray] = []
+    total = 0
+    batch: list[str] = []
+    for text in _with_end(texts):
+        if text:
+            batch.append(text)
+        if batch and (len(batch) == 256 or text is None):
+            parts.extend(tokenizer.encode_batch(batch))
+            total += sum(len(p) for p in parts[-len(batch):])
+            batch = []
+            if max_tokens is not None and total >= max_tokens:
+                break
+    if not parts:
+        raise DataError(f"{key}: {where} is empty (no text)")
+    tokens = np.concatenate(parts).astype(token_dtype_for(tokenizer.vocab_size))
+    return tokens if max_tokens is None else tokens[:max_tokens]
+
+
+def _with_end(texts: Iterator[str | None]) -> Iterator[str | None]:
+    """The texts with nulls as empty strings, then None (the end)."""
+    yield from ("" if t is None else t for t in texts)
+    yield None
 
 
 # --------------------------------------------------------------------------------------------

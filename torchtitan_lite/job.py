@@ -38,9 +38,9 @@ def preflight(config: JobConfig) -> None:
     if config.model.tokenizer_path is not None:
         tokenizer_file(config.model.tokenizer_path)
     t, v, ck = config.training, config.validation, config.checkpoint
-    check_dataset(t.dataset, t.dataset_path, section="training")
+    check_dataset(t.dataset, t.dataset_path, section="training", text_column=t.dataset_text_column)
     if v.enable:
-        check_dataset(v.dataset, v.dataset_path, section="validation")
+        check_dataset(v.dataset, v.dataset_path, section="validation", text_column=t.dataset_text_column)
     folder = _own_folder(config)
     own = committed_steps(folder)
     if _initial_load_used(config):

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.arrow_data import STREAMED_DATASETS, ArrowCorpus, StreamingLoader
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream, tokenizer_file
+from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream, hf_tokenizer_json
 from torchtitan_lite.distributed import (
     build_mesh,
     choose_device,
@@ -89,7 +90,10 @@ class Trainer:
         # tokenizer that does not fit fails here, on every rank alike, in seconds.
         self.tokenizer = plan.tokenizer
         self.model_args = plan.model_args
-        train_windows = TokenWindows(
+        # Parquet/Arrow datasets are streamed: only their files' metadata is read here.
+        train_corpus = (ArrowCorpus(t.dataset, t.dataset_path, text_column=t.dataset_text_column)  # type: ignore[arg-type]
+                        if t.dataset in STREAMED_DATASETS else None)
+        train_windows = None if train_corpus is not None else TokenWindows(
             build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
                                token_dtype=t.dataset_token_dtype),
             t.seq_len,
@@ -99,7 +103,9 @@ class Trainer:
         if v.enable:
             val_windows = TokenWindows(
                 build_token_stream(v.dataset, v.dataset_path, self.tokenizer, section="validation",
-                                   token_dtype=t.dataset_token_dtype),
+                                   token_dtype=t.dataset_token_dtype, text_column=t.dataset_text_column,
+                                   max_tokens=(None if v.steps == -1 else
+                                               v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1))),
                 plan.val_seq_len,
                 seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
                 source=f"validation dataset {v.dataset_path or v.dataset!r}",
@@ -151,14 +157,22 @@ class Trainer:
         # Every rank maps the same token stream; each takes its slice of every global batch.
         # The mesh is all data-parallel, so the data-parallel rank is the global rank.
         self.global_batch_size = plan.global_batch_size
-        self.loader = GlobalBatchLoader(
-            train_windows,
-            global_batch_size=self.global_batch_size,
-            local_batch_size=t.local_batch_size,
-            dp_rank=self.rank,
-            dp_size=self.dims.dp_size,
-            seed=config.debug.seed,
-        )
+        self.loader: GlobalBatchLoader | StreamingLoader
+        if train_corpus is not None:
+            self.loader = StreamingLoader(
+                train_corpus, self.tokenizer, seq_len=t.seq_len, global_batch_size=self.global_batch_size,
+                local_batch_size=t.local_batch_size, dp_rank=self.rank, dp_size=self.dims.dp_size,
+            )
+        else:
+            assert train_windows is not None
+            self.loader = GlobalBatchLoader(
+                train_windows,
+                global_batch_size=self.global_batch_size,
+                local_batch_size=t.local_batch_size,
+                dp_rank=self.rank,
+                dp_size=self.dims.dp_size,
+                seed=config.debug.seed,
+            )
         self.validator = None
         if val_windows is not None:
             self.validator = Validator(
@@ -222,8 +236,7 @@ class Trainer:
                             for key, value in values.items()},
                 hf_extras=HFExportExtras(
                     bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
-                    tokenizer_file=(None if config.model.tokenizer_path is None
-                                    else tokenizer_file(config.model.tokenizer_path).resolve())),
+                    tokenizer_file=hf_tokenizer_json(plan.tokenizer)),
             )
             # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
             state = None if ck.create_seed_checkpoint else self.checkpointer.load()
@@ -253,9 +266,11 @@ class Trainer:
                 plan.grad_accum_steps, t.seq_len,
             )
             logger.info(
-                "data: %s, %d tokens, %d windows of %d (%.2f epochs in %d steps)%s",
-                t.dataset_path or t.dataset, len(train_windows.tokens), len(train_windows),
-                t.seq_len + 1, t.steps * self.global_batch_size / len(train_windows), t.steps,
+                "data: %s%s",
+                self.loader.describe() if isinstance(self.loader, StreamingLoader) else
+                f"{t.dataset_path or t.dataset}, {len(self.loader.windows.tokens)} tokens, {len(self.loader.windows)} "
+                f"windows of {t.seq_len + 1} ({t.steps * self.global_batch_size / len(self.loader.windows):.2f} "
+                f"epochs in {t.steps} steps)",
                 "" if self.validator is None else
                 f"; validation: {v.dataset_path or v.dataset}, {self.validator.num_windows} of "
                 f"{len(val_windows)} windows every {v.freq} steps",
@@ -441,6 +456,8 @@ class Trainer:
             if not self._weights_finite():
                 raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
                                     "no checkpoint was written from them; lower optimizer.lr")
+            if isinstance(self.loader, StreamingLoader):
+                self.loader.gather_state()  # every rank's data position into the saved state
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
         gc_handler.run(self.step)
         return {"step": self.step, **values}

@@ -108,9 +108,11 @@ class Training:
     steps: int = 10000
     """Number of optimizer steps."""
     dataset: str = "python_stdlib"
-    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl files) or tokens (pre-tokenized .bin/.npy files)."""
+    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's c4/fineweb names need a download and are refused with a hint."""
     dataset_path: str | None = None
-    """File or folder read by the text and tokens datasets (folders are searched recursively)."""
+    """File or folder read by the text, tokens, parquet and arrow datasets (folders are searched recursively)."""
+    dataset_text_column: str = "text"
+    """Column holding the documents in parquet and arrow datasets (training and validation)."""
     dataset_token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Dtype of raw .bin token files (.npy files carry their own)."""
     gc_freq: int = 50
@@ -172,9 +174,9 @@ class Validation:
     enable: bool = False
     """Compute a validation loss (no gradients, over all ranks) every validation.freq steps and at the last step."""
     dataset: str = "python_stdlib_validation"
-    """Validation dataset; same names as training.dataset. The default is held out from python_stdlib."""
+    """Validation dataset; same names as training.dataset (parquet/arrow: only the rows needed for validation.steps are read). The default is held out from python_stdlib."""
     dataset_path: str | None = None
-    """File or folder read by the text and tokens datasets."""
+    """File or folder read by the text, tokens, parquet and arrow datasets."""
     freq: int = 100
     """Run validation every this many training steps."""
     steps: int = 20
