@@ -245,12 +245,12 @@ def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
 
 # Meta's Llama 3 tokenizer (llama/tokenizer.py of meta-llama/llama3): the pre-tokenizer pattern
 # and the 256 special tokens that follow the base ranks.
-LLAMA3_PAT_STR = (
+TIKTOKEN_PAT_STR = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-LLAMA3_NUM_RESERVED_SPECIAL_TOKENS = 256
-LLAMA3_SPECIAL_TOKENS: tuple[str, ...] = (
+TIKTOKEN_NUM_RESERVED_SPECIAL_TOKENS = 256
+TIKTOKEN_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
@@ -261,7 +261,7 @@ LLAMA3_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|end_header_id|>",
     "<|reserved_special_token_4|>",
     "<|eot_id|>",  # end of turn
-    *(f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_RESERVED_SPECIAL_TOKENS - 5)),
+    *(f"<|reserved_special_token_{i}|>" for i in range(5, TIKTOKEN_NUM_RESERVED_SPECIAL_TOKENS - 5)),
 )
 # Meta's encode() cuts a text into pieces of at most this many characters, and those into pieces
 # with at most _TIKTOKEN_MAX_RUN consecutive whitespace or non-whitespace characters (tiktoken
@@ -307,7 +307,7 @@ def read_tiktoken_ranks(file: Path, *, key: str = "model.tokenizer_path") -> dic
         except (ValueError, binascii.Error):
             raise DataError(
                 f"{key}: {str(file)!r} line {lineno} is not '<base64 token> <rank>': not a tiktoken "
-                "tokenizer.model (a SentencePiece tokenizer.model, as Llama 2 has, is not supported; "
+                "tokenizer.model (a SentencePiece tokenizer.model is not supported; "
                 "use its tokenizer.json)"
             ) from None
     if not ranks:
@@ -337,13 +337,13 @@ class TiktokenTokenizer:
         ranks = read_tiktoken_ranks(file, key=key)
         self.path = file
         self.num_base_tokens = len(ranks)
-        self.special_tokens = {token: len(ranks) + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.special_tokens = {token: len(ranks) + i for i, token in enumerate(TIKTOKEN_SPECIAL_TOKENS)}
         try:
-            self._enc = tiktoken.Encoding(name=file.name, pat_str=LLAMA3_PAT_STR, mergeable_ranks=ranks,
+            self._enc = tiktoken.Encoding(name=file.name, pat_str=TIKTOKEN_PAT_STR, mergeable_ranks=ranks,
                                           special_tokens=self.special_tokens)
         except Exception as exc:  # the library raises its own exception types
             raise DataError(f"{key}: {str(file)!r} is not a usable tiktoken BPE file ({exc})") from None
-        self.vocab_size = len(ranks) + len(LLAMA3_SPECIAL_TOKENS)
+        self.vocab_size = len(ranks) + len(TIKTOKEN_SPECIAL_TOKENS)
         self.bos_id: int | None = self.special_tokens["<|begin_of_text|>"]
         self.eos_id: int | None = self.special_tokens["<|end_of_text|>"]
 
