@@ -337,6 +337,12 @@ def test_state_from_another_run_is_refused(tmp_path: Path) -> None:
         _loader(other).load_state_dict(state)
     with pytest.raises(DataError, match="another kind of dataset"):
         _loader(corpus).load_state_dict({"step": 3, "global_batch_size": 4, "seq_len": 16})
+    from torchtitan_lite.data import GlobalBatchLoader, TokenWindows
+
+    windows = TokenWindows(np.arange(200) % 250, 16)
+    text = GlobalBatchLoader(windows, global_batch_size=4, local_batch_size=2, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(DataError, match="streaming a 'parquet' dataset"):
+        text.load_state_dict(state)
 
 
 def test_validation_reads_only_the_rows_it_needs(tmp_path: Path) -> None:

@@ -854,6 +854,9 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; it may come from any world size or micro-batch split."""
+        if "positions" in state:
+            raise DataError(f"data loader state does not match this run: it was saved while streaming a "
+                            f"{state.get('dataset')!r} dataset, this run reads windows of another kind")
         mine = self.state_dict()
         for name in ("global_batch_size", "seed", "shuffle", "num_windows", "seq_len"):
             if name in state and state[name] != mine[name]:
