@@ -554,3 +554,15 @@ def test_c4_json_gz_shards_are_text(tmp_path: Path) -> None:
     tok = ByteTokenizer()
     stream = build_token_stream("text", str(tmp_path), tok)
     assert np.array_equal(stream.read(0, len(stream)), np.concatenate(tok.encode_batch(DOCS[:5])))
+
+
+def test_bench_data_script_runs(tmp_path: Path) -> None:
+    """scripts/bench_data.py measures the streamed start-up against tokenizing the file whole (the
+    figures are its output, not asserted)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import bench_data
+    finally:
+        sys.path.pop(0)
+    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--folder", str(tmp_path)])
+    assert result["rows"] >= 8 and result["tokens"] > 300_000 and result["ratio"] > 0

@@ -46,7 +46,8 @@ STREAMED_DATASETS: dict[str, str] = {
     "arrow": "a Hugging Face datasets folder (Dataset.save_to_disk) or .arrow files, streamed (dataset_path)",
 }
 _SUFFIX = {"parquet": ".parquet", "arrow": ".arrow"}
-_READ_ROWS = 1024  # rows decoded at a time per range (bounds the memory of a reader)
+_READ_ROWS = 256  # Parquet rows decoded at a time per range (bounds the memory of a reader) ...
+_PY_ROWS = 16  # ... of which this many become Python strings at a time
 _TOKENIZE_ROWS = 32  # at most this many documents tokenized at a time per range ...
 _TOKENIZE_CHARS = 1 << 16  # ... or about this many characters
 
@@ -239,24 +240,23 @@ class ArrowCorpus:
         return [len(b) for b in batches]
 
     def _chunks(self, piece: _Piece, skip: int) -> Iterator[list[str | None]]:
-        """The piece's texts from row ``skip`` on, at most ``_READ_ROWS`` at a time."""
+        """The piece's texts from row ``skip`` on, a few at a time (Parquet decoded
+        ``_READ_ROWS`` rows at a time; Python strings made only for the rows read)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         file = self.files[piece.file]
         try:
             if self.dataset == "arrow":
-                column = self._batches[piece.file][piece.unit]
-                for start in range(skip, piece.rows, _READ_ROWS):
-                    yield column.slice(start, _READ_ROWS).to_pylist()
-                return
-            reader = pq.ParquetFile(str(file))
-            seen = 0
-            for batch in reader.iter_batches(batch_size=_READ_ROWS, row_groups=[piece.unit],
-                                             columns=[self.text_column], use_threads=False):
-                if seen + len(batch) > skip:
-                    yield batch.column(0).slice(max(0, skip - seen)).to_pylist()
-                seen += len(batch)
+                columns = iter([self._batches[piece.file][piece.unit].slice(skip)])
+            else:
+                reader = pq.ParquetFile(str(file), pre_buffer=False, buffer_size=1 << 20)  # page by page
+                batches = reader.iter_batches(batch_size=_READ_ROWS, row_groups=[piece.unit],
+                                              columns=[self.text_column], use_threads=False)
+                columns = _skip_rows((batch.column(0) for batch in batches), skip)
+            for column in columns:
+                for start in range(0, len(column), _PY_ROWS):
+                    yield column.slice(start, _PY_ROWS).to_pylist()
         except OSError as exc:
             if isinstance(exc, pa.ArrowException) or exc.errno is None:
                 raise DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})") from None
@@ -279,6 +279,16 @@ class ArrowCorpus:
                 if row >= stop:
                     return
             index += 1
+
+
+def _skip_rows(columns: Iterator[Any], skip: int) -> Iterator[Any]:
+    """Arrow arrays from row ``skip`` of their concatenation on."""
+    for column in columns:
+        if skip >= len(column):
+            skip -= len(column)
+            continue
+        yield column.slice(skip) if skip else column
+        skip = 0
 
 
 # --------------------------------------------------------------------------------------------
