@@ -391,3 +391,16 @@ def test_every_problem_of_a_config_is_one_line_at_once(tmp_path: Path, capsys: p
     for fragment in ("'training.stepz'", "'optimizer.lrr'", "'model.flavour'", "training.local_batch_size",
                      "metrics.log_freq"):
         assert fragment in joined, (fragment, joined)
+
+
+def test_every_broken_rule_between_values_is_one_line_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Values of the right types that break five rules of the config: five lines, exit 2."""
+    from torchtitan_lite.train import main
+
+    code = main(["--optimizer.lr", "-1", "--training.max_rollbacks", "-2", "--lr_scheduler.decay_ratio", "1.5",
+                 "--checkpoint.keep_latest_k", "-1", "--parallelism.memory_budget_gib", "8"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 5, lines
+    for key in ("optimizer.lr", "training.max_rollbacks", "lr_scheduler.decay_ratio", "checkpoint.keep_latest_k",
+                "parallelism.memory_budget_gib"):
+        assert sum(line.startswith(f"error: {key}: ") for line in lines) == 1, (key, lines)

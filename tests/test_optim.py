@@ -18,6 +18,26 @@ def _factor(step, **kw):
     return lr_factor(step, **args)
 
 
+# TorchTitan's warmup-stable-decay schedule (v0.1.0 to its last TOML release), written out from
+# its definition: warmup W = min(warmup, total) steps at (s + 1) / W; D decay steps
+# (round(total · ratio), capped at total - W; total - W without a ratio); a stable phase of
+# total + 1 - W - D steps (one "virtual" step past the end, so the run never reaches the
+# minimum); in decay, progress (s + 1 - (W + stable)) / D.
+def _torchtitan_factor(step, *, total, warmup, decay_ratio, kind, min_lr):
+    warmup = min(warmup, total)
+    decay = round(total * decay_ratio) if decay_ratio is not None else total - warmup
+    if warmup + decay > total:
+        decay = total - warmup
+    stable = total + 1 - warmup - decay
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < warmup + stable:
+        return 1.0
+    p = (step + 1 - (warmup + stable)) / decay
+    curve = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
+    return min_lr + (1 - min_lr) * curve
+
+
 def test_warmup_is_linear_and_reaches_peak():
     assert _factor(0) == pytest.approx(1 / 10)
     assert _factor(4) == pytest.approx(5 / 10)
@@ -32,26 +52,30 @@ def test_decay_curves_match_formulas(decay_type, min_lr):
         "sqrt": lambda p: 1 - math.sqrt(p),
         "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
     }
-    # No stable phase: decay spans steps 10..99 (90 steps).
-    for step in (10, 30, 54, 99):
-        progress = (step - 10 + 1) / 90
+    # Warmup 0..9, then one step at the peak (10), then 90 decay steps 11..100 of which the run
+    # has 11..99: the last step is one decay step short of the minimum.
+    assert _factor(10, decay_type=decay_type, min_lr_factor=min_lr) == 1.0
+    for step in (11, 30, 54, 99):
+        progress = (step - 10) / 90
         expected = min_lr + (1 - min_lr) * curves[decay_type](progress)
         assert _factor(step, decay_type=decay_type, min_lr_factor=min_lr) == pytest.approx(expected)
-    assert _factor(99, decay_type=decay_type, min_lr_factor=min_lr) == pytest.approx(min_lr)
+    assert _factor(99, decay_type=decay_type, min_lr_factor=min_lr) > min_lr
 
 
 def test_warmup_stable_decay():
-    # decay_ratio 0.2 of 100 steps: warmup 0..9, stable 10..79, decay 80..99.
+    # decay_ratio 0.2 of 100 steps: warmup 0..9, stable 10..80, decay 81..(100) with 20 steps.
     kw = dict(decay_ratio=0.2, decay_type="cosine", min_lr_factor=0.0)
-    assert all(_factor(s, **kw) == 1.0 for s in range(10, 80))
-    assert _factor(80, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 1 / 20)))
-    assert _factor(89, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 20)))
-    assert _factor(99, **kw) == pytest.approx(0.0)
+    assert all(_factor(s, **kw) == 1.0 for s in range(10, 81))
+    assert _factor(81, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 1 / 20)))
+    assert _factor(90, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 10 / 20)))
+    assert _factor(99, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 19 / 20)))
 
 
 def test_no_warmup():
-    assert _factor(0, warmup_steps=0) == pytest.approx(1 - 1 / 100)
-    assert _factor(49, warmup_steps=0) == pytest.approx(0.5)
+    # No warmup: step 0 is the stable step, decay over 100 steps from step 1.
+    assert _factor(0, warmup_steps=0) == 1.0
+    assert _factor(1, warmup_steps=0) == pytest.approx(1 - 1 / 100)
+    assert _factor(50, warmup_steps=0) == pytest.approx(0.5)
 
 
 def test_scheduler_drives_optimizer_lr():
@@ -65,26 +89,16 @@ def test_scheduler_drives_optimizer_lr():
         sched.step()
     expected = [1e-2 * _factor(s, total_steps=8, warmup_steps=4) for s in range(8)]
     assert seen == pytest.approx(expected)
-    assert seen[3] == pytest.approx(1e-2)
+    assert seen[3] == pytest.approx(1e-2) and seen[4] == pytest.approx(1e-2)
 
 
-@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
-@pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
-def test_build_optimizer(name, cls, impl):
-    model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model, Optimizer(name=name, lr=1e-3, beta1=0.8, beta2=0.9,
-                                           weight_decay=0.05, implementation=impl))
-    assert isinstance(opt, cls)
-    group = opt.param_groups[0]
-    assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.05
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-
-
-def test_small_decay_ratio_still_decays():
-    # 10% of 5 steps rounds to 0; a decay that was asked for keeps at least one step.
+def test_decay_ratio_rounds_as_torchtitan():
+    # round(0.1 * 5) = round(0.5) = 0 (Python rounds half to even): no decay at all, as in TorchTitan.
     kw = dict(total_steps=5, warmup_steps=0, decay_ratio=0.1, min_lr_factor=0.0)
-    assert [_factor(s, **kw) for s in range(5)] == pytest.approx([1, 1, 1, 1, 0])
+    assert [_factor(s, **kw) for s in range(5)] == pytest.approx([1, 1, 1, 1, 1])
+    # round(0.3 * 5) = round(1.5) = 2: decay over steps 4 and (virtual) 5.
+    kw["decay_ratio"] = 0.3
+    assert [_factor(s, **kw) for s in range(5)] == pytest.approx([1, 1, 1, 1, 0.5])
 
 
 def test_warmup_longer_than_run_is_cut():
@@ -92,25 +106,18 @@ def test_warmup_longer_than_run_is_cut():
         [0.25, 0.5, 0.75, 1.0])
 
 
-# The schedule written out once more, step by step, independently of lr_factor's code.
-def _reference_factor(step, *, total, warmup, stable_end, kind, min_lr):
-    if step < warmup:
-        return (step + 1) / warmup
-    if step < stable_end:
-        return 1.0
-    p = (step - stable_end + 1) / (total - stable_end)
-    curve = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
-    return min_lr + (1 - min_lr) * curve
-
-
 @pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
-@pytest.mark.parametrize("warmup", [0, 10])
-@pytest.mark.parametrize("decay_ratio", [None, 0.3])
-def test_scheduler_values_at_chosen_steps(decay_type, warmup, decay_ratio):
-    """The LR the optimizer actually uses at chosen steps, for every decay type, with and without
-    warmup and with and without a stable phase (decay_ratio 0.3 of 60 steps: the last 18)."""
-    total, peak, min_lr = 60, 2e-3, 0.1
-    stable_end = warmup if decay_ratio is None else total - 18
+@pytest.mark.parametrize(
+    "total, warmup, decay_ratio, min_lr",
+    [(60, 10, None, 0.1), (60, 0, 0.3, 0.0), (60, 10, 0.3, 0.1), (10, 2, 0.8, 0.0), (10, 2, 0.8, 0.25),
+     (1000, 200, None, 0.0), (7, 3, 0.5, 0.1), (9, 0, None, 0.0), (5, 5, 0.2, 0.0), (20, 3, 1.0, 0.1),
+     (13, 4, 0.25, 0.05), (3, 1, 0.0, 0.0)],
+)
+def test_lr_of_every_step_equals_torchtitans_formula(decay_type, total, warmup, decay_ratio, min_lr):
+    """The LR the optimizer uses at every step equals TorchTitan's schedule for the same
+    lr_scheduler keys (warmup_steps, decay_ratio, decay_type, min_lr_factor), configurations of its
+    own train_configs (10 steps, warmup 2, decay 0.8; 1000 steps, warmup 200) among them."""
+    peak = 2e-3
     model = torch.nn.Linear(2, 2)
     opt = build_optimizer(model, Optimizer(lr=peak, implementation="for-loop"))
     sched = build_lr_scheduler(
@@ -121,16 +128,22 @@ def test_scheduler_values_at_chosen_steps(decay_type, warmup, decay_ratio):
         used.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    chosen = sorted({0, 4, 9, 10, 11, 25, 41, 42, 43, 50, 59} | ({warmup - 1} if warmup else set()))
-    for step in chosen:
-        expected = peak * _reference_factor(step, total=total, warmup=warmup, stable_end=stable_end,
-                                            kind=decay_type, min_lr=min_lr)
-        assert used[step] == pytest.approx(expected, rel=1e-12), (step, used[step], expected)
-    assert used[-1] == pytest.approx(peak * min_lr)
-    if warmup:
-        assert used[warmup - 1] == pytest.approx(peak)
-    if decay_ratio is not None:
-        assert all(lr == pytest.approx(peak) for lr in used[warmup:stable_end])
+    expected = [peak * _torchtitan_factor(s, total=total, warmup=warmup, decay_ratio=decay_ratio,
+                                          kind=decay_type, min_lr=min_lr) for s in range(total)]
+    assert used == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_total_steps_keeps_a_longer_runs_schedule():
+    """lr_scheduler.total_steps: a 10-step run on the schedule of a 100-step one."""
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, Optimizer(lr=1.0, implementation="for-loop"))
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4, total_steps=100), total_steps=10)
+    used = []
+    for _ in range(10):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert used == pytest.approx([_factor(s, total_steps=100, warmup_steps=4) for s in range(10)])
 
 
 def test_weight_decay_skips_norms_and_biases_unless_asked():

@@ -92,7 +92,8 @@ def test_config_schema_imports_only_errors() -> None:
     loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: S307
                                  check=True, cwd=PACKAGE.parent).stdout)
     assert set(loaded) <= {"torchtitan_lite", "torchtitan_lite.config", "torchtitan_lite.config.schema",
-                           "torchtitan_lite.config.cli", "torchtitan_lite.errors"}, loaded
+                           "torchtitan_lite.config.cli", "torchtitan_lite.config.torchtitan",
+                           "torchtitan_lite.errors"}, loaded
 
 
 def test_model_code_imports_no_parallelism() -> None:

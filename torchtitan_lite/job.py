@@ -205,6 +205,12 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected a multiple of local_batch_size × data-parallel degree = "
                  f"{t.local_batch_size} × {dims.dp_size} = {per_step}")
     global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
+    if config.compile.enable:
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends()
+        _require(config.compile.backend in backends, "compile.backend", config.compile.backend,
+                 f"expected a registered torch.compile backend: {', '.join(backends)}")
     if config.checkpoint.create_seed_checkpoint:
         _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "

@@ -118,10 +118,12 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 class _Style:
-    """ANSI colours, only when the console is a terminal and NO_COLOR is not set."""
+    """ANSI colours, only when the console is a terminal, NO_COLOR is not set and colours are not
+    disabled (``metrics.disable_color_printing``)."""
 
-    def __init__(self, stream: Any) -> None:
-        self.enabled = bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
+    def __init__(self, stream: Any, *, disabled: bool = False) -> None:
+        self.enabled = (not disabled and bool(getattr(stream, "isatty", lambda: False)())
+                        and "NO_COLOR" not in os.environ)
 
     def __call__(self, text: str, code: str) -> str:
         return f"\033[{code}m{text}\033[0m" if self.enabled else text
@@ -147,6 +149,7 @@ class MetricsLogger:
         enable_tensorboard: bool,
         tb_folder: str,
         run_config: dict[str, Any] | None = None,
+        disable_color: bool = False,
     ) -> None:
         self.rank = rank
         now = time.time()
@@ -155,7 +158,7 @@ class MetricsLogger:
         self.tb_dir: Path | None = None
         self._tb: Any = None
         self._jsonl: Any = None
-        self._style = _Style(sys.stdout)
+        self._style = _Style(sys.stdout, disabled=disable_color)
         if rank != 0:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)

@@ -79,28 +79,26 @@ def lr_factor(
     decay_type: str,
     min_lr_factor: float,
 ) -> float:
-    """Multiplier of the peak LR for 0-based optimizer step ``step``.
+    """Multiplier of the peak LR for 0-based optimizer step ``step``: TorchTitan's
+    warmup-stable-decay schedule, value for value.
 
-    Warmup: ``(step + 1) / warmup_steps`` (warmup is cut to ``total_steps`` when longer). Then a
-    stable phase at 1.0 (only when ``decay_ratio`` is set: the last ``ceil(decay_ratio ·
-    total_steps)`` steps decay), then decay with progress ``p = (step - decay_start + 1) /
-    decay_steps`` ∈ (0, 1]: ``linear`` 1 - p, ``sqrt`` 1 - √p, ``cosine`` ½(1 + cos πp);
-    mapped to ``min + (1 - min) · curve``. Whenever there is a decay phase the last step runs
-    at ``min_lr_factor``.
+    Warmup: ``(step + 1) / W`` for the first ``W = min(warmup_steps, total_steps)`` steps. Decay
+    spans ``D = round(decay_ratio · total_steps)`` steps (at most ``total_steps - W``; all the
+    steps after warmup when ``decay_ratio`` is unset) and ends one step *after* the run, at the
+    virtual step ``total_steps``, so that the last step does not run at the minimum: it starts at
+    ``s0 = total_steps + 1 - D`` with progress ``p = (step + 1 - s0) / D``; the curve is
+    ``linear`` 1 - p, ``sqrt`` 1 - √p or ``cosine`` ½(1 + cos πp), mapped to ``min + (1 - min) ·
+    curve``. Between warmup and ``s0`` (at least one step) the factor is 1.
     """
     warmup = min(warmup_steps, total_steps)
-    if decay_ratio is None:
-        decay_steps = total_steps - warmup
-    else:
-        # At least one decay step whenever a decay is asked for (a small ratio must not vanish).
-        wanted = math.ceil(total_steps * decay_ratio) if decay_ratio > 0 else 0
-        decay_steps = min(wanted, total_steps - warmup)
-    decay_start = total_steps - decay_steps
+    decay_steps = total_steps - warmup if decay_ratio is None else round(total_steps * decay_ratio)
+    decay_steps = min(decay_steps, total_steps - warmup)
+    decay_start = total_steps + 1 - decay_steps
     if step < warmup:
         return (step + 1) / warmup
-    if step < decay_start or decay_steps <= 0:
+    if step < decay_start:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    progress = (step + 1 - decay_start) / decay_steps
     if decay_type == "linear":
         curve = 1.0 - progress
     elif decay_type == "sqrt":
@@ -115,12 +113,13 @@ def lr_factor(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, *, total_steps: int
 ) -> LambdaLR:
-    """``LambdaLR`` following :func:`lr_factor`; call ``step()`` once after each optimizer step."""
+    """``LambdaLR`` following :func:`lr_factor` over ``cfg.total_steps`` steps when set, else
+    ``total_steps`` (the run's); call ``step()`` once after each optimizer step."""
     return LambdaLR(
         optimizer,
         functools.partial(
             lr_factor,
-            total_steps=total_steps,
+            total_steps=cfg.total_steps if cfg.total_steps is not None else total_steps,
             warmup_steps=cfg.warmup_steps,
             decay_ratio=cfg.decay_ratio,
             decay_type=cfg.decay_type,

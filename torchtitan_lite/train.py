@@ -50,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(format_help())
         return 0
     rank, local_rank, world_size = world_info_from_env()
+    notes: list[str] = []
     try:
-        config = load_job_config(argv)
+        config = load_job_config(argv, notes=notes)
         preflight(config)
         plan = plan_job(config, world_size=world_size, local_world_size=local_world_size_from_env())
     except UserError as exc:
         return _report(exc, local_rank)
+    if local_rank == 0:
+        for note in notes:  # TorchTitan's names read as ours
+            print(f"note: {note}", file=sys.stderr)
     _setup_logging(rank)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:

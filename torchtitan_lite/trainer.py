@@ -202,6 +202,7 @@ class Trainer:
             selective_ac_option=config.activation_checkpoint.selective_ac_option,
             ac_policies=ac_policies,
             compile_model=config.compile.enable and "model" in config.compile.components,
+            compile_backend=config.compile.backend,
             reshard_after_forward_mode=reshard_mode,
             param_dtype=plan.param_dtype,
             reduce_dtype=plan.reduce_dtype,
@@ -210,13 +211,15 @@ class Trainer:
         model.train()
         self.model = model
         compile_the_loss = config.compile.enable and "loss" in config.compile.components
-        self.loss_fn = compile_loss(token_loss_sum) if compile_the_loss else token_loss_sum
+        self.loss_fn = (compile_loss(token_loss_sum, backend=config.compile.backend) if compile_the_loss
+                        else token_loss_sum)
 
-        if config.lr_scheduler.warmup_steps >= t.steps and self.rank == 0:
+        schedule_steps = config.lr_scheduler.total_steps or t.steps
+        if config.lr_scheduler.warmup_steps >= schedule_steps and self.rank == 0:
             logger.warning(
-                "lr_scheduler.warmup_steps=%d >= training.steps=%d: warmup is cut to %d steps "
+                "lr_scheduler.warmup_steps=%d >= the schedule's %d steps: warmup is cut to %d steps "
                 "and the learning rate never decays",
-                config.lr_scheduler.warmup_steps, t.steps, t.steps,
+                config.lr_scheduler.warmup_steps, schedule_steps, schedule_steps,
             )
         self.optimizer = build_optimizer(model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(
@@ -253,6 +256,7 @@ class Trainer:
             enable_tensorboard=config.metrics.enable_tensorboard,
             tb_folder=config.metrics.save_tb_folder,
             run_config=config.to_dict(),
+            disable_color=config.metrics.disable_color_printing,
         )
         if self.rank == 0:
             n_params = sum(p.numel() for p in model.parameters())

@@ -8,11 +8,12 @@ allowed.
 
 from __future__ import annotations
 
-import difflib
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtitan_lite.config import torchtitan
 from torchtitan_lite.config.schema import (
     SECTIONS,
     JobConfig,
@@ -24,6 +25,7 @@ from torchtitan_lite.config.schema import (
     type_name,
     validate_config,
 )
+from torchtitan_lite.config.torchtitan import TORCHTITAN_KEYS, TorchTitanKey
 from torchtitan_lite.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -34,27 +36,132 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["format_help", "load_job_config"]
 
 
-def _suggest(name: str, choices: list[str], *, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
-    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
+    neighbouring characters each cost 1."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
 
 
-def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
-    if section not in SECTIONS:
-        raise ConfigError(
-            f"unknown section [{section}] in {where}{_suggest(section, list(SECTIONS))} "
-            f"(sections: {', '.join(SECTIONS)})"
-        )
-    cls = SECTIONS[section]
-    types_ = field_types(cls)
-    if key is None:
-        return cls, None
-    if key not in types_:
-        raise ConfigError(
-            f"unknown key '{section}.{key}' in {where}{_suggest(key, list(types_), prefix=section + '.')} "
-            f"(keys of [{section}]: {', '.join(types_)})"
-        )
-    return cls, types_[key]
+def _close(name: str, choices: list[str]) -> str | None:
+    """The one choice a typo of ``name`` most likely meant: at most 1 edit in names up to 11
+    characters, 2 up to 17, 3 beyond; None when there is no such choice or two tie."""
+    limit = 1 if len(name) <= 11 else 2 if len(name) <= 17 else 3
+    scored = sorted((_edit_distance(name, c), c) for c in choices if c != name)
+    if not scored or scored[0][0] > limit or (len(scored) > 1 and scored[1][0] == scored[0][0]):
+        return None
+    return scored[0][1]
+
+
+def _sections() -> list[str]:
+    """Our sections, then the sections only TorchTitan's keys have (e.g. ``experimental``)."""
+    extra = [k.name.split(".")[0] for k in TORCHTITAN_KEYS]
+    return list(dict.fromkeys([*SECTIONS, *extra]))
+
+
+def _keys_of(section: str) -> list[str]:
+    """Every dotted key under ``section``: ours, then TorchTitan's."""
+    ours = [f"{section}.{k}" for k in field_types(SECTIONS[section])] if section in SECTIONS else []
+    theirs = [k.name for k in TORCHTITAN_KEYS if k.name.split(".")[0] == section]
+    return [*ours, *theirs]
+
+
+def _setting(name: str) -> str:
+    """Our key for a renamed key of TorchTitan's; any other key itself."""
+    entry = torchtitan.lookup(name)
+    return entry.target if entry is not None and entry.target is not None else name
+
+
+def _hint(name: str) -> str:
+    """``; did you mean '...'?`` only when the suggestion is the same setting: a key of that name
+    in exactly one other section (ours or TorchTitan's), else a close spelling in its section."""
+    section, _, key = name.partition(".")
+    last = name.rsplit(".", 1)[-1]
+    every = [k for s in _sections() for k in _keys_of(s)]
+    same_name = {_setting(k) for k in every if k.rsplit(".", 1)[-1] == last and k != name}
+    if len(same_name) == 1:
+        return f"; did you mean '{same_name.pop()}'?"
+    if section in _sections():
+        close = _close(key, [k.split(".", 1)[1] for k in _keys_of(section)])
+        return f"; did you mean '{section}.{close}'?" if close else ""
+    close_section = _close(section, _sections())
+    if close_section is not None:
+        candidate = f"{close_section}.{key}"
+        if candidate in _keys_of(close_section):
+            return f"; did you mean '{candidate}'?"
+        return f"; did you mean [{close_section}]?"
+    return ""
+
+
+def _field(name: str, *, where: str) -> tuple[Any, TorchTitanKey | None]:
+    """The type of dotted key ``name`` and, for a key of TorchTitan's, its table entry; an unknown
+    key or section raises :class:`ConfigError` (with a hint only where it is the same setting)."""
+    section, _, key = name.partition(".")
+    if section in SECTIONS and key in field_types(SECTIONS[section]):
+        return field_types(SECTIONS[section])[key], None
+    entry = torchtitan.lookup(name)
+    if entry is not None:
+        return entry.type, entry
+    if section not in _sections():
+        raise ConfigError(f"unknown section [{section}] in {where}{_hint(name)} (sections: {', '.join(SECTIONS)})")
+    listed = ", ".join(field_types(SECTIONS[section])) if section in SECTIONS else "see docs/migrating_from_torchtitan.md"
+    raise ConfigError(f"unknown key '{name}' in {where}{_hint(name)} (keys of [{section}]: {listed})")
+
+
+@dataclass
+class _Layer:
+    """The values one source (the TOML file, or the command line) gives, by our key."""
+
+    where: str
+    values: dict[str, tuple[str, Any]] = field(default_factory=dict)  # our key -> (name as given, value)
+
+    def read(self, name: str, raw: Any, *, from_cli: bool, errors: list[str], notes: list[str]) -> None:
+        """Check ``name = raw`` and record what it sets; problems go to ``errors``."""
+        try:
+            tp, entry = _field(name, where=self.where)
+            if entry is not None and entry.kind == "off" and entry.neutral is torchtitan.ANY:
+                return  # accepted whatever its value: it changes nothing here
+            if entry is None and isinstance(raw, str) and (name, raw) in torchtitan.VALUE_ALIASES:
+                ours, differs = torchtitan.VALUE_ALIASES[(name, raw)]
+                notes.append(f"{name} = {raw!r} is TorchTitan's spelling of {ours!r}; {differs}")
+                raw = ours
+            value = coerce(name, raw, tp, from_cli=from_cli)
+            if entry is None:
+                self._set(name, name, value)
+                return
+            translated = torchtitan.translate(entry, value)
+            if translated is None:
+                return
+            target, value = translated
+            section, key = target.split(".", 1)
+            value = coerce(target, value, field_types(SECTIONS[section])[key], from_cli=False)
+            differs = f"; {entry.differs}" if entry.differs else ""
+            notes.append(f"'{name}' is TorchTitan's name ({', '.join(entry.eras)}) of '{target}'{differs}")
+            self._set(target, name, value)
+        except ConfigError as exc:
+            errors.append(str(exc))
+
+    def _set(self, target: str, name: str, value: Any) -> None:
+        if target in self.values and self.values[target][0] != name and self.values[target][1] != value:
+            # The same key twice: the last one wins; two names of one key must agree.
+            other, before = self.values[target]
+            raise ConfigError(
+                f"'{other}' = {before!r} and '{name}' = {value!r} in {self.where} both set '{target}'; keep one"
+            )
+        self.values[target] = (name, value)
+
+    def apply(self, config: JobConfig) -> None:
+        for target, (_, value) in self.values.items():
+            section, key = target.split(".", 1)
+            setattr(getattr(config, section), key, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,10 +169,10 @@ def _lookup(section: str, key: str | None, *, where: str) -> tuple[type, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str, Any, str]]:
-    """Return ``(section, key, field type, raw value)`` overrides in order; each problem (an
-    unknown key, a flag misused, a missing value) goes to ``errors`` and parsing goes on."""
-    overrides: list[tuple[str, str, Any, str]] = []
+def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str]]:
+    """Return ``(dotted key, raw value)`` overrides in order; each problem (an unknown key, a flag
+    misused, a missing value) goes to ``errors`` and parsing goes on."""
+    overrides: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -73,20 +180,24 @@ def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str, Any, 
             errors.append(f"unexpected argument {arg!r}; options look like --section.key value (see --help)")
             i += 1
             continue
-        name, eq, inline = arg[2:].partition("=")
-        section, _, key = name.partition(".")
+        spelled, eq, inline = arg[2:].partition("=")
+        section, _, key = spelled.partition(".")
         section = section.replace("-", "_")
+        head, _, last = key.rpartition(".")
+        prefix = f"{section}.{head}." if head else f"{section}."
         negated = False
-        if key.startswith("no-") or key.startswith("no_"):
-            candidate = key[3:].replace("-", "_")
-            if section in SECTIONS and candidate in field_types(SECTIONS[section]):
-                negated = True
-                key = candidate
-        key = key.replace("-", "_")
+        if last.startswith(("no-", "no_")):
+            candidate = prefix + last[3:].replace("-", "_")
+            try:
+                _field(candidate, where="command line")
+                negated, last = True, last[3:]
+            except ConfigError:
+                pass
+        name = prefix + last.replace("-", "_")
         nxt = argv[i + 1] if i + 1 < len(argv) else None
         takes_next = not eq and nxt is not None and not nxt.startswith("--")
         try:
-            _, tp = _lookup(section, key, where="command line")
+            tp, _ = _field(name, where="command line")
         except ConfigError as exc:
             errors.append(str(exc))
             i += 2 if takes_next else 1  # its value too, if it has one
@@ -94,27 +205,27 @@ def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str, Any, 
         is_bool = is_optional(tp)[1] is bool
         if negated:
             if not is_bool:
-                errors.append(f"--{section}.no-{key}: '{section}.{key}' is not a boolean flag")
+                errors.append(f"--{spelled}: '{name}' is not a boolean flag")
             elif eq:
-                errors.append(f"--{section}.no-{key} takes no value")
+                errors.append(f"--{spelled} takes no value")
             else:
-                overrides.append((section, key, tp, "false"))
+                overrides.append((name, "false"))
             i += 1
             continue
         if eq:
-            overrides.append((section, key, tp, inline))
+            overrides.append((name, inline))
             i += 1
             continue
         if is_bool and not takes_next:
-            overrides.append((section, key, tp, "true"))
+            overrides.append((name, "true"))
             i += 1
             continue
         if not takes_next:
-            errors.append(f"--{section}.{key} expects a value ({allowed_values(tp)}); "
-                          f"write --{section}.{key}=VALUE for a value that starts with --")
+            errors.append(f"--{name} expects a value ({allowed_values(tp)}); "
+                          f"write --{name}=VALUE for a value that starts with --")
             i += 1
             continue
-        overrides.append((section, key, tp, nxt))  # type: ignore[arg-type]
+        overrides.append((name, nxt))  # type: ignore[arg-type]
         i += 2
     return overrides
 
@@ -146,67 +257,82 @@ def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def load_job_config(argv: list[str] | None = None) -> JobConfig:
+def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = None) -> JobConfig:
     """Build a :class:`JobConfig` from defaults, a TOML file and ``argv`` overrides, checked by
     :func:`~torchtitan_lite.config.schema.validate_config` (the checks that need files, the
     world size or the model family follow in :mod:`torchtitan_lite.job`).
 
+    TorchTitan's keys of its TOML era are read through :mod:`.torchtitan`'s table: a renamed key
+    sets ours and adds a line to ``notes`` (when a list is given); a key of a feature we lack is
+    accepted only with a value that asks for nothing.
+
     Every unknown section or key and every bad value of the file and the command line is
-    reported at once: one :class:`ConfigError` whose message has one line per problem. The
-    checks of combinations (:func:`validate_config`) run once those are all fixed."""
+    reported at once, and so is every broken rule between values once those are fixed: one
+    :class:`ConfigError` whose message has one line per problem."""
     argv = list(sys.argv[1:] if argv is None else argv)
     errors: list[str] = []
-    overrides = _parse_cli(argv, errors)
+    notes = [] if notes is None else notes
+    cli = _Layer("command line")
+    for name, raw in _parse_cli(argv, errors):
+        cli.read(name, raw, from_cli=True, errors=errors, notes=notes)
     config = JobConfig()
-
-    values = []
-    for section, key, tp, raw in overrides:
-        try:
-            values.append((section, key, coerce(f"{section}.{key}", raw, tp, from_cli=True)))
-        except ConfigError as exc:
-            errors.append(str(exc))
-    config_file = next(
-        (v for section, key, v in reversed(values) if (section, key) == ("job", "config_file")),
-        None,
-    )
+    config_file = cli.values.get("job.config_file", (None, None))[1]
+    toml = _Layer("")
     if config_file:
-        _apply_toml(config, Path(config_file), errors)
+        toml = _read_toml(Path(config_file), errors, notes)
     if errors:
         raise ConfigError("\n".join(dict.fromkeys(errors)))
-    for section, key, value in values:
-        setattr(getattr(config, section), key, value)
+    toml.apply(config)
+    cli.apply(config)
+    if config_file:
+        config.job.config_file = str(config_file)
+    given = {**toml.values, **cli.values}
+    if given.get("model.tokenizer_path", ("",))[0] == "model.hf_assets_path" and config.checkpoint.initial_load_in_hf \
+            and "checkpoint.initial_load_path" not in given:
+        # TorchTitan's hf_assets_path also names the Hugging Face weights to start from.
+        config.checkpoint.initial_load_path = config.model.tokenizer_path
+        notes.append("'model.hf_assets_path' is also read as 'checkpoint.initial_load_path' "
+                     "(checkpoint.initial_load_in_hf is set and initial_load_path is not)")
+    notes[:] = list(dict.fromkeys(notes))
     validate_config(config)
     return config
 
 
-def _apply_toml(config: JobConfig, path: Path, errors: list[str]) -> None:
+def _flatten(table: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of a TOML table; nested tables (``[quantize.linear.float8]``) give
+    longer keys."""
+    out: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _read_toml(path: Path, errors: list[str], notes: list[str]) -> _Layer:
+    where = f"'{path}'"
+    layer = _Layer(where)
     if not path.is_file():
         errors.append(f"job.config_file: file not found: {str(path)!r}")
-        return
+        return layer
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         errors.append(f"job.config_file: {str(path)!r} is not valid TOML: {exc}")
-        return
-    where = f"'{path}'"
+        return layer
     for section, values in data.items():
-        try:
-            _lookup(section, None, where=where)
-        except ConfigError as exc:
-            errors.append(str(exc))
+        if section not in _sections():
+            errors.append(f"unknown section [{section}] in {where}{_hint(section + '.')} "
+                          f"(sections: {', '.join(SECTIONS)})")
             continue
         if not isinstance(values, dict):
             errors.append(f"{where}: '{section}' must be a [section] table, got {values!r}")
             continue
-        for key, value in values.items():
-            try:
-                _, tp = _lookup(section, key, where=where)
-                if (section, key) == ("job", "config_file"):
-                    raise ConfigError(
-                        f"job.config_file cannot be set inside a config file ({where}); "
-                        "pass it on the command line"
-                    )
-                setattr(getattr(config, section), key, coerce(f"{section}.{key}", value, tp, from_cli=False))
-            except ConfigError as exc:
-                errors.append(str(exc))
-    config.job.config_file = str(path)
+        for name, value in _flatten(values, f"{section}."):
+            if name == "job.config_file":
+                errors.append(f"job.config_file cannot be set inside a config file ({where}); "
+                              "pass it on the command line")
+                continue
+            layer.read(name, value, from_cli=False, errors=errors, notes=notes)
+    return layer

@@ -86,13 +86,15 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 200
-    """Steps of linear warmup from near zero up to optimizer.lr."""
+    """Steps of linear warmup up to optimizer.lr: step s (from 0) runs at lr · (s + 1) / warmup_steps."""
     decay_ratio: float | None = None
-    """Fraction of training.steps spent decaying at the end (warmup-stable-decay); unset: decay over all steps after warmup."""
+    """Fraction of the schedule's steps spent decaying at the end (warmup-stable-decay: round(total_steps · decay_ratio) steps); unset: decay over all steps after warmup. As in TorchTitan, the decay ends one step after the last one, so the last step runs just above the minimum."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
     min_lr_factor: float = 0.0
     """Learning rate at the end of decay, as a fraction of optimizer.lr."""
+    total_steps: int | None = None
+    """Steps the schedule spans; unset: training.steps. Set it to stop a run early on the schedule of a longer one."""
 
 
 @dataclass
@@ -155,6 +157,8 @@ class Compile:
     """Compile with torch.compile (inductor): each block on its own (fullgraph) and the loss."""
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
     """What compile.enable compiles: model (its blocks), loss, or both."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor (generates fused kernels: C++ on CPU, Triton on GPU), or another registered backend such as aot_eager (traces without code generation: for debugging)."""
 
 
 @dataclass
@@ -165,6 +169,8 @@ class Metrics:
     """Write TensorBoard event files (rank 0)."""
     save_tb_folder: str = "tb"
     """TensorBoard folder inside job.dump_folder; each run writes its own timestamped subfolder."""
+    disable_color_printing: bool = False
+    """Never colour the console lines (they are coloured only on a terminal, and never when NO_COLOR is set)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; unset: from the table of known GPUs (on CPU and unknown devices MFU is not reported)."""
 
@@ -411,19 +417,25 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
-
-
 def validate_config(c: JobConfig) -> None:
-    """Raise :class:`ConfigError` (one line naming the key) for the first value or combination
-    that is not allowed. Reads the config only; never changes it."""
+    """Raise :class:`ConfigError` for every value or combination that is not allowed: one line
+    each, naming the key. Reads the config only; never changes it."""
+    problems: list[str] = []
+
+    def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            problems.append(f"{key}: invalid value {value!r}; {allowed}")
+
     # Types and enums already ran on load; run them again for configs built in code.
     for section, cls in SECTIONS.items():
         sec = getattr(c, section)
         for name, tp in field_types(cls).items():
-            coerce(f"{section}.{name}", getattr(sec, name), tp, from_cli=False)
+            try:
+                coerce(f"{section}.{name}", getattr(sec, name), tp, from_cli=False)
+            except ConfigError as exc:
+                problems.append(str(exc))
+    if problems:  # the rules below compare values of the right types
+        raise ConfigError("\n".join(problems))
 
     o = c.optimizer
     _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", o.lr, "expected a finite number > 0")
@@ -440,6 +452,8 @@ def validate_config(c: JobConfig) -> None:
                  "expected a number in [0, 1] or unset")
     _require(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", s.min_lr_factor,
              "expected a number in [0, 1]")
+    _require(s.total_steps is None or s.total_steps >= 1, "lr_scheduler.total_steps", s.total_steps,
+             "expected an integer >= 1, or unset (training.steps)")
 
     t = c.training
     _require(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "expected an integer >= 1")
@@ -532,3 +546,5 @@ def validate_config(c: JobConfig) -> None:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
+    if problems:
+        raise ConfigError("\n".join(problems))

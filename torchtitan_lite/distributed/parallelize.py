@@ -35,11 +35,13 @@ def build_sharded_model(
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[BlockPolicy] | None = None,
     compile_model: bool = False,
+    compile_backend: str = "inductor",
     **fsdp_options: Any,
 ) -> nn.Module:
     """Build ``spec.model_cls(args)`` on the meta device; checkpoint its blocks by ``ac_mode`` and
     ``selective_ac_option`` (TorchTitan's settings) or by ``ac_policies`` (one of
-    ``none``/``full``/``op`` per block; see :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``;
+    ``none``/``full``/``op`` per block; see :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
+    (with ``compile_backend``);
     shard it with :func:`~.fsdp.apply_fsdp` over the spec's units (``fsdp_options`` are its
     other keyword arguments); allocate this rank's shards (on CPU under ``cpu_offload``, else on
     ``device``) and fill them with ``init_weights`` from ``seed``. No rank ever holds the full
@@ -50,7 +52,7 @@ def build_sharded_model(
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
                                    selective_ac_option=selective_ac_option, policies=ac_policies)
     if compile_model:
-        compile_blocks(model, blocks=units["blocks"])
+        compile_blocks(model, blocks=units["blocks"], backend=compile_backend)
     apply_fsdp(model, mesh, **units, **fsdp_options)
     model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
