@@ -492,7 +492,9 @@ def test_streamed_dataset_errors_are_one_line(tmp_path: Path, monkeypatch: pytes
     cases = [
         (["--training.dataset", "c4"], ConfigError,
          ["training.dataset", "'c4'", "download", "'parquet'", "training.dataset_path"]),
-        (["--training.dataset", "c4_test"], ConfigError, ["'c4_test'", "'parquet'"]),
+        (["--training.dataset", "c4_test"], DataError,
+         ["training.dataset_path", "'tests/assets/c4_test'", "TorchTitan's default", "working directory"]),
+        (["--training.dataset", "fineweb"], ConfigError, ["HuggingFaceFW/fineweb", "'parquet'", "dataset_path"]),
         (["--validation.enable", "--validation.dataset", "c4_validation"], ConfigError,
          ["validation.dataset", "'c4_validation'", "validation.dataset_path"]),
         (["--training.dataset", "parquet", "--training.dataset_path", str(good),
@@ -544,16 +546,49 @@ def test_datasetdict_folder_names_its_splits(tmp_path: Path) -> None:
     assert ArrowCorpus("arrow", str(folder / "validation")).num_rows == 4
 
 
-def test_c4_json_gz_shards_are_text(tmp_path: Path) -> None:
-    """c4's .json.gz shards (JSON lines, gzip) read as the text dataset."""
+def test_torchtitan_c4_names_read_local_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """c4 / c4_validation with a local copy of allenai/c4's en/ shards read their split's
+    .json.gz files; c4_test reads TorchTitan's tests/assets/c4_test (a data.json of JSON lines)
+    from the working directory; scripts/jsonl_to_parquet.py turns the shards into Parquet files
+    that stream the same documents."""
     import gzip
     import json
 
-    shard = tmp_path / "c4-train.00000-of-01024.json.gz"
-    shard.write_bytes(gzip.compress("".join(json.dumps({"text": d, "url": "u"}) + "\n" for d in DOCS[:5]).encode()))
+    en = tmp_path / "c4" / "en"
+    en.mkdir(parents=True)
+    for name, docs in [("c4-train.00000-of-01024.json.gz", DOCS[:5]), ("c4-train.00001-of-01024.json.gz", DOCS[5:9]),
+                       ("c4-validation.00000-of-00008.json.gz", DOCS[9:12])]:
+        lines = "".join(json.dumps({"text": d, "timestamp": "2019-04-25", "url": "u"}) + "\n" for d in docs)
+        (en / name).write_bytes(gzip.compress(lines.encode()))
     tok = ByteTokenizer()
-    stream = build_token_stream("text", str(tmp_path), tok)
-    assert np.array_equal(stream.read(0, len(stream)), np.concatenate(tok.encode_batch(DOCS[:5])))
+
+    def tokens(dataset: str, path: str | None, section: str = "training") -> np.ndarray:
+        stream = build_token_stream(dataset, path, tok, section=section)
+        return stream.read(0, len(stream))
+
+    assert np.array_equal(tokens("c4", str(tmp_path / "c4")), np.concatenate(tok.encode_batch(DOCS[:9])))
+    assert np.array_equal(tokens("c4_validation", str(en), "validation"),
+                          np.concatenate(tok.encode_batch(DOCS[9:12])))
+
+    assets = tmp_path / "torchtitan" / "tests" / "assets" / "c4_test"
+    assets.mkdir(parents=True)
+    (assets / "data.json").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[20:30]))
+    monkeypatch.chdir(tmp_path / "torchtitan")
+    assert np.array_equal(tokens("c4_test", None), np.concatenate(tok.encode_batch(DOCS[20:30])))
+    config = load_job_config(["--training.dataset", "c4_test"])
+    preflight(config)  # found from the working directory, as TorchTitan finds it
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import jsonl_to_parquet
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "parquet"
+    assert jsonl_to_parquet.main(["--input", str(en), "--output", str(out), "--pattern", "c4-train.*",
+                                  "--rows_per_group", "3"]) == 0
+    assert sorted(f.name for f in out.iterdir()) == ["c4-train.00000-of-01024.parquet", "c4-train.00001-of-01024.parquet"]
+    assert list(ArrowCorpus("parquet", str(out)).texts(0, 9)) == DOCS[:9]
+    assert jsonl_to_parquet.main(["--input", str(en), "--output", str(out), "--pattern", "c4-train.*"]) == 2
 
 
 def test_bench_data_script_runs(tmp_path: Path) -> None:

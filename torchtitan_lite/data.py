@@ -412,19 +412,26 @@ DATASETS: dict[str, str] = {
     "tokens": "pre-tokenized .bin / .npy token files or a folder of them (dataset_path)",
     **STREAMED_DATASETS,
 }
-# TorchTitan's dataset names that download from the Hugging Face Hub: one line on how to point at
-# local files instead (nothing here downloads).
-TORCHTITAN_HUB_DATASETS: dict[str, str] = {
-    "c4": "allenai/c4 (en)", "c4_test": "a slice of allenai/c4 kept in TorchTitan's tests/assets",
-    "c4_validation": "allenai/c4 (en, validation)", "c4_mini": "a slice of allenai/c4",
-    "fineweb": "HuggingFaceFW/fineweb", "fineweb_edu": "HuggingFaceFW/fineweb-edu",
+# TorchTitan's dataset names (its datasets/hf_datasets.py): name -> (its default path, the prefix
+# of the split's files in a local copy of allenai/c4). c4_test is a folder of TorchTitan's
+# repository (JSON lines), read from the working directory as TorchTitan reads it; c4 and
+# c4_validation download allenai/c4 there, so here they need dataset_path = a local copy of its
+# JSON-lines shards (its en/ folder), of which the split's files are read. Both are read whole and
+# tokenized at start-up, like the text dataset.
+TORCHTITAN_DATASETS: dict[str, tuple[str | None, str]] = {
+    "c4_test": ("tests/assets/c4_test", ""),
+    "c4": (None, "c4-train."),
+    "c4_validation": (None, "c4-validation."),
 }
+# Names of datasets TorchTitan users train on that exist only on the Hugging Face Hub.
+HUB_ONLY_DATASETS: dict[str, str] = {"fineweb": "HuggingFaceFW/fineweb", "fineweb_edu": "HuggingFaceFW/fineweb-edu"}
 _SUFFIXES = {"text": (".txt", ".jsonl", ".jsonl.gz", ".json.gz"), "tokens": (".bin", ".npy")}
+_JSON_LINES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+_TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
 def _has_suffix(file: Path, suffixes: tuple[str, ...]) -> bool:
     return file.name.endswith(suffixes)
-_TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
 
 
 def _stdlib_files(dataset: str) -> list[Path]:
@@ -451,14 +458,14 @@ def check_dataset(
     Raises :class:`DataError` naming ``<section>.dataset`` / ``<section>.dataset_path`` (or
     ``key`` for the path, for callers with their own option names).
     """
-    if dataset in TORCHTITAN_HUB_DATASETS:
+    if dataset in HUB_ONLY_DATASETS:
         raise ConfigError(
-            f"{section}.dataset: {dataset!r} is TorchTitan's name for {TORCHTITAN_HUB_DATASETS[dataset]} "
-            f"downloaded from the Hugging Face Hub, and nothing here downloads; point at local files "
-            f"instead: {section}.dataset = 'parquet' with {section}.dataset_path = a folder of its .parquet "
-            f"files, 'arrow' with a datasets save_to_disk folder, or 'text' with .jsonl / .json.gz files "
-            "(c4's shards; read whole at start-up)"
+            f"{section}.dataset: {dataset!r} is {HUB_ONLY_DATASETS[dataset]} on the Hugging Face Hub, and "
+            f"nothing here downloads; download its Parquet files and set {section}.dataset = 'parquet' with "
+            f"{section}.dataset_path = their folder (streamed)"
         )
+    if dataset in TORCHTITAN_DATASETS:
+        return _torchtitan_files(dataset, dataset_path, section, key or f"{section}.dataset_path")
     if dataset not in DATASETS:
         allowed = ", ".join(map(repr, DATASETS))
         raise ConfigError(f"{section}.dataset: invalid value {dataset!r}; expected one of {allowed}")
@@ -496,6 +503,39 @@ def check_dataset(
             f"(needed by {section}.dataset={dataset!r})"
         )
     return [path]
+
+
+def _torchtitan_files(dataset: str, dataset_path: str | None, section: str, key: str) -> list[Path]:
+    """The JSON-lines files a TorchTitan dataset name reads (see :data:`TORCHTITAN_DATASETS`)."""
+    default, prefix = TORCHTITAN_DATASETS[dataset]
+    if dataset_path is None and default is None:
+        raise ConfigError(
+            f"{section}.dataset: {dataset!r} is TorchTitan's allenai/c4 (en) from the Hugging Face Hub, and "
+            f"nothing here downloads; set {section}.dataset_path to a local copy of its JSON-lines shards (the "
+            f"en/ folder of {prefix}*.json.gz files; read whole at start-up), or convert them once with "
+            f"scripts/jsonl_to_parquet.py and set {section}.dataset = 'parquet' (streamed)"
+        )
+    given = dataset_path or default
+    path = Path(given).expanduser()  # type: ignore[arg-type]
+    if not path.exists():
+        where = ("" if dataset_path is not None else
+                 f" (TorchTitan's default for {dataset!r}, relative to the working directory {os.getcwd()!r}: "
+                 f"run from a TorchTitan checkout or set {key})")
+        raise DataError(f"{key}: path not found: {given!r}{where}")
+    if path.is_dir():
+        errors: list[OSError] = []
+        found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
+        if errors:
+            raise _unreadable(key, Path(errors[0].filename or path), errors[0])
+        files = sorted(f for f in found if f.is_file() and _has_suffix(f, _JSON_LINES))
+        split = [f for f in files if prefix and f.name.startswith(prefix)]
+        files = split or files
+    else:
+        files = [path] if _has_suffix(path, _JSON_LINES) else []
+    if not files:
+        raise DataError(f"{key}: {given!r} holds no {' / '.join(_JSON_LINES)} files (JSON lines with a 'text' "
+                        f"field, as {dataset!r} needs)")
+    return files
 
 
 MAX_INVALID_UTF8_FRACTION = 0.001
@@ -555,7 +595,17 @@ def read_documents(files: list[Path], key: str = "training.dataset_path") -> Ite
                 raw = gzip.decompress(raw)
             except (OSError, EOFError, zlib.error) as exc:
                 raise DataError(f"{key}: {str(file)!r} is not a readable gzip file ({exc})") from None
-        if file.name.endswith((".jsonl", ".gz")):
+        if file.suffix == ".json" and raw.lstrip()[:1] == b"[":  # one JSON array of records
+            try:
+                records = json.loads(count.decode(raw, file))
+            except ValueError:
+                records = None
+            if not isinstance(records, list) or not all(
+                    isinstance(r, dict) and isinstance(r.get("text"), str) for r in records):
+                raise DataError(f"{key}: {str(file)!r} is not JSON lines nor a JSON array of objects with a "
+                                "string 'text' field")
+            yield from (r["text"] for r in records if r["text"])
+        elif file.name.endswith((".jsonl", ".json", ".gz")):
             for lineno, line in enumerate(raw.split(b"\n"), start=1):
                 if not line.strip():
                     continue

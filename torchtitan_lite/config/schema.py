@@ -110,7 +110,7 @@ class Training:
     steps: int = 10000
     """Number of optimizer steps."""
     dataset: str = "python_stdlib"
-    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's c4/fineweb names need a download and are refused with a hint."""
+    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's names also work with local files: c4_test (its tests/assets/c4_test, from the working directory), c4 and c4_validation (dataset_path = a local copy of allenai/c4's JSON-lines shards; read at start-up)."""
     dataset_path: str | None = None
     """File or folder read by the text, tokens, parquet and arrow datasets (folders are searched recursively)."""
     dataset_text_column: str = "text"
