@@ -28,6 +28,7 @@ from torchtitan_lite.data import (
     TiktokenTokenizer,
     build_token_stream,
     build_tokenizer,
+    hf_tokenizer_json,
     tokenizer_file,
 )
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -222,6 +223,9 @@ def test_tokenizer_folders(tmp_path: Path, ranks: dict[bytes, int]) -> None:
     write_tiktoken_model(hf_without_json / "original" / "tokenizer.model", ranks)
     assert tokenizer_file(hf_without_json) == hf_without_json / "original" / "tokenizer.model"
     assert build_tokenizer(str(hf_without_json)).vocab_size == len(ranks) + 256
+    # A Hugging Face export copies a tokenizer.json only (a tokenizer.model has no such form).
+    assert hf_tokenizer_json(tok) == (assets / "tokenizer.json").resolve()
+    assert hf_tokenizer_json(build_tokenizer(str(meta))) is None
 
 
 def _one_line(exc: pytest.ExceptionInfo[UserError]) -> str:
