@@ -29,6 +29,7 @@ from torchtitan_lite.data import (
     build_token_stream,
     build_tokenizer,
     hf_tokenizer_json,
+    tiktoken_to_tokenizer_json,
     tokenizer_file,
 )
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -188,14 +189,21 @@ def test_tiktoken_model_gives_meta_ids(tmp_path: Path, ranks: dict[bytes, int]) 
 
 def test_tiktoken_model_matches_transformers_conversion(tmp_path: Path, ranks: dict[bytes, int]) -> None:
     """transformers' TikTokenConverter turns the same file into a tokenizer.json with the same ids
-    for plain text (it matches special-token spellings as special tokens, Meta's encode does not)."""
+    for plain text (it matches special-token spellings as special tokens, Meta's encode does not);
+    ours (for Hugging Face exports) is the same file."""
+    import json
+
+    from tokenizers import Tokenizer
+
     converter = pytest.importorskip("transformers.convert_slow_tokenizer").TikTokenConverter
     model = write_tiktoken_model(tmp_path / "tokenizer.model", ranks)
     tok = TiktokenTokenizer(model)
     hf = converter(vocab_file=str(model), pattern=META_PAT_STR,
                    extra_special_tokens=list(meta_encoding(ranks)._special_tokens)).converted()
-    for text in [s for s in SAMPLES if "<|" not in s]:
-        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text, bos=False, eos=False), text
+    ours = Tokenizer.from_file(str(tiktoken_to_tokenizer_json(tok, tmp_path / "tokenizer.json")))
+    assert json.loads(ours.to_str()) == json.loads(hf.to_str())
+    for text in [s for s in SAMPLES if "<|" not in s] + stdlib_docs(30):
+        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text, bos=False, eos=False), text[:40]
 
 
 def test_tokenizer_folders(tmp_path: Path, ranks: dict[bytes, int]) -> None:
@@ -223,9 +231,12 @@ def test_tokenizer_folders(tmp_path: Path, ranks: dict[bytes, int]) -> None:
     write_tiktoken_model(hf_without_json / "original" / "tokenizer.model", ranks)
     assert tokenizer_file(hf_without_json) == hf_without_json / "original" / "tokenizer.model"
     assert build_tokenizer(str(hf_without_json)).vocab_size == len(ranks) + 256
-    # A Hugging Face export copies a tokenizer.json only (a tokenizer.model has no such form).
+    # A Hugging Face export copies a tokenizer.json; a tokenizer.model is converted when asked.
     assert hf_tokenizer_json(tok) == (assets / "tokenizer.json").resolve()
     assert hf_tokenizer_json(build_tokenizer(str(meta))) is None
+    converted = hf_tokenizer_json(build_tokenizer(str(meta)), convert=True)
+    assert converted is not None and converted.name == "tokenizer.json" and converted.is_file()
+    assert hf_tokenizer_json(ByteTokenizer(), convert=True) is None
 
 
 def _one_line(exc: pytest.ExceptionInfo[UserError]) -> str:
@@ -416,7 +427,8 @@ def test_tiktoken_and_parquet_train_and_validate(tmp_path: Path, assets: Path) -
     argv = _argv(tmp_path, assets, "--training.steps", "16", "--training.local_batch_size", "4",
                  "--optimizer.lr", "1e-2", "--validation.enable", "--validation.dataset", "parquet",
                  "--validation.dataset_path", str(assets / "val"), "--validation.freq", "16",
-                 "--validation.steps", "2")
+                 "--validation.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "100",
+                 "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf")
     (result,) = run_distributed(_train, 1, argv)
     assert result["loader"] == "StreamingLoader"
     losses = _losses(result)
@@ -427,6 +439,16 @@ def test_tiktoken_and_parquet_train_and_validate(tmp_path: Path, assets: Path) -
     validation = [h for h in result["history"] if "validation_loss" in h]
     assert len(validation) == 1 and math.isfinite(validation[0]["validation_loss"])
     assert validation[0]["validation_tokens"] == 2 * 4 * 32  # validation.steps × global batch × seq_len
+    # The Hugging Face export holds the tokenizer.model written as a tokenizer.json (what
+    # transformers' TikTokenConverter writes), with the same ids for plain text.
+    transformers = pytest.importorskip("transformers")
+    export = tmp_path / "checkpoint" / "step-16"
+    hf = transformers.AutoTokenizer.from_pretrained(str(export))
+    tok = build_tokenizer(str(assets / "tokenizer"))
+    assert (hf.bos_token, hf.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (hf.bos_token_id, hf.eos_token_id) == (tok.bos_id, tok.eos_id)
+    for text in [s for s in SAMPLES if "<|" not in s] + stdlib_docs(10):
+        assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False, eos=False)
 
 
 def test_resume_mid_parquet_is_exact_on_two_ranks_and_one(tmp_path: Path, assets: Path) -> None:

@@ -76,6 +76,7 @@ __all__ = [
     "padded_batch",
     "read_documents",
     "read_tiktoken_ranks",
+    "tiktoken_to_tokenizer_json",
     "tokenizer_file",
     "token_dtype_for",
 ]
@@ -337,6 +338,7 @@ class TiktokenTokenizer:
         ranks = read_tiktoken_ranks(file, key=key)
         self.path = file
         self.num_base_tokens = len(ranks)
+        self.ranks = ranks
         self.special_tokens = {token: len(ranks) + i for i, token in enumerate(TIKTOKEN_SPECIAL_TOKENS)}
         try:
             self._enc = tiktoken.Encoding(name=file.name, pat_str=TIKTOKEN_PAT_STR, mergeable_ranks=ranks,
@@ -391,10 +393,70 @@ def build_tokenizer(tokenizer_path: str | Path | None) -> Tokenizer:
     return HFTokenizer(file) if _is_hf_json(file) else TiktokenTokenizer(file)
 
 
-def hf_tokenizer_json(tokenizer: Tokenizer) -> Path | None:
-    """The ``tokenizer.json`` a Hugging Face export copies (None: the tokenizer has no such file,
-    e.g. the byte tokenizer or a tiktoken ``tokenizer.model``)."""
-    return tokenizer.path.resolve() if isinstance(tokenizer, HFTokenizer) else None
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: a printable character for each byte (what byte-level BPE
+    tokenizer.json files spell tokens with)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def tiktoken_to_tokenizer_json(tokenizer: TiktokenTokenizer, path: str | Path) -> Path:
+    """Write a tiktoken ``tokenizer.model`` as a Hugging Face ``tokenizer.json``: byte-level BPE
+    with the merges its ranks imply, tiktoken's whole-piece lookup first (``ignore_merges``), the
+    same pattern and the 256 special tokens at the same ids, as transformers'
+    ``TikTokenConverter`` writes it. Plain text gets the same ids; the file matches special-token
+    spellings as special tokens (Meta's encode reads them as text) and does not cut texts of over
+    400 000 characters."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _HFTokenizer
+
+    ranks, alphabet = tokenizer.ranks, _bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    merges: list[tuple[bytes, bytes, int]] = []
+    for token, rank in ranks.items():
+        pairs = [(token[:i], token[i:], rank) for i in range(1, len(token))
+                 if token[:i] in ranks and token[i:] in ranks]
+        merges.extend(sorted(pairs, key=lambda m: (ranks[m[0]], ranks[m[1]])))
+    merges.sort(key=lambda m: m[2])
+    bpe = models.BPE({spell(t): r for t, r in ranks.items()}, [(spell(a), spell(b)) for a, b, _ in merges],
+                     fuse_unk=False, byte_fallback=False, ignore_merges=True)
+    out = _HFTokenizer(bpe)
+    out.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(TIKTOKEN_PAT_STR), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    out.decoder = decoders.ByteLevel()
+    out.post_processor = processors.ByteLevel(trim_offsets=False)
+    out.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TIKTOKEN_SPECIAL_TOKENS])
+    path = Path(path)
+    out.save(str(path))
+    return path
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer, *, convert: bool = False) -> Path | None:
+    """The ``tokenizer.json`` a Hugging Face export copies: an HF tokenizer's own file; with
+    ``convert``, a tiktoken ``tokenizer.model`` written as one (:func:`tiktoken_to_tokenizer_json`,
+    into a temporary folder removed at exit); None for the byte tokenizer (no such form)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.path.resolve()
+    if isinstance(tokenizer, TiktokenTokenizer) and convert:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="torchtitan_lite_tokenizer_")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return tiktoken_to_tokenizer_json(tokenizer, Path(folder) / "tokenizer.json")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

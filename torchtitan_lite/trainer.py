@@ -239,7 +239,7 @@ class Trainer:
                             for key, value in values.items()},
                 hf_extras=HFExportExtras(
                     bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
-                    tokenizer_file=hf_tokenizer_json(plan.tokenizer)),
+                    tokenizer_file=hf_tokenizer_json(plan.tokenizer, convert=ck.last_save_in_hf and self.rank == 0)),
             )
             # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
             state = None if ck.create_seed_checkpoint else self.checkpointer.load()
