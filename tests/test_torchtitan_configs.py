@@ -218,8 +218,7 @@ def test_migration_doc_is_generated_from_the_table():
 # Each layout's debug_model.toml and llama3_8b.toml train unchanged (2 steps, 1 CPU process)
 # --------------------------------------------------------------------------------------------
 
-CPU_SIZE = ["--training.steps", "2", "--training.seq_len", "64", "--model.flavor", "debugmodel",
-            "--training.mixed_precision_param", "float32"]
+CPU_SIZE = ["--training.steps", "2", "--training.seq_len", "64", "--model.flavor", "debugmodel"]
 
 
 def _tiktoken_model(path: Path) -> None:
