@@ -3,10 +3,12 @@
 
     python scripts/jsonl_to_parquet.py --input c4/en --output c4_parquet [--pattern 'c4-train.*'] [--column text]
 
-Each input file becomes one ``.parquet`` file of the same name (the ``text`` column, or
-``--column``, and nothing else), written in row groups of ``--rows_per_group`` rows while the input
-is read line by line, so memory stays small whatever the shard's size. Existing outputs are never
-overwritten.
+Each input file becomes one ``.parquet`` file of the same name, in the same subfolder under
+``--output`` as it stood under ``--input`` (the ``text`` column, or ``--column``, and nothing
+else), written in row groups of ``--rows_per_group`` rows while the input is read line by line, so
+memory stays small whatever the shard's size. A finished output is never overwritten: a second
+run skips the files already converted and goes on with the rest (a file is written as
+``.partial`` and renamed when complete).
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no {' / '.join(_SUFFIXES)} files matching {args.pattern!r} in {str(source)!r}", file=sys.stderr)
         return 2
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     for file in files:
         stem = next(file.name[: -len(s)] for s in _SUFFIXES if file.name.endswith(s))
-        target = out / f"{stem}.parquet"
+        folder = out / (file.parent.relative_to(source) if source.is_dir() else Path())
+        target = folder / f"{stem}.parquet"
         if target.exists():
-            print(f"error: {str(target)!r} exists; not overwritten", file=sys.stderr)
-            return 2
+            print(f"{file}: {target} exists (converted before); skipped")
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
         rows = convert(file, target, column=args.column, rows_per_group=args.rows_per_group)
         print(f"{file} -> {target}: {rows} rows")
     return 0

@@ -404,3 +404,15 @@ def test_every_broken_rule_between_values_is_one_line_at_once(capsys: pytest.Cap
     for key in ("optimizer.lr", "training.max_rollbacks", "lr_scheduler.decay_ratio", "checkpoint.keep_latest_k",
                 "parallelism.memory_budget_gib"):
         assert sum(line.startswith(f"error: {key}: ") for line in lines) == 1, (key, lines)
+
+
+def test_compile_backend_is_checked_against_torchs_registry() -> None:
+    """compile.backend: any registered backend (aot_eager, a debugging one, included); another
+    name is one line listing the usual ones."""
+    from torchtitan_lite.job import plan_job
+
+    plan = plan_job(load_job_config(["--compile.enable", "--compile.backend", "aot_eager"]), world_size=1)
+    assert plan.world_size == 1
+    with pytest.raises(ConfigError, match=r"compile.backend: invalid value 'nope'; expected a registered "
+                                          r"torch.compile backend, e.g. .*inductor.*aot_eager"):
+        plan_job(load_job_config(["--compile.enable", "--compile.backend", "nope"]), world_size=1)

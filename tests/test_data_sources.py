@@ -337,9 +337,13 @@ def test_state_resumes_exactly_on_any_world_size(tmp_path: Path, dp: int) -> Non
     resumed = [_loader(corpus, local_bs=4 // dp, rank=r, dp=dp) for r in range(dp)]
     for loader in resumed:
         loader.load_state_dict(state)
-    assert resumed[0].state_dict() == state if dp == 1 else True
+    if dp == 1:
+        assert resumed[0].state_dict() == state
     for step in range(7, 20):
         assert torch.equal(torch.cat([_rows(r) for r in resumed]), expected[step]), step
+    # The ranks' sample positions together are the uninterrupted loader's (what gather_state saves).
+    together = {s.index: s.position() for loader in resumed for s in loader._streams}
+    assert together == {s.index: s.position() for s in full._streams}
 
 
 def test_state_from_another_run_is_refused(tmp_path: Path) -> None:
@@ -382,12 +386,12 @@ def _train(argv: list[str]) -> dict[str, Any]:
     trainer = Trainer(load_job_config(argv))
     start = trainer.step
     original = trainer.loader.next_batch
-    digests: dict[int, str] = {}
+    digests: dict[int, list[str]] = {}  # step -> a digest of each window this rank read, in order
 
     def recording() -> list[tuple[torch.Tensor, torch.Tensor]]:
         micro = original()
         rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro])
-        digests[trainer.step + 1] = hashlib.sha1(rows.numpy().tobytes()).hexdigest()
+        digests[trainer.step + 1] = [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in rows]
         return micro
 
     trainer.loader.next_batch = recording  # type: ignore[method-assign]
@@ -469,7 +473,8 @@ def test_resume_mid_parquet_is_exact_on_two_ranks_and_one(tmp_path: Path, assets
             assert got == expected, (got, expected)  # bit-identical
             for rank in range(2):
                 assert resumed[rank]["digests"] == {s: full[rank]["digests"][s] for s in range(5, 9)}
-        else:
+        else:  # the one rank reads rank 0's windows, then rank 1's, of each global batch
+            assert resumed[0]["digests"] == {s: full[0]["digests"][s] + full[1]["digests"][s] for s in range(5, 9)}
             for g, e in zip(got, expected, strict=True):
                 assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
 
@@ -592,6 +597,11 @@ def test_torchtitan_c4_names_read_local_json_lines(tmp_path: Path, monkeypatch: 
         stream = build_token_stream(dataset, path, tok, section=section)
         return stream.read(0, len(stream))
 
+    # Other variants of c4 beside en/ are not read (TorchTitan loads the "en" configuration).
+    other = tmp_path / "c4" / "en.noblocklist"
+    other.mkdir()
+    (other / "c4-train.00000-of-01024.json.gz").write_bytes(
+        gzip.compress((json.dumps({"text": "not en"}) + "\n").encode()))
     assert np.array_equal(tokens("c4", str(tmp_path / "c4")), np.concatenate(tok.encode_batch(DOCS[:9])))
     assert np.array_equal(tokens("c4_validation", str(en), "validation"),
                           np.concatenate(tok.encode_batch(DOCS[9:12])))
@@ -614,7 +624,18 @@ def test_torchtitan_c4_names_read_local_json_lines(tmp_path: Path, monkeypatch: 
                                   "--rows_per_group", "3"]) == 0
     assert sorted(f.name for f in out.iterdir()) == ["c4-train.00000-of-01024.parquet", "c4-train.00001-of-01024.parquet"]
     assert list(ArrowCorpus("parquet", str(out)).texts(0, 9)) == DOCS[:9]
-    assert jsonl_to_parquet.main(["--input", str(en), "--output", str(out), "--pattern", "c4-train.*"]) == 2
+    # A second run (an interrupted conversion started again) skips the finished files and writes
+    # the rest; subfolders are kept, so shards of one name in two variants do not collide.
+    first = (out / "c4-train.00000-of-01024.parquet").stat().st_mtime_ns
+    (out / "c4-train.00001-of-01024.parquet").unlink()
+    assert jsonl_to_parquet.main(["--input", str(tmp_path / "c4"), "--output", str(out / "all"),
+                                  "--pattern", "c4-train.*"]) == 0
+    assert sorted(str(f.relative_to(out / "all")) for f in (out / "all").rglob("*.parquet")) == [
+        "en.noblocklist/c4-train.00000-of-01024.parquet", "en/c4-train.00000-of-01024.parquet",
+        "en/c4-train.00001-of-01024.parquet"]
+    assert jsonl_to_parquet.main(["--input", str(en), "--output", str(out), "--pattern", "c4-train.*"]) == 0
+    assert (out / "c4-train.00000-of-01024.parquet").stat().st_mtime_ns == first
+    assert list(ArrowCorpus("parquet", str(out / "c4-train.00001-of-01024.parquet")).texts(0, 4)) == DOCS[5:9]
 
 
 def test_bench_data_script_runs(tmp_path: Path) -> None:

@@ -133,11 +133,34 @@ def test_lr_of_every_step_equals_torchtitans_formula(decay_type, total, warmup, 
     assert used == pytest.approx(expected, rel=1e-12, abs=0)
 
 
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("Adam", torch.optim.Adam)])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
+def test_build_optimizer(name, cls, impl):
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, Optimizer(name=name, lr=1e-3, beta1=0.8, beta2=0.9,
+                                           weight_decay=0.05, implementation=impl))
+    assert isinstance(opt, cls)
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.9) and group["weight_decay"] == 0.05
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+
 def test_total_steps_keeps_a_longer_runs_schedule():
-    """lr_scheduler.total_steps: a 10-step run on the schedule of a 100-step one."""
+    """lr_scheduler.total_steps: a 10-step run on the schedule of a 100-step one (the plan's
+    schedule_steps); shorter than the run is refused (the lr would go below the minimum)."""
+    from torchtitan_lite.config import ConfigError, load_job_config
+    from torchtitan_lite.job import plan_job
+
+    assert plan_job(load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "100"]),
+                    world_size=1).schedule_steps == 100
+    assert plan_job(load_job_config(["--training.steps", "10"]), world_size=1).schedule_steps == 10
+    with pytest.raises(ConfigError, match=r"lr_scheduler.total_steps: invalid value 5; expected at least "
+                                          r"training.steps = 10"):
+        load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "5"])
     model = torch.nn.Linear(2, 2)
     opt = build_optimizer(model, Optimizer(lr=1.0, implementation="for-loop"))
-    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4, total_steps=100), total_steps=10)
+    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=4), total_steps=100)
     used = []
     for _ in range(10):
         used.append(opt.param_groups[0]["lr"])

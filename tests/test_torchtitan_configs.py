@@ -16,6 +16,7 @@ import pytest
 from tests.dist_utils import REPO_ROOT, read_jsonl
 from torchtitan_lite import train
 from torchtitan_lite.config import ConfigError, load_job_config
+from torchtitan_lite.config.cli import tomllib
 from torchtitan_lite.config.schema import SECTIONS, field_types
 from torchtitan_lite.config.torchtitan import ERAS, TORCHTITAN_KEYS, lookup, migration_markdown
 
@@ -31,6 +32,11 @@ def _era_keys(era: str) -> list[str]:
         elif section and (m := re.match(r"#? ?(\w+) = ", line)):
             keys.append(f"{section}.{m.group(1)}")
     return keys
+
+
+def _flat(table: dict, prefix: str = "") -> list[str]:
+    return [k for key, v in table.items()
+            for k in (_flat(v, f"{prefix}{key}.") if isinstance(v, dict) else [f"{prefix}{key}"])]
 
 
 def _ours(name: str) -> bool:
@@ -57,9 +63,12 @@ def test_every_key_of_each_layout_is_ours_or_in_the_table(era):
 def test_every_key_at_torchtitans_default_loads(era):
     notes: list[str] = []
     config = load_job_config(["--job.config_file", str(ASSETS / era / "all_keys_at_defaults.toml")], notes=notes)
-    renamed = [k for k in _era_keys(era) if (e := lookup(k)) is not None and e.kind == "alias"]
+    set_keys = _flat(tomllib.loads((ASSETS / era / "all_keys_at_defaults.toml").read_text()))
+    renamed = {k for k in set_keys if (e := lookup(k)) is not None and e.kind == "alias"}
+    no_effect = {k for k in set_keys if (e := lookup(k)) is not None and e.kind == "off" and e.neutral_text == "any value"}
     noted = {re.match(r"'?([\w.]+)'?", n).group(1) for n in notes}
-    assert noted <= set(renamed)
+    assert noted == renamed | no_effect, (noted ^ (renamed | no_effect))
+    assert all(re.search(r"is TorchTitan's name \(|has no effect here: \w", n) for n in notes), notes
     if era == "2025-02":
         assert config.training.local_batch_size == 8 and config.lr_scheduler.warmup_steps == 200
         assert "training.batch_size" in noted and "checkpoint.enable_checkpoint" in noted
@@ -90,10 +99,18 @@ enable = true
 replica_id = 3
 [quantize.linear.float8]
 enable_fsdp_float8_all_gather = true
+[activation_checkpoint]
+mode = "memory_budget"
 """)
     assert train.main(["--job.config_file", path]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 5, lines
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [x for x in err if not x.startswith("note: ")]
+    assert len(lines) == 6, lines
+    # Keys that change nothing are noted, also when the config is refused.
+    assert "note: 'parallelism.pipeline_parallel_schedule' (TorchTitan) has no effect here: used only with " \
+           "pipeline parallelism" in err, err
+    assert any("activation_checkpoint.mode = 'memory_budget' asks for activation checkpointing under a memory "
+               "budget" in x and "reshard_after_forward_mode" in x for x in lines), lines
     for key, feature in [("parallelism.tensor_parallel_degree = 2", "tensor parallelism"),
                          ("parallelism.context_parallel_degree = 4", "context parallelism"),
                          ("metrics.enable_wandb = true", "Weights & Biases"),
@@ -156,11 +173,24 @@ def test_two_names_of_one_key_must_agree(tmp_path):
 
 
 def test_hf_assets_path_is_also_the_initial_load_with_initial_load_in_hf(tmp_path):
-    path = _write(tmp_path, '[model]\nhf_assets_path = "assets/hf/x"\n[checkpoint]\ninitial_load_in_hf = true\n')
+    """As in TorchTitan: with checkpointing on and initial_load_in_hf, hf_assets_path is also the
+    Hugging Face folder to start from (unless initial_load_path is given); without checkpointing
+    nothing is loaded; a tokenizer_path beside it wins for the tokenizer."""
+    path = _write(tmp_path, '[model]\nhf_assets_path = "assets/hf/x"\n'
+                            '[checkpoint]\nenable = true\ninitial_load_in_hf = true\n')
     config = load_job_config(["--job.config_file", path])
     assert config.model.tokenizer_path == "assets/hf/x" and config.checkpoint.initial_load_path == "assets/hf/x"
     config = load_job_config(["--job.config_file", path, "--checkpoint.initial_load_path", "other"])
     assert config.checkpoint.initial_load_path == "other"
+    config = load_job_config(["--job.config_file", path, "--checkpoint.no-enable",
+                              "--checkpoint.no-initial_load_in_hf"])
+    assert config.checkpoint.initial_load_path is None
+    notes: list[str] = []
+    both = _write(tmp_path, '[model]\nhf_assets_path = "assets/hf/x"\ntokenizer_path = "tok.model"\n'
+                            '[checkpoint]\nenable = true\ninitial_load_in_hf = true\n')
+    config = load_job_config(["--job.config_file", both], notes=notes)
+    assert config.model.tokenizer_path == "tok.model" and config.checkpoint.initial_load_path == "assets/hf/x"
+    assert any("'model.tokenizer_path' is the tokenizer" in n for n in notes), notes
 
 
 # Unknown keys: a hint only when it is the same setting. The first group were wrong hints of
@@ -181,6 +211,16 @@ def test_hf_assets_path_is_also_the_initial_load_with_initial_load_in_hf(tmp_pat
     ("--activation_checkpointing.mode", "activation_checkpoint.mode"),
     ("--job.use_for_tests", None),
     ("--float16.emulate", None),
+    # A key of that name elsewhere is no hint when the section has a close spelling, or when
+    # the name never moved between sections.
+    ("--checkpoint.enabled", "checkpoint.enable"),
+    ("--compile.enabled", "compile.enable"),
+    ("--metrics.enabled", None),
+    ("--profiling.folder", None),
+    ("--validation.interval", None),
+    ("--validation.log_freq", None),
+    ("--validation.max_norm", None),
+    ("--checkpoint.deterministic", "debug.deterministic"),  # TorchTitan's training.deterministic moved
 ])
 def test_did_you_mean_only_for_the_same_setting(arg, hint):
     with pytest.raises(ConfigError) as err:

@@ -304,8 +304,10 @@ class _Stream:
     """Rows ``[lo, hi)`` tokenized as needed and packed back to back, forever (epoch after
     epoch). Its position is the first row not yet fully used and how many of its tokens were."""
 
-    def __init__(self, corpus: ArrowCorpus, tokenizer: _Encoder, lo: int, hi: int, index: int) -> None:
+    def __init__(self, corpus: ArrowCorpus, tokenizer: _Encoder, lo: int, hi: int, index: int,
+                 wrapped: set[int]) -> None:
         self.corpus, self.tokenizer, self.lo, self.hi, self.index = corpus, tokenizer, lo, hi, index
+        self.wrapped = wrapped  # epochs some sample of this rank has begun (shared by its samples)
         self.pending: deque[tuple[int, int, np.ndarray]] = deque()  # (epoch, row, tokens)
         self.used = 0  # tokens of pending[0] already in windows
         self.seek(0, lo, 0)
@@ -370,9 +372,11 @@ class _Stream:
             epoch, _, ids = self.pending[0]
             if epoch > self.used_epoch:
                 self.used_epoch = epoch
-                if self.index == 0:
-                    logger.info("training data: sample 0 has used all %d of its rows; epoch %d of them begins",
-                                self.hi - self.lo, epoch)
+                if epoch not in self.wrapped:  # the first of this rank's samples to read its rows again
+                    self.wrapped.add(epoch)
+                    logger.warning("training data: sample %d has used all %d of its rows (%d..%d) and reads them "
+                                   "again (epoch %d); this rank's other samples follow as theirs run out",
+                                   self.index, self.hi - self.lo, self.lo, self.hi - 1, epoch)
             k = min(n - filled, len(ids) - self.used)
             out[filled : filled + k] = ids[self.used : self.used + k]
             filled += k
@@ -429,7 +433,8 @@ class StreamingLoader:
         bounds = [p * corpus.num_rows // global_batch_size for p in range(global_batch_size + 1)]
         self.bounds = bounds
         self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        self._streams = [_Stream(corpus, tokenizer, bounds[p], bounds[p + 1], p) for p in self._mine]
+        wrapped: set[int] = set()
+        self._streams = [_Stream(corpus, tokenizer, bounds[p], bounds[p + 1], p, wrapped) for p in self._mine]
         self._all: list[list[int]] | None = None  # every sample's position at step _all_step
         self._all_step = -1
 

@@ -584,6 +584,10 @@ def _torchtitan_files(dataset: str, dataset_path: str | None, section: str, key:
                  f" (TorchTitan's default for {dataset!r}, relative to the working directory {os.getcwd()!r}: "
                  f"run from a TorchTitan checkout or set {key})")
         raise DataError(f"{key}: path not found: {given!r}{where}")
+    if path.is_dir() and prefix and (path / "en").is_dir():
+        # The root of a copy of allenai/c4: TorchTitan reads its "en" variant only (not
+        # en.noblocklist, en.noclean or realnewslike beside it).
+        path = path / "en"
     if path.is_dir():
         errors: list[OSError] = []
         found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
@@ -951,6 +955,10 @@ class GlobalBatchLoader:
             chunk = data[m * self.local_batch_size : (m + 1) * self.local_batch_size]
             micro.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
         return micro
+
+    def gather_state(self) -> None:
+        """Nothing to gather: the position is the same on every rank (the checkpoint manager calls
+        it before every save, as the streaming loader needs)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The exact position as plain data: global batches consumed, plus what gives it meaning."""

@@ -115,6 +115,8 @@ class JobPlan:
     """Validation windows per batch over all ranks."""
     val_seq_len: int
     """Tokens per validation window."""
+    schedule_steps: int
+    """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
 
     @property
     def dp_size(self) -> int:
@@ -208,9 +210,9 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     if config.compile.enable:
         import torch._dynamo
 
-        backends = torch._dynamo.list_backends()
-        _require(config.compile.backend in backends, "compile.backend", config.compile.backend,
-                 f"expected a registered torch.compile backend: {', '.join(backends)}")
+        usual = [*torch._dynamo.list_backends(), "aot_eager", "eager"]
+        _require(config.compile.backend in torch._dynamo.list_backends(exclude_tags=()), "compile.backend",
+                 config.compile.backend, f"expected a registered torch.compile backend, e.g. {', '.join(usual)}")
     if config.checkpoint.create_seed_checkpoint:
         _require(world_size == 1, "checkpoint.create_seed_checkpoint", True,
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "
@@ -234,4 +236,5 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         reduce_dtype=DTYPES[t.mixed_precision_reduce], val_local_batch_size=val_local,
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
+        schedule_steps=config.lr_scheduler.total_steps or t.steps,
     )

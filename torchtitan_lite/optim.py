@@ -113,13 +113,13 @@ def lr_factor(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, *, total_steps: int
 ) -> LambdaLR:
-    """``LambdaLR`` following :func:`lr_factor` over ``cfg.total_steps`` steps when set, else
-    ``total_steps`` (the run's); call ``step()`` once after each optimizer step."""
+    """``LambdaLR`` following :func:`lr_factor` over ``total_steps`` steps (the job plan's
+    ``schedule_steps``); call ``step()`` once after each optimizer step."""
     return LambdaLR(
         optimizer,
         functools.partial(
             lr_factor,
-            total_steps=cfg.total_steps if cfg.total_steps is not None else total_steps,
+            total_steps=total_steps,
             warmup_steps=cfg.warmup_steps,
             decay_ratio=cfg.decay_ratio,
             decay_type=cfg.decay_type,

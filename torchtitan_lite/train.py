@@ -42,6 +42,13 @@ def _report(error: UserError, local_rank: int) -> int:
     return error.exit_code
 
 
+def _print_notes(notes: list[str], local_rank: int) -> None:
+    """The config's ``note:`` lines (TorchTitan's names read as ours), from local rank 0."""
+    if local_rank == 0:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: load, check and plan the job (a bad config exits 2 before any process group),
     then train. Returns the exit code."""
@@ -56,10 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         preflight(config)
         plan = plan_job(config, world_size=world_size, local_world_size=local_world_size_from_env())
     except UserError as exc:
+        _print_notes(notes, local_rank)  # e.g. that a key the error names was read under its new name
         return _report(exc, local_rank)
-    if local_rank == 0:
-        for note in notes:  # TorchTitan's names read as ours
-            print(f"note: {note}", file=sys.stderr)
+    _print_notes(notes, local_rank)
     _setup_logging(rank)
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:

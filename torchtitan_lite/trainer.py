@@ -214,7 +214,7 @@ class Trainer:
         self.loss_fn = (compile_loss(token_loss_sum, backend=config.compile.backend) if compile_the_loss
                         else token_loss_sum)
 
-        schedule_steps = config.lr_scheduler.total_steps or t.steps
+        schedule_steps = plan.schedule_steps
         if config.lr_scheduler.warmup_steps >= schedule_steps and self.rank == 0:
             logger.warning(
                 "lr_scheduler.warmup_steps=%d >= the schedule's %d steps: warmup is cut to %d steps "
@@ -222,9 +222,7 @@ class Trainer:
                 config.lr_scheduler.warmup_steps, schedule_steps, schedule_steps,
             )
         self.optimizer = build_optimizer(model, config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, config.lr_scheduler, total_steps=t.steps
-        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, total_steps=schedule_steps)
         self.step = 0
         self.tokens_seen = 0
         self._rollbacks = 0
@@ -460,8 +458,6 @@ class Trainer:
             if not self._weights_finite():
                 raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
                                     "no checkpoint was written from them; lower optimizer.lr")
-            if isinstance(self.loader, StreamingLoader):
-                self.loader.gather_state()  # every rank's data position into the saved state
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
         gc_handler.run(self.step)
         return {"step": self.step, **values}

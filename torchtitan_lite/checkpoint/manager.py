@@ -290,6 +290,8 @@ class CheckpointManager:
         rng: list[Any] = [None] * self.world_size
         if step > 0:
             dist.all_gather_object(rng, _rng_state())
+        if not model_only:
+            self.loader.gather_state()  # every rank's data position into the state rank 0 saves
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             if staging.exists():

@@ -81,17 +81,23 @@ def _setting(name: str) -> str:
 
 
 def _hint(name: str) -> str:
-    """``; did you mean '...'?`` only when the suggestion is the same setting: a key of that name
-    in exactly one other section (ours or TorchTitan's), else a close spelling in its section."""
+    """``; did you mean '...'?`` only when the suggestion is the same setting: a spelling within a
+    few edits of a key of its own section, else the one setting of that name that TorchTitan moved
+    between sections (``training.seed`` → ``debug.seed``); nothing when there are two."""
     section, _, key = name.partition(".")
-    last = name.rsplit(".", 1)[-1]
-    every = [k for s in _sections() for k in _keys_of(s)]
-    same_name = {_setting(k) for k in every if k.rsplit(".", 1)[-1] == last and k != name}
-    if len(same_name) == 1:
-        return f"; did you mean '{same_name.pop()}'?"
     if section in _sections():
         close = _close(key, [k.split(".", 1)[1] for k in _keys_of(section)])
-        return f"; did you mean '{section}.{close}'?" if close else ""
+        if close is not None:
+            return f"; did you mean '{section}.{close}'?"
+    last = name.rsplit(".", 1)[-1]
+    every = [k for s in _sections() for k in _keys_of(s)]
+    named = [k for k in every if k.rsplit(".", 1)[-1] == last and k != name]
+    moved = len({k.split(".")[0] for k in named}) > 1  # the name stood in several sections
+    settings = {_setting(k) for k in named}
+    if moved and len(settings) == 1:
+        return f"; did you mean '{settings.pop()}'?"
+    if section in _sections():
+        return ""
     close_section = _close(section, _sections())
     if close_section is not None:
         candidate = f"{close_section}.{key}"
@@ -122,13 +128,18 @@ class _Layer:
 
     where: str
     values: dict[str, tuple[str, Any]] = field(default_factory=dict)  # our key -> (name as given, value)
+    hf_assets: str | None = None  # TorchTitan's model.hf_assets_path, as given
 
     def read(self, name: str, raw: Any, *, from_cli: bool, errors: list[str], notes: list[str]) -> None:
         """Check ``name = raw`` and record what it sets; problems go to ``errors``."""
         try:
             tp, entry = _field(name, where=self.where)
             if entry is not None and entry.kind == "off" and entry.neutral is torchtitan.ANY:
+                notes.append(f"'{name}' (TorchTitan) has no effect here: {entry.remark}")
                 return  # accepted whatever its value: it changes nothing here
+            if entry is None and isinstance(raw, str) and (name, raw) in torchtitan.LACKING_VALUES:
+                raise ConfigError(f"{name} = {raw!r} asks for {torchtitan.LACKING_VALUES[(name, raw)]}, which "
+                                  f"torchtitan_lite does not have; expected {allowed_values(tp)}")
             if entry is None and isinstance(raw, str) and (name, raw) in torchtitan.VALUE_ALIASES:
                 ours, differs = torchtitan.VALUE_ALIASES[(name, raw)]
                 notes.append(f"{name} = {raw!r} is TorchTitan's spelling of {ours!r}; {differs}")
@@ -145,14 +156,21 @@ class _Layer:
             value = coerce(target, value, field_types(SECTIONS[section])[key], from_cli=False)
             differs = f"; {entry.differs}" if entry.differs else ""
             notes.append(f"'{name}' is TorchTitan's name ({', '.join(entry.eras)}) of '{target}'{differs}")
+            if name == "model.hf_assets_path":
+                self.hf_assets = value
             self._set(target, name, value)
         except ConfigError as exc:
             errors.append(str(exc))
 
     def _set(self, target: str, name: str, value: Any) -> None:
         if target in self.values and self.values[target][0] != name and self.values[target][1] != value:
-            # The same key twice: the last one wins; two names of one key must agree.
+            # The same key twice: the last one wins; two names of one key must agree, but for
+            # TorchTitan's tokenizer_path, which wins over its hf_assets_path as it does there.
             other, before = self.values[target]
+            if {name, other} == {"model.tokenizer_path", "model.hf_assets_path"}:
+                if name == "model.tokenizer_path":
+                    self.values[target] = (name, value)
+                return
             raise ConfigError(
                 f"'{other}' = {before!r} and '{name}' = {value!r} in {self.where} both set '{target}'; keep one"
             )
@@ -239,6 +257,8 @@ def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
         "",
         "Settings load as: defaults < TOML file < command line. Booleans: --section.flag, "
         "--section.no-flag or an explicit true/false; lists are comma-separated.",
+        "TorchTitan's TOML keys of its three TOML layouts are accepted as well (renamed ones with a note); "
+        "docs/migrating_from_torchtitan.md lists them.",
     ]
     for section, cls in SECTIONS.items():
         lines.append("")
@@ -287,12 +307,16 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
     if config_file:
         config.job.config_file = str(config_file)
     given = {**toml.values, **cli.values}
-    if given.get("model.tokenizer_path", ("",))[0] == "model.hf_assets_path" and config.checkpoint.initial_load_in_hf \
-            and "checkpoint.initial_load_path" not in given:
-        # TorchTitan's hf_assets_path also names the Hugging Face weights to start from.
-        config.checkpoint.initial_load_path = config.model.tokenizer_path
+    hf_assets = cli.hf_assets or toml.hf_assets
+    if given.get("model.tokenizer_path", ("",))[0] == "model.tokenizer_path" and hf_assets is not None:
+        notes.append("'model.tokenizer_path' is the tokenizer, not the one in 'model.hf_assets_path' "
+                     "(as in TorchTitan)")
+    ck = config.checkpoint
+    if hf_assets is not None and ck.enable and ck.initial_load_in_hf and "checkpoint.initial_load_path" not in given:
+        # TorchTitan's hf_assets_path also names the Hugging Face weights a checkpointed run starts from.
+        ck.initial_load_path = hf_assets
         notes.append("'model.hf_assets_path' is also read as 'checkpoint.initial_load_path' "
-                     "(checkpoint.initial_load_in_hf is set and initial_load_path is not)")
+                     "(checkpoint.enable and initial_load_in_hf are set, initial_load_path is not)")
     notes[:] = list(dict.fromkeys(notes))
     validate_config(config)
     return config

@@ -452,8 +452,8 @@ def validate_config(c: JobConfig) -> None:
                  "expected a number in [0, 1] or unset")
     _require(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", s.min_lr_factor,
              "expected a number in [0, 1]")
-    _require(s.total_steps is None or s.total_steps >= 1, "lr_scheduler.total_steps", s.total_steps,
-             "expected an integer >= 1, or unset (training.steps)")
+    _require(s.total_steps is None or s.total_steps >= c.training.steps, "lr_scheduler.total_steps", s.total_steps,
+             f"expected at least training.steps = {c.training.steps} (the schedule of a longer run), or unset")
 
     t = c.training
     _require(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "expected an integer >= 1")

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from torchtitan_lite.errors import ConfigError
 
-__all__ = ["ERAS", "TORCHTITAN_KEYS", "TorchTitanKey", "VALUE_ALIASES", "lookup", "migration_markdown", "translate"]
+__all__ = ["ERAS", "TORCHTITAN_KEYS", "TorchTitanKey", "LACKING_VALUES", "VALUE_ALIASES", "lookup", "migration_markdown", "translate"]
 
 ERAS: dict[str, str] = {
     "2025-02": "before v0.1.0 (early 2025: `training.batch_size`, `[experimental]`, `[float8]`)",
@@ -305,6 +305,14 @@ VALUE_ALIASES: dict[tuple[str, Any], tuple[Any, str]] = {
 }
 """Values of keys we share that TorchTitan spelled otherwise."""
 
+LACKING_VALUES: dict[tuple[str, Any], str] = {
+    # (our key, TorchTitan's value) -> the feature it asks for, and what does the job here
+    ("activation_checkpoint.mode", "memory_budget"): (
+        "activation checkpointing under a memory budget (here parallelism.reshard_after_forward_mode = "
+        '"auto" with parallelism.memory_budget_gib chooses recomputation and resharding per block)'),
+}
+"""Values of keys we share that ask for a feature of TorchTitan's we lack."""
+
 _BY_NAME: dict[str, TorchTitanKey] = {k.name: k for k in TORCHTITAN_KEYS}
 assert len(_BY_NAME) == len(TORCHTITAN_KEYS), "a TorchTitan key is listed twice"
 
@@ -347,4 +355,6 @@ def migration_markdown() -> str:
               "| key | TorchTitan's value | read as | notes |", "|---|---|---|---|"]
     for (key, theirs), (ours, differs) in sorted(VALUE_ALIASES.items()):
         lines.append(f"| `{key}` | {_toml(theirs)} | {_toml(ours)} | {differs} |")
+    for (key, theirs), feature in sorted(LACKING_VALUES.items()):
+        lines.append(f"| `{key}` | {_toml(theirs)} | not available | {feature} |")
     return "\n".join(lines) + "\n"
