@@ -17,6 +17,7 @@ Usage::
     python scripts/integration_tests.py --ngpu 2 --test_name default_reshard,checkpoint_resume
     python scripts/integration_tests.py --list
     python scripts/integration_tests.py --generate_baselines --device cpu   # rewrite baselines
+    python scripts/integration_tests.py --test_name restart_after_kill --repeat 10  # 10 in a row
 
 Also runnable as ``python -m scripts.integration_tests`` from the repository root.
 
@@ -30,8 +31,12 @@ Baselines
         {"run": 2, "step": 5, "loss": 5.2117, "validation_loss": 5.30}
 
     so a resumed run is checked to continue from the saved step (its step numbers) with the
-    saved state (its losses). ``validation_loss`` appears where the job computed one and is
-    compared like the loss. A case passes when every run exits 0 and its records have the
+    saved state (its losses). A step logged twice within one run (torchrun restarted the run's
+    workers, which resumed from a checkpoint before it) keeps its last record: the one the run's
+    final weights descend from. ``validation_loss`` appears where the job computed one and is
+    compared like the loss. A case may add a check of its own over its runs' records (the
+    restart case: a restart happened, and the restarted run's losses equal the uninterrupted
+    run's bit for bit on CPU). A case passes when every run exits 0 and its records have the
     baseline's (run, step) keys with every loss within tolerance. A missing baseline is a
     failure that says how to generate it; ``--generate_baselines`` writes the files from this
     run instead of comparing.
@@ -65,7 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +114,13 @@ class Run:
     """Command-line overrides applied on the base TOML; ``{dump}`` becomes the case's dump folder."""
     nproc: int | None = None
     """Processes (ranks) for this run; unset: the case's ``ngpu``."""
+    script: str | None = None
+    """Entry point: a repository-relative script taking the trainer's arguments (a fault-injecting
+    wrapper such as tests/kill_at_step.py) instead of ``-m torchtitan_lite.train``."""
+    torchrun_args: list[str] = field(default_factory=list)
+    """Extra torchrun options, e.g. ``--max-restarts=2``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the run."""
 
 
 @dataclass
@@ -127,6 +139,9 @@ class TestCase:
     """Per-device relative tolerance where this case needs its own (default: DEFAULT_RTOL)."""
     config_file: str | None = None
     """The case's own base TOML (repository-relative) instead of the runner's ``--config_file``."""
+    check: Callable[[list[list[dict[str, Any]]], str], str | None] | None = None
+    """A check of the case's own, besides the baseline: given every run's metrics.jsonl records as
+    logged (a restarted run's repeated steps included) and the device, None or what is wrong."""
 
     __test__ = False  # not a pytest class, despite the name
 
@@ -145,6 +160,34 @@ class TestCase:
 
 
 _CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+
+# The restart case: 30 steps, checkpoints every 5; rank 1 SIGKILLed as step 12 begins (once rank 0
+# has logged step 11); torchrun restarts both workers, which resume from step 10.
+_RESTART_STEPS, _RESTART_KILL_AT, _RESTART_INTERVAL = 30, 12, 5
+_RESTART_RUN = ["--training.steps", str(_RESTART_STEPS), "--checkpoint.enable",
+                "--checkpoint.interval", str(_RESTART_INTERVAL)]
+
+
+def _restarted_like_uninterrupted(runs: list[list[dict[str, Any]]], device: str) -> str | None:
+    """Run 2 (killed, restarted) logged the steps after its last checkpoint again, and its final
+    losses from the kill's checkpoint on equal run 1's (uninterrupted): bit for bit on CPU,
+    within the device's tolerance on CUDA."""
+    full, restarted = runs
+    resumed = _RESTART_KILL_AT - 1 - (_RESTART_KILL_AT - 1) % _RESTART_INTERVAL  # the checkpoint: 10
+    steps = [int(r["step"]) for r in restarted]
+    expected = [*range(1, _RESTART_KILL_AT), *range(resumed + 1, _RESTART_STEPS + 1)]
+    if steps != expected:
+        return (f"run 2 logged steps {_span(steps)}, expected {_span(expected[:_RESTART_KILL_AT - 1])} and, "
+                f"after the restart from step {resumed}, {resumed + 1}-{_RESTART_STEPS}")
+    reference = {int(r["step"]): r["loss"] for r in full}
+    rtol = 0.0 if device == "cpu" else DEFAULT_RTOL[device]
+    for record in restarted[_RESTART_KILL_AT - 1:]:
+        step, loss, want = int(record["step"]), record["loss"], reference.get(int(record["step"]))
+        if want is None or not (loss == want if rtol == 0 else _close(loss, want, rtol)):
+            return (f"run 2 after its restart, step {step}: loss {loss!r}, the uninterrupted run 1's {want!r} "
+                    f"({'bit for bit' if rtol == 0 else f'rtol {rtol:g}'})")
+    return None
+
 
 CASES: list[TestCase] = [
     TestCase("single_rank", "one process: the plain FSDP path without collectives across ranks",
@@ -195,6 +238,13 @@ CASES: list[TestCase] = [
                "--checkpoint.initial_load_in_hf"]]),
     TestCase("validation", "validation loss every 2 steps over 2 batches",
              [["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]]),
+    TestCase("restart_after_kill", f"torchrun --max-restarts=2: rank 1 SIGKILLed at step {_RESTART_KILL_AT} "
+             f"of {_RESTART_STEPS}, checkpoints every {_RESTART_INTERVAL}; the restarted workers resume and "
+             f"finish with the losses of run 1, the same job uninterrupted (bit for bit on CPU)",
+             [Run([*_RESTART_RUN, "--checkpoint.folder", "uninterrupted"]),
+              Run(_RESTART_RUN, script="tests/kill_at_step.py", torchrun_args=["--max-restarts=2"],
+                  env={"KILL_RANK": "1", "KILL_AT_STEP": str(_RESTART_KILL_AT)})],
+             check=_restarted_like_uninterrupted),
     TestCase("debug_model_default", "the README's default job unchanged: debug model, 100 steps on the "
              "embedded corpus (this Python's standard library: baselines are per Python version), validation "
              "at steps 50 and 100, TensorBoard on", [[]], config_file="train_configs/debug_model.toml"),
@@ -258,15 +308,18 @@ def baseline_path(baseline_dir: Path, device: str, case: str) -> Path:
 
 
 def loss_records(metrics: Sequence[dict[str, Any]], *, run: int) -> list[dict[str, Any]]:
-    """Baseline records (run, step and the loss keys present) from metrics.jsonl records."""
-    out = []
+    """Baseline records (run, step and the loss keys present) from one run's metrics.jsonl records;
+    a step logged again (workers restarted from an earlier checkpoint) keeps its last record."""
+    rows: dict[int, dict[str, Any]] = {}
     for record in metrics:
-        row: dict[str, Any] = {"run": run, "step": int(record["step"])}
+        step = int(record["step"])
+        row: dict[str, Any] = {"run": run, "step": step}
         for key in LOSS_KEYS:
             if record.get(key) is not None:
                 row[key] = float(record[key])
-        out.append(row)
-    return out
+        rows.pop(step, None)
+        rows[step] = row
+    return sorted(rows.values(), key=lambda r: r["step"])
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -339,12 +392,14 @@ class CaseResult:
 
 
 def launch_command(*, nproc: int, config_file: Path, dump: Path, overrides: Sequence[str],
-                   port: int | None = None) -> list[str]:
+                   port: int | None = None, script: str | None = None,
+                   torchrun_args: Sequence[str] = ()) -> list[str]:
     """The torchrun command of one run (``{dump}`` in overrides replaced by the dump folder)."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port or free_port()}", "--nnodes=1",
-        "-m", "torchtitan_lite.train", "--job.config_file", str(config_file),
+        *torchrun_args, *([str(REPO_ROOT / script)] if script else ["-m", "torchtitan_lite.train"]),
+        "--job.config_file", str(config_file),
         "--job.dump_folder", str(dump),
         *(arg.replace(DUMP_PLACEHOLDER, str(dump)) for arg in overrides),
     ]
@@ -404,8 +459,8 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     metrics_path = dump / "metrics.jsonl"
-    env = child_env(device)
     records: list[dict[str, Any]] = []
+    logged: list[list[dict[str, Any]]] = []  # each run's metrics.jsonl records, as written
     seen = 0
 
     def result(status: str, reason: str = "") -> CaseResult:
@@ -415,9 +470,12 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
         config_file = REPO_ROOT / case.config_file
     for i, run in enumerate(case.runs, 1):
         cmd = launch_command(nproc=case.nproc(run), config_file=config_file, dump=dump,
-                             overrides=run.overrides)
-        print(f"[{case.name}] run {i}/{len(case.runs)}: {shlex.join(['python', *cmd[1:]])}", flush=True)
-        code, stderr = run_process(cmd, env=env, timeout=timeout, log_prefix=dump / f"run{i}")
+                             overrides=run.overrides, script=run.script, torchrun_args=run.torchrun_args)
+        env_text = "".join(f"{k}={shlex.quote(v)} " for k, v in run.env.items())
+        print(f"[{case.name}] run {i}/{len(case.runs)}: {env_text}{shlex.join(['python', *cmd[1:]])}",
+              flush=True)
+        code, stderr = run_process(cmd, env={**child_env(device), **run.env}, timeout=timeout,
+                                   log_prefix=dump / f"run{i}")
         if code is None:
             return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} timed out after {timeout:g} s "
                                   f"(process group killed; logs in {dump})")
@@ -425,11 +483,16 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
             return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} exited with code {code}: "
                                   f"{last_error_line(stderr)}")
         metrics = read_jsonl(metrics_path) if metrics_path.exists() else []
+        logged.append(metrics[seen:])
         records += loss_records(metrics[seen:], run=i)
         seen = len(metrics)
 
     if not records:
         return result("FAIL", f"{case.name}: no loss records in {metrics_path}")
+    if case.check is not None:
+        problem = case.check(logged, device)
+        if problem is not None:
+            return result("FAIL", f"{case.name}: {problem}")
     path = baseline_path(baseline_dir, device, case.name)
     if generate:
         write_jsonl(path, records)
@@ -443,6 +506,19 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
     if diff is not None:
         return result("FAIL", f"{case.name}: {diff}")
     return result("PASS")
+
+
+def combine_repeats(repeats: Sequence[CaseResult]) -> CaseResult:
+    """One case run several times (``--repeat``): PASS only when every repeat passed; the reason
+    counts them and quotes the first failure."""
+    failed = [(k, r) for k, r in enumerate(repeats, 1) if r.status != "PASS"]
+    reason = f"{len(repeats) - len(failed)}/{len(repeats)} repeats passed"
+    if failed:
+        k, first = failed[0]
+        reason += f"; repeat {k}: {first.reason}"
+    first = repeats[0]
+    return CaseResult(first.name, first.ngpu, "FAIL" if failed else "PASS",
+                      sum(r.seconds for r in repeats), reason)
 
 
 def _display(path: Path) -> str:
@@ -473,6 +549,9 @@ def format_case_list(cases: Sequence[TestCase]) -> str:
         lines.append(f"{c.name}  ({c.ngpu} rank{'s' if c.ngpu > 1 else ''}): {c.description}")
         for i, run in enumerate(c.runs, 1):
             args = " ".join(run.overrides) or f"({c.config_file or 'base config'} only)"
+            launch = [*(f"{k}={v}" for k, v in run.env.items()), *run.torchrun_args, *([run.script] if run.script else [])]
+            if launch:
+                args = f"[{' '.join(launch)}] {args}"
             lines.append(f"    run {i} on {c.nproc(run)}: {args}")
     return "\n".join(lines)
 
@@ -525,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="relative loss tolerance for every case (default: per device, see below)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S,
                         help="seconds per run before its process group is killed (default: %(default)g)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each selected case N times, each in a fresh dump folder "
+                             "(<output_dir>/repeat-<k>/<case>); it passes when all N pass (default: 1)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     return parser
 
@@ -550,6 +632,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--ngpu: invalid value {ngpu}; expected an integer >= 1")
     if device == "cuda" and ngpu > gpus:
         parser.error(f"--ngpu {ngpu}: only {gpus} CUDA devices are visible (one rank per GPU)")
+    if args.repeat < 1:
+        parser.error(f"--repeat: invalid value {args.repeat}; expected an integer >= 1")
+    if args.repeat > 1 and args.generate_baselines:
+        parser.error("--repeat: baselines are generated from one run of each case; leave out --repeat")
     if args.rtol is not None and not args.rtol >= 0:
         parser.error(f"--rtol: invalid value {args.rtol}; expected a number >= 0")
     config_file = args.config_file.resolve()
@@ -567,12 +653,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results = {c.name: CaseResult(c.name, c.ngpu, "SKIP", 0.0, reason) for c, reason in skipped}
     for case in to_run:
-        result = run_case(case, device=device, config_file=config_file, output_dir=output_dir,
-                          baseline_dir=args.baseline_dir, generate=args.generate_baselines,
-                          rtol=args.rtol, timeout=args.timeout)
-        print(f"[{case.name}] {result.status} in {result.seconds:.1f} s"
-              + (f": {result.reason}" if result.reason else ""), flush=True)
-        results[case.name] = result
+        repeats = []
+        for k in range(1, args.repeat + 1):
+            result = run_case(case, device=device, config_file=config_file,
+                              output_dir=output_dir if args.repeat == 1 else output_dir / f"repeat-{k}",
+                              baseline_dir=args.baseline_dir, generate=args.generate_baselines,
+                              rtol=args.rtol, timeout=args.timeout)
+            which = f" repeat {k}/{args.repeat}" if args.repeat > 1 else ""
+            print(f"[{case.name}]{which} {result.status} in {result.seconds:.1f} s"
+                  + (f": {result.reason}" if result.reason else ""), flush=True)
+            repeats.append(result)
+        results[case.name] = repeats[0] if args.repeat == 1 else combine_repeats(repeats)
     ordered = [results[c.name] for c in CASES if c.name in results]
 
     print()

@@ -377,3 +377,79 @@ def test_run_process_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     else:
         pytest.fail(f"process {child} of the timed-out run is still alive")
     assert (tmp_path / "run1.stdout.log").exists() and (tmp_path / "run1.stderr.log").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Restarts: a run's own launch (script, torchrun options, environment), repeated steps, a case's
+# own check, --repeat
+# --------------------------------------------------------------------------------------------
+
+
+def test_loss_records_keep_the_last_record_of_a_step_logged_again() -> None:
+    """A run whose workers torchrun restarted logs the steps after its checkpoint again; the
+    records kept are the last ones (those the run's final weights descend from), in step order."""
+    metrics = [{"step": s, "loss": float(s)} for s in (1, 2, 3)] + [{"step": s, "loss": s + 0.5} for s in (3, 4)]
+    assert it.loss_records(metrics, run=1) == [
+        {"run": 1, "step": 1, "loss": 1.0}, {"run": 1, "step": 2, "loss": 2.0},
+        {"run": 1, "step": 3, "loss": 3.5}, {"run": 1, "step": 4, "loss": 4.5}]
+
+
+def test_run_case_launches_a_runs_script_with_its_torchrun_options_and_environment(
+        monkeypatch, tmp_path: Path) -> None:
+    seen = []
+    case = it.TestCase("killed", "", [it.Run(["--training.steps", "2"], script="tests/kill_at_step.py",
+                                             torchrun_args=["--max-restarts=2"], env={"KILL_AT_STEP": "2"})],
+                       check=lambda runs, device: seen.append((runs, device)) or "no restart seen")
+    calls = _fake_launcher(monkeypatch, [(0, "", [(1, 6.0), (1, 6.0), (2, 5.0)])])
+    result = _run(case, tmp_path, generate=True)
+    (cmd, env), = calls
+    entry = cmd.index(str(REPO_ROOT / "tests" / "kill_at_step.py"))
+    assert cmd[entry - 1] == "--max-restarts=2" and "-m" not in cmd[entry:]
+    assert cmd[entry + 1] == "--job.config_file" and cmd[-2:] == ["--training.steps", "2"]
+    assert env["KILL_AT_STEP"] == "2" and env["OMP_NUM_THREADS"] == "1"
+    # The case's check sees every record as logged; its finding fails the case, and no baseline
+    # is written from a run that failed it.
+    (runs, device), = seen
+    assert [[r["step"] for r in run] for run in runs] == [[1, 1, 2]] and device == "cpu"
+    assert result.status == "FAIL" and result.reason == "killed: no restart seen"
+    assert not (tmp_path / "losses" / "cpu_killed.jsonl").exists()
+
+
+def _restart_runs(*, restarted_loss: float | None = None, restart: bool = True) -> list[list[dict]]:
+    full = [{"step": s, "loss": 6.0 - s / 10} for s in range(1, 31)]
+    again = [dict(r) for r in full[10:]]
+    if restarted_loss is not None:
+        again[5]["loss"] = restarted_loss  # step 16
+    return [full, full[:11] + again if restart else [dict(r) for r in full]]
+
+
+def test_restart_case_check_wants_the_restart_and_the_uninterrupted_losses() -> None:
+    case = next(c for c in it.CASES if c.name == "restart_after_kill")
+    assert case.runs[1].torchrun_args == ["--max-restarts=2"] and case.runs[1].script == "tests/kill_at_step.py"
+    assert case.runs[1].env == {"KILL_RANK": "1", "KILL_AT_STEP": "12"}
+    assert case.check(_restart_runs(), "cpu") is None
+    assert case.check(_restart_runs(restart=False), "cpu") == (
+        "run 2 logged steps 1-30, expected 1-11 and, after the restart from step 10, 11-30")
+    near = 6.0 - 1.6 + 1e-7
+    assert case.check(_restart_runs(restarted_loss=near), "cpu") == (
+        f"run 2 after its restart, step 16: loss {near!r}, the uninterrupted run 1's 4.4 (bit for bit)")
+    assert case.check(_restart_runs(restarted_loss=near), "cuda") is None  # within cuda's rtol
+
+
+def test_repeat_passes_only_when_every_repeat_passed(monkeypatch, capsys, tmp_path: Path) -> None:
+    outcomes = iter(["PASS", "FAIL", "PASS"])
+
+    def fake_run_case(case, *, output_dir, **kwargs):
+        status = next(outcomes)
+        return it.CaseResult(case.name, case.ngpu, status, 1.0, "" if status == "PASS" else f"bad in {output_dir.name}")
+
+    monkeypatch.setattr(it, "run_case", fake_run_case)
+    code = it.main(["--device", "cpu", "--test_name", "default_reshard", "--repeat", "3",
+                    "--output_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "[default_reshard] repeat 2/3 FAIL in 1.0 s: bad in repeat-2" in out
+    assert re.search(r"^default_reshard\s+2\s+FAIL\s+3\.0\s+2/3 repeats passed; repeat 2: bad in repeat-2$",
+                     _summary_row(out, "default_reshard")), out
+    with pytest.raises(SystemExit):
+        it.main(["--repeat", "2", "--generate_baselines"])

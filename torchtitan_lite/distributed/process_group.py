@@ -9,6 +9,8 @@ import logging
 import os
 import socket
 import sys
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = [
     "forget_dtensor_plans",
     "free_port",
     "release_process_groups",
+    "attempt_store",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,8 +90,10 @@ def init_distributed(
     """Create the default process group from torchrun's environment.
 
     Without torchrun (no ``MASTER_ADDR``), a single-process group is created on a free local
-    port so that FSDP and DTensor work the same way as in a multi-process run. The first call
-    also registers :func:`release_process_groups` to run at interpreter exit.
+    port so that FSDP and DTensor work the same way as in a multi-process run. Under torchrun's
+    agent store, the group's keys live in a namespace of this attempt (:func:`attempt_store`),
+    so that workers restarted by ``--max-restarts`` never read a dead attempt's addresses. The
+    first call also registers :func:`release_process_groups` to run at interpreter exit.
     """
     global _release_registered
     if not _release_registered:
@@ -103,10 +108,19 @@ def init_distributed(
                     "needs for gradient clipping; create it with backend 'cuda:nccl,cpu:gloo'"
                 )
         return
-    # Without torchrun: a one-process group on a free port, passed explicitly rather than
-    # through os.environ (which child processes would inherit, port included).
-    standalone = ({} if "MASTER_ADDR" in os.environ else
-                  {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1})
+    if "MASTER_ADDR" not in os.environ:
+        # Without torchrun: a one-process group on a free port, passed explicitly rather than
+        # through os.environ (which child processes would inherit, port included).
+        where: dict[str, Any] = {"init_method": f"tcp://127.0.0.1:{free_port()}", "rank": 0, "world_size": 1}
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Under torchrun: the agent's store outlives the workers it restarts (see attempt_store).
+        rank, _, world_size = world_info_from_env()
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        where = {"store": attempt_store(agent_store, rank=rank, world_size=world_size, timeout_s=timeout_s),
+                 "rank": rank, "world_size": world_size}
+    else:  # a launcher that sets MASTER_ADDR/PORT and lets rank 0 host a new store (env://)
+        where = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device, cpu_collectives=cpu_collectives)
@@ -114,11 +128,73 @@ def init_distributed(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
-        **standalone,
+        **where,
     )
     logger.info(
         "process group: backend=%s world_size=%d device=%s", backend, dist.get_world_size(), device
     )
+
+
+_ATTEMPT_KEY = "torchtitan_lite/attempt"
+
+
+def attempt_store(store: dist.Store, *, rank: int, world_size: int, timeout_s: float,
+                  max_poll_s: float = 1.0) -> dist.PrefixStore:
+    """A namespace of ``store`` that every rank of this attempt shares and no earlier attempt wrote
+    into: the process group's keys (gloo's listening addresses, NCCL's unique id) then cannot be
+    read from a dead attempt.
+
+    Why: torchrun (c10d rendezvous, torch >= 2.5) hosts the workers' store in its agent
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) and, in torch 2.13, keeps that one store server for
+    the agent's whole life. A restarted worker group creates its default group under the same
+    keys as the group it replaces (``default_pg/0//cpu//0/<rank>``), and a rank that asks for a
+    peer's address before that peer has written it is handed the dead peer's: gloo's
+    connectFullMesh fails with "Connection refused" (or connects to whatever reuses the port and
+    hangs), so ``--max-restarts`` restarts failed or hung. Upstream: pytorch/pytorch#135712
+    (successive attempts' keys collide in the shared store; it was closed by #135957, which still
+    creates that store once per agent, so the collision remains in 2.13) and the open
+    pytorch/pytorch#167288 (the same with NCCL). ``TORCHELASTIC_RESTART_COUNT`` cannot name the
+    attempt: each agent counts its own restarts, so nodes disagree (pytorch/pytorch#108158).
+
+    How: rank 0 draws a random token and publishes it. Every other rank reads the token (possibly
+    a dead attempt's), acknowledges it under ``<token>/ack/<rank>`` with a random nonce of its
+    own, and waits for ``<token>/go/<nonce>``, which only a rank 0 that read this very nonce can
+    write; when the published token changes meanwhile it acknowledges the new one. Rank 0 writes
+    the go keys once every rank has acknowledged its token. Everyone then uses
+    ``torchtitan_lite/attempt/<token>/`` as the group's store. Raises ``RuntimeError`` when the
+    handshake has not completed within ``timeout_s``.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(f"{_ATTEMPT_KEY}/token", token)
+        acks = [f"{_ATTEMPT_KEY}/{token}/ack/{r}" for r in range(1, world_size)]
+        if acks:
+            try:
+                store.wait(acks, timeout)
+            except dist.DistStoreError as exc:
+                missing = [r for r, key in enumerate(acks, 1) if not store.check([key])]
+                raise RuntimeError(f"process group: ranks {missing} did not join within {timeout_s:g} s "
+                                   f"(comm.init_timeout_seconds)") from exc
+            nonces = [n.decode() for n in store.multi_get(acks)]
+            store.multi_set([f"{_ATTEMPT_KEY}/{token}/go/{n}" for n in nonces], ["1"] * len(nonces))
+    else:
+        nonce = uuid.uuid4().hex
+        deadline = time.monotonic() + timeout_s
+        acknowledged, poll = "", 0.01
+        while True:
+            token = store.get(f"{_ATTEMPT_KEY}/token").decode()  # waits for a first rank 0
+            if token != acknowledged:
+                store.set(f"{_ATTEMPT_KEY}/{token}/ack/{rank}", nonce)
+                acknowledged, poll = token, 0.01
+            if store.check([f"{_ATTEMPT_KEY}/{token}/go/{nonce}"]):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"process group: rank 0 of this attempt did not answer rank {rank} "
+                                   f"within {timeout_s:g} s (comm.init_timeout_seconds)")
+            time.sleep(poll)
+            poll = min(poll * 2, max_poll_s)
+    return dist.PrefixStore(f"{_ATTEMPT_KEY}/{token}", store)
 
 
 def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None,

@@ -1,0 +1,50 @@
+"""``torchrun [--max-restarts=N] ... tests/kill_at_step.py TRAIN_ARGS``: the trainer's entry point,
+except that rank ``KILL_RANK`` (default 1) SIGKILLs itself as step ``KILL_AT_STEP`` begins, in
+torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so that the workers torchrun
+restarts train to the end. Without ``KILL_AT_STEP`` it is the plain entry point.
+
+Before dying it waits (at most 60 s) until rank 0 has logged the step before to
+``<dump_folder>/metrics.jsonl``: the kill then always lands while rank 0 is in step
+``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. Used by
+tests/test_restarts.py and the integration runner's ``restart_after_kill`` case."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from torchtitan_lite.trainer import Trainer
+
+_original_train_step = Trainer.train_step
+
+
+def _logged(metrics: Path, step: int) -> bool:
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    return any(json.loads(line).get("step") == step for line in lines if line.strip())
+
+
+def _train_step_or_die(self: Trainer) -> dict[str, float]:
+    if (os.environ.get("KILL_AT_STEP") and self.step + 1 == int(os.environ["KILL_AT_STEP"])
+            and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1")
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        metrics = Path(self.config.job.dump_folder) / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while not _logged(metrics, self.step) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _original_train_step(self)
+
+
+Trainer.train_step = _train_step_or_die  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    from torchtitan_lite.train import main
+
+    sys.exit(main(sys.argv[1:]))
