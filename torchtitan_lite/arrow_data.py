@@ -387,6 +387,23 @@ class _Stream:
         return out
 
 
+def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per rank per global batch; one :class:`DataError` line when the global batch
+    does not split into ``local_batch_size`` rows on each of ``dp_size`` ranks (both loaders)."""
+    if global_batch_size % (local_batch_size * dp_size):
+        raise DataError(
+            f"training.global_batch_size={global_batch_size} is not a multiple of "
+            f"local_batch_size × dp = {local_batch_size} × {dp_size}"
+        )
+    return global_batch_size // (local_batch_size * dp_size)
+
+
+def micro_batches(rows: torch.Tensor, local_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``rows`` (windows of ``seq_len + 1`` tokens) as ``(inputs, labels)`` micro-batches
+    of ``local_batch_size`` rows, in order (both loaders)."""
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(local_batch_size)]
+
+
 class StreamingLoader:
     """Yields this rank's micro-batches ``(inputs, labels)`` for each global batch of a streamed
     dataset; a drop-in for :class:`~torchtitan_lite.data.GlobalBatchLoader` (``next_batch``,
@@ -409,11 +426,7 @@ class StreamingLoader:
         dp_rank: int,
         dp_size: int,
     ) -> None:
-        if global_batch_size % (local_batch_size * dp_size):
-            raise DataError(
-                f"training.global_batch_size={global_batch_size} is not a multiple of "
-                f"local_batch_size × dp = {local_batch_size} × {dp_size}"
-            )
+        self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
         if corpus.num_rows < global_batch_size:
             raise DataError(
                 f"{corpus.key}: {corpus.source!r} has {corpus.num_rows} rows, fewer than "
@@ -426,7 +439,6 @@ class StreamingLoader:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.grad_accum_steps = global_batch_size // (local_batch_size * dp_size)
         self.step = 0  # global batches consumed
         self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
         per_rank = global_batch_size // dp_size
@@ -449,11 +461,7 @@ class StreamingLoader:
             self.step += 1
         data = torch.from_numpy(self._advance())
         self.step += 1
-        micro = []
-        for m in range(self.grad_accum_steps):
-            chunk = data[m * self.local_batch_size : (m + 1) * self.local_batch_size]
-            micro.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
-        return micro
+        return micro_batches(data, self.local_batch_size)
 
     def gather_state(self) -> None:
         """Every rank's sample positions to every rank (a collective over the default group, whose

@@ -50,7 +50,9 @@ import torch
 from torchtitan_lite.arrow_data import (
     STREAMED_DATASETS,
     ArrowCorpus,
+    check_batch_split,
     check_streamed_dataset,
+    micro_batches,
     unreadable_error,
 )
 from torchtitan_lite.errors import ConfigError, DataError
@@ -907,11 +909,7 @@ class GlobalBatchLoader:
         seed: int,
         shuffle: bool = True,
     ) -> None:
-        if global_batch_size % (local_batch_size * dp_size):
-            raise DataError(
-                f"training.global_batch_size={global_batch_size} is not a multiple of "
-                f"local_batch_size × dp = {local_batch_size} × {dp_size}"
-            )
+        self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
         self.windows = windows
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
@@ -919,7 +917,6 @@ class GlobalBatchLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
-        self.grad_accum_steps = global_batch_size // (local_batch_size * dp_size)
         self.step = 0  # global batches consumed
         self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
         self._epoch = -1
@@ -949,12 +946,7 @@ class GlobalBatchLoader:
             self.step += 1
         rows = np.stack([self.windows[i] for i in self.sample_indices(self.step)])
         self.step += 1
-        data = torch.from_numpy(rows)
-        micro = []
-        for m in range(self.grad_accum_steps):
-            chunk = data[m * self.local_batch_size : (m + 1) * self.local_batch_size]
-            micro.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
-        return micro
+        return micro_batches(torch.from_numpy(rows), self.local_batch_size)
 
     def gather_state(self) -> None:
         """Nothing to gather: the position is the same on every rank (the checkpoint manager calls
