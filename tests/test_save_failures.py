@@ -1,4 +1,5 @@
-"""Saves that cannot succeed: a checkpoint folder that is a file is found before training; a full
+"""Saves that cannot succeed: a checkpoint folder that is a file, or on a read-only mount, is found
+before training; a full
 disk during a save is one line naming the cause, the partial folder is removed and the earlier
 checkpoints stay intact (sync and async)."""
 
@@ -31,6 +32,46 @@ def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path:
         f"error: checkpoint.folder: invalid value {str(dump / 'checkpoint')!r}; "
         f"{str(dump / 'checkpoint')!r} exists and is not a folder"], lines
     assert not (dump / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path):
+    """A read-only tmpfs holding an empty folder ``ckpt`` (skipped where mounting is not allowed)."""
+    import subprocess
+
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not allowed here")
+    try:
+        (mnt / "ckpt").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_checkpoint_folder_on_a_read_only_mount_is_refused_before_training(tmp_path: Path,
+                                                                            read_only_mount: Path) -> None:
+    """A real read-only file system (not a permission bit, which root ignores): one line before
+    any process group, for the checkpoint folder and for the dump folder."""
+    from torchtitan_lite.train import main
+
+    for args, line in [
+        (["--job.dump_folder", str(tmp_path / "job"), "--checkpoint.enable", "--checkpoint.folder",
+          str(read_only_mount / "ckpt")],
+         f"error: checkpoint.folder: invalid value {str(read_only_mount / 'ckpt')!r}; "
+         f"{str(read_only_mount / 'ckpt')!r} is not writable"),
+        (["--job.dump_folder", str(read_only_mount / "job")],
+         f"error: job.dump_folder: invalid value {str(read_only_mount / 'job')!r}; "
+         f"{str(read_only_mount)!r} is not writable"),
+    ]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main([*TINY_ARGS, *args])
+        lines = [x for x in err.getvalue().splitlines() if x.strip()]
+        assert code == 2 and lines == [line], lines
+    assert not (tmp_path / "job" / "metrics.jsonl").exists()
 
 
 def _disk_full_at_step_4(dump: str, mode: str) -> dict[str, Any]:
