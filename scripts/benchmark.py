@@ -416,8 +416,12 @@ def _worker_compile(opts: argparse.Namespace) -> dict[str, Any]:
 
     out = {}
     for dtype in opts.param_dtypes.split(","):
-        eager = Trainer(load_job_config(_job_args(opts, param_dtype=dtype)))
-        compiled = Trainer(load_job_config(_job_args(opts, "--compile.enable", param_dtype=dtype)))
+        # Two jobs alive at once: each needs its own dump folder (one job per folder, locked).
+        eager = Trainer(load_job_config(_job_args(
+            opts, "--job.dump_folder", str(Path(opts.dump) / f"eager_{dtype}"), param_dtype=dtype)))
+        compiled = Trainer(load_job_config(_job_args(
+            opts, "--compile.enable", "--job.dump_folder", str(Path(opts.dump) / f"compiled_{dtype}"),
+            param_dtype=dtype)))
         eager_first = steps(eager, 1)
         compile_first = steps(compiled, 1)  # compiles the blocks and the loss
         steps(eager, 1)
