@@ -188,3 +188,56 @@ def test_apply_activation_checkpointing_on_a_plain_model_and_its_errors() -> Non
         apply_activation_checkpointing(checkpointed, blocks=checkpointed, mode="full")
     with pytest.raises(ValueError, match="for each of the 4 blocks"):
         apply_activation_checkpointing(plain, blocks=plain, policies=["full"])
+
+
+def test_compiled_bf16_linears_run_in_fp32_where_the_cpu_lacks_bf16_matmul() -> None:
+    """On a CPU without native bf16 matmul (AVX2 only) the compiled blocks do their bf16 linears
+    as fp32 GEMMs; outputs and gradients stay those of eager to within bf16 rounding."""
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtitan_lite.distributed.compile import Bf16LinearInFp32, bf16_linear_in_fp32, compile_blocks
+    from torchtitan_lite.models.decoder import TransformerBlock, precompute_freqs_cis, rope_bits
+    from torchtitan_lite.models.llama3.model import LLAMA3_FLAVORS
+
+    assert bf16_linear_in_fp32() == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    linear = nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    with MatmulDtypes() as seen, Bf16LinearInFp32():
+        y = linear(x)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and seen.dtypes == {torch.float32}
+    want = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).to(torch.bfloat16)
+    assert torch.equal(y, want)
+
+    args = LLAMA3_FLAVORS["tiny"]
+    torch.manual_seed(0)
+    eager = nn.ModuleList(TransformerBlock(i, args) for i in range(2))
+    for block in eager:
+        block.init_weights()
+    eager.to(torch.bfloat16)
+    compiled = nn.ModuleList(TransformerBlock(i, args) for i in range(2)).to(torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled, blocks=list(compiled)) == 2
+    rope = rope_bits(precompute_freqs_cis(args.head_dim, 32, args.rope_theta, args=args), 32)
+    x = torch.randn(2, 32, args.dim, dtype=torch.bfloat16)
+    outs = []
+    for blocks in (eager, compiled):
+        h = x
+        for block in blocks:
+            h = block(h, rope)
+        h.float().square().mean().backward()
+        outs.append((h.float(), blocks[0].feed_forward.w1.weight.grad.float()))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert (got - want).abs().max() <= 2 ** -6 * want.abs().max(), (got - want).abs().max()

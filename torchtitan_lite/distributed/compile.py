@@ -15,6 +15,14 @@ then compile, then ``fully_shard``.
 The first call of each block compiles (seconds to minutes); later calls with the same shapes,
 dtypes and grad mode reuse the code. A forward without gradients (validation) compiles its own
 graph once.
+
+On a CPU without native bf16 matrix multiplication (AVX2 only: oneDNN's bf16 kernels are not
+available, ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False), every bf16 ``mm`` runs
+ATen's reference loop, 5-50x slower than fp32 (by operand layout). There the compiled blocks
+compute each bf16 ``F.linear`` on CPU as an fp32 one on upcast operands, rounded back to bf16
+(:class:`Bf16LinearInFp32`, traced into the graph so that inductor fuses the casts): the
+accumulation is fp32 either way, so results differ from eager only by summation order (within
+one bf16 rounding step), and forward and backward run fp32 GEMMs. Elsewhere nothing changes.
 """
 
 from __future__ import annotations
@@ -25,17 +33,44 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn import functional
+from torch.overrides import TorchFunctionMode
 
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
-__all__ = ["compile_blocks", "compile_loss", "is_compiled"]
+__all__ = ["Bf16LinearInFp32", "bf16_linear_in_fp32", "compile_blocks", "compile_loss", "is_compiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @functools.cache
+def bf16_linear_in_fp32() -> bool:
+    """Whether compiled blocks compute CPU bf16 linears in fp32: the CPU has no native bf16
+    matrix multiplication (oneDNN's bf16 kernels unavailable)."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Bf16LinearInFp32(TorchFunctionMode):
+    """Under this mode, ``F.linear`` of a bf16 CPU input runs in fp32 (operands upcast exactly,
+    the result rounded to bf16); every other call is unchanged."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is functional.linear and args[0].dtype == torch.bfloat16 and args[0].device.type == "cpu":
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        return func(*args, **kwargs)
+
+
+@functools.cache
 def _compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
-    compiled_forward = torch.compile(cls.forward, backend=backend, fullgraph=True)
+    def with_fp32_linears(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with Bf16LinearInFp32():  # traced by dynamo: the casts are part of the graph (and its cache key)
+            return cls.forward(self, *args, **kwargs)
+
+    traced = with_fp32_linears if bf16_linear_in_fp32() else cls.forward
+    compiled_forward = torch.compile(traced, backend=backend, fullgraph=True)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return compiled_forward(self, *args, **kwargs)
