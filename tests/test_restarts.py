@@ -127,6 +127,7 @@ def _uninterrupted(argv: list[str]) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.runner  # the runner's restart_after_kill case (kill at step 12 of 30, --repeat N)
 def test_max_restarts_resumes_a_killed_rank_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
     """``torchrun --max-restarts=2``, rank 1 SIGKILLed as step 7 of 10 begins, checkpoints every 5:
     the job exits 0; the restarted workers resume from step 5 and log steps 6-10 again, with

@@ -258,7 +258,10 @@ def test_migration_doc_is_generated_from_the_table():
 # Each layout's debug_model.toml and llama3_8b.toml train unchanged (2 steps, 1 CPU process)
 # --------------------------------------------------------------------------------------------
 
-CPU_SIZE = ["--training.steps", "2", "--training.seq_len", "64", "--model.flavor", "debugmodel"]
+# Sizing for a CPU: 2 steps of short windows, the debug shape for the 8B, and fp32 compute (CPUs
+# without native bf16 matmul run bf16 through a reference kernel, tens of times slower).
+CPU_SIZE = ["--training.steps", "2", "--training.seq_len", "64", "--model.flavor", "debugmodel",
+            "--training.mixed_precision_param", "float32"]
 
 
 def _tiktoken_model(path: Path) -> None:
