@@ -216,6 +216,15 @@ class ArrowCorpus:
         if self.num_rows == 0:
             raise DataError(f"{self.key}: {dataset_path!r} is empty (no rows in {len(self.files)} file(s))")
 
+    def _read_error(self, file: Path, exc: Exception) -> DataError:
+        """One line for a file that cannot be read: the OS error (permissions, a missing file), or
+        pyarrow's reason it is not a file of this dataset's kind."""
+        import pyarrow as pa
+
+        if isinstance(exc, OSError) and not isinstance(exc, pa.ArrowException) and exc.errno is not None:
+            return unreadable_error(self.key, file, exc)
+        return DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})")
+
     def _unit_rows(self, f: int, file: Path) -> list[int]:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -229,12 +238,8 @@ class ArrowCorpus:
                 batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
             else:
                 batches = list(reader)
-        except OSError as exc:
-            if isinstance(exc, pa.ArrowException) or exc.errno is None:
-                raise DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})") from None
-            raise unreadable_error(self.key, file, exc) from None
-        except pa.ArrowException as exc:
-            raise DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})") from None
+        except (OSError, pa.ArrowException) as exc:
+            raise self._read_error(file, exc) from None
         column = batches[0].schema.get_field_index(self.text_column) if batches else -1
         self._batches[f] = [b.column(column) for b in batches]
         return [len(b) for b in batches]
@@ -257,12 +262,8 @@ class ArrowCorpus:
             for column in columns:
                 for start in range(0, len(column), _PY_ROWS):
                     yield column.slice(start, _PY_ROWS).to_pylist()
-        except OSError as exc:
-            if isinstance(exc, pa.ArrowException) or exc.errno is None:
-                raise DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})") from None
-            raise unreadable_error(self.key, file, exc) from None
-        except pa.ArrowException as exc:
-            raise DataError(f"{self.key}: {str(file)!r} is not a readable {self.dataset} file ({exc})") from None
+        except (OSError, pa.ArrowException) as exc:
+            raise self._read_error(file, exc) from None
 
     def texts(self, start: int, stop: int) -> Iterator[str | None]:
         """The texts of rows ``[start, stop)`` in order (None for a null), read lazily."""
