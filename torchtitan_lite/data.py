@@ -299,7 +299,7 @@ def read_tiktoken_ranks(file: Path, *, key: str = "model.tokenizer_path") -> dic
     try:
         raw = file.read_bytes()
     except OSError as exc:
-        raise _unreadable(key, file, exc) from None
+        raise unreadable_error(key, file, exc) from None
     ranks: dict[bytes, int] = {}
     for lineno, line in enumerate(raw.splitlines(), start=1):
         if not line:
@@ -498,6 +498,16 @@ def _has_suffix(file: Path, suffixes: tuple[str, ...]) -> bool:
     return file.name.endswith(suffixes)
 
 
+def _files_under(folder: Path, suffixes: tuple[str, ...], key: str) -> list[Path]:
+    """The files under ``folder`` (searched recursively) whose names end in one of ``suffixes``,
+    sorted; an unreadable folder is one line naming it (``key``) and the OS error."""
+    errors: list[OSError] = []
+    found = [Path(root) / name for root, _, names in os.walk(folder, onerror=errors.append) for name in names]
+    if errors:
+        raise unreadable_error(key, Path(errors[0].filename or folder), errors[0])
+    return sorted(f for f in found if f.is_file() and _has_suffix(f, suffixes))
+
+
 def _stdlib_files(dataset: str) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if dataset == "python_stdlib":
@@ -550,11 +560,7 @@ def check_dataset(
     if not path.exists():
         raise DataError(f"{key}: path not found: {dataset_path!r}")
     if path.is_dir():
-        errors: list[OSError] = []
-        found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
-        if errors:
-            raise _unreadable(key, Path(errors[0].filename or path), errors[0])
-        files = sorted(f for f in found if f.is_file() and _has_suffix(f, suffixes))
+        files = _files_under(path, suffixes, key)
         if not files:
             raise DataError(
                 f"{key}: folder {dataset_path!r} holds no {' or '.join(suffixes)} files "
@@ -591,11 +597,7 @@ def _torchtitan_files(dataset: str, dataset_path: str | None, section: str, key:
         # en.noblocklist, en.noclean or realnewslike beside it).
         path = path / "en"
     if path.is_dir():
-        errors: list[OSError] = []
-        found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
-        if errors:
-            raise _unreadable(key, Path(errors[0].filename or path), errors[0])
-        files = sorted(f for f in found if f.is_file() and _has_suffix(f, _JSON_LINES))
+        files = _files_under(path, _JSON_LINES, key)
         split = [f for f in files if prefix and f.name.startswith(prefix)]
         files = split or files
     else:
@@ -610,9 +612,6 @@ MAX_INVALID_UTF8_FRACTION = 0.001
 """Text datasets: above this fraction of bytes that are not valid UTF-8 (over all files read),
 the data is refused as not text; below it, each invalid byte becomes U+FFFD and the count is
 logged."""
-
-
-_unreadable = unreadable_error
 
 
 @dataclass
@@ -657,7 +656,7 @@ def read_documents(files: list[Path], key: str = "training.dataset_path") -> Ite
         try:
             raw = file.read_bytes()
         except OSError as exc:
-            raise _unreadable(key, file, exc) from None
+            raise unreadable_error(key, file, exc) from None
         if file.name.endswith(".gz"):  # JSON lines, gzip-compressed (c4's .json.gz shards)
             try:
                 raw = gzip.decompress(raw)
@@ -708,7 +707,7 @@ def _token_file(file: Path, token_dtype: str, key: str, vocab_size: int) -> np.n
         try:
             array = np.load(file, mmap_mode="r", allow_pickle=False)
         except OSError as exc:
-            raise _unreadable(key, file, exc) from None
+            raise unreadable_error(key, file, exc) from None
         except ValueError as exc:
             raise DataError(f"{key}: {str(file)!r} is not a readable .npy array ({exc})") from None
         if array.dtype not in _TOKEN_DTYPES.values() or array.ndim != 1:
@@ -729,7 +728,7 @@ def _token_file(file: Path, token_dtype: str, key: str, vocab_size: int) -> np.n
         with file.open("rb"):
             pass
     except OSError as exc:
-        raise _unreadable(key, file, exc) from None
+        raise unreadable_error(key, file, exc) from None
     if size % dtype.itemsize:
         raise DataError(
             f"{key}: {str(file)!r} has {size} bytes, not a whole number of {token_dtype} tokens "

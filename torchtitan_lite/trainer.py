@@ -158,21 +158,13 @@ class Trainer:
         # The mesh is all data-parallel, so the data-parallel rank is the global rank.
         self.global_batch_size = plan.global_batch_size
         self.loader: GlobalBatchLoader | StreamingLoader
+        split = {"global_batch_size": self.global_batch_size, "local_batch_size": t.local_batch_size,
+                 "dp_rank": self.rank, "dp_size": self.dims.dp_size}
         if train_corpus is not None:
-            self.loader = StreamingLoader(
-                train_corpus, self.tokenizer, seq_len=t.seq_len, global_batch_size=self.global_batch_size,
-                local_batch_size=t.local_batch_size, dp_rank=self.rank, dp_size=self.dims.dp_size,
-            )
+            self.loader = StreamingLoader(train_corpus, self.tokenizer, seq_len=t.seq_len, **split)
         else:
             assert train_windows is not None
-            self.loader = GlobalBatchLoader(
-                train_windows,
-                global_batch_size=self.global_batch_size,
-                local_batch_size=t.local_batch_size,
-                dp_rank=self.rank,
-                dp_size=self.dims.dp_size,
-                seed=config.debug.seed,
-            )
+            self.loader = GlobalBatchLoader(train_windows, seed=config.debug.seed, **split)
         self.validator = None
         if val_windows is not None:
             self.validator = Validator(
