@@ -5,7 +5,9 @@ restarts train to the end. Without ``KILL_AT_STEP`` it is the plain entry point.
 
 Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 ``<dump_folder>/metrics.jsonl``: the kill then always lands while rank 0 is in step
-``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. Used by
+``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. With
+``KILL_AFTER_COMMIT`` set it also waits (within the same 60 s) until the step before is a
+committed checkpoint folder. Used by
 tests/test_restarts.py and the integration runner's ``restart_after_kill`` case."""
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def _train_step_or_die(self: Trainer) -> dict[str, float]:
         deadline = time.monotonic() + 60
         while not _logged(metrics, self.step) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if os.environ.get("KILL_AFTER_COMMIT"):  # and until the step before is a committed checkpoint
+            committed = Path(self.config.job.dump_folder) / self.config.checkpoint.folder / f"step-{self.step}"
+            while not committed.is_dir() and time.monotonic() < deadline:
+                time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     return _original_train_step(self)
 

@@ -54,3 +54,24 @@ def test_async_save_commits_when_written_and_its_group_takes_the_train_timeout(t
         assert rank["committed_before_step_9"] == [4, 8]
         assert rank["pending_still_set"]  # committed without wait(), which the next save calls
         assert rank["save_group_timeouts"] == [datetime.timedelta(seconds=37)]
+
+
+def test_a_rank_killed_at_step_9_of_an_async_run_resumes_from_step_8(tmp_path: Path) -> None:
+    """Async saves at 4 and 8; rank 1 SIGKILLed as step 9 begins, once step 8's background write
+    has been committed (which no later save has to trigger: the wrapper waits at most 60 s for the
+    folder, and then kills anyway); the next run resumes from step 8."""
+    import sys
+
+    from tests.dist_utils import free_port, run_command
+
+    args = [*TINY_ARGS, "--job.dump_folder", str(tmp_path / "job"), "--training.steps", "12",
+            "--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.async_mode", "async"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                "--rdzv-backend=c10d", "--max-restarts=0"]
+    killed = run_command([*torchrun, f"--rdzv-endpoint=127.0.0.1:{free_port()}", "tests/kill_at_step.py", *args],
+                         timeout=200, extra_env={"KILL_RANK": "1", "KILL_AT_STEP": "9", "KILL_AFTER_COMMIT": "1"})
+    assert killed.returncode != 0 and "exitcode  : -9" in killed.stderr, killed.stderr[-2000:]
+    resumed = run_command([*torchrun, f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "torchtitan_lite.train",
+                           *args], timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'job' / 'checkpoint' / 'step-8'} (step 8" in resumed.stdout, resumed.stdout
