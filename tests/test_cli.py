@@ -416,3 +416,17 @@ def test_compile_backend_is_checked_against_torchs_registry() -> None:
     with pytest.raises(ConfigError, match=r"compile.backend: invalid value 'nope'; expected a registered "
                                           r"torch.compile backend, e.g. .*inductor.*aot_eager"):
         plan_job(load_job_config(["--compile.enable", "--compile.backend", "nope"]), world_size=1)
+
+
+def test_five_bad_keys_are_five_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Five different unknown keys in one TOML file: five error lines, exit 2."""
+    from torchtitan_lite.train import main
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[training]\nstepz = 10\nbatchsize = 4\n[optimizer]\nlrr = 1e-3\n[model]\nflavour = "tiny"\n'
+                    "[checkpoint]\nintervall = 5\n")
+    assert main(["--job.config_file", str(toml)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 5 and all(line.startswith("error: unknown key '") for line in lines), lines
+    for key in ("training.stepz", "training.batchsize", "optimizer.lrr", "model.flavour", "checkpoint.intervall"):
+        assert sum(f"'{key}'" in line for line in lines) == 1, (key, lines)
