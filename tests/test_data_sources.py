@@ -21,6 +21,7 @@ import torch
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
+from tests.test_data import _user_error  # the schema → preflight → plan checks, one line
 from torchtitan_lite.config import load_job_config
 from torchtitan_lite.data import (
     ByteTokenizer,
@@ -33,7 +34,7 @@ from torchtitan_lite.data import (
     tokenizer_file,
 )
 from torchtitan_lite.errors import ConfigError, DataError, UserError
-from torchtitan_lite.job import plan_job, preflight
+from torchtitan_lite.job import preflight
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -506,13 +507,6 @@ def test_datasets_save_to_disk_folder_trains(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _user_error(argv: list[str], kind: type[UserError]) -> str:
-    with pytest.raises(UserError) as info:
-        config = load_job_config(argv)
-        preflight(config)
-        plan_job(config, world_size=1)
-    assert type(info.value) is kind, (argv, info.value)
-    return _one_line(info)
 
 
 def test_streamed_dataset_errors_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,6 @@ ERAS: dict[str, str] = {
     "v0.1.0": "v0.1.0 (June 2025: `[parallelism]`, `[lr_scheduler]`, `lr_min`)",
     "2026-02": "the last TOML layout (v0.2.x, until February 2026: `hf_assets_path`, `[quantize]`, `[validation]`)",
 }
-ALL_ERAS = ("2025-02", "v0.1.0", "2026-02")
 
 
 def _any(_: Any) -> bool:
