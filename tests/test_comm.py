@@ -37,7 +37,9 @@ def _start_ranks(dump: Path, world: int = 2) -> list[subprocess.Popen[str]]:
     return procs
 
 
-def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], timeout: float = 120) -> None:
+def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], timeout: float = 300) -> None:
+    """Wait until the metrics file shows ``step`` (a hang guard, not a time limit: a loaded machine
+    has taken over 120 s to start two ranks and reach step 3)."""
     metrics = dump / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
