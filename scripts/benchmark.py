@@ -27,8 +27,12 @@ collectives   all-gathers and reduce-scatters per step (count and MiB per rank) 
 ac            each activation checkpointing setting (none, full, selective op, selective every
               2nd block) on 2 ranks at ``--ac_seq_len``: activations and peak measured next to
               the estimate, step time, and whether the losses equal those of none.
-compile       compiled (blocks and loss) against eager trainer on 2 ranks, alternating round by
-              round; the ratio of the median step times, and compilation time on its own.
+compile       compiled (blocks and loss) against eager trainer on 2 ranks (--compile_ranks),
+              alternating round by round; the ratio of the median step times, and compilation
+              time on its own. Then two profiled steps of each: the time in library kernels
+              that compiled code calls unchanged (matrix multiplications, the fused attention
+              kernels) and in inductor's generated code, and the bound on the ratio were the
+              generated code free (the compiled step less its generated code's time).
 auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
               from the estimates of never and always): the units it reshards, all-gathers per
               step, estimated and measured peak, tokens/s, next to never / default / always.
@@ -438,10 +442,37 @@ def _worker_compile(opts: argparse.Namespace) -> dict[str, Any]:
             "eager_tps": tokens / statistics.median(eager_s), "compiled_tps": tokens / statistics.median(compiled_s),
             "ratio": statistics.median(eager_s) / statistics.median(compiled_s),
             "new_graphs_after_warmup": dynamo.utils.counters["stats"]["unique_graphs"] - graphs_after_warmup}
+        for name, trainer in (("eager", eager), ("compiled", compiled)):
+            out[dtype][f"{name}_library"] = _library_share(lambda trainer=trainer: steps(trainer, 2))
+        profiled = out[dtype]["compiled_library"]
+        out[dtype]["ratio_bound"] = (out[dtype]["eager_library"]["wall_s"]
+                                     / (profiled["wall_s"] - profiled["generated_s"]))
         for trainer in (eager, compiled):
             trainer.metrics.close()
         del eager, compiled
     return out
+
+
+# Kernels that compiled code calls as they are (inductor generates the rest): GEMMs and the fused
+# attention kernels. Their time is a floor of a compiled step.
+LIBRARY_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_")
+
+
+def _library_share(run: Any) -> dict[str, Any]:
+    """Profile ``run()`` (CPU ops of this process): wall time, the self time of
+    :data:`LIBRARY_KERNELS` (per kernel name, summed, share of the wall time) and of inductor's
+    generated code (its kernels and wrapper, not the library calls it makes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = {e.key: e.self_cpu_time_total / 1e6 for e in events if e.key.startswith(LIBRARY_KERNELS)}
+    generated = sum(e.self_cpu_time_total for e in events if e.key.startswith("## Call CompiledFxGraph")) / 1e6
+    return {"wall_s": wall, "library_s": sum(kernels.values()), "share": sum(kernels.values()) / wall,
+            "generated_s": generated, "kernels_s": kernels}
 
 
 def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
@@ -588,6 +619,7 @@ def main() -> None:
                         help="ac part: sequence length (long enough for activations to dominate)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
                         "overhead, memory, collectives, auto, ac, compile, metainit, startup")
+    parser.add_argument("--compile_ranks", type=int, default=2, help="compile part: number of ranks")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -619,6 +651,8 @@ def main() -> None:
         worlds = list(dict.fromkeys(int(w) for w in opts.world_sizes.split(",")))
     except ValueError:
         worlds = []
+    if opts.compile_ranks < 1:
+        parser.error(f"--compile_ranks: invalid value {opts.compile_ranks}; expected an integer >= 1")
     if not worlds or min(worlds) < 1:
         parser.error(f"--world_sizes: invalid value {opts.world_sizes!r}; expected a comma list of integers >= 1")
     figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "options": {
@@ -712,15 +746,20 @@ def main() -> None:
                   f"{r['estimated_peak'] / r['peak']:10.3f} {r['step_s']:7.3f} "
                   f"{r['step_s'] / none['step_s']:7.2f}  max rel. diff {same:.1e}")
     if "compile" not in skip:
-        by_dtype = _launch(["compile"], 2, opts)["compile"][0]
+        by_dtype = _launch(["compile"], opts.compile_ranks, opts)["compile"][0]
         figures["compile"] = by_dtype
-        print(f"\ncompile (2 ranks, {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss compiled)")
+        print(f"\ncompile ({opts.compile_ranks} rank(s), {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss compiled)")
         for dtype, c in by_dtype.items():
             print(f"  {dtype}: eager {c['eager_tps']:,.0f} tok/s/rank, compiled {c['compiled_tps']:,.0f} "
                   f"tok/s/rank, ratio compiled/eager = {c['ratio']:.2f} (per round: "
                   + ", ".join(f"{e / k:.2f}" for e, k in zip(c["eager_step_s"], c["compiled_step_s"], strict=True))
                   + f"); compilation {c['compile_s']:.1f} s (first step {c['compiled_first_step_s']:.1f} s "
                   f"vs eager {c['eager_first_step_s']:.2f} s), {c['new_graphs_after_warmup']} new graphs after warm-up")
+            e, k = c["eager_library"], c["compiled_library"]
+            print(f"    library kernels (mm, attention; profiled, 2 steps): eager {e['library_s']:.2f} s of "
+                  f"{e['wall_s']:.2f} s ({e['share']:.0%}), compiled {k['library_s']:.2f} s of {k['wall_s']:.2f} s "
+                  f"({k['share']:.0%}), generated code {k['generated_s']:.2f} s; the ratio were the generated code "
+                  f"free: {c['ratio_bound']:.2f}")
     if "metainit" not in skip:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
