@@ -117,3 +117,34 @@ def test_cuda_metrics_traces_and_memory_snapshots(tmp_path: Path) -> None:
             assert any(e.get("cat") == "kernel" for e in events), trace
             snapshot = tmp_path / "memory_snapshot" / f"iteration_{step}" / f"rank{rank}_memory_snapshot.pickle"
             assert snapshot.stat().st_size > 0
+
+
+def _float8_on_gpu(dump: str) -> dict:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    base = [a for a in TINY_ARGS if a != "--debug.deterministic"]
+    out: dict = {}
+    for label, extra in (("bf16", []), ("float8", ["--model.converters", "float8",
+                                                   "--float8.enable_fsdp_float8_all_gather",
+                                                   "--float8.precompute_float8_dynamic_scale_for_fsdp"])):
+        argv = [*base, "--training.steps", "20", "--job.dump_folder", f"{dump}/{label}",
+                "--training.mixed_precision_param", "bfloat16", "--metrics.no-enable_tensorboard", *extra]
+        trainer = Trainer(load_job_config(argv))
+        out[f"{label}_linears"] = sorted({type(m).__name__ for m in trainer.model.layers.modules()
+                                          if isinstance(m, torch.nn.Linear)})
+        out[label] = [h["loss"] for h in trainer.train()]
+        trainer.metrics.close()
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 matmuls need compute capability 8.9 or later")
+def test_float8_trains_on_a_float8_gpu(tmp_path: Path) -> None:
+    """Real float8 matmuls (torch._scaled_mm) and the float8 all-gather: the blocks' linears are
+    converted and 20 steps follow bf16's losses."""
+    pytest.importorskip("torchao.float8")
+    (r, *_) = run_distributed(_float8_on_gpu, _world(), str(tmp_path), timeout=300)
+    assert r["float8_linears"] == ["Float8Linear"] and r["bf16_linears"] == ["Linear"]
+    assert all(math.isfinite(x) for x in r["float8"])
+    assert r["float8"][-1] == pytest.approx(r["bf16"][-1], rel=0.03)

@@ -93,7 +93,7 @@ context_parallel_degree = 4
 [metrics]
 enable_wandb = true
 [model]
-converters = ["float8"]
+converters = ["mx"]
 [fault_tolerance]
 enable = true
 replica_id = 3
@@ -114,7 +114,7 @@ mode = "memory_budget"
     for key, feature in [("parallelism.tensor_parallel_degree = 2", "tensor parallelism"),
                          ("parallelism.context_parallel_degree = 4", "context parallelism"),
                          ("metrics.enable_wandb = true", "Weights & Biases"),
-                         ('model.converters = ["float8"]', "float8"),
+                         ("model.converters = ['mx']", "MX (microscaling)"),
                          ("fault_tolerance.enable = true", "TorchFT")]:
         (line,) = [x for x in lines if key in x]
         assert line.startswith("error: ") and feature in line and "does not have" in line, line
@@ -210,7 +210,7 @@ def test_hf_assets_path_is_also_the_initial_load_with_initial_load_in_hf(tmp_pat
     ("--model.tokenizer", None),
     ("--activation_checkpointing.mode", "activation_checkpoint.mode"),
     ("--job.use_for_tests", None),
-    ("--float16.emulate", None),
+    ("--float16.emulate", "float8.emulate"),  # the one section with that key, two letters away
     # A key of that name elsewhere is no hint when the section has a close spelling, or when
     # the name never moved between sections.
     ("--checkpoint.enabled", "checkpoint.enable"),

@@ -117,6 +117,12 @@ class JobPlan:
     """Tokens per validation window."""
     schedule_steps: int
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
+    float8: dict[str, Any] | None = None
+    """The keyword arguments of :func:`~torchtitan_lite.distributed.float8.apply_float8` when
+    ``model.converters`` names float8, else None. The float8 all-gather is on only where FSDP
+    shards (``dp_shard`` > 1), as in TorchTitan."""
+    precompute_float8_scales: bool = False
+    """Compute the float8 all-gather's scales after each optimizer step."""
 
     @property
     def dp_size(self) -> int:
@@ -228,6 +234,11 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
+    f8 = config.float8
+    float8 = None if not m.converters else {
+        "enable_fsdp_float8_all_gather": f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1,
+        "force_recompute_fp8_weight_in_bwd": f8.force_recompute_fp8_weight_in_bwd,
+        "recipe_name": f8.recipe_name, "filter_fqns": tuple(f8.filter_fqns), "emulate": f8.emulate}
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,
         model_args=model_args,
@@ -237,4 +248,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
+        float8=float8,
+        precompute_float8_scales=(float8 is not None and float8["enable_fsdp_float8_all_gather"]
+                                  and config.float8.precompute_float8_dynamic_scale_for_fsdp),
     )

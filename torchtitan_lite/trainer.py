@@ -31,6 +31,7 @@ from torchtitan_lite.distributed import (
 )
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.compile import compile_loss
+from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import ConfigError, TrainingError
@@ -112,6 +113,10 @@ class Trainer:
             )
 
         self.device = choose_device(local_rank)
+        if plan.float8 is not None:
+            unavailable = float8_unavailable(self.device, emulate=plan.float8["emulate"])
+            if unavailable:
+                raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
         if plan.reshard_mode == "auto":
             from torchtitan_lite.memory.auto import auto_budget_bytes
 
@@ -195,6 +200,7 @@ class Trainer:
             ac_policies=ac_policies,
             compile_model=config.compile.enable and "model" in config.compile.components,
             compile_backend=config.compile.backend,
+            float8=plan.float8,
             reshard_after_forward_mode=reshard_mode,
             param_dtype=plan.param_dtype,
             reduce_dtype=plan.reduce_dtype,
@@ -276,6 +282,13 @@ class Trainer:
                      if self.reshard_plan is not None and self.reshard_plan.recomputed else "")
             logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
                         added, ", ".join(config.compile.components) if config.compile.enable else "off")
+            if plan.float8 is not None:
+                converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+                f8 = plan.float8
+                logger.info("float8: %d linears of the blocks (%s%s); all-gather in float8: %s%s", converted,
+                            f8["recipe_name"] or "tensorwise", ", emulated" if f8["emulate"] else "",
+                            "yes" if f8["enable_fsdp_float8_all_gather"] else "no",
+                            ", scales computed after each optimizer step" if plan.precompute_float8_scales else "")
 
     def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
         """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
@@ -330,6 +343,8 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
+            if self.plan.precompute_float8_scales:
+                precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -8,6 +8,7 @@ allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from torchtitan_lite.config import torchtitan
 from torchtitan_lite.config.schema import (
     SECTIONS,
+    Float8,
     JobConfig,
     allowed_values,
     coerce,
@@ -137,9 +139,13 @@ class _Layer:
             if entry is not None and entry.kind == "off" and entry.neutral is torchtitan.ANY:
                 notes.append(f"'{name}' (TorchTitan) has no effect here: {entry.remark}")
                 return  # accepted whatever its value: it changes nothing here
-            if entry is None and isinstance(raw, str) and (name, raw) in torchtitan.LACKING_VALUES:
-                raise ConfigError(f"{name} = {raw!r} asks for {torchtitan.LACKING_VALUES[(name, raw)]}, which "
-                                  f"torchtitan_lite does not have; expected {allowed_values(tp)}")
+            # A list's items too (a TOML list, or the command line's comma list).
+            items = raw if isinstance(raw, list) else raw.split(",") if from_cli and isinstance(raw, str) else [raw]
+            lacking = [x.strip() for x in items
+                       if entry is None and isinstance(x, str) and (name, x.strip()) in torchtitan.LACKING_VALUES]
+            if lacking:
+                raise ConfigError(f"{name} = {raw!r} asks for {torchtitan.LACKING_VALUES[(name, lacking[0])]}, "
+                                  f"which torchtitan_lite does not have; expected {allowed_values(tp)}")
             if entry is None and isinstance(raw, str) and (name, raw) in torchtitan.VALUE_ALIASES:
                 ours, differs = torchtitan.VALUE_ALIASES[(name, raw)]
                 notes.append(f"{name} = {raw!r} is TorchTitan's spelling of {ours!r}; {differs}")
@@ -317,6 +323,16 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
         ck.initial_load_path = hf_assets
         notes.append("'model.hf_assets_path' is also read as 'checkpoint.initial_load_path' "
                      "(checkpoint.enable and initial_load_in_hf are set, initial_load_path is not)")
+    f8 = config.float8
+    if not config.model.converters:
+        changed = [f"float8.{k}" for k, v in dataclasses.asdict(f8).items()
+                   if v != getattr(Float8(), k)]
+        if changed:
+            notes.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: "
+                         "model.converters does not name float8")
+    elif f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        notes.append("float8.precompute_float8_dynamic_scale_for_fsdp has no effect without "
+                     "float8.enable_fsdp_float8_all_gather")
     notes[:] = list(dict.fromkeys(notes))
     validate_config(config)
     return config

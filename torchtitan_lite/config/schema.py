@@ -25,6 +25,7 @@ from torchtitan_lite.errors import ConfigError
 
 __all__ = [
     "RESHARD_MODES",
+    "Float8",
     "JobConfig",
     "SECTIONS",
     "validate_config",
@@ -61,6 +62,8 @@ class Model:
     """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids, needs no files)."""
     vocab_size: int = -1
     """Rows of the embedding and output layers; -1 follows the tokenizer. A larger value pads the vocabulary (e.g. to a multiple of 64); a smaller one is an error."""
+    converters: list[Literal["float8", "quantize.linear.float8"]] = field(default_factory=list)
+    """Conversions of the model before it is sharded: float8 (TorchTitan's later name: quantize.linear.float8) trains the blocks' linears in float8 through torchao, with the [float8] options; needs a CUDA GPU of compute capability 8.9 or later, or float8.emulate."""
 
 
 @dataclass
@@ -159,6 +162,22 @@ class Compile:
     """What compile.enable compiles: model (its blocks), loss, or both."""
     backend: str = "inductor"
     """torch.compile backend: inductor (generates fused kernels: C++ on CPU, Triton on GPU), or another registered backend such as aot_eager (traces without code generation: for debugging)."""
+
+
+@dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = False
+    """With model.converters = ["float8"]: FSDP all-gathers the blocks' weights in float8 (half the bytes of bf16; tensorwise scaling only). Used when the weights are sharded over more than one rank."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With enable_fsdp_float8_all_gather: compute the weights' float8 scales for the next all-gather in one reduction after each optimizer step."""
+    force_recompute_fp8_weight_in_bwd: bool = False
+    """Cast the weights to float8 again in backward instead of saving the float8 copies (less memory with FSDP)."""
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """torchao's scaling recipe; unset: tensorwise with the options above. rowwise scales each row (more accurate, slower; not with the float8 all-gather)."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g. attention.wq). The output and embedding layers, and linears with a dimension not a multiple of 16, are never converted."""
+    emulate: bool = False
+    """Compute the float8 matmuls in high precision on float8-rounded values, on any device (CPU included): for tests, not speed."""
 
 
 @dataclass
@@ -271,6 +290,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
@@ -512,6 +532,10 @@ def validate_config(c: JobConfig) -> None:
              "expected 'op' or a positive integer N (full recomputation of every N-th block)")
     _require(not c.compile.enable or bool(c.compile.components), "compile.components", c.compile.components,
              "expected model, loss or both with compile.enable = true")
+    f8 = c.float8
+    _require(f8.recipe_name is None or not f8.enable_fsdp_float8_all_gather, "float8.recipe_name", f8.recipe_name,
+             "expected unset with float8.enable_fsdp_float8_all_gather = true (the float8 all-gather needs "
+             "tensorwise scales)")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")

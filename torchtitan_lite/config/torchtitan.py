@@ -129,7 +129,6 @@ _CP = "context parallelism"
 _TP = "tensor parallelism"
 _EP = "expert parallelism (mixture-of-experts models)"
 _FT = "TorchFT fault tolerance (replica groups that survive the loss of a replica)"
-_LOW_PRECISION = "float8 / MX low-precision training (torchao model converters)"
 
 TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     # [job]
@@ -150,9 +149,8 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
            remark="the folder's tokenizer.json (+ tokenizer_config.json); with checkpoint.initial_load_in_hf "
                   "and no checkpoint.initial_load_path, also the Hugging Face weights to start from"),
     _off("model.norm_type", str, (E,), _in("rmsnorm"), "a norm other than RMSNorm"),
-    _off("model.converters", list[str], EVL, _empty, _LOW_PRECISION),
     _off("model.print_after_conversion", bool, VL, _in(False),
-         "printing the model after converters (there are no converters here)"),
+         "printing the model after converters (the start-up log counts the layers converted to float8)"),
     # [optimizer]
     _alias("optimizer.fused", bool, (E,), "optimizer.implementation", value=_fused,
            remark='true → "fused", false → "foreach"'),
@@ -248,15 +246,10 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("activation_checkpoint.determinism_check", str, (L,), _in("default"),
          "other recomputation determinism checks"),
     _off("activation_checkpoint.debug", bool, (L,), _in(False), "activation-checkpoint debug logging"),
-    # float8 / MX: options of converters (model.converters) that are refused when asked for.
-    *(_off(f"float8.{k}", tp, (E, V) if k in ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp")
-           else (V,), _any, "", "used only with float8 converters (model.converters)")
-      for k, tp in (("enable_fsdp_float8_all_gather", bool), ("precompute_float8_dynamic_scale_for_fsdp", bool),
-                    ("force_recompute_fp8_weight_in_bwd", bool), ("recipe_name", str | None),
-                    ("filter_fqns", list[str]), ("emulate", bool))),
+    # float8: [float8] of 2025 is ours; the later [quantize.linear.float8] names the same options.
     *(_off(f"mx.{k}", tp, (V,), _any, "", "used only with MX converters (model.converters)")
       for k, tp in (("use_fp8_dim1_cast_triton_kernel", bool), ("recipe_name", str), ("filter_fqns", list[str]))),
-    *(_off(f"quantize.linear.float8.{k}", tp, (L,), _any, "", "used only with float8 converters (model.converters)")
+    *(_alias(f"quantize.linear.float8.{k}", tp, (L,), f"float8.{k}")
       for k, tp in (("enable_fsdp_float8_all_gather", bool), ("precompute_float8_dynamic_scale_for_fsdp", bool),
                     ("recipe_name", str | None), ("filter_fqns", list[str]), ("emulate", bool))),
     *(_off(f"quantize.linear.mx.{k}", tp, (L,), _any, "", "used only with MX converters (model.converters)")
@@ -309,6 +302,11 @@ LACKING_VALUES: dict[tuple[str, Any], str] = {
     ("activation_checkpoint.mode", "memory_budget"): (
         "activation checkpointing under a memory budget (here parallelism.reshard_after_forward_mode = "
         '"auto" with parallelism.memory_budget_gib chooses recomputation and resharding per block)'),
+    **{("model.converters", name): "MX (microscaling) low-precision training (float8 is available: "
+                                    'model.converters = ["float8"])'
+       for name in ("mx", "quantize.linear.mx")},
+    **{("model.converters", name): "float8 grouped matmuls of mixture-of-experts models"
+       for name in ("quantize.grouped_mm.float8", "quantize.grouped_mm.mx")},
 }
 """Values of keys we share that ask for a feature of TorchTitan's we lack."""
 

@@ -1,7 +1,8 @@
-"""The meta-init path of a registered model: build on the meta device, checkpoint activations,
-compile, shard, allocate, initialise.
+"""The meta-init path of a registered model: build on the meta device, convert to float8,
+checkpoint activations, compile, shard, allocate, initialise.
 
-The order matters and is the one TorchTitan uses: activation checkpointing wraps each block's
+The order matters and is the one TorchTitan uses: the float8 conversion swaps the blocks'
+linears first (so that all that follows wraps the converted layers), activation checkpointing wraps each block's
 forward first (so that compile traces the checkpoint as part of the block's graph), compile
 comes next, and ``fully_shard`` last (so that its hooks, which gather and free parameters, stay
 outside the compiled code).
@@ -9,7 +10,7 @@ outside the compiled code).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply_activation_checkpointing
 from torchtitan_lite.distributed.compile import compile_blocks
+from torchtitan_lite.distributed.float8 import apply_float8
 from torchtitan_lite.distributed.fsdp import apply_fsdp
 from torchtitan_lite.models.spec import ModelSpec
 
@@ -36,9 +38,11 @@ def build_sharded_model(
     ac_policies: Sequence[BlockPolicy] | None = None,
     compile_model: bool = False,
     compile_backend: str = "inductor",
+    float8: Mapping[str, Any] | None = None,
     **fsdp_options: Any,
 ) -> nn.Module:
-    """Build ``spec.model_cls(args)`` on the meta device; checkpoint its blocks by ``ac_mode`` and
+    """Build ``spec.model_cls(args)`` on the meta device; convert its blocks' linears to float8
+    when ``float8`` is given (the keyword arguments of :func:`~.float8.apply_float8`); checkpoint its blocks by ``ac_mode`` and
     ``selective_ac_option`` (TorchTitan's settings) or by ``ac_policies`` (one of
     ``none``/``full``/``op`` per block; see :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
     (with ``compile_backend``);
@@ -49,6 +53,8 @@ def build_sharded_model(
     with torch.device("meta"):
         model = spec.model_cls(args)
     units = spec.fsdp_units(model)
+    if float8 is not None:
+        apply_float8(model, blocks=units["blocks"], **float8)
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
                                    selective_ac_option=selective_ac_option, policies=ac_policies)
     if compile_model:

@@ -1,0 +1,152 @@
+"""float8 training of a model's blocks through ``torchao``, applied from outside the model code.
+
+:func:`apply_float8` swaps the ``nn.Linear`` layers inside the blocks for torchao's
+``Float8Linear``: the weights stay in their dtype (fp32 shards, bf16 under mixed precision) and
+are what the optimizer and checkpoints see (``state_dict`` keys unchanged); each matmul casts its
+input, weight and output gradient to float8 with a dynamic scale and runs ``torch._scaled_mm``
+(tensor cores of CUDA devices of compute capability 8.9 or later: H100, L40, RTX 4090). The
+token embedding and the output projection are never converted (the output's logits are where
+float8's range hurts most and its matmul is small next to the blocks'), nor is a linear whose
+dimensions are not multiples of 16 (a requirement of the float8 matmul) or whose name contains
+one of ``filter_fqns``.
+
+``enable_fsdp_float8_all_gather`` makes FSDP all-gather the blocks' weights as float8 (half the
+bytes of bf16) with tensorwise scales; ``precompute_float8_dynamic_scale_for_fsdp`` then
+computes those scales for all weights in one reduction after each optimizer step
+(:func:`precompute_float8_scales`) instead of one per weight in the next forward.
+
+``emulate`` computes the float8 matmuls in high precision on float8-rounded operands, so that
+the conversion runs (and is tested) on any device, CPU included; it is for tests, not speed.
+
+Apply it right after building the model on the meta device, before activation checkpointing,
+compile and ``fully_shard`` (the path of :func:`~.parallelize.build_sharded_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
+
+__all__ = ["FLOAT8_RECIPES", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchao's scaling recipes (``recipe_name``); unset is tensorwise with this module's options."""
+
+
+@functools.cache
+def _torchao_error() -> str | None:
+    # torchao's import logs every CUDA extension it cannot load and warns about a missing Triton:
+    # noise on a CPU machine (emulate), and nothing float8 training on a GPU needs.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        return f"float8 training needs torchao ({exc}); install it: pip install torchao"
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+    return None
+
+
+def float8_unavailable(device: torch.device, *, emulate: bool) -> str | None:
+    """Why float8 training cannot run on ``device`` (one line), or None when it can: torchao
+    must be importable, and the device must have float8 matmuls (CUDA compute capability 8.9 or
+    later) unless ``emulate``."""
+    missing = _torchao_error()
+    if missing:
+        return missing
+    if emulate:
+        return None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            return None
+        name = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    else:
+        name = f"{device.type}"
+    return (f"float8 matmuls need a CUDA GPU of compute capability 8.9 or later (H100, L40, RTX 4090); "
+            f"this device is {name}. float8.emulate = true runs the conversion in high precision, "
+            "for tests")
+
+
+def _filter(filter_fqns: Sequence[str]) -> Any:
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        out_features, in_features = module.weight.shape
+        return out_features % 16 == 0 and in_features % 16 == 0 and not any(f in fqn for f in filter_fqns)
+    return convert
+
+
+def apply_float8(
+    model: nn.Module,
+    *,
+    blocks: Blocks,
+    enable_fsdp_float8_all_gather: bool = False,
+    force_recompute_fp8_weight_in_bwd: bool = False,
+    recipe_name: str | None = None,
+    filter_fqns: Sequence[str] = (),
+    emulate: bool = False,
+) -> list[str]:
+    """Convert the ``nn.Linear`` layers of ``model``'s blocks to torchao's ``Float8Linear`` in
+    place (on the meta device or a real one, before ``fully_shard``); returns the converted
+    layers' names (e.g. ``layers.0.attention.wq``).
+
+    ``blocks`` is what :func:`~.fsdp.apply_fsdp` takes. ``recipe_name`` picks one of torchao's
+    recipes (:data:`FLOAT8_RECIPES`: ``rowwise`` scales each row, more accurate and slower);
+    it cannot be combined with ``enable_fsdp_float8_all_gather`` (the float8 all-gather needs
+    tensorwise scales). Raises ``ValueError`` (one line) for a bad combination and
+    ``ImportError`` without torchao."""
+    missing = _torchao_error()
+    if missing:
+        raise ImportError(missing)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    if recipe_name is not None:
+        if recipe_name not in FLOAT8_RECIPES:
+            raise ValueError(f"float8: unknown recipe_name {recipe_name!r}; allowed: {', '.join(FLOAT8_RECIPES)}")
+        if enable_fsdp_float8_all_gather:
+            raise ValueError(f"float8: recipe_name {recipe_name!r} cannot be combined with "
+                             "enable_fsdp_float8_all_gather (which needs tensorwise scales); unset one")
+        config = Float8LinearConfig.from_recipe_name(recipe_name)
+        if emulate or force_recompute_fp8_weight_in_bwd:
+            config = dataclasses.replace(config, emulate=emulate,
+                                         force_recompute_fp8_weight_in_bwd=force_recompute_fp8_weight_in_bwd)
+    else:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
+                                    force_recompute_fp8_weight_in_bwd=force_recompute_fp8_weight_in_bwd,
+                                    emulate=emulate)
+    keep = _filter(filter_fqns)
+    names = {id(module): name for name, module in model.named_modules()}
+    converted = []
+    for block in find_blocks(model, blocks):
+        prefix = names[id(block)]
+        # torchao names the modules relative to the block it is given; filter on the model's names.
+        block_names = [f"{prefix}.{name}" for name, module in block.named_modules() if keep(module, f"{prefix}.{name}")]
+        convert_to_float8_training(
+            block, config=config,
+            module_filter_fn=lambda module, fqn, prefix=prefix: keep(module, f"{prefix}.{fqn}"))
+        converted.extend(block_names)
+    return converted
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step, compute the float8 scales of every float8-all-gathered weight of
+    ``model`` in one reduction (``precompute_float8_dynamic_scale_for_fsdp``)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
