@@ -188,6 +188,7 @@ hf_assets_path = "{tok}"
 name = "AdamW"
 lr = 3e-4
 eps = 1e-8
+implementation = "fused"
 
 [lr_scheduler]
 warmup_steps = 5
