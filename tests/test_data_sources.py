@@ -554,6 +554,16 @@ def test_streamed_dataset_errors_are_one_line(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(DataError) as info:
         _loader(ArrowCorpus("parquet", str(few)))
     assert "has 3 rows, fewer than training.global_batch_size = 4" in _one_line(info)
+    # The job finds it from the files' metadata, before its process group exists.
+    from torchtitan_lite import train
+
+    def no_group(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("the process group was started before the dataset was checked")
+
+    monkeypatch.setattr("torchtitan_lite.trainer.init_distributed", no_group)
+    assert train.main([*TINY_ARGS, "--training.dataset", "parquet", "--training.dataset_path", str(few),
+                       "--training.local_batch_size", "4", "--validation.no-enable",
+                       "--job.dump_folder", str(tmp_path / "few_job")]) == 3
 
     # pyarrow not installed.
     monkeypatch.setitem(sys.modules, "pyarrow", None)

@@ -216,6 +216,16 @@ class ArrowCorpus:
         if self.num_rows == 0:
             raise DataError(f"{self.key}: {dataset_path!r} is empty (no rows in {len(self.files)} file(s))")
 
+    def check_global_batch(self, global_batch_size: int) -> None:
+        """One :class:`DataError` line when there are fewer rows than samples in a global batch
+        (every sample streams its own range of the rows)."""
+        if self.num_rows < global_batch_size:
+            raise DataError(
+                f"{self.key}: {self.source!r} has {self.num_rows} rows, fewer than "
+                f"training.global_batch_size = {global_batch_size}; every sample of a global batch streams "
+                "its own share of the rows"
+            )
+
     def _read_error(self, file: Path, exc: Exception) -> DataError:
         """One line for a file that cannot be read: the OS error (permissions, a missing file), or
         pyarrow's reason it is not a file of this dataset's kind."""
@@ -428,12 +438,7 @@ class StreamingLoader:
         dp_size: int,
     ) -> None:
         self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
-        if corpus.num_rows < global_batch_size:
-            raise DataError(
-                f"{corpus.key}: {corpus.source!r} has {corpus.num_rows} rows, fewer than "
-                f"training.global_batch_size = {global_batch_size}; every sample of a global batch streams "
-                "its own share of the rows"
-            )
+        corpus.check_global_batch(global_batch_size)
         self.corpus = corpus
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size

@@ -94,6 +94,8 @@ class Trainer:
         # Parquet/Arrow datasets are streamed: only their files' metadata is read here.
         train_corpus = (ArrowCorpus(t.dataset, t.dataset_path, text_column=t.dataset_text_column)  # type: ignore[arg-type]
                         if t.dataset in STREAMED_DATASETS else None)
+        if train_corpus is not None:  # from the files' metadata, before any process group
+            train_corpus.check_global_batch(plan.global_batch_size)
         train_windows = None if train_corpus is not None else TokenWindows(
             build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
                                token_dtype=t.dataset_token_dtype),
