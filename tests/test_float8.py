@@ -143,6 +143,7 @@ def _trainer(argv: list[str], dump: Path) -> Any:
 
 _SAVED = [*FLOAT8, "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp",
           "--checkpoint.enable", "--checkpoint.interval", "3"]
+_HF_LAST = ["--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
 
 
 def _first_half(dump: str) -> list[float]:
@@ -157,7 +158,7 @@ def _second_half_and_references(dump: str) -> dict[str, Any]:
     for label, argv in (("none", []), ("float8", [*FLOAT8]),
                         ("all_gather", [*FLOAT8, "--float8.enable_fsdp_float8_all_gather",
                                         "--float8.precompute_float8_dynamic_scale_for_fsdp"]),
-                        ("resumed", [*_SAVED])):
+                        ("resumed", [*_SAVED, *_HF_LAST])):
         trainer = _trainer([*argv, "--training.steps", "6"], Path(dump) / label)
         out[f"{label}_resumed_from"] = trainer.step
         weight = trainer.model.layers["0"].attention.wq.weight
@@ -169,6 +170,10 @@ def _second_half_and_references(dump: str) -> dict[str, Any]:
         history += trainer.train()
         out[label] = [h["loss"] for h in history]
         out[f"{label}_all_gather_bytes"] = counted.bytes
+        if label == "resumed":  # the float8-wrapped weights as trained, for the Hugging Face export
+            from torchtitan_lite.checkpoint.hf_storage import _plain
+
+            out["trained_w1"] = _plain(trainer.model.layers["0"].feed_forward.w1.weight).full_tensor()
         trainer.metrics.close()
         if trainer.checkpointer is not None:
             trainer.checkpointer.close()
@@ -194,3 +199,10 @@ def test_float8_trains_all_gathers_in_float8_and_resumes_exactly_on_two_ranks(tm
     # Checkpointed at step 3 with float8 weights and resumed: the same run as without a stop.
     assert first == r["all_gather"][:3]
     assert r["resumed"] == r["all_gather"][3:]
+    # Its last save, in Hugging Face's format, holds the weights as trained (float8 wrappers and all).
+    from safetensors.torch import load_file
+
+    exported = {}
+    for file in (tmp_path / "resumed" / "checkpoint" / "step-6").glob("*.safetensors"):
+        exported.update(load_file(file))
+    assert torch.equal(exported["model.layers.0.mlp.gate_proj.weight"], r["trained_w1"])
