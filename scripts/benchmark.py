@@ -33,6 +33,12 @@ compile       compiled (blocks and loss) against eager trainer on 2 ranks (--com
               that compiled code calls unchanged (matrix multiplications, the fused attention
               kernels) and in inductor's generated code, and the bound on the ratio were the
               generated code free (the compiled step less its generated code's time).
+peak          the estimator's peak per rank against the measured one for every reshard mode ×
+              activation checkpointing setting, on --peak_ranks ranks at --flavor, --seq_len,
+              --local_batch_size and the first of --param_dtypes, through the real trainer:
+              ``torch.cuda.max_memory_allocated`` after two steps on a GPU, FSDPMemTracker's peak
+              of a step on CPU. Not in the default run (name it in --parts, e.g. on one GPU:
+              --parts peak --peak_ranks 1 --flavor 1B --seq_len 2048 --param_dtypes bfloat16).
 auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
               from the estimates of never and always): the units it reshards, all-gathers per
               step, estimated and measured peak, tokens/s, next to never / default / always.
@@ -340,6 +346,64 @@ AC_RUNS = {"none": ["--activation_checkpoint.mode", "none"],
                            "--activation_checkpoint.selective_ac_option", "2"]}
 
 
+def _peak_argv(opts: argparse.Namespace, mode: str, ac: list[str], dump: str) -> list[str]:
+    return _job_args(argparse.Namespace(**{**vars(opts), "dump": dump}), "--parallelism.reshard_after_forward_mode",
+                     mode, *ac, param_dtype=opts.param_dtypes.split(",")[0])
+
+
+def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
+    """Measured peak per rank of each reshard mode × AC setting (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.trainer import Trainer
+
+    out = {}
+    for mode in MODES:
+        for label, ac in AC_RUNS.items():
+            trainer = Trainer(load_job_config(_peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
+            trainer.config.training.steps = 1
+            trainer.train()  # warm-up: lazy FSDP init, allocator pools
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(trainer.device)
+                trainer.config.training.steps += 2
+                trainer.train()
+                torch.cuda.synchronize()
+                peak, how = torch.cuda.max_memory_allocated(trainer.device), "torch.cuda.max_memory_allocated"
+            else:
+                def loss_fn(trainer: Any = trainer) -> torch.Tensor:
+                    (inputs, labels), = trainer.loader.next_batch()
+                    return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
+
+                peak, how = measure_step_memory(trainer.model, trainer.optimizer, loss_fn)["peak"]["total"], "FSDPMemTracker"
+            out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how}
+            trainer.metrics.close()
+            del trainer
+            dist.barrier()
+    return out
+
+
+def _peak_estimates(opts: argparse.Namespace) -> dict[str, int]:
+    """The estimator's peak per rank for each run of :func:`_worker_peak` (no process group)."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            for label, ac in AC_RUNS.items():
+                config = load_job_config(_peak_argv(opts, mode, ac, tmp))
+                plan = plan_job(config, world_size=opts.peak_ranks)
+                out[f"{mode} / {label}"] = estimate_memory(
+                    plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                    **job_estimate_kwargs(config, plan)).peak
+    return out
+
+
 def _ac_args(opts: argparse.Namespace) -> argparse.Namespace:
     """The AC part's job: ``--ac_seq_len`` (activations dominate there), fp32."""
     return argparse.Namespace(**{**vars(opts), "seq_len": opts.ac_seq_len})
@@ -515,7 +579,8 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
-           "auto": _worker_auto, "metainit": _worker_metainit, "ac": _worker_ac, "compile": _worker_compile}
+           "auto": _worker_auto, "metainit": _worker_metainit, "ac": _worker_ac, "compile": _worker_compile,
+           "peak": _worker_peak}
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
@@ -620,6 +685,8 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: "
                         "overhead, memory, collectives, auto, ac, compile, metainit, startup")
     parser.add_argument("--compile_ranks", type=int, default=2, help="compile part: number of ranks")
+    parser.add_argument("--peak_ranks", type=int, default=2, help="peak part: number of ranks (GPUs)")
+    parser.add_argument("--parts", default="", help="parts to run besides the default ones: peak")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -651,6 +718,10 @@ def main() -> None:
         worlds = list(dict.fromkeys(int(w) for w in opts.world_sizes.split(",")))
     except ValueError:
         worlds = []
+    if opts.peak_ranks < 1:
+        parser.error(f"--peak_ranks: invalid value {opts.peak_ranks}; expected an integer >= 1")
+    if set(filter(None, opts.parts.split(","))) - {"peak"}:
+        parser.error(f"--parts: invalid value {opts.parts!r}; expected peak")
     if opts.compile_ranks < 1:
         parser.error(f"--compile_ranks: invalid value {opts.compile_ranks}; expected an integer >= 1")
     if not worlds or min(worlds) < 1:
@@ -760,6 +831,19 @@ def main() -> None:
                   f"{e['wall_s']:.2f} s ({e['share']:.0%}), compiled {k['library_s']:.2f} s of {k['wall_s']:.2f} s "
                   f"({k['share']:.0%}), generated code {k['generated_s']:.2f} s; the ratio were the generated code "
                   f"free: {c['ratio_bound']:.2f}")
+    if "peak" in opts.parts.split(","):
+        estimates = _peak_estimates(opts)
+        peaks = _launch(["peak"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks))["peak"][0]
+        for key, r in peaks.items():
+            r["estimated_peak"] = estimates[key]
+        figures["peak"] = peaks
+        print(f"\npeak per rank, estimated against measured ({opts.peak_ranks} rank(s), {opts.flavor}, seq_len "
+              f"{opts.seq_len}, local batch {opts.local_batch_size}, {opts.param_dtypes.split(',')[0]}; "
+              f"measured with {next(iter(peaks.values()))['measured_by']})")
+        print(f"{'reshard / AC':24} {'measured MiB':>12} {'estimate MiB':>12} {'est./meas.':>10}")
+        for key, r in peaks.items():
+            print(f"{key:24} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
+                  f"{r['estimated_peak'] / r['peak']:10.3f}")
     if "metainit" not in skip:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
