@@ -39,6 +39,12 @@ peak          the estimator's peak per rank against the measured one for every r
               ``torch.cuda.max_memory_allocated`` after two steps on a GPU, FSDPMemTracker's peak
               of a step on CPU. Not in the default run (name it in --parts, e.g. on one GPU:
               --parts peak --peak_ranks 1 --flavor 1B --seq_len 2048 --param_dtypes bfloat16).
+float8        float8 training (the blocks' linears through torchao, float8 all-gather with
+              precomputed scales) against the same job without it, eager and compiled, on
+              --peak_ranks ranks in the first of --param_dtypes for --float8_steps steps: median
+              tokens/s after 10 steps and the loss (mean of the last 10 steps). Not in the
+              default run (--parts float8); without float8 matmuls (CPU) in emulation, which
+              checks the plumbing, not speed.
 auto          reshard_after_forward_mode = auto on 2 ranks under a tight and a loose budget (set
               from the estimates of never and always): the units it reshards, all-gathers per
               step, estimated and measured peak, tokens/s, next to never / default / always.
@@ -386,6 +392,50 @@ def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+FLOAT8_RUNS = {
+    "without float8": [],
+    "float8": ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather",
+               "--float8.precompute_float8_dynamic_scale_for_fsdp"],
+}
+
+
+def _worker_float8(opts: argparse.Namespace) -> dict[str, Any]:
+    """Each of :data:`FLOAT8_RUNS`, eager and compiled: losses and step times (see the docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.float8 import float8_unavailable
+    from torchtitan_lite.distributed.process_group import choose_device
+    from torchtitan_lite.trainer import Trainer
+
+    emulate = float8_unavailable(choose_device(int(os.environ.get("LOCAL_RANK", "0"))), emulate=False) is not None
+    out = {}
+    for label, argv in FLOAT8_RUNS.items():
+        for compiled in (False, True):
+            extra = [*argv, *(["--float8.emulate"] if argv and emulate else []),
+                     *(["--compile.enable"] if compiled else []), "--lr_scheduler.warmup_steps", "10"]
+            name = f"{label}{' compiled' if compiled else ''}"
+            trainer = Trainer(load_job_config(_job_args(
+                argparse.Namespace(**{**vars(opts), "dump": str(Path(opts.dump) / name.replace(" ", "_"))}),
+                *extra, param_dtype=opts.param_dtypes.split(",")[0])))
+            times, losses = [], []
+            for _ in range(opts.float8_steps):
+                dist.barrier()
+                start = time.perf_counter()
+                losses.append(trainer.train_step()["loss"])
+                if trainer.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            tokens = opts.local_batch_size * opts.seq_len
+            out[name] = {"tps": tokens / statistics.median(times[10:] or times), "losses": losses,
+                         "final_loss": statistics.fmean(losses[-10:]), "emulated": bool(argv) and emulate}
+            trainer.metrics.close()
+            del trainer
+            dist.barrier()
+    return out
+
+
 def _peak_estimates(opts: argparse.Namespace) -> dict[str, int]:
     """The estimator's peak per rank for each run of :func:`_worker_peak` (no process group)."""
     from torchtitan_lite.config import load_job_config
@@ -580,7 +630,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
 
 WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
            "auto": _worker_auto, "metainit": _worker_metainit, "ac": _worker_ac, "compile": _worker_compile,
-           "peak": _worker_peak}
+           "peak": _worker_peak, "float8": _worker_float8}
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
@@ -686,7 +736,8 @@ def main() -> None:
                         "overhead, memory, collectives, auto, ac, compile, metainit, startup")
     parser.add_argument("--compile_ranks", type=int, default=2, help="compile part: number of ranks")
     parser.add_argument("--peak_ranks", type=int, default=2, help="peak part: number of ranks (GPUs)")
-    parser.add_argument("--parts", default="", help="parts to run besides the default ones: peak")
+    parser.add_argument("--parts", default="", help="parts to run besides the default ones: peak, float8")
+    parser.add_argument("--float8_steps", type=int, default=100, help="float8 part: steps per run")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -720,8 +771,10 @@ def main() -> None:
         worlds = []
     if opts.peak_ranks < 1:
         parser.error(f"--peak_ranks: invalid value {opts.peak_ranks}; expected an integer >= 1")
-    if set(filter(None, opts.parts.split(","))) - {"peak"}:
-        parser.error(f"--parts: invalid value {opts.parts!r}; expected peak")
+    if set(filter(None, opts.parts.split(","))) - {"peak", "float8"}:
+        parser.error(f"--parts: invalid value {opts.parts!r}; expected a comma list of peak, float8")
+    if opts.float8_steps < 11:
+        parser.error(f"--float8_steps: invalid value {opts.float8_steps}; expected an integer >= 11")
     if opts.compile_ranks < 1:
         parser.error(f"--compile_ranks: invalid value {opts.compile_ranks}; expected an integer >= 1")
     if not worlds or min(worlds) < 1:
@@ -844,6 +897,17 @@ def main() -> None:
         for key, r in peaks.items():
             print(f"{key:24} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
                   f"{r['estimated_peak'] / r['peak']:10.3f}")
+    if "float8" in opts.parts.split(","):
+        runs = _launch(["float8"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks),
+                       "--float8_steps", str(opts.float8_steps))["float8"][0]
+        figures["float8"] = runs
+        print(f"\nfloat8 ({opts.peak_ranks} rank(s), {opts.flavor}, seq_len {opts.seq_len}, local batch "
+              f"{opts.local_batch_size}, {opts.param_dtypes.split(',')[0]}, {opts.float8_steps} steps"
+              f"{'; emulated: plumbing only' if runs['float8']['emulated'] else ''})")
+        for name, r in runs.items():
+            base = runs["without float8 compiled" if "compiled" in name else "without float8"]
+            print(f"  {name:24} {r['tps']:10,.0f} tok/s/rank ({r['tps'] / base['tps']:.2f}x)  loss over the last "
+                  f"10 steps {r['final_loss']:.4f} ({100 * (r['final_loss'] / base['final_loss'] - 1):+.2f}%)")
     if "metainit" not in skip:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
