@@ -9,6 +9,7 @@ themselves need a GPU (tests/test_gpu.py).
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ def _first_half(dump: str) -> list[float]:
 def _second_half_and_references(dump: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, argv in (("none", []), ("float8", [*FLOAT8]),
+                        ("plain_resumed", ["--checkpoint.enable", "--checkpoint.interval", "3"]),
                         ("all_gather", [*FLOAT8, "--float8.enable_fsdp_float8_all_gather",
                                         "--float8.precompute_float8_dynamic_scale_for_fsdp"]),
                         ("resumed", [*_SAVED, *_HF_LAST])):
@@ -171,9 +173,9 @@ def _second_half_and_references(dump: str) -> dict[str, Any]:
         out[label] = [h["loss"] for h in history]
         out[f"{label}_all_gather_bytes"] = counted.bytes
         if label == "resumed":  # the float8-wrapped weights as trained, for the Hugging Face export
-            from torchtitan_lite.checkpoint.hf_storage import _plain
+            from torchtitan_lite.checkpoint.plain import plain_tensor
 
-            out["trained_w1"] = _plain(trainer.model.layers["0"].feed_forward.w1.weight).full_tensor()
+            out["trained_w1"] = plain_tensor(trainer.model.layers["0"].feed_forward.w1.weight).full_tensor()
         trainer.metrics.close()
         if trainer.checkpointer is not None:
             trainer.checkpointer.close()
@@ -182,6 +184,11 @@ def _second_half_and_references(dump: str) -> dict[str, Any]:
 
 def test_float8_trains_all_gathers_in_float8_and_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
     (first, _) = run_distributed(_first_half, 2, str(tmp_path))
+    # Its checkpoint names no torchao class (a job without torchao could not unpickle it), and a
+    # job without float8 will resume its step 3 from a copy.
+    saved = [f for f in (tmp_path / "resumed" / "checkpoint" / "step-3").iterdir() if f.is_file()]
+    assert saved and not [f.name for f in saved if b"torchao" in f.read_bytes()]
+    shutil.copytree(tmp_path / "resumed" / "checkpoint", tmp_path / "plain_resumed" / "checkpoint")
     (r, _) = run_distributed(_second_half_and_references, 2, str(tmp_path))
     assert r["resumed_resumed_from"] == 3 and r["none_resumed_from"] == 0
     assert r["none_weight"] == "DTensor(Tensor)" and r["float8_weight"] == "DTensor(Tensor)"
@@ -199,6 +206,9 @@ def test_float8_trains_all_gathers_in_float8_and_resumes_exactly_on_two_ranks(tm
     # Checkpointed at step 3 with float8 weights and resumed: the same run as without a stop.
     assert first == r["all_gather"][:3]
     assert r["resumed"] == r["all_gather"][3:]
+    # Its checkpoints hold plain tensors: a job without float8 resumes them (and goes on in high precision).
+    assert r["plain_resumed_resumed_from"] == 3 and r["plain_resumed_weight"] == "DTensor(Tensor)"
+    assert r["plain_resumed"][0] == pytest.approx(r["all_gather"][3], rel=0.02)
     # Its last save, in Hugging Face's format, holds the weights as trained (float8 wrappers and all).
     from safetensors.torch import load_file
 

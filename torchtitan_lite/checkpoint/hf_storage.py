@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchtitan_lite.checkpoint.plain import plain_tensor
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.errors import CheckpointError
@@ -332,32 +332,9 @@ class _HFRowReader(HuggingFaceStorageReader):
 def _named_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters as they are stored: sharded DTensors under FSDP2 (a unit left
     unsharded after a forward pass would expose full tensors), as plain tensors (see
-    :func:`_plain`)."""
+    :func:`~.plain.plain_tensor`)."""
     reshard_all(model)
-    return {name: _plain(param) for name, param in model.named_parameters()}
-
-
-def _plain(param: torch.Tensor) -> torch.Tensor:
-    """``param`` (or a DTensor's local tensor) without a tensor subclass that wraps it, sharing
-    its storage: torchao's float8 all-gather keeps each block weight in a wrapper
-    (``WeightWithDynamicFloat8CastTensor``) that has no storage of its own, which the safetensors
-    writer needs; reads and writes through the plain tensor reach the wrapped weight."""
-    local = param._local_tensor if isinstance(param, DTensor) else param
-    inner = local
-    while is_traceable_wrapper_subclass(inner):
-        attrs, _ = inner.__tensor_flatten__()  # type: ignore[attr-defined]
-        # The weight itself: the one inner tensor of the wrapper's shape and dtype (a float8
-        # wrapper may also hold a precomputed scale).
-        same = [t for t in (getattr(inner, a) for a in attrs) if t.shape == inner.shape and t.dtype == inner.dtype]
-        if len(same) != 1:
-            break  # not a wrapper of one weight: leave it as it is
-        inner = same[0]
-    if inner is local:
-        return param
-    if isinstance(param, DTensor):
-        return DTensor.from_local(inner, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return inner
+    return {name: plain_tensor(param) for name, param in model.named_parameters()}
 
 
 def _local_rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from torchtitan_lite.checkpoint.hf_storage import (
     read_hf_config,
     save_hf_weights,
 )
+from torchtitan_lite.checkpoint.plain import plain_state
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
 from torchtitan_lite.dtypes import DTYPES
@@ -321,11 +322,11 @@ class CheckpointManager:
             dist.barrier()
             return final
         if model_only:
-            model_sd = get_model_state_dict(self.model)
+            model_sd = plain_state(get_model_state_dict(self.model))
             state: dict[str, Any] = {"model": {k: v.to(dtype) for k, v in model_sd.items()}}
         else:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+            state = {"model": plain_state(model_sd), "optimizer": plain_state(optim_sd)}
         if self._async_group is not None:
             response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
             future = getattr(response, "upload_completion", response)
@@ -525,11 +526,11 @@ class CheckpointManager:
         reader = SafeFileSystemReader(str(path))
         to_load: dict[str, Any] = {}
         if "model" in parts:
-            to_load["model"] = model_sd = get_model_state_dict(self.model)
+            to_load["model"] = model_sd = plain_state(get_model_state_dict(self.model))
         if "optimizer" in parts:
             # Only when it is loaded: building the optimizer's state dict creates its state (a
             # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
-            to_load["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            to_load["optimizer"] = plain_state(get_optimizer_state_dict(self.model, self.optimizer))
         if not to_load:
             return
         try:
