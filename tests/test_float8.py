@@ -47,10 +47,26 @@ def test_only_the_blocks_linears_are_converted_and_filters_apply() -> None:
     assert kinds["output"] == "Linear" and all(kinds[n] == "Float8Linear" for n in converted)
     assert dict(model.named_parameters()).keys() == dict(_meta_model().named_parameters()).keys()
 
+    assert apply_float8(model, blocks=blocks, emulate=True) == []  # converted layers stay as they are
+
     model = _meta_model()
     converted = apply_float8(model, blocks=list(model.layers.values()), filter_fqns=["attention.wq", "w2"],
                              emulate=True)
     assert len(converted) == 2 * 5 and not any("wq" in n or "w2" in n for n in converted)
+
+    # TorchTitan's "auto_filter_small_kn": torchao's size rule keeps small linears in high precision.
+    with torch.device("meta"):
+        sized = nn.Sequential(_Sized(64), _Sized(8192))
+    assert apply_float8(sized, blocks=list(sized), filter_fqns=["auto_filter_small_kn"], emulate=True) == ["1.proj"]
+
+
+class _Sized(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
 
 
 class _Block(nn.Module):
@@ -76,6 +92,12 @@ def test_a_researchers_model_by_blocks_and_dimensions_not_multiple_of_16_stay() 
 def test_bad_combinations_and_devices_are_one_line() -> None:
     with pytest.raises(ValueError, match="cannot be combined with enable_fsdp_float8_all_gather"):
         apply_float8(_meta_model(), blocks=[], recipe_name="rowwise", enable_fsdp_float8_all_gather=True)
+    # tensorwise is the recipe the float8 all-gather uses: named or not, the same conversion.
+    model = _meta_model()
+    assert len(apply_float8(model, blocks=list(model.layers.values()), recipe_name="tensorwise",
+                            enable_fsdp_float8_all_gather=True, emulate=True)) == 14
+    with pytest.raises(ValueError, match="is itself a linear layer"):
+        apply_float8(model, blocks=[model.output], emulate=True)
     line = float8_unavailable(torch.device("cpu"), emulate=False)
     assert line is not None and "compute capability 8.9" in line and "float8.emulate" in line
     assert float8_unavailable(torch.device("cpu"), emulate=True) is None
@@ -114,9 +136,16 @@ filter_fqns = ["output"]
     assert train.main([*FLOAT8, "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: float8.recipe_name: invalid value 'rowwise'") and "tensorwise" in line, line
+    config = load_job_config([*FLOAT8, "--float8.recipe_name", "tensorwise", "--float8.enable_fsdp_float8_all_gather"])
+    assert config.float8.recipe_name == "tensorwise"
 
 
-def test_without_float8_matmuls_the_job_stops_before_its_process_group(tmp_path: Path, capsys: Any) -> None:
+def test_without_float8_matmuls_the_job_stops_before_its_process_group(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_yet(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("the data was read before the device was checked")
+
+    monkeypatch.setattr("torchtitan_lite.trainer.build_token_stream", not_yet)
     assert train.main([*TINY_ARGS, "--model.converters", "float8", "--job.dump_folder", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: model.converters: invalid value ['float8']; float8 matmuls need a CUDA GPU"), line

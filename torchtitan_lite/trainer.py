@@ -86,6 +86,11 @@ class Trainer:
         check_initial_load(config, plan)
         self.plan = plan
         t, p, v = config.training, config.parallelism, config.validation
+        self.device = choose_device(local_rank)
+        if plan.float8 is not None:  # the device can run it (and torchao imports), before any data is read
+            unavailable = float8_unavailable(self.device, emulate=plan.float8["emulate"])
+            if unavailable:
+                raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
 
         # Data first, before any process group or model: a bad path, an empty dataset or a
         # tokenizer that does not fit fails here, on every rank alike, in seconds.
@@ -114,11 +119,6 @@ class Trainer:
                 source=f"validation dataset {v.dataset_path or v.dataset!r}",
             )
 
-        self.device = choose_device(local_rank)
-        if plan.float8 is not None:
-            unavailable = float8_unavailable(self.device, emulate=plan.float8["emulate"])
-            if unavailable:
-                raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
         if plan.reshard_mode == "auto":
             from torchtitan_lite.memory.auto import auto_budget_bytes
 

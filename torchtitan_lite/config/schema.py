@@ -173,9 +173,9 @@ class Float8:
     force_recompute_fp8_weight_in_bwd: bool = False
     """Cast the weights to float8 again in backward instead of saving the float8 copies (less memory with FSDP)."""
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
-    """torchao's scaling recipe; unset: tensorwise with the options above. rowwise scales each row (more accurate, slower; not with the float8 all-gather)."""
+    """torchao's scaling recipe; unset or tensorwise: tensorwise with the options above. rowwise scales each row (more accurate, slower; not with the float8 all-gather)."""
     filter_fqns: list[str] = field(default_factory=list)
-    """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g. attention.wq). The output and embedding layers, and linears with a dimension not a multiple of 16, are never converted."""
+    """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g. attention.wq); "auto_filter_small_kn" also keeps those too small for float8 to pay off (torchao's rule for the recipe). The output and embedding layers, and linears with a dimension not a multiple of 16, are never converted."""
     emulate: bool = False
     """Compute the float8 matmuls in high precision on float8-rounded values, on any device (CPU included): for tests, not speed."""
 
@@ -533,9 +533,9 @@ def validate_config(c: JobConfig) -> None:
     _require(not c.compile.enable or bool(c.compile.components), "compile.components", c.compile.components,
              "expected model, loss or both with compile.enable = true")
     f8 = c.float8
-    _require(f8.recipe_name is None or not f8.enable_fsdp_float8_all_gather, "float8.recipe_name", f8.recipe_name,
-             "expected unset with float8.enable_fsdp_float8_all_gather = true (the float8 all-gather needs "
-             "tensorwise scales)")
+    _require(f8.recipe_name in (None, "tensorwise") or not f8.enable_fsdp_float8_all_gather, "float8.recipe_name",
+             f8.recipe_name, "expected unset or tensorwise with float8.enable_fsdp_float8_all_gather = true "
+             "(the float8 all-gather needs tensorwise scales)")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")

@@ -28,8 +28,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -54,8 +53,10 @@ def _torchao_error() -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import torchao.float8  # noqa: F401
-    except ImportError as exc:
-        return f"float8 training needs torchao ({exc}); install it: pip install torchao"
+    except Exception as exc:  # a torchao built for another torch may fail with any error
+        return (f"float8 training needs torchao, which cannot be imported here ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}; torch {torch.__version__}); install a torchao "
+                "matching this torch: pip install torchao")
     finally:
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
@@ -83,12 +84,29 @@ def float8_unavailable(device: torch.device, *, emulate: bool) -> str | None:
             "for tests")
 
 
-def _filter(filter_fqns: Sequence[str]) -> Any:
+AUTO_FILTER = "auto_filter_small_kn"
+"""In ``filter_fqns`` (TorchTitan's flag): also keep linears too small for float8 to pay off in
+high precision, by torchao's rule for the recipe (``_auto_filter_for_recipe``)."""
+
+
+def _filter(filter_fqns: Sequence[str], recipe_name: str | None) -> Callable[[nn.Module, str], bool]:
+    """Which modules to convert, by their names in the model: exactly ``nn.Linear`` (a layer
+    converted already is left alone), both dimensions multiples of 16, no ``filter_fqns`` entry
+    in the name (substrings, as in TorchTitan)."""
+    names = [f for f in filter_fqns if f != AUTO_FILTER]
+    auto: Callable[[nn.Module, str], bool] | None = None
+    if AUTO_FILTER in filter_fqns:
+        from torchao.float8 import _auto_filter_for_recipe
+
+        auto = _auto_filter_for_recipe(recipe_name or "tensorwise", filter_fqns=list(names))
+
     def convert(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
+        if type(module) is not nn.Linear:
             return False
         out_features, in_features = module.weight.shape
-        return out_features % 16 == 0 and in_features % 16 == 0 and not any(f in fqn for f in filter_fqns)
+        if out_features % 16 or in_features % 16 or any(f in fqn for f in names):
+            return False
+        return auto is None or auto(module, fqn)
     return convert
 
 
@@ -116,6 +134,8 @@ def apply_float8(
         raise ImportError(missing)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    if recipe_name == "tensorwise":  # torchao's default recipe: the options below apply to it
+        recipe_name = None
     if recipe_name is not None:
         if recipe_name not in FLOAT8_RECIPES:
             raise ValueError(f"float8: unknown recipe_name {recipe_name!r}; allowed: {', '.join(FLOAT8_RECIPES)}")
@@ -123,6 +143,11 @@ def apply_float8(
             raise ValueError(f"float8: recipe_name {recipe_name!r} cannot be combined with "
                              "enable_fsdp_float8_all_gather (which needs tensorwise scales); unset one")
         config = Float8LinearConfig.from_recipe_name(recipe_name)
+        # As TorchTitan does for rowwise scaling: inductor otherwise rounds the casts
+        # differently from eager (pytorch/pytorch#150859).
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
         if emulate or force_recompute_fp8_weight_in_bwd:
             config = dataclasses.replace(config, emulate=emulate,
                                          force_recompute_fp8_weight_in_bwd=force_recompute_fp8_weight_in_bwd)
@@ -130,10 +155,15 @@ def apply_float8(
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,
                                     force_recompute_fp8_weight_in_bwd=force_recompute_fp8_weight_in_bwd,
                                     emulate=emulate)
-    keep = _filter(filter_fqns)
+    keep = _filter(filter_fqns, recipe_name)
     names = {id(module): name for name, module in model.named_modules()}
     converted = []
     for block in find_blocks(model, blocks):
+        if id(block) not in names:
+            raise ValueError(f"float8: block {type(block).__name__} is not a module of the model")
+        if type(block) is nn.Linear:
+            raise ValueError(f"float8: block {names[id(block)]!r} is itself a linear layer; pass the "
+                             "modules that hold the linears (e.g. the Transformer blocks)")
         prefix = names[id(block)]
         # torchao names the modules relative to the block it is given; filter on the model's names.
         block_names = [f"{prefix}.{name}" for name, module in block.named_modules() if keep(module, f"{prefix}.{name}")]
