@@ -380,11 +380,8 @@ def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 peak, how = torch.cuda.max_memory_allocated(trainer.device), "torch.cuda.max_memory_allocated"
             else:
-                def loss_fn(trainer: Any = trainer) -> torch.Tensor:
-                    (inputs, labels), = trainer.loader.next_batch()
-                    return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
-
-                peak, how = measure_step_memory(trainer.model, trainer.optimizer, loss_fn)["peak"]["total"], "FSDPMemTracker"
+                peak = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]["total"]
+                how = "FSDPMemTracker"
             out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how}
             trainer.metrics.close()
             del trainer
@@ -409,7 +406,7 @@ def _worker_float8(opts: argparse.Namespace) -> dict[str, Any]:
     from torchtitan_lite.distributed.process_group import choose_device
     from torchtitan_lite.trainer import Trainer
 
-    emulate = float8_unavailable(choose_device(int(os.environ.get("LOCAL_RANK", "0"))), emulate=False) is not None
+    emulate = float8_unavailable(choose_device(), emulate=False) is not None
     out = {}
     for label, argv in FLOAT8_RUNS.items():
         for compiled in (False, True):
@@ -436,22 +433,32 @@ def _worker_float8(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _peak_estimates(opts: argparse.Namespace) -> dict[str, int]:
-    """The estimator's peak per rank for each run of :func:`_worker_peak` (no process group)."""
+def _job_estimate(argv: list[str], world_size: int) -> Any:
+    """The estimator's figures (a ``MemoryEstimate``) for the job ``argv`` at ``world_size``
+    ranks, planned as the trainer plans it (in this process: no process group)."""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.job import plan_job
     from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
 
-    out = {}
+    config = load_job_config(argv)
+    plan = plan_job(config, world_size=world_size)
+    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                           **job_estimate_kwargs(config, plan))
+
+
+def _trainer_loss(trainer: Any) -> Any:
+    """A ``loss_fn`` for ``measure_step_memory``: the trainer's next batch through its model and loss."""
+    def loss_fn() -> Any:
+        (inputs, labels), = trainer.loader.next_batch()
+        return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
+    return loss_fn
+
+
+def _peak_estimates(opts: argparse.Namespace) -> dict[str, int]:
+    """The estimator's peak per rank for each run of :func:`_worker_peak`."""
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            for label, ac in AC_RUNS.items():
-                config = load_job_config(_peak_argv(opts, mode, ac, tmp))
-                plan = plan_job(config, world_size=opts.peak_ranks)
-                out[f"{mode} / {label}"] = estimate_memory(
-                    plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
-                    **job_estimate_kwargs(config, plan)).peak
-    return out
+        return {f"{mode} / {label}": _job_estimate(_peak_argv(opts, mode, ac, tmp), opts.peak_ranks).peak
+                for mode in MODES for label, ac in AC_RUNS.items()}
 
 
 def _ac_args(opts: argparse.Namespace) -> argparse.Namespace:
@@ -461,18 +468,11 @@ def _ac_args(opts: argparse.Namespace) -> argparse.Namespace:
 
 def _ac_estimates(opts: argparse.Namespace) -> dict[str, int]:
     """Estimated peak per rank at 2 ranks of each AC run (in this process: no process group)."""
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.job import plan_job
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, argv in AC_RUNS.items():
-            config = load_job_config(_job_args(argparse.Namespace(**{**vars(_ac_args(opts)), "dump": tmp}), *argv))
-            plan = plan_job(config, world_size=2)
-            kwargs = job_estimate_kwargs(config, plan)
-            estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
-                                       **kwargs)
+            estimate = _job_estimate(_job_args(argparse.Namespace(**{**vars(_ac_args(opts)), "dump": tmp}), *argv), 2)
             out[label] = {"peak": estimate.peak, "activations": estimate.categories.get("activations", 0)}
     return out
 
@@ -498,12 +498,7 @@ def _worker_ac(opts: argparse.Namespace) -> dict[str, Any]:
         losses = [h["loss"] for h in trainer.train()]
         dist.barrier()
         step_s = (time.perf_counter() - start) / opts.steps
-
-        def loss_fn(trainer: Any = trainer) -> torch.Tensor:
-            (inputs, labels), = trainer.loader.next_batch()
-            return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
-
-        measured = measure_step_memory(trainer.model, trainer.optimizer, loss_fn)["peak"]
+        measured = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]
         out[label] = {"step_s": step_s, "losses": losses, "peak": measured["total"],
                       "activations": measured["activations"]}
         trainer.metrics.close()

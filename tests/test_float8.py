@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
+from tests.test_torchtitan_configs import _write  # a job.toml of the given text
 from torchtitan_lite import train
 from torchtitan_lite.config import load_job_config
 from torchtitan_lite.distributed.float8 import apply_float8, float8_unavailable
@@ -101,12 +102,6 @@ def test_bad_combinations_and_devices_are_one_line() -> None:
     line = float8_unavailable(torch.device("cpu"), emulate=False)
     assert line is not None and "compute capability 8.9" in line and "float8.emulate" in line
     assert float8_unavailable(torch.device("cpu"), emulate=True) is None
-
-
-def _write(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "job.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def test_torchtitans_quantize_tables_load_and_mx_is_refused(tmp_path: Path, capsys: Any) -> None:

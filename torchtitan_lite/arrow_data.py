@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,16 @@ def unreadable_error(key: str, path: Path, exc: OSError) -> DataError:
     """One line naming a file that cannot be read and the operating system's reason."""
     reason = f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
     return DataError(f"{key}: {str(path)!r} cannot be read: {reason}")
+
+
+def files_under(folder: Path, key: str) -> list[Path]:
+    """The regular files under ``folder`` (searched recursively), sorted; an unreadable folder is
+    one line naming it (``key``) and the operating system's reason."""
+    errors: list[OSError] = []
+    found = [Path(root) / name for root, _, names in os.walk(folder, onerror=errors.append) for name in names]
+    if errors:
+        raise unreadable_error(key, Path(errors[0].filename or folder), errors[0])
+    return sorted(f for f in found if f.is_file())
 
 
 def _pyarrow(dataset: str, section: str) -> Any:
@@ -102,13 +113,7 @@ def _find_files(dataset: str, path: Path, key: str, section: str) -> list[Path]:
         return [path]
     if dataset == "arrow" and (listed := _arrow_folder_files(path, key)) is not None:
         return listed
-    errors: list[OSError] = []
-    import os
-
-    found = [Path(root) / name for root, _, names in os.walk(path, onerror=errors.append) for name in names]
-    if errors:
-        raise unreadable_error(key, Path(errors[0].filename or path), errors[0])
-    files = sorted(f for f in found if f.suffix == suffix and f.is_file())
+    files = [f for f in files_under(path, key) if f.suffix == suffix]
     if not files:
         raise DataError(f"{key}: folder {str(path)!r} holds no {suffix} files (needed by {section}.dataset={dataset!r})")
     return files

@@ -52,6 +52,7 @@ from torchtitan_lite.arrow_data import (
     ArrowCorpus,
     check_batch_split,
     check_streamed_dataset,
+    files_under,
     micro_batches,
     unreadable_error,
 )
@@ -500,12 +501,8 @@ def _has_suffix(file: Path, suffixes: tuple[str, ...]) -> bool:
 
 def _files_under(folder: Path, suffixes: tuple[str, ...], key: str) -> list[Path]:
     """The files under ``folder`` (searched recursively) whose names end in one of ``suffixes``,
-    sorted; an unreadable folder is one line naming it (``key``) and the OS error."""
-    errors: list[OSError] = []
-    found = [Path(root) / name for root, _, names in os.walk(folder, onerror=errors.append) for name in names]
-    if errors:
-        raise unreadable_error(key, Path(errors[0].filename or folder), errors[0])
-    return sorted(f for f in found if f.is_file() and _has_suffix(f, suffixes))
+    sorted (:func:`~torchtitan_lite.arrow_data.files_under`)."""
+    return [f for f in files_under(folder, key) if _has_suffix(f, suffixes)]
 
 
 def _stdlib_files(dataset: str) -> list[Path]:

@@ -35,10 +35,7 @@ from torch import nn
 
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
-__all__ = ["FLOAT8_RECIPES", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
-
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-"""torchao's scaling recipes (``recipe_name``); unset is tensorwise with this module's options."""
+__all__ = ["apply_float8", "float8_unavailable", "precompute_float8_scales"]
 
 
 @functools.cache
@@ -125,20 +122,21 @@ def apply_float8(
     layers' names (e.g. ``layers.0.attention.wq``).
 
     ``blocks`` is what :func:`~.fsdp.apply_fsdp` takes. ``recipe_name`` picks one of torchao's
-    recipes (:data:`FLOAT8_RECIPES`: ``rowwise`` scales each row, more accurate and slower);
+    recipes (``Float8LinearRecipeName``: ``rowwise`` scales each row, more accurate and slower);
     it cannot be combined with ``enable_fsdp_float8_all_gather`` (the float8 all-gather needs
     tensorwise scales). Raises ``ValueError`` (one line) for a bad combination and
     ``ImportError`` without torchao."""
     missing = _torchao_error()
     if missing:
         raise ImportError(missing)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig, Float8LinearRecipeName, convert_to_float8_training
 
     if recipe_name == "tensorwise":  # torchao's default recipe: the options below apply to it
         recipe_name = None
     if recipe_name is not None:
-        if recipe_name not in FLOAT8_RECIPES:
-            raise ValueError(f"float8: unknown recipe_name {recipe_name!r}; allowed: {', '.join(FLOAT8_RECIPES)}")
+        recipes = [r.value for r in Float8LinearRecipeName]
+        if recipe_name not in recipes:
+            raise ValueError(f"float8: unknown recipe_name {recipe_name!r}; allowed: {', '.join(recipes)}")
         if enable_fsdp_float8_all_gather:
             raise ValueError(f"float8: recipe_name {recipe_name!r} cannot be combined with "
                              "enable_fsdp_float8_all_gather (which needs tensorwise scales); unset one")
