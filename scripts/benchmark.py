@@ -159,7 +159,7 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     from torchtitan_lite.trainer import Trainer, clip_grad_norm_
 
     trainer = Trainer(load_job_config(_job_args(opts)))
-    bare = _bare_model(trainer.plan.spec, trainer.model_args, trainer.mesh, trainer.device)
+    bare = _bare_model(trainer.plan.spec, trainer.plan.model_args, trainer.mesh, trainer.device)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=trainer.config.optimizer.lr, weight_decay=0.1,
                                  foreach=True)
 
@@ -209,6 +209,7 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
+    from torchtitan_lite.distributed.fsdp import FSDPOptions
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.loss import token_loss_sum
     from torchtitan_lite.memory.measure import measure_step_memory
@@ -232,10 +233,9 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 for mp in opts.param_dtypes.split(","):
                     for offload in (s == "on" for s in opts.cpu_offload.split(",")):
-                        model = build_sharded_model(spec, args, mesh, device=device, seed=0,
-                                                    reshard_after_forward_mode=mode,
-                                                    param_dtype=getattr(torch, mp),
-                                                    reduce_dtype=torch.float32, cpu_offload=offload)
+                        model = build_sharded_model(spec, args, mesh, device=device, seed=0, fsdp=FSDPOptions(
+                            reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
+                            reduce_dtype=torch.float32, cpu_offload=offload))
                         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
                         def loss_fn(model: Any = model) -> torch.Tensor:

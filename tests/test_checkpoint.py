@@ -49,7 +49,10 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
         outcome = str(exc)
     finally:
         trainer.close(clean=crash_at is None)
+    from torch.distributed.fsdp import FSDPModule
+
     return {"start": start, "history": history, "outcome": outcome, "samples": samples, "draws": draws,
+            "fsdp": isinstance(trainer.model, FSDPModule),
             "blocked_s": None if trainer.checkpointer is None else trainer.checkpointer.last_blocked_s}
 
 
@@ -101,21 +104,42 @@ def two_rank_run(tmp_path_factory):
     (1, []),
     (4, ["--training.local_batch_size", "1"]),
     (4, ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2"]),
-], ids=["fsdp1", "fsdp4", "hsdp2x2"])
+], ids=["one_process", "fsdp4", "hsdp2x2"])
 def test_resume_at_another_world_size(tmp_path, two_rank_run, world, extra):
-    """Saved on 2 ranks, resumed on 1, 4 (FSDP) or 2 × 2 (HSDP): the losses continue those of the
-    2-rank run and the global batches of steps 6-10 are exactly the ones it read."""
+    """Saved on 2 ranks, resumed on 1 (one process: the plain model, no FSDP), 4 (FSDP) or 2 × 2
+    (HSDP): the losses continue those of the 2-rank run and the global batches of steps 6-10 are
+    exactly the ones it read."""
     base, two = two_rank_run
+    assert all(r["fsdp"] for r in two)
     resumed_dump = tmp_path / "resumed"
     shutil.copytree(base / "checkpoint" / "step-5", resumed_dump / "checkpoint" / "step-5")
     results = run_distributed(_train, world, _argv(resumed_dump, *extra))
     assert all(r["start"] == 5 for r in results)
+    assert all(r["fsdp"] == (world > 1) for r in results)
     expected, got = _losses(two[0], 6), _losses(results[0], 6)
     assert len(got) == 5
     for g, e in zip(got, expected, strict=True):
         assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
     steps = range(6, 11)
     assert _global_samples(results, steps) == _global_samples(two, steps)  # none skipped or repeated
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
+    """A checkpoint of one process (plain model, no FSDP: whole tensors in DCP) resumes on 2 FSDP
+    ranks: steps 6-10 continue the one-process run (fp32, within 1e-5: only the order of the
+    sums differs) and read exactly its global batches."""
+    (one,) = run_distributed(_train, 1, _argv(tmp_path / "one"))
+    assert not one["fsdp"] and committed_steps(tmp_path / "one" / "checkpoint") == [5, 10]
+    resumed_dump = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "one" / "checkpoint" / "step-5", resumed_dump / "checkpoint" / "step-5")
+    results = run_distributed(_train, 2, _argv(resumed_dump))
+    assert all(r["start"] == 5 and r["fsdp"] for r in results)
+    expected, got = _losses(one, 6), _losses(results[0], 6)
+    assert len(got) == 5 and got != _losses(one, 1)[:5]
+    for g, e in zip(got, expected, strict=True):
+        assert abs(g - e) <= 1e-5 * abs(e), (got, expected)
+    steps = range(6, 11)
+    assert _global_samples(results, steps) == _global_samples([one], steps)
 
 
 def test_keep_latest_k_and_two_rank_resume(tmp_path):

@@ -70,6 +70,7 @@ def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, 
 
     from torchtitan_lite.config import Optimizer
     from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
+    from torchtitan_lite.distributed.fsdp import FSDPOptions
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.loss import token_loss_sum
     from torchtitan_lite.memory.measure import measure_step_memory
@@ -84,10 +85,9 @@ def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, 
     results = []
     for case in cases:
         mesh = meshes[case.dp_replicate]
-        model = build_sharded_model(SPEC, case.args, mesh, device=device, seed=0,
-                                    reshard_after_forward_mode=case.mode,
-                                    param_dtype=getattr(torch, case.param_dtype), reduce_dtype=torch.float32,
-                                    cpu_offload=case.cpu_offload)
+        model = build_sharded_model(SPEC, case.args, mesh, device=device, seed=0, fsdp=FSDPOptions(
+            reshard_after_forward_mode=case.mode, param_dtype=getattr(torch, case.param_dtype),
+            reduce_dtype=torch.float32, cpu_offload=case.cpu_offload))
         optimizer = build_optimizer(model, Optimizer(implementation=case.optimizer_implementation))
         generator = torch.Generator().manual_seed(dist.get_rank())
         batches = [torch.randint(0, case.args.vocab_size, (case.local_batch_size, case.seq_len + 1),

@@ -231,7 +231,7 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor, family: str) ->
         "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", "--validation.no-enable"])
     trainer = Trainer(config)
     model = trainer.model
-    out: dict[str, Any] = {"args": dataclasses.asdict(trainer.model_args)}
+    out: dict[str, Any] = {"args": dataclasses.asdict(trainer.plan.model_args)}
     with torch.no_grad():
         out["imported"] = model(tokens)
     reshard_all(model)  # the last unit stays gathered after a forward in the default mode
@@ -454,7 +454,7 @@ def _train_steps(argv: list[str]) -> dict[str, Any]:
     start = trainer.step
     history = trainer.train()
     trainer.close()
-    return {"start": start, "steps": len(history), "dim": trainer.model_args.dim}
+    return {"start": start, "steps": len(history), "dim": trainer.plan.model_args.dim}
 
 
 def test_from_checkpoint_resumes_from_its_own_steps_and_plans_without_the_files(tmp_path: Path, capsys) -> None:

@@ -39,20 +39,24 @@ def _trainer_run(argv: list[str], train: bool) -> dict[str, Any]:
     Returns the full parameters on rank 0 only (they are identical everywhere), the per-step
     history and the batch layout the trainer resolved.
     """
+    from torch.distributed.fsdp import FSDPModule
+
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
     try:
         params = _full_params(trainer.model)
+        fsdp = isinstance(trainer.model, FSDPModule)
         history = trainer.train() if train else []
         return {
             "rank": trainer.rank,
             "world_size": trainer.world_size,
-            "global_batch_size": trainer.global_batch_size,
+            "global_batch_size": trainer.plan.global_batch_size,
             "grad_accum_steps": trainer.loader.grad_accum_steps,
             "params": params if trainer.rank == 0 else None,
             "history": history,
+            "fsdp": fsdp,
         }
     finally:
         trainer.close()
@@ -174,9 +178,9 @@ INVARIANCE_STEPS = 10
 
 
 def test_world_size_invariance(tmp_path: Path) -> None:
-    """Same seed and global batch (4 samples) → same initial full weights and same losses for
-    2 ranks × 2, 1 rank × 4, 1 rank × 1 with 4 accumulation steps, 4 ranks × 1 and 2 ranks × 1
-    with 2 accumulation steps."""
+    """Same seed and global batch (4 samples) → same initial full weights and same losses (fp32,
+    within 1e-5) for 2 ranks × 2, 1 rank × 4, 1 rank × 1 with 4 accumulation steps, 4 ranks × 1
+    and 2 ranks × 1 with 2 accumulation steps: one process (the plain model) and FSDP2 alike."""
     steps = ["--training.steps", str(INVARIANCE_STEPS)]
     runs = {
         "2 ranks x local 2": (2, ["--training.local_batch_size", "2"]),
@@ -201,6 +205,8 @@ def test_world_size_invariance(tmp_path: Path) -> None:
     }
     for label, per_rank in results.items():
         assert [r["rank"] for r in per_rank] == list(range(len(per_rank)))
+        # One process trains the plain model (no FSDP copies); several shard it with FSDP2.
+        assert all(r["fsdp"] == (len(per_rank) > 1) for r in per_rank), label
         for r in per_rank:
             assert r["world_size"] == len(per_rank), label
             assert r["global_batch_size"] == 4, label

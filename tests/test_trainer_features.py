@@ -42,8 +42,8 @@ def _run(argv: list[str]) -> dict[str, Any]:
         return {
             "rank": trainer.rank,
             "history": history,
-            "vocab_size": trainer.model_args.vocab_size,
-            "tokenizer_vocab": trainer.tokenizer.vocab_size,
+            "vocab_size": trainer.plan.model_args.vocab_size,
+            "tokenizer_vocab": trainer.plan.tokenizer.vocab_size,
             "embedding_rows": trainer.model.tok_embeddings.weight.shape[0],
             "flops_per_token": trainer.flops_per_token,
             "gc_during": gc_during,

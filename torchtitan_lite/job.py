@@ -20,7 +20,8 @@ from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
 from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import Tokenizer, build_tokenizer, check_dataset, tokenizer_file
-from torchtitan_lite.distributed.fsdp import ReshardMode, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.float8 import Float8Plan
+from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError
@@ -117,12 +118,29 @@ class JobPlan:
     """Tokens per validation window."""
     schedule_steps: int
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
-    float8: dict[str, Any] | None = None
-    """The keyword arguments of :func:`~torchtitan_lite.distributed.float8.apply_float8` when
-    ``model.converters`` names float8, else None. The float8 all-gather is on only where FSDP
-    shards (``dp_shard`` > 1), as in TorchTitan."""
-    precompute_float8_scales: bool = False
-    """Compute the float8 all-gather's scales after each optimizer step."""
+    cpu_offload: bool = False
+    """``training.enable_cpu_offload``: shards, gradients and optimizer state on CPU (FSDP2's)."""
+    shard: bool = True
+    """Whether the model is sharded with FSDP2: more than one rank, or CPU offload (which FSDP2
+    does). One process without offload trains the plain model: no unsharded copies, mixed
+    precision through autocast (:mod:`~torchtitan_lite.distributed.autocast`)."""
+    float8: Float8Plan | None = None
+    """The float8 conversion when ``model.converters`` names float8, else None. The float8
+    all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
+
+    def fsdp_options(self, reshard_mode: ReshardMode | None = None) -> FSDPOptions | None:
+        """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` is
+        the per-unit plan ``auto`` chose (default: :attr:`reshard_mode`)."""
+        if not self.shard:
+            return None
+        mode = self.reshard_mode if reshard_mode is None else reshard_mode
+        return FSDPOptions(reshard_after_forward_mode=mode, param_dtype=self.param_dtype,  # type: ignore[arg-type]
+                           reduce_dtype=self.reduce_dtype, cpu_offload=self.cpu_offload)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The compute dtype of an unsharded model's autocast (None: sharded, or fp32)."""
+        return None if self.shard or self.param_dtype == torch.float32 else self.param_dtype
 
     @property
     def dp_size(self) -> int:
@@ -235,10 +253,12 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
-    float8 = None if not m.converters else {
-        "enable_fsdp_float8_all_gather": f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1,
-        "force_recompute_fp8_weight_in_bwd": f8.force_recompute_fp8_weight_in_bwd,
-        "recipe_name": f8.recipe_name, "filter_fqns": tuple(f8.filter_fqns), "emulate": f8.emulate}
+    all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
+    float8 = None if not m.converters else Float8Plan(
+        enable_fsdp_float8_all_gather=all_gather,
+        force_recompute_fp8_weight_in_bwd=f8.force_recompute_fp8_weight_in_bwd,
+        recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
+        precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,
         model_args=model_args,
@@ -248,7 +268,5 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        float8=float8,
-        precompute_float8_scales=(float8 is not None and float8["enable_fsdp_float8_all_gather"]
-                                  and config.float8.precompute_float8_dynamic_scale_for_fsdp),
+        cpu_offload=t.enable_cpu_offload, shard=world_size > 1 or t.enable_cpu_offload, float8=float8,
     )

@@ -1,6 +1,20 @@
-"""The trainer: builds a job from its config and plan (data, process group, sharded model,
-optimizer, checkpoints, metrics) and runs the loop. ``python -m torchtitan_lite.train`` is
-:mod:`torchtitan_lite.train`."""
+"""The trainer: builds a job's parts from its config and plan, then runs the loop.
+
+Each part has a builder that research code can call on its own, in this order (each needs only
+the config, the :class:`~torchtitan_lite.job.JobPlan` and the parts before it):
+
+- :func:`build_data`: the training loader and the validator (files read before any process group);
+- :func:`setup_distributed`: the process group, the dump folder's lock and the device mesh;
+- :func:`plan_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan;
+- :func:`build_model`: spec → meta → float8 → activation checkpointing → compile → FSDP2 (or,
+  one process, the plain model under autocast) → allocated → initialised;
+- :func:`build_loss`, :func:`build_optimizers` (optimizer and LR schedule),
+  :func:`build_checkpointer` (which also loads what the job resumes from), :func:`log_startup`.
+
+A step is :meth:`Trainer.forward_backward` (the micro-batches of one global batch) then
+:meth:`Trainer.optimizer_step` (clip, step, schedule). ``python -m torchtitan_lite.train`` is
+:mod:`torchtitan_lite.train`.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +23,13 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.arrow_data import STREAMED_DATASETS, ArrowCorpus, StreamingLoader
@@ -46,9 +63,27 @@ from torchtitan_lite.validate import Validator
 if TYPE_CHECKING:
     from torchtitan_lite.memory.auto import AutoReshardPlan
 
-__all__ = ["Trainer", "clip_grad_norm_"]
+__all__ = [
+    "Loader",
+    "Trainer",
+    "auto_budget",
+    "build_checkpointer",
+    "build_data",
+    "build_loss",
+    "build_model",
+    "build_optimizers",
+    "clip_grad_norm_",
+    "log_startup",
+    "plan_auto_reshard",
+    "setup_distributed",
+]
 
 logger = logging.getLogger("torchtitan_lite")
+
+Loader = GlobalBatchLoader | StreamingLoader
+"""The training loader: ``next_batch()`` gives this rank's micro-batches of the next global batch;
+``state_dict()`` / ``load_state_dict()`` its exact position."""
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
@@ -70,9 +105,213 @@ def clip_grad_norm_(
     return total
 
 
+def build_data(config: JobConfig, plan: JobPlan, *, dp_rank: int, device: torch.device) -> tuple[Loader, Validator | None]:
+    """The training loader of data-parallel rank ``dp_rank`` and the validator (None when
+    validation is off). Reads and tokenizes the files (streamed datasets: their metadata only),
+    so a bad path, an empty dataset or a tokenizer that does not fit fails here, on every rank
+    alike, before any process group; needs none itself."""
+    t, v = config.training, config.validation
+    split = {"global_batch_size": plan.global_batch_size, "local_batch_size": t.local_batch_size,
+             "dp_rank": dp_rank, "dp_size": plan.dp_size}
+    loader: Loader
+    if t.dataset in STREAMED_DATASETS:
+        corpus = ArrowCorpus(t.dataset, t.dataset_path, text_column=t.dataset_text_column)  # type: ignore[arg-type]
+        loader = StreamingLoader(corpus, plan.tokenizer, seq_len=t.seq_len, **split)
+    else:
+        stream = build_token_stream(t.dataset, t.dataset_path, plan.tokenizer, token_dtype=t.dataset_token_dtype)
+        windows = TokenWindows(stream, t.seq_len, source=f"training dataset {t.dataset_path or t.dataset!r}")
+        loader = GlobalBatchLoader(windows, seed=config.debug.seed, **split)
+    if not v.enable:
+        return loader, None
+    max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)
+    val_windows = TokenWindows(
+        build_token_stream(v.dataset, v.dataset_path, plan.tokenizer, section="validation",
+                           token_dtype=t.dataset_token_dtype, text_column=t.dataset_text_column,
+                           max_tokens=max_tokens),
+        plan.val_seq_len,
+        seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
+        source=f"validation dataset {v.dataset_path or v.dataset!r}",
+    )
+    return loader, Validator(val_windows, local_batch_size=plan.val_local_batch_size,
+                             global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank,
+                             dp_size=plan.dp_size, steps=v.steps, device=device)
+
+
+def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[int, str] | None:
+    """``auto``'s per-rank memory budget in bytes and where it comes from (None for another
+    reshard mode); a missing budget is a :class:`ConfigError`, before any process group."""
+    if plan.reshard_mode != "auto":
+        return None
+    from torchtitan_lite.memory.auto import auto_budget_bytes
+
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    try:
+        return auto_budget_bytes(config.parallelism.memory_budget_gib, device_bytes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[DeviceMesh, DumpFolderLock]:
+    """Start the process group (torchrun's, or one process of its own), take the dump folder's
+    lock (global rank 0 holds it for the job's life; a second job into the folder ends on every
+    rank with one :class:`ConfigError` line) and build the data-parallel mesh."""
+    init_distributed(device, cpu_collectives=plan.cpu_offload and device.type == "cuda",
+                     timeout_s=config.comm.init_timeout_seconds)
+    if dist.get_world_size() != plan.world_size:
+        raise ConfigError(f"the job was planned for {plan.world_size} ranks but the process group has "
+                          f"{dist.get_world_size()}")
+    lock = DumpFolderLock(config.job.dump_folder)
+    refused: list[ConfigError | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except ConfigError as exc:
+            refused[0] = exc
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise refused[0]
+    mesh = build_mesh(device, plan.dims)
+    set_collective_timeout(config.comm.init_timeout_seconds, mesh)  # HSDP's subgroups too
+    return mesh, lock
+
+
+def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, budget: tuple[int, str]) -> AutoReshardPlan:
+    """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
+    estimates on fake tensors, in a child process) and every rank applies that one plan."""
+    from torchtitan_lite.memory.auto import plan_auto_reshard as plan_units
+    from torchtitan_lite.memory.estimate import job_estimate_kwargs
+
+    chosen: list[AutoReshardPlan | Exception | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen[0] = plan_units(
+                plan.spec, plan.model_args, budget_bytes=budget[0], budget_source=budget[1],
+                count_offloaded=device.type == "cpu",
+                # The other ranks wait in the broadcast below for at most init_timeout_seconds.
+                timeout_s=max(1, config.comm.init_timeout_seconds - 10),
+                **job_estimate_kwargs(config, plan),
+            )
+        except ValueError as exc:  # the budget is too small even when resharding everything
+            chosen[0] = ConfigError(str(exc))
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
+            chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
+    dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], Exception):
+        raise chosen[0]
+    if dist.get_rank() == 0:
+        logger.info("%s (budget: %s)", chosen[0].summary(), budget[1])  # type: ignore[union-attr]
+    return chosen[0]  # type: ignore[return-value]
+
+
+def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, device: torch.device,
+                reshard_plan: AutoReshardPlan | None = None) -> nn.Module:
+    """The job's model, initialised from ``debug.seed`` and in training mode: built on the meta
+    device, converted (float8), checkpointed, compiled and sharded over ``mesh`` as the plan says
+    (on one process without CPU offload: not sharded, under autocast for bf16), then allocated.
+    ``reshard_plan``: what ``auto`` chose (its per-unit resharding and checkpointing)."""
+    ac = config.activation_checkpoint
+    model = build_sharded_model(
+        plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed,
+        ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option,
+        ac_policies=None if reshard_plan is None else reshard_plan.ac_policies,
+        compile_model=config.compile.enable and "model" in config.compile.components,
+        compile_backend=config.compile.backend,
+        float8=plan.float8,
+        fsdp=plan.fsdp_options(None if reshard_plan is None else reshard_plan.reshard),
+        autocast_dtype=plan.autocast_dtype,
+    )
+    model.train()
+    return model
+
+
+def build_loss(config: JobConfig) -> LossFn:
+    """The summed token loss (:func:`~torchtitan_lite.loss.token_loss_sum`), compiled when
+    ``compile.components`` names ``loss``."""
+    if config.compile.enable and "loss" in config.compile.components:
+        return compile_loss(token_loss_sum, backend=config.compile.backend)
+    return token_loss_sum
+
+
+def build_optimizers(config: JobConfig, plan: JobPlan, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The optimizer over ``model``'s parameters and its learning-rate schedule over the plan's
+    ``schedule_steps``."""
+    if config.lr_scheduler.warmup_steps >= plan.schedule_steps and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("lr_scheduler.warmup_steps=%d >= the schedule's %d steps: warmup is cut to %d steps "
+                       "and the learning rate never decays",
+                       config.lr_scheduler.warmup_steps, plan.schedule_steps, plan.schedule_steps)
+    optimizer = build_optimizer(model, config.optimizer)
+    return optimizer, build_lr_scheduler(optimizer, config.lr_scheduler, total_steps=plan.schedule_steps)
+
+
+def build_checkpointer(
+    config: JobConfig, plan: JobPlan, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler, loader: Loader,
+) -> CheckpointManager | None:
+    """The checkpoint manager (None when the job neither saves nor loads checkpoints). Call its
+    ``load()`` to resume (or load ``initial_load_path``): it fills the model, optimizer, schedule
+    and loader and returns the saved train state."""
+    ck = config.checkpoint
+    if not (ck.enable or ck.create_seed_checkpoint or ck.initial_load_path is not None):
+        return None
+    convert = ck.last_save_in_hf and dist.get_rank() == 0
+    return CheckpointManager(
+        ck, dump_folder=config.job.dump_folder, model=model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, loader=loader, model_spec=plan.spec,
+        timeout_s=config.comm.init_timeout_seconds,
+        run_config={f"{section}.{key}": value for section, values in config.to_dict().items()
+                    for key, value in values.items()},
+        hf_extras=HFExportExtras(bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
+                                 tokenizer_file=hf_tokenizer_json(plan.tokenizer, convert=convert)),
+    )
+
+
+def _describe_data(config: JobConfig, loader: Loader, validator: Validator | None) -> str:
+    t, v = config.training, config.validation
+    if isinstance(loader, StreamingLoader):
+        text = loader.describe()
+    else:
+        windows = loader.windows
+        text = (f"{t.dataset_path or t.dataset}, {len(windows.tokens)} tokens, {len(windows)} windows of "
+                f"{t.seq_len + 1} ({t.steps * loader.global_batch_size / len(windows):.2f} epochs in {t.steps} steps)")
+    if validator is not None:
+        text += (f"; validation: {v.dataset_path or v.dataset}, {validator.num_windows} of "
+                 f"{len(validator.windows)} windows every {v.freq} steps")
+    return text
+
+
+def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: DeviceMesh, loader: Loader,
+                validator: Validator | None, reshard_plan: AutoReshardPlan | None = None,
+                mfu: str = "") -> None:
+    """The start-up lines of the log (rank 0): the job, the model and its parallelism, the data,
+    MFU's reference, checkpointing and compile, float8."""
+    if dist.get_rank() != 0:
+        return
+    t, ac = config.training, config.activation_checkpoint
+    logger.info("job: %s", config.job.description)
+    if config.job.print_config:
+        logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
+    n_params = sum(p.numel() for p in model.parameters())
+    sharding = "FSDP2" if plan.shard else "not sharded (one process)" + (
+        f", autocast to {str(plan.autocast_dtype).removeprefix('torch.')}" if plan.autocast_dtype else "")
+    logger.info("model %s %s: %.2fM parameters, vocab %d (%s); mesh %s, %s; global batch %d = %d ranks "
+                "× %d × %d accumulation steps; seq_len %d",
+                config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
+                type(plan.tokenizer).__name__, dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False)),
+                sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
+    logger.info("data: %s", _describe_data(config, loader, validator))
+    if mfu:
+        logger.info("MFU: %s", mfu)
+    added = (f" (auto adds {reshard_plan.recomputed_text()})"
+             if reshard_plan is not None and reshard_plan.recomputed else "")
+    logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
+                added, ", ".join(config.compile.components) if config.compile.enable else "off")
+    if plan.float8 is not None:
+        logger.info(plan.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
+
+
 class Trainer:
-    """Builds everything a job needs from a :class:`JobConfig` and its :class:`JobPlan`, and runs
-    the loop."""
+    """A job's parts, built by the builders above from a :class:`JobConfig` and its
+    :class:`JobPlan`, and the loop that runs them."""
 
     def __init__(self, config: JobConfig, plan: JobPlan | None = None) -> None:
         """``plan``: the job resolved by :func:`~torchtitan_lite.job.plan_job` (``main`` passes
@@ -85,245 +324,49 @@ class Trainer:
             plan = plan_job(config, world_size=world_size, local_world_size=local_world_size_from_env())
         check_initial_load(config, plan)
         self.plan = plan
-        t, p, v = config.training, config.parallelism, config.validation
         self.device = choose_device(local_rank)
         if plan.float8 is not None:  # the device can run it (and torchao imports), before any data is read
-            unavailable = float8_unavailable(self.device, emulate=plan.float8["emulate"])
+            unavailable = float8_unavailable(self.device, emulate=plan.float8.emulate)
             if unavailable:
                 raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
-
-        # Data first, before any process group or model: a bad path, an empty dataset or a
-        # tokenizer that does not fit fails here, on every rank alike, in seconds.
-        self.tokenizer = plan.tokenizer
-        self.model_args = plan.model_args
-        # Parquet/Arrow datasets are streamed: only their files' metadata is read here.
-        train_corpus = (ArrowCorpus(t.dataset, t.dataset_path, text_column=t.dataset_text_column)  # type: ignore[arg-type]
-                        if t.dataset in STREAMED_DATASETS else None)
-        if train_corpus is not None:  # from the files' metadata, before any process group
-            train_corpus.check_global_batch(plan.global_batch_size)
-        train_windows = None if train_corpus is not None else TokenWindows(
-            build_token_stream(t.dataset, t.dataset_path, self.tokenizer,
-                               token_dtype=t.dataset_token_dtype),
-            t.seq_len,
-            source=f"training dataset {t.dataset_path or t.dataset!r}",
-        )
-        val_windows = None
-        if v.enable:
-            val_windows = TokenWindows(
-                build_token_stream(v.dataset, v.dataset_path, self.tokenizer, section="validation",
-                                   token_dtype=t.dataset_token_dtype, text_column=t.dataset_text_column,
-                                   max_tokens=(None if v.steps == -1 else
-                                               v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1))),
-                plan.val_seq_len,
-                seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
-                source=f"validation dataset {v.dataset_path or v.dataset!r}",
-            )
-
-        if plan.reshard_mode == "auto":
-            from torchtitan_lite.memory.auto import auto_budget_bytes
-
-            try:
-                device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
-                                if self.device.type == "cuda" else None)
-                budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+        # Data first, before any process group or model: the mesh is all data-parallel, so the
+        # data-parallel rank is the global rank.
+        self.loader, self.validator = build_data(config, plan, dp_rank=rank, device=self.device)
+        budget = auto_budget(config, plan, self.device)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
             if self.device.type == "cuda":
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        init_distributed(
-            self.device, cpu_collectives=t.enable_cpu_offload and self.device.type == "cuda",
-            timeout_s=config.comm.init_timeout_seconds,
-        )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        if self.world_size != plan.world_size:
-            raise ConfigError(f"the job was planned for {plan.world_size} ranks but the process group has "
-                              f"{self.world_size}")
-        # One job per dump folder: rank 0 holds the folder's lock for the job's life; every rank
-        # learns whether it got it, so a second job ends on all ranks at once.
-        self._lock = DumpFolderLock(config.job.dump_folder)
-        refused: list[ConfigError | None] = [None]
-        if self.rank == 0:
-            try:
-                self._lock.acquire()
-            except ConfigError as exc:
-                refused[0] = exc
-        dist.broadcast_object_list(refused, src=0)
-        if refused[0] is not None:
-            raise refused[0]
-        self.dims = plan.dims
-        self.mesh = build_mesh(self.device, self.dims)
-        set_collective_timeout(config.comm.init_timeout_seconds, self.mesh)  # HSDP's subgroups too
-        if self.rank == 0:
-            logger.info("job: %s", config.job.description)
-            if config.job.print_config:
-                logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
+        self.mesh, self._lock = setup_distributed(config, plan, self.device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.reshard_plan = None if budget is None else plan_auto_reshard(config, plan, self.device, budget)
+        self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
+        self.loss_fn = build_loss(config)
+        self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
+        self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
+                                               lr_scheduler=self.lr_scheduler, loader=self.loader)
+        self.step, self.tokens_seen, self._rollbacks = 0, 0, 0
+        # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
+        state = None if self.checkpointer is None or config.checkpoint.create_seed_checkpoint \
+            else self.checkpointer.load()
+        if state:
+            self.step, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
+        self.flops_per_token = plan.model_args.flops_per_token(config.training.seq_len)
+        self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops,
+                                                           compute_dtype=plan.param_dtype)
+        self.metrics = MetricsLogger(rank=self.rank, dump_folder=config.job.dump_folder,
+                                     enable_tensorboard=config.metrics.enable_tensorboard,
+                                     tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
+                                     disable_color=config.metrics.disable_color_printing)
+        log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validator=self.validator,
+                    reshard_plan=self.reshard_plan,
+                    mfu=f"against {self.peak_tflops} TFLOP/s ({peak_source})" if self.peak_tflops
+                    else f"not reported: {peak_source}")
 
-        # Every rank maps the same token stream; each takes its slice of every global batch.
-        # The mesh is all data-parallel, so the data-parallel rank is the global rank.
-        self.global_batch_size = plan.global_batch_size
-        self.loader: GlobalBatchLoader | StreamingLoader
-        split = {"global_batch_size": self.global_batch_size, "local_batch_size": t.local_batch_size,
-                 "dp_rank": self.rank, "dp_size": self.dims.dp_size}
-        if train_corpus is not None:
-            self.loader = StreamingLoader(train_corpus, self.tokenizer, seq_len=t.seq_len, **split)
-        else:
-            assert train_windows is not None
-            self.loader = GlobalBatchLoader(train_windows, seed=config.debug.seed, **split)
-        self.validator = None
-        if val_windows is not None:
-            self.validator = Validator(
-                val_windows,
-                local_batch_size=plan.val_local_batch_size,
-                global_batch_size=plan.val_global_batch_size,
-                dp_rank=self.rank,
-                dp_size=self.dims.dp_size,
-                steps=v.steps,
-                device=self.device,
-            )
-
-        reshard_mode = plan.reshard_mode
-        self.reshard_plan: AutoReshardPlan | None = (
-            self._plan_auto_reshard(budget, budget_source) if reshard_mode == "auto" else None)
-        ac_policies = None
-        if self.reshard_plan is not None:  # auto also chose each block's checkpointing
-            reshard_mode = self.reshard_plan.reshard
-            ac_policies = self.reshard_plan.ac_policies
-            if self.rank == 0:
-                logger.info("%s (budget: %s)", self.reshard_plan.summary(), budget_source)
-
-        # Model: meta → sharded → allocated → initialised. No rank ever holds the full model.
-        model = build_sharded_model(
-            plan.spec, self.model_args, self.mesh, device=self.device, seed=config.debug.seed,
-            ac_mode=config.activation_checkpoint.mode,
-            selective_ac_option=config.activation_checkpoint.selective_ac_option,
-            ac_policies=ac_policies,
-            compile_model=config.compile.enable and "model" in config.compile.components,
-            compile_backend=config.compile.backend,
-            float8=plan.float8,
-            reshard_after_forward_mode=reshard_mode,
-            param_dtype=plan.param_dtype,
-            reduce_dtype=plan.reduce_dtype,
-            cpu_offload=t.enable_cpu_offload,
-        )
-        model.train()
-        self.model = model
-        compile_the_loss = config.compile.enable and "loss" in config.compile.components
-        self.loss_fn = (compile_loss(token_loss_sum, backend=config.compile.backend) if compile_the_loss
-                        else token_loss_sum)
-
-        schedule_steps = plan.schedule_steps
-        if config.lr_scheduler.warmup_steps >= schedule_steps and self.rank == 0:
-            logger.warning(
-                "lr_scheduler.warmup_steps=%d >= the schedule's %d steps: warmup is cut to %d steps "
-                "and the learning rate never decays",
-                config.lr_scheduler.warmup_steps, schedule_steps, schedule_steps,
-            )
-        self.optimizer = build_optimizer(model, config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, total_steps=schedule_steps)
-        self.step = 0
-        self.tokens_seen = 0
-        self._rollbacks = 0
-        self.checkpointer: CheckpointManager | None = None
-        ck = config.checkpoint
-        if ck.enable or ck.create_seed_checkpoint or ck.initial_load_path is not None:
-            self.checkpointer = CheckpointManager(
-                ck, dump_folder=config.job.dump_folder, model=model, optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler, loader=self.loader, model_spec=plan.spec,
-                timeout_s=config.comm.init_timeout_seconds,
-                run_config={f"{section}.{key}": value for section, values in config.to_dict().items()
-                            for key, value in values.items()},
-                hf_extras=HFExportExtras(
-                    bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
-                    tokenizer_file=hf_tokenizer_json(plan.tokenizer, convert=ck.last_save_in_hf and self.rank == 0)),
-            )
-            # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
-            state = None if ck.create_seed_checkpoint else self.checkpointer.load()
-            if state:
-                self.step = int(state.get("step", 0))
-                self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.flops_per_token = self.model_args.flops_per_token(t.seq_len)
-        self.peak_tflops, peak_source = device_peak_tflops(
-            self.device, config.metrics.peak_tflops, compute_dtype=plan.param_dtype
-        )
-        self.metrics = MetricsLogger(
-            rank=self.rank,
-            dump_folder=config.job.dump_folder,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            tb_folder=config.metrics.save_tb_folder,
-            run_config=config.to_dict(),
-            disable_color=config.metrics.disable_color_printing,
-        )
-        if self.rank == 0:
-            n_params = sum(p.numel() for p in model.parameters())
-            logger.info(
-                "model %s %s: %.2fM parameters, vocab %d (%s); mesh %s; global batch %d = %d ranks "
-                "× %d × %d accumulation steps; seq_len %d",
-                config.model.name, config.model.flavor, n_params / 1e6, self.model_args.vocab_size,
-                type(self.tokenizer).__name__,
-                dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape, strict=False)),
-                self.global_batch_size, self.dims.dp_size, t.local_batch_size,
-                plan.grad_accum_steps, t.seq_len,
-            )
-            logger.info(
-                "data: %s%s",
-                self.loader.describe() if isinstance(self.loader, StreamingLoader) else
-                f"{t.dataset_path or t.dataset}, {len(self.loader.windows.tokens)} tokens, {len(self.loader.windows)} "
-                f"windows of {t.seq_len + 1} ({t.steps * self.global_batch_size / len(self.loader.windows):.2f} "
-                f"epochs in {t.steps} steps)",
-                "" if self.validator is None else
-                f"; validation: {v.dataset_path or v.dataset}, {self.validator.num_windows} of "
-                f"{len(val_windows)} windows every {v.freq} steps",
-            )
-            logger.info("MFU: %s", f"against {self.peak_tflops} TFLOP/s ({peak_source})"
-                        if self.peak_tflops else f"not reported: {peak_source}")
-            ac = config.activation_checkpoint
-            added = (f" (auto adds {self.reshard_plan.recomputed_text()})"
-                     if self.reshard_plan is not None and self.reshard_plan.recomputed else "")
-            logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
-                        added, ", ".join(config.compile.components) if config.compile.enable else "off")
-            if plan.float8 is not None:
-                converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-                f8 = plan.float8
-                logger.info("float8: %d linears of the blocks (%s%s); all-gather in float8: %s%s", converted,
-                            f8["recipe_name"] or "tensorwise", ", emulated" if f8["emulate"] else "",
-                            "yes" if f8["enable_fsdp_float8_all_gather"] else "no",
-                            ", scales computed after each optimizer step" if plan.precompute_float8_scales else "")
-
-    def _plan_auto_reshard(self, budget: int, budget_source: str) -> AutoReshardPlan:
-        """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
-        estimates on fake tensors, in a child process) and every rank applies that one plan."""
-        from torchtitan_lite.memory.auto import plan_auto_reshard
-        from torchtitan_lite.memory.estimate import job_estimate_kwargs
-
-        chosen: list[AutoReshardPlan | Exception | None] = [None]
-        if self.rank == 0:
-            try:
-                chosen[0] = plan_auto_reshard(
-                    self.plan.spec, self.model_args, budget_bytes=budget,
-                    count_offloaded=self.device.type == "cpu", budget_source=budget_source,
-                    # The other ranks wait in the broadcast below for at most init_timeout_seconds.
-                    timeout_s=max(1, self.config.comm.init_timeout_seconds - 10),
-                    **job_estimate_kwargs(self.config, self.plan),
-                )
-            except ValueError as exc:  # the budget is too small even when resharding everything
-                chosen[0] = ConfigError(str(exc))
-            except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
-                chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
-        dist.broadcast_object_list(chosen, src=0)
-        if isinstance(chosen[0], Exception):
-            raise chosen[0]
-        return chosen[0]  # type: ignore[return-value]
-
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over one global batch; returns its metrics (same on every rank)."""
-        t = self.config.training
-        data_start = time.perf_counter()
-        micro_batches = self.loader.next_batch()
-        data_time = time.perf_counter() - data_start
-
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+        """Forward and backward over this rank's micro-batches of one global batch; the
+        gradients are those of the mean loss over every token of the global batch. Returns this
+        rank's summed token loss (fp64, detached) and its token count."""
         tokens_this_rank = sum(labels.numel() for _, labels in micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in micro_batches:
@@ -334,31 +377,36 @@ class Trainer:
             # so the gradient is that of the mean loss over every token of the global batch.
             (token_loss / tokens_this_rank).backward()
             loss_sum += token_loss.detach().double()
+        return loss_sum, tokens_this_rank
 
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), t.max_norm)
+    def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
+        """Clip, step (only when the global loss and gradient norm are finite: every rank decides
+        alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
+        loss, reduced here over the ranks. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
-        global_tokens = tokens_this_rank * self.dims.dp_size
         dist.all_reduce(loss_sum)
         loss, norm = float(loss_sum.item() / global_tokens), float(grad_norm.item())
-        # Both are global (the same on every rank), so every rank decides alike: a non-finite
-        # step's update is never applied (training.on_nonfinite says what happens next).
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
-            if self.plan.precompute_float8_scales:
+            if self.plan.float8 is not None and self.plan.float8.precompute_scales:
                 precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": norm, "lr": float(lr), "skipped": 0.0 if finite else 1.0}
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over one global batch; returns its metrics (same on every rank)."""
+        data_start = time.perf_counter()
+        micro_batches = self.loader.next_batch()
+        data_time = time.perf_counter() - data_start
+        loss_sum, tokens_this_rank = self.forward_backward(micro_batches)
+        global_tokens = tokens_this_rank * self.plan.dp_size
+        values = self.optimizer_step(loss_sum, global_tokens)
         self.step += 1
         self.tokens_seen += global_tokens
-        return {
-            "loss": loss,
-            "grad_norm": norm,
-            "lr": float(lr),
-            "data_time_s": data_time,
-            "tokens_per_rank": float(tokens_this_rank),
-            "skipped": 0.0 if finite else 1.0,
-        }
+        return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
 
     def _diverged(self, values: dict[str, float]) -> None:
         """A step whose update was not applied: stop, go on, or roll back
@@ -432,11 +480,10 @@ class Trainer:
         return str(self.checkpointer.save(0, {"tokens_seen": 0}))
 
     def _timed_step(self, gc_handler: GarbageCollection) -> dict[str, float]:
-        cfg = self.config
+        """One step, timed, then what follows it (validation, metrics, checkpoint)."""
         start = time.perf_counter()
         values = self.train_step()
-        logged = bool(values["skipped"])
-        if logged:
+        if values["skipped"]:
             step = self.step
             self.metrics.log(step, values)  # the diverged step is on record (loss null in JSON)
             self._diverged(values)
@@ -446,18 +493,19 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         tps = values["tokens_per_rank"] / elapsed
-        values.update(
-            step_time_s=elapsed,
-            compute_time_s=elapsed - values["data_time_s"],
-            tps=tps,
-            tflops=tps * self.flops_per_token / 1e12,
-            tokens_seen=float(self.tokens_seen),
-        )
+        values.update(step_time_s=elapsed, compute_time_s=elapsed - values["data_time_s"], tps=tps,
+                      tflops=tps * self.flops_per_token / 1e12, tokens_seen=float(self.tokens_seen))
         if self.peak_tflops:
             values["mfu_pct"] = 100.0 * values["tflops"] / self.peak_tflops
+        self._after_step(values, logged=bool(values["skipped"]))
+        gc_handler.run(self.step)
+        return {"step": self.step, **values}
+
+    def _after_step(self, values: dict[str, float], *, logged: bool) -> None:
+        """Validation, metrics (unless ``logged`` already) and a checkpoint when they are due."""
+        cfg = self.config
         last = self.step == cfg.training.steps
-        v = cfg.validation
-        if self.validator is not None and (self.step % v.freq == 0 or last):
+        if self.validator is not None and (self.step % cfg.validation.freq == 0 or last):
             values.update(self.validate())
         if not logged and (self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last
                            or "validation_loss" in values):
@@ -468,8 +516,6 @@ class Trainer:
                 raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
                                     "no checkpoint was written from them; lower optimizer.lr")
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
-        gc_handler.run(self.step)
-        return {"step": self.step, **values}
 
     def _weights_finite(self) -> bool:
         """Whether every parameter of every rank is finite (before a save: a checkpoint is never

@@ -35,7 +35,7 @@ from torch import nn
 
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
-__all__ = ["apply_float8", "float8_unavailable", "precompute_float8_scales"]
+__all__ = ["Float8Plan", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
 
 
 @functools.cache
@@ -105,6 +105,38 @@ def _filter(filter_fqns: Sequence[str], recipe_name: str | None) -> Callable[[nn
             return False
         return auto is None or auto(module, fqn)
     return convert
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Plan:
+    """A job's float8 conversion (``model.converters = ["float8"]`` and its ``[float8]`` options),
+    resolved once by :func:`~torchtitan_lite.job.plan_job`; the arguments of :func:`apply_float8`."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather the blocks' weights in float8; on only where FSDP shards (as in TorchTitan)."""
+    force_recompute_fp8_weight_in_bwd: bool = False
+    """Recompute the float8 weight in backward instead of saving it."""
+    recipe_name: str | None = None
+    """torchao's recipe (None or ``tensorwise``: tensorwise scales)."""
+    filter_fqns: tuple[str, ...] = ()
+    """Linears whose names contain one of these stay in high precision."""
+    emulate: bool = False
+    """float8 matmuls emulated in high precision (any device; for tests)."""
+    precompute_scales: bool = False
+    """Compute the float8 all-gather's scales after each optimizer step."""
+
+    def apply(self, model: nn.Module, *, blocks: Blocks) -> list[str]:
+        """:func:`apply_float8` with this plan's settings."""
+        return apply_float8(model, blocks=blocks, enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather,
+                            force_recompute_fp8_weight_in_bwd=self.force_recompute_fp8_weight_in_bwd,
+                            recipe_name=self.recipe_name, filter_fqns=self.filter_fqns, emulate=self.emulate)
+
+    def describe(self, converted: int) -> str:
+        """One log line: what was converted and how."""
+        return (f"float8: {converted} linears of the blocks ({self.recipe_name or 'tensorwise'}"
+                f"{', emulated' if self.emulate else ''}); all-gather in float8: "
+                f"{'yes' if self.enable_fsdp_float8_all_gather else 'no'}"
+                f"{', scales computed after each optimizer step' if self.precompute_scales else ''}")
 
 
 def apply_float8(

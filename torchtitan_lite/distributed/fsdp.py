@@ -40,6 +40,7 @@ from torchtitan_lite.config.schema import RESHARD_MODES
 
 __all__ = [
     "RESHARD_MODES",
+    "FSDPOptions",
     "FSDPUnit",
     "ReshardMode",
     "UnitRole",
@@ -74,6 +75,21 @@ class FSDPUnit:
         """Parameters of the unit (full, unsharded size); a tied weight counts once."""
         params = {id(p): p for m in self.modules for p in m.parameters()}
         return sum(p.numel() for p in params.values())
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`apply_fsdp` shards a job's model (its keywords other than the units), as the
+    job plan resolves them once (:class:`~torchtitan_lite.job.JobPlan`)."""
+
+    reshard_after_forward_mode: ReshardMode = "default"
+    """``default``, ``always``, ``never``, an integer group size, or one bool per unit."""
+    param_dtype: torch.dtype | None = None
+    """Dtype of all-gathered parameters and of compute (None: the model's own)."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of gradient reduction (None: the compute dtype)."""
+    cpu_offload: bool = False
+    """Keep shards, gradients and optimizer state on CPU."""
 
 
 def validate_reshard_after_forward_mode(

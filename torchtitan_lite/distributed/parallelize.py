@@ -10,7 +10,7 @@ outside the compiled code).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply_activation_checkpointing
+from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
-from torchtitan_lite.distributed.float8 import apply_float8
-from torchtitan_lite.distributed.fsdp import apply_fsdp
+from torchtitan_lite.distributed.float8 import Float8Plan
+from torchtitan_lite.distributed.fsdp import FSDPOptions, apply_fsdp
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["build_sharded_model"]
@@ -29,7 +30,7 @@ __all__ = ["build_sharded_model"]
 def build_sharded_model(
     spec: ModelSpec,
     args: Any,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     device: torch.device,
     seed: int,
@@ -38,29 +39,39 @@ def build_sharded_model(
     ac_policies: Sequence[BlockPolicy] | None = None,
     compile_model: bool = False,
     compile_backend: str = "inductor",
-    float8: Mapping[str, Any] | None = None,
-    **fsdp_options: Any,
+    float8: Float8Plan | None = None,
+    fsdp: FSDPOptions | None = FSDPOptions(),  # noqa: B008 - frozen
+    autocast_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build ``spec.model_cls(args)`` on the meta device; convert its blocks' linears to float8
-    when ``float8`` is given (the keyword arguments of :func:`~.float8.apply_float8`); checkpoint its blocks by ``ac_mode`` and
-    ``selective_ac_option`` (TorchTitan's settings) or by ``ac_policies`` (one of
-    ``none``/``full``/``op`` per block; see :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
-    (with ``compile_backend``);
-    shard it with :func:`~.fsdp.apply_fsdp` over the spec's units (``fsdp_options`` are its
-    other keyword arguments); allocate this rank's shards (on CPU under ``cpu_offload``, else on
+    by ``float8``; checkpoint its blocks by ``ac_mode`` and ``selective_ac_option`` (TorchTitan's
+    settings) or by ``ac_policies`` (one of ``none``/``full``/``op`` per block; see
+    :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
+    (with ``compile_backend``); shard it with :func:`~.fsdp.apply_fsdp` over the spec's units and
+    ``mesh`` by ``fsdp``; allocate this rank's shards (on CPU under ``fsdp.cpu_offload``, else on
     ``device``) and fill them with ``init_weights`` from ``seed``. No rank ever holds the full
-    model."""
+    model.
+
+    ``fsdp=None`` (one process) keeps the model plain, allocated whole on ``device`` (``mesh``
+    unused), with its forward under autocast in ``autocast_dtype`` when given (see
+    :mod:`.autocast`). The weights are the same either way: they depend on the seed only."""
     with torch.device("meta"):
         model = spec.model_cls(args)
     units = spec.fsdp_units(model)
     if float8 is not None:
-        apply_float8(model, blocks=units["blocks"], **float8)
+        float8.apply(model, blocks=units["blocks"])
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
                                    selective_ac_option=selective_ac_option, policies=ac_policies)
     if compile_model:
         compile_blocks(model, blocks=units["blocks"], backend=compile_backend)
-    apply_fsdp(model, mesh, **units, **fsdp_options)
-    model.to_empty(device=torch.device("cpu") if fsdp_options.get("cpu_offload") else device)
+    if fsdp is not None:
+        if mesh is None:
+            raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
+        apply_fsdp(model, mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
+                   param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
+    elif autocast_dtype is not None:
+        apply_autocast(model, dtype=autocast_dtype, device_type=device.type)
+    model.to_empty(device=torch.device("cpu") if fsdp is not None and fsdp.cpu_offload else device)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     model.init_weights(buffer_device=device)  # type: ignore[operator]
     return model
