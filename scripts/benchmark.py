@@ -15,6 +15,13 @@ overhead      tokens/s of the real trainer loop (``Trainer.train``, the code pat
               ``python -m torchtitan_lite.train``) against a bare, hand-written FSDP2 loop on the
               same model, data, batch, optimizer and seed; the two alternate round by round in one
               process group and the ratio of the medians is reported (>= 0.97 is the target).
+single        one process: tokens/s of the real trainer loop, which trains the plain model on one
+              rank (no FSDP; bf16 through autocast), against a bare eager loop around the same
+              model (same init, data, AdamW, schedule and clipping), fp32 and each of
+              --param_dtypes, then fp32 at each of --single_vocab_sizes (e.g. Llama 3's 128,256
+              ids, where FSDP's copies of the embedding and output cost most); alternating round
+              by round, the ratio of the medians (>= 0.97 is the target). Not in the default
+              run (--parts single).
 memory        per rank and category (sharded/unsharded params, grads, optimizer state,
               activations, temporaries, peak), measured by ``FSDPMemTracker`` over real steps, for
               every reshard mode × parameter dtype (--param_dtypes) × CPU offload setting
@@ -198,6 +205,80 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     return {"ours_step_s": ours, "bare_step_s": bare_t, "tokens_per_rank_step": tokens,
             "ours_tps": tokens / statistics.median(ours), "bare_tps": tokens / statistics.median(bare_t),
             "ratio": statistics.median(bare_t) / statistics.median(ours)}
+
+
+def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
+    """One process: Trainer.train() (no FSDP on one rank) against a bare eager loop around the
+    same model, for each of ``--param_dtypes`` and vocabulary (the flavor's, then each of
+    ``--single_vocab_sizes``), alternating round by round (see the docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.autocast import apply_autocast
+    from torchtitan_lite.trainer import Trainer, build_optimizers, clip_grad_norm_
+
+    def timed(fn: Any, n: int) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(n)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n
+
+    runs = [(dtype, None) for dtype in opts.param_dtypes.split(",")]
+    runs += [("float32", int(v)) for v in filter(None, opts.single_vocab_sizes.split(","))]
+    out = {}
+    for dtype, vocab in runs:
+        label = f"{dtype}" + ("" if vocab is None else f", vocab {vocab:,}")
+        extra = [] if vocab is None else ["--model.vocab_size", str(vocab)]
+        trainer = Trainer(load_job_config(_job_args(
+            opts, *extra, "--job.dump_folder", str(Path(opts.dump) / f"single_{dtype}_{vocab}"), param_dtype=dtype)))
+        assert trainer.plan.fsdp_options() is None, "one process should train the plain model"
+        plan, device = trainer.plan, trainer.device
+        with torch.device("meta"):
+            bare = plan.spec.model_cls(plan.model_args)
+        bare.to_empty(device=device)
+        torch.manual_seed(0)
+        bare.init_weights(buffer_device=device)
+        if dtype != "float32":
+            apply_autocast(bare, dtype=getattr(torch, dtype), device_type=device.type)
+        bare_opt, bare_sched = build_optimizers(trainer.config, plan, bare)  # the trainer's AdamW and schedule
+
+        def bare_steps(n: int, bare: Any = bare, bare_opt: Any = bare_opt, bare_sched: Any = bare_sched,
+                       trainer: Any = trainer) -> None:
+            for _ in range(n):
+                for inputs, labels in trainer.loader.next_batch():
+                    logits = bare(inputs.to(trainer.device))
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.to(trainer.device).flatten())
+                    loss.backward()
+                clip_grad_norm_(list(bare.parameters()), 1.0)
+                bare_opt.step()
+                bare_sched.step()
+                bare_opt.zero_grad(set_to_none=True)
+
+        def ours_steps(n: int, trainer: Any = trainer) -> None:
+            trainer.config.training.steps = trainer.step + n
+            trainer.train()
+
+        steps = opts.steps if vocab is None else max(2, opts.steps // 2)
+        ours_steps(2)
+        bare_steps(2)  # warm-up both
+        ours, bare_t = [], []
+        for _ in range(opts.rounds):
+            ours.append(timed(ours_steps, steps))
+            bare_t.append(timed(bare_steps, steps))
+        tokens = opts.local_batch_size * opts.seq_len
+        ratios = [b / o for o, b in zip(ours, bare_t, strict=True)]
+        out[label] = {"ours_step_s": ours, "bare_step_s": bare_t, "steps": steps, "vocab": plan.model_args.vocab_size,
+                      "ours_tps": tokens / statistics.median(ours), "bare_tps": tokens / statistics.median(bare_t),
+                      "ratio": statistics.median(bare_t) / statistics.median(ours),
+                      "median_round_ratio": statistics.median(ratios), "round_ratios": ratios}
+        trainer.metrics.close()
+        trainer._lock.release()
+        del trainer, bare, bare_opt
+    return out
 
 
 def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
@@ -625,7 +706,7 @@ def _worker_metainit(opts: argparse.Namespace) -> dict[str, Any]:
 
 WORKERS = {"overhead": _worker_overhead, "memory": _worker_memory, "collectives": _worker_collectives,
            "auto": _worker_auto, "metainit": _worker_metainit, "ac": _worker_ac, "compile": _worker_compile,
-           "peak": _worker_peak, "float8": _worker_float8}
+           "peak": _worker_peak, "float8": _worker_float8, "single": _worker_single}
 
 
 def _worker_main(opts: argparse.Namespace) -> None:
@@ -661,7 +742,8 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
                "--flavor", opts.flavor, "--seq_len", str(opts.seq_len),
                "--local_batch_size", str(opts.local_batch_size), "--steps", str(opts.steps),
                "--rounds", str(opts.rounds), "--param_dtypes", opts.param_dtypes,
-               "--cpu_offload", opts.cpu_offload, "--ac_seq_len", str(opts.ac_seq_len), *extra]
+               "--cpu_offload", opts.cpu_offload, "--ac_seq_len", str(opts.ac_seq_len),
+               "--single_vocab_sizes", opts.single_vocab_sizes, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -731,7 +813,9 @@ def main() -> None:
                         "overhead, memory, collectives, auto, ac, compile, metainit, startup")
     parser.add_argument("--compile_ranks", type=int, default=2, help="compile part: number of ranks")
     parser.add_argument("--peak_ranks", type=int, default=2, help="peak part: number of ranks (GPUs)")
-    parser.add_argument("--parts", default="", help="parts to run besides the default ones: peak, float8")
+    parser.add_argument("--parts", default="", help="parts to run besides the default ones: peak, float8, single")
+    parser.add_argument("--single_vocab_sizes", default="128256",
+                        help="single part: vocabulary sizes run in fp32 besides the flavor's (comma list; '' for none)")
     parser.add_argument("--float8_steps", type=int, default=100, help="float8 part: steps per run")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
@@ -766,8 +850,11 @@ def main() -> None:
         worlds = []
     if opts.peak_ranks < 1:
         parser.error(f"--peak_ranks: invalid value {opts.peak_ranks}; expected an integer >= 1")
-    if set(filter(None, opts.parts.split(","))) - {"peak", "float8"}:
-        parser.error(f"--parts: invalid value {opts.parts!r}; expected a comma list of peak, float8")
+    if set(filter(None, opts.parts.split(","))) - {"peak", "float8", "single"}:
+        parser.error(f"--parts: invalid value {opts.parts!r}; expected a comma list of peak, float8, single")
+    if not all(v.strip().isdigit() and int(v) > 0 for v in filter(None, opts.single_vocab_sizes.split(","))):
+        parser.error(f"--single_vocab_sizes: invalid value {opts.single_vocab_sizes!r}; expected a comma list of "
+                     "integers > 0")
     if opts.float8_steps < 11:
         parser.error(f"--float8_steps: invalid value {opts.float8_steps}; expected an integer >= 11")
     if opts.compile_ranks < 1:
@@ -892,6 +979,15 @@ def main() -> None:
         for key, r in peaks.items():
             print(f"{key:24} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
                   f"{r['estimated_peak'] / r['peak']:10.3f}")
+    if "single" in opts.parts.split(","):
+        single = _launch(["single"], 1, opts)["single"][0]
+        figures["single"] = single
+        print(f"\none process ({opts.rounds} alternating rounds; trainer without FSDP against a bare eager loop on "
+              "the same model, AdamW, schedule and clipping)")
+        print(f"{'run':24} {'steps':>5} {'trainer tok/s':>13} {'bare tok/s':>10} {'trainer/bare':>12}  per round")
+        for label, r in single.items():
+            print(f"{label:24} {r['steps']:>5} {r['ours_tps']:13,.0f} {r['bare_tps']:10,.0f} {r['ratio']:12.3f}  "
+                  + ", ".join(f"{x:.3f}" for x in r["round_ratios"]))
     if "float8" in opts.parts.split(","):
         runs = _launch(["float8"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks),
                        "--float8_steps", str(opts.float8_steps))["float8"][0]

@@ -71,7 +71,22 @@ def build_sharded_model(
                    param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
     elif autocast_dtype is not None:
         apply_autocast(model, dtype=autocast_dtype, device_type=device.type)
-    model.to_empty(device=torch.device("cpu") if fsdp is not None and fsdp.cpu_offload else device)
+    _to_empty_keeping_ties(model, torch.device("cpu") if fsdp is not None and fsdp.cpu_offload else device)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     model.init_weights(buffer_device=device)  # type: ignore[operator]
     return model
+
+
+def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)``, with parameters shared between modules (tied embedding and
+    output) still shared: on a plain module ``to_empty`` gives each name a new parameter of its
+    own (FSDP2's units keep one)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for aliases in names.values():
+        shared = model.get_parameter(aliases[0])
+        for alias in aliases[1:]:
+            owner, _, attr = alias.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)

@@ -210,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     if t.enable_cpu_offload:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
+    if not plan.shard:
+        notes.append("one process without CPU offload trains the plain model (no FSDP), which is not modelled: "
+                     "these figures are FSDP2's on one rank (its unsharded parameter and gradient copies "
+                     "included; bf16 through autocast keeps some activations in fp32 instead)")
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
     if plan_auto is not None:
