@@ -47,6 +47,7 @@ from torchtitan_lite.checkpoint.hf_storage import (
 )
 from torchtitan_lite.checkpoint.manager import TRAIN_STATE_FILE
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+from torchtitan_lite.config.schema import Model
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of
@@ -55,7 +56,7 @@ from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 HF_WEIGHTS_FILE = "model.safetensors"
 MODEL_ARGS_KEY = "model_args"
 MODEL_NAME_KEY = "model_name"
-DEFAULT_MODEL = "llama3"
+DEFAULT_MODEL = Model().name  # the trainer's default model.name
 
 
 class ConvertError(ValueError):

@@ -30,7 +30,7 @@ from tests.dist_utils import REPO_ROOT, run_command
 from torchtitan_lite.checkpoint import hf_storage
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, LLAMA3_SPEC, Transformer
-from torchtitan_lite.models.llama3 import hf as llama_hf
+from torchtitan_lite.models.llama3.hf import ADAPTER as llama_hf
 
 SCRIPT = REPO_ROOT / "scripts" / "convert_checkpoint.py"
 TINY = LLAMA3_FLAVORS["tiny"]
@@ -119,7 +119,7 @@ def test_dcp_to_hf_and_back(step_dir, tmp_path):
     expected = hf_storage.state_dict_to_hf(state, LLAMA3_SPEC, TINY)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], expected[k]) for k in expected)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == llama_hf.hf_config(TINY, torch.float32)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == llama_hf.config_for(TINY, torch.float32)
 
     result = _convert("from-hf", str(tmp_path / "hf"), str(tmp_path / "step-0"))
     assert result.returncode == 0, result.stderr

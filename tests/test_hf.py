@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 from tests.dist_utils import run_distributed
 from torchtitan_lite.checkpoint import hf_storage
 from torchtitan_lite.errors import CheckpointError
+from torchtitan_lite.models.decoder_hf import permute_for_hf, unpermute_from_hf
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, LLAMA3_SPEC, ModelArgs, Transformer
-from torchtitan_lite.models.llama3 import hf as llama_hf
+from torchtitan_lite.models.llama3.hf import ADAPTER as llama_hf
 
 TINY = LLAMA3_FLAVORS["tiny"]
 # Three heads of 16 rows: on two ranks the 24-row shard boundary of wq cuts through head 1,
@@ -62,7 +63,7 @@ def _write_hf(model: Transformer, folder: Path, dtype: torch.dtype = torch.float
     hf_sd = hf_storage.state_dict_to_hf(model.state_dict(), LLAMA3_SPEC, model.args)
     save_file({k: v.to(dtype).contiguous().clone() for k, v in hf_sd.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(llama_hf.hf_config(model.args, dtype)))
+    (folder / "config.json").write_text(json.dumps(llama_hf.config_for(model.args, dtype)))
     return folder
 
 
@@ -75,7 +76,7 @@ def test_name_map_round_trips_and_rejects_unknown_names():
     names = list(Transformer(TINY).state_dict())
     hf_names = [llama_hf.to_hf_name(n) for n in names]
     assert [llama_hf.from_hf_name(n) for n in hf_names] == names
-    assert set(hf_names) == set(llama_hf.expected_hf_shapes(TINY))
+    assert set(hf_names) == set(llama_hf.expected_shapes(TINY))
     assert llama_hf.to_hf_name("layers.1.feed_forward.w1.weight") == "model.layers.1.mlp.gate_proj.weight"
     assert llama_hf.to_hf_name("layers.0.feed_forward.w2.weight") == "model.layers.0.mlp.down_proj.weight"
     assert llama_hf.to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
@@ -91,15 +92,15 @@ def test_permutation_round_trips_and_moves_pairs_to_halves():
     head_dim, dim = 16, 64
     for n_heads in (4, 2, 1):  # wq with n_heads, wk with n_kv_heads (GQA)
         w = torch.randn(n_heads * head_dim, dim)
-        permuted = llama_hf.permute_for_hf(w, n_heads)
+        permuted = permute_for_hf(w, n_heads)
         assert not torch.equal(permuted, w)
-        assert torch.equal(llama_hf.unpermute_from_hf(permuted, n_heads), w)
-        assert torch.equal(llama_hf.permute_for_hf(llama_hf.unpermute_from_hf(w, n_heads), n_heads), w)
+        assert torch.equal(unpermute_from_hf(permuted, n_heads), w)
+        assert torch.equal(permute_for_hf(unpermute_from_hf(w, n_heads), n_heads), w)
         # Our row 2i+p of head h (pair i, component p) is HF row p*head_dim/2 + i of head h.
         for h, i, p in ((0, 0, 1), (n_heads - 1, 5, 0), (n_heads - 1, 7, 1)):
             assert torch.equal(permuted[h * head_dim + p * head_dim // 2 + i], w[h * head_dim + 2 * i + p])
     with pytest.raises(ValueError, match="heads of even size"):
-        llama_hf.permute_for_hf(torch.randn(30, 8), 4)
+        permute_for_hf(torch.randn(30, 8), 4)
     sd = _model(TINY).state_dict()
     back = hf_storage.state_dict_from_hf(hf_storage.state_dict_to_hf(sd, LLAMA3_SPEC, TINY), LLAMA3_SPEC, TINY)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
@@ -197,7 +198,7 @@ def test_save_splits_files_and_loads_back_in_one_process(tmp_path):
     shards = [f for f in files if f.endswith(".safetensors")]
     assert len(shards) > 1 and "sharded" not in files and "config.json" in files
     index = json.loads((folder / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(llama_hf.expected_hf_shapes(TINY))
+    assert set(index["weight_map"]) == set(llama_hf.expected_shapes(TINY))
     assert set(index["weight_map"].values()) == set(shards)
     loaded = Transformer(TINY)
     hf_storage.load_hf_weights(loaded, folder, spec=LLAMA3_SPEC)
@@ -326,12 +327,12 @@ def test_two_rank_save_writes_hf_files_that_load_in_one_process(two_rank_io):
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     sd = load_file(str(folder / "model-00001-of-00001.safetensors"))
-    assert {k: tuple(v.shape) for k, v in sd.items()} == llama_hf.expected_hf_shapes(TINY)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == llama_hf.expected_shapes(TINY)
     assert all(v.dtype == torch.float32 for v in sd.values())
     reference = hf_storage.state_dict_to_hf(model.state_dict(), LLAMA3_SPEC, TINY)
     assert all(torch.equal(sd[k], reference[k]) for k in reference)  # RoPE permutation included
     config = json.loads((folder / "config.json").read_text())
-    assert config == llama_hf.hf_config(TINY, torch.float32)
+    assert config == llama_hf.config_for(TINY, torch.float32)
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
             config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"],
             config["rope_theta"], config["tie_word_embeddings"], config["torch_dtype"]) == (
@@ -415,7 +416,7 @@ def test_sharded_load_peak_memory_stays_near_one_shard(tmp_path, kind):
     full_bytes = MEASURED.num_params() * 4
     generator = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=generator)
-               for name, shape in llama_hf.expected_hf_shapes(MEASURED).items()}
+               for name, shape in llama_hf.expected_shapes(MEASURED).items()}
     if kind == "hf":
         save_file(weights, str(tmp_path / "model.safetensors"))
     else:
@@ -495,8 +496,8 @@ def test_errors_name_the_folder_the_tensor_and_the_mismatch(tmp_path):
 def test_model_args_from_hf_config_reproduces_flavors():
     for name in ("tiny", "debugmodel", "1B", "8B"):
         args = LLAMA3_FLAVORS[name]
-        assert llama_hf.model_args_from_hf_config(llama_hf.hf_config(args, torch.bfloat16)) == args, name
+        assert llama_hf.args_from_config(llama_hf.config_for(args, torch.bfloat16)) == args, name
     # A shape that is no flavor: intermediate_size is still reproduced exactly.
-    config = {**llama_hf.hf_config(ODD, torch.float32), "intermediate_size": 100, "vocab_size": 77}
-    rebuilt = llama_hf.model_args_from_hf_config(config)
+    config = {**llama_hf.config_for(ODD, torch.float32), "intermediate_size": 100, "vocab_size": 77}
+    rebuilt = llama_hf.args_from_config(config)
     assert (rebuilt.ffn_hidden_dim, rebuilt.vocab_size, rebuilt.dim, rebuilt.kv_heads) == (100, 77, 48, 1)

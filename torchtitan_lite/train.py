@@ -20,6 +20,7 @@ from torchtitan_lite.config import format_help, load_job_config
 from torchtitan_lite.distributed import destroy_distributed, local_world_size_from_env, world_info_from_env
 from torchtitan_lite.errors import UserError
 from torchtitan_lite.job import plan_job, preflight
+from torchtitan_lite.models import MODEL_SPECS
 from torchtitan_lite.trainer import Trainer
 
 __all__ = ["main"]
@@ -49,12 +50,18 @@ def _print_notes(notes: list[str], local_rank: int) -> None:
             print(f"note: {note}", file=sys.stderr)
 
 
+def _model_notes() -> dict[str, str]:
+    """``--help``'s lines on the registered models and their flavors (read from the registry)."""
+    return {"model.name": f"registered: {', '.join(MODEL_SPECS)}",
+            "model.flavor": "; ".join(f"{name}: {', '.join(spec.flavors)}" for name, spec in MODEL_SPECS.items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: load, check and plan the job (a bad config exits 2 before any process group),
     then train. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        sys.stdout.write(format_help())
+        sys.stdout.write(format_help(notes=_model_notes()))
         return 0
     rank, local_rank, world_size = world_info_from_env()
     notes: list[str] = []

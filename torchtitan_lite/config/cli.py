@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,8 +255,10 @@ def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str]]:
     return overrides
 
 
-def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
-    """Every option with its type, default and documentation."""
+def format_help(prog: str = "python -m torchtitan_lite.train", *, notes: Mapping[str, str] | None = None) -> str:
+    """Every option with its type, default and documentation; ``notes`` (``section.key`` → a
+    line) adds what the caller knows and the schema cannot, such as the registered models."""
+    notes = notes or {}
     defaults = JobConfig()
     lines = [
         f"usage: torchrun [torchrun options] -m torchtitan_lite.train --job.config_file FILE "
@@ -275,6 +278,8 @@ def format_help(prog: str = "python -m torchtitan_lite.train") -> str:
             lines.append(f"  --{section}.{name} {type_name(tp)}  (default: {default!r})")
             if name in docs:
                 lines.append(f"      {docs[name]}")
+            if f"{section}.{name}" in notes:
+                lines.append(f"      {notes[f'{section}.{name}']}")
     return "\n".join(lines) + "\n"
 
 

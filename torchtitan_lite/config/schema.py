@@ -55,9 +55,9 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family; one of the registered models (llama3, qwen3, qwen2)."""
+    """Model family: one of the registered models (``--help`` lists them; a model of one's own joins them with torchtitan_lite.models.register_model_spec)."""
     flavor: str = "debugmodel"
-    """Model shape within the family (llama3: tiny, debugmodel, 1B, 8B, 70B, 3.1-8B, 3.1-70B, 3.1-405B, 3.2-1B, 3.2-3B; 3.3 70B is 3.1-70B; qwen3: tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen2 (Qwen2.5): tiny, 0.5B, 1.5B, 3B, 7B, 14B, 32B, 72B), or "from_checkpoint": the shape of checkpoint.initial_load_path (a Hugging Face folder's config.json, or the model_args of one of our step folders), of any size."""
+    """Model shape within the family (``--help`` lists each registered family's), or "from_checkpoint": the shape of checkpoint.initial_load_path (a Hugging Face folder's config.json, or the model_args of one of our step folders), of any size."""
     tokenizer_path: str | None = None
     """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids, needs no files)."""
     vocab_size: int = -1

@@ -1,22 +1,45 @@
-"""Hugging Face layouts our decoder families share: the RoPE row permutation and parameter
-name maps. Each family's adapter (``models/<family>/hf.py``) builds on these.
+"""The Hugging Face adapter of our decoder families: :class:`DecoderHFAdapter`, one class that each
+family configures with its data (``ADAPTER = DecoderHFAdapter(...)`` in ``models/<family>/hf.py``).
+It is the family-specific half of Hugging Face import and export; the generic half, reading and
+writing sharded safetensors, is :mod:`torchtitan_lite.checkpoint.hf_storage`.
 
-**RoPE.** Our decoder (like Meta's reference) rotates interleaved pairs ``(x[2i], x[2i+1])`` of
-each head; Hugging Face's implementations rotate halves (``rotate_half``). Query and key weights
-(and per-head q/k norm weights) are the same up to a permutation of rows within each head:
+**Names.** Ours (``layers.N.attention.wq.weight``) ↔ Hugging Face's
+(``model.layers.N.self_attn.q_proj.weight``): the same for every decoder, plus the optional tensors
+of a family (q/k norms, q/k/v biases; its args class says which).
+
+**RoPE.** Our decoder rotates interleaved pairs ``(x[2i], x[2i+1])`` of each head; Hugging Face's
+implementations rotate halves (``rotate_half``). Query and key weights (their biases, and the
+per-head q/k norm weights) are the same up to a permutation of rows within each head:
 :func:`permute_for_hf` and :func:`unpermute_from_hf`.
+
+**config.json.** :meth:`DecoderHFAdapter.config_for` writes one for a shape (RoPE in the current
+``rope_parameters`` layout and, for earlier readers, as ``rope_theta``/``rope_scaling``);
+:meth:`~DecoderHFAdapter.config_mismatch` names the first field of a file that asks for
+computation the model lacks or disagrees with a shape (family, activation, biases, sliding
+window, dropout, RoPE type, sizes, tied embeddings, ``rms_norm_eps``, RoPE theta and scaling);
+:meth:`~DecoderHFAdapter.args_from_config` reads a shape of any size from one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DECODER_PER_LAYER", "DECODER_TOP_LEVEL", "NameMap", "decoder_shapes", "family_mismatch",
-           "ignored_hf_name", "merged_rope_parameters", "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+__all__ = ["CONFIG_FILE", "OFF_FIELDS", "DecoderHFAdapter", "RopeField", "merged_rope_parameters",
+           "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+
+CONFIG_FILE = "config.json"
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE: config.json's settings and the row permutation
+# --------------------------------------------------------------------------------------------
 
 
 def merged_rope_parameters(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -74,13 +97,16 @@ def row_permutation(rows: int, n_heads: int, *, to_hf: bool) -> torch.Tensor:
     return permuted.squeeze(1)
 
 
-DECODER_TOP_LEVEL = {
+# --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+_TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-"""Our top-level parameter names → Hugging Face's, the same for every decoder family."""
-DECODER_PER_LAYER = {
+_PER_LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -91,74 +117,311 @@ DECODER_PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-"""Per-layer suffixes every decoder family has (a family adds its own: q/k norms, biases)."""
+_QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+_QKV_BIASES = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
 _RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def ignored_hf_name(hf_name: str) -> bool:
-    """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)."""
-    return bool(_RECOMPUTED.search(hf_name))
-
-
-def family_mismatch(config: Mapping[str, Any], model_type: str, architecture: str) -> str | None:
-    """The ``config.json`` field that says the file is of another family than ``model_type`` /
-    ``architecture``, as a phrase, or None."""
-    found = config.get("model_type")
-    if found is not None and found != model_type:
-        return f"config.json has model_type={found!r} but this model is {model_type!r} ({architecture})"
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures and architecture not in architectures:
-        return f"config.json has architectures={architectures!r} but this model is {architecture}"
+def _translate(name: str, top: Mapping[str, str], per_layer: Mapping[str, str], layer: re.Pattern[str],
+               prefix: str) -> str | None:
+    if name in top:
+        return top[name]
+    match = layer.match(name)
+    if match and match.group(2) in per_layer:
+        return f"{prefix}{match.group(1)}.{per_layer[match.group(2)]}"
     return None
 
 
-class NameMap:
-    """Our parameter names ↔ Hugging Face names: fixed top-level names and per-layer suffixes
-    under ``layers.N.`` (ours) and ``model.layers.N.`` (theirs)."""
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
 
-    _OURS = (re.compile(r"^layers\.(\d+)\.(.+)$"), "model.layers.")
-    _THEIRS = (re.compile(r"^model\.layers\.(\d+)\.(.+)$"), "layers.")
+_SIZE_FIELDS = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
+                ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"),
+                ("intermediate_size", "ffn_hidden_dim"), ("vocab_size", "vocab_size"))
+"""``config.json``'s size fields → the args attribute each must equal, in the order they are checked."""
 
-    def __init__(self, family: str, top_level: Mapping[str, str], per_layer: Mapping[str, str]) -> None:
-        self.family = family
-        self._to_hf = (dict(top_level), dict(per_layer))
-        self._from_hf = ({hf: ours for ours, hf in top_level.items()}, {hf: ours for ours, hf in per_layer.items()})
+OFF_FIELDS: dict[str, str] = {
+    "attention_bias": "this model has no biases",
+    "mlp_bias": "this model has no biases",
+    "use_sliding_window": "this model attends to the whole sequence",
+    "attention_dropout": "this model has no dropout",
+}
+"""``config.json`` fields of computation our decoder lacks → why a file that turns one on is refused
+(a family names those its files carry: :attr:`DecoderHFAdapter.off_fields`)."""
+
+_DEFAULT_ROPE_THETA = 10000.0
+"""``transformers``' RoPE theta where a ``config.json`` has none."""
+
+
+class RopeField(NamedTuple):
+    """One setting of a RoPE scaling type: its key in ``rope_parameters``/``rope_scaling``, the
+    args field that holds it, and how a file's value is read."""
+
+    hf: str
+    ours: str
+    cast: Callable[[Any], Any] = float
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderHFAdapter:
+    """A decoder family's Hugging Face adapter (the :class:`~torchtitan_lite.models.spec.HFAdapter`
+    of its spec), configured by the family's data.
+
+    The family's args class is read as the decoder reads it: ``dim``, ``n_layers``, ``n_heads``,
+    ``n_kv_heads``/``kv_heads``, ``head_dim`` (a field when the family's head size is its own, else
+    a property), ``ffn_hidden_dim``, ``vocab_size``, ``norm_eps``, ``rope_theta``, ``max_seq_len``,
+    ``tie_word_embeddings``, the class constants ``qk_norm`` and ``qkv_bias`` (which optional
+    tensors the model has) and, with :attr:`rope_scalings`, ``rope_scaling`` and its fields."""
+
+    model_type: str
+    """``config.json``'s ``model_type``."""
+    architecture: str
+    """``config.json``'s architecture (``<Name>ForCausalLM``; ``<Name>`` is the family's name in messages)."""
+    args_cls: type
+    """The family's args dataclass."""
+    config_defaults: Mapping[str, Any]
+    """What ``transformers``' config class assumes for fields a file may leave out:
+    ``rms_norm_eps``, ``max_position_embeddings`` and, when ``head_dim`` is an args field,
+    ``head_dim``."""
+    off_fields: Mapping[str, Any] = field(default_factory=dict)
+    """Fields of :data:`OFF_FIELDS` the family's files carry → the value written (off); a file
+    that turns one on is refused."""
+    head_dim_in_config: bool = True
+    """``config.json`` has ``head_dim``."""
+    rope_scalings: Mapping[str, tuple[RopeField, ...]] = field(default_factory=dict)
+    """RoPE scaling types the family implements (``rope_type`` → its settings), held in the args
+    as ``rope_scaling`` (the type's name, ``"none"`` unscaled) and the settings' fields. Empty:
+    unscaled RoPE only (and no ``rope_scaling`` field)."""
+    build_args: Callable[[dict[str, Any]], Any] | None = None
+    """Args from a file's fields in the args' names (``ffn_hidden_dim`` and ``n_kv_heads`` among
+    them; ``ValueError`` when the shape cannot be expressed); default ``args_cls(**fields)``."""
+
+    output_name = "output.weight"
+    """Our name of the output projection (absent from files with tied embeddings)."""
+    embedding_name = "tok_embeddings.weight"
+    """Our name of the token embedding (what a tied output projection is loaded from)."""
+
+    architectures: tuple[str, ...] = field(init=False)
+    _per_layer: dict[str, str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.off_fields) - set(OFF_FIELDS))
+        if unknown:
+            raise ValueError(f"off_fields {unknown} are not among {sorted(OFF_FIELDS)}")
+        needed = {"rms_norm_eps", "max_position_embeddings", *(("head_dim",) if self._head_dim_field else ())}
+        if not needed <= set(self.config_defaults):
+            raise ValueError(f"config_defaults lacks {sorted(needed - set(self.config_defaults))}")
+        object.__setattr__(self, "architectures", (self.architecture,))
+        per_layer = {**_PER_LAYER, **(_QK_NORMS if self.args_cls.qk_norm else {}),
+                     **(_QKV_BIASES if self.args_cls.qkv_bias else {})}
+        object.__setattr__(self, "_per_layer", per_layer)
+
+    @property
+    def _label(self) -> str:
+        return self.architecture.removesuffix("ForCausalLM")
+
+    @property
+    def _head_dim_field(self) -> bool:
+        return "head_dim" in {f.name for f in dataclasses.fields(self.args_cls)}
+
+    # ---- names and layouts -------------------------------------------------------------------
+
+    def to_hf_name(self, name: str) -> str:
+        """Our parameter name → the Hugging Face name (``ValueError`` for an unknown name)."""
+        found = _translate(name, _TOP_LEVEL, self._per_layer, _OURS, "model.layers.")
+        if found is None:
+            raise ValueError(f"{name!r} is not a parameter name of the {self._label} model")
+        return found
+
+    def from_hf_name(self, hf_name: str) -> str:
+        """Hugging Face name → our parameter name (``ValueError`` for an unknown name)."""
+        found = _translate(hf_name, {hf: ours for ours, hf in _TOP_LEVEL.items()},
+                           {hf: ours for ours, hf in self._per_layer.items()}, _THEIRS, "layers.")
+        if found is None:
+            raise ValueError(f"{hf_name!r} is not a Hugging Face {self._label} parameter name")
+        return found
 
     @staticmethod
-    def _translate(name: str, tables: tuple[dict[str, str], dict[str, str]],
-                   layer: tuple[re.Pattern[str], str]) -> str | None:
-        top, per_layer = tables
-        if name in top:
-            return top[name]
-        match = layer[0].match(name)
-        if match and match.group(2) in per_layer:
-            return f"{layer[1]}{match.group(1)}.{per_layer[match.group(2)]}"
+    def ignored(hf_name: str) -> bool:
+        """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)."""
+        return bool(_RECOMPUTED.search(hf_name))
+
+    def expected_shapes(self, args: Any) -> dict[str, tuple[int, ...]]:
+        """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order
+        (no ``lm_head.weight`` when the embeddings are tied)."""
+        d, h = args.dim, args.ffn_hidden_dim
+        q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+        per_layer = {"self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+                     "self_attn.v_proj.weight": (kv, d)}
+        if self.args_cls.qkv_bias:
+            per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                              "self_attn.v_proj.bias": (kv,)})
+        per_layer["self_attn.o_proj.weight"] = (d, q)
+        if self.args_cls.qk_norm:
+            per_layer.update({"self_attn.q_norm.weight": (args.head_dim,), "self_attn.k_norm.weight": (args.head_dim,)})
+        per_layer.update({"mlp.gate_proj.weight": (h, d), "mlp.down_proj.weight": (d, h), "mlp.up_proj.weight": (h, d),
+                          "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)})
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
+        for i in range(args.n_layers):
+            for suffix, shape in per_layer.items():
+                shapes[f"model.layers.{i}.{suffix}"] = shape
+        shapes["model.norm.weight"] = (d,)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, d)
+        return shapes
+
+    def row_permutation(self, name: str, args: Any, *, to_hf: bool) -> torch.Tensor | None:
+        """Row indices ``idx`` with ``converted = w[idx]`` for our parameter ``name`` (``to_hf``:
+        ours → Hugging Face, else back), or None when its rows stay in place: query/key rows (and
+        biases) within each head, and the q/k norm weights (one head)."""
+        if name.endswith(("attention.wq.weight", "attention.wq.bias")):
+            heads = args.n_heads
+        elif name.endswith(("attention.wk.weight", "attention.wk.bias")):
+            heads = args.kv_heads
+        elif name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+            heads = 1
+        else:
+            return None
+        return row_permutation(heads * args.head_dim, heads, to_hf=to_hf)
+
+    # ---- config.json -------------------------------------------------------------------------
+
+    def _rope_parameters(self, args: Any) -> dict[str, Any]:
+        """``rope_parameters`` of a ``config.json`` (the current layout: theta inside)."""
+        kind = args.rope_scaling if self.rope_scalings else "none"
+        params: dict[str, Any] = {"rope_type": "default" if kind == "none" else kind, "rope_theta": args.rope_theta}
+        if kind != "none":
+            params.update({f.hf: getattr(args, f.ours) for f in self.rope_scalings[kind]})
+        return params
+
+    def config_for(self, args: Any, dtype: torch.dtype) -> dict[str, Any]:
+        """A ``config.json`` for a model with ``args`` stored in ``dtype``: RoPE in the current
+        layout (``rope_parameters``) and, for readers that predate it, as ``rope_theta`` and
+        ``rope_scaling`` too (the same values)."""
+        parameters = self._rope_parameters(args)
+        config: dict[str, Any] = {
+            "architectures": list(self.architectures), "model_type": self.model_type,
+            "hidden_size": args.dim, "intermediate_size": args.ffn_hidden_dim,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
+            "num_hidden_layers": args.n_layers,
+        }
+        if self.head_dim_in_config:
+            config["head_dim"] = args.head_dim
+        legacy = {k: v for k, v in parameters.items() if k != "rope_theta"}
+        config.update({
+            "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_parameters": parameters,
+            "rope_theta": args.rope_theta, "rope_scaling": None if parameters["rope_type"] == "default" else legacy,
+            "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, **self.off_fields,
+            "tie_word_embeddings": args.tie_word_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
+        })
+        return config
+
+    def _unsupported(self, config: Mapping[str, Any]) -> str | None:
+        """The field that says a file is of another family or asks for computation this model
+        lacks, as a phrase, or None."""
+        found = config.get("model_type")
+        if found is not None and found != self.model_type:
+            return f"{CONFIG_FILE} has model_type={found!r} but this model is {self.model_type!r} ({self.architecture})"
+        architectures = config.get("architectures")
+        if isinstance(architectures, list) and architectures and self.architecture not in architectures:
+            return f"{CONFIG_FILE} has architectures={architectures!r} but this model is {self.architecture}"
+        if config.get("hidden_act", "silu") != "silu":
+            return f"{CONFIG_FILE} has hidden_act={config['hidden_act']!r} but this model uses 'silu'"
+        for name, off in self.off_fields.items():
+            if config.get(name):
+                shown = "true" if isinstance(off, bool) else repr(config[name])
+                return f"{CONFIG_FILE} has {name}={shown} but {OFF_FIELDS[name]}"
         return None
 
-    def to_hf(self, name: str) -> str:
-        """Our parameter name → the Hugging Face name (``ValueError`` for an unknown name)."""
-        found = self._translate(name, self._to_hf, self._OURS)
-        if found is None:
-            raise ValueError(f"{name!r} is not a parameter name of the {self.family} model")
-        return found
+    def _rope_fields(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The RoPE fields of a ``config.json`` in the args' names (:func:`merged_rope_parameters`;
+        ``rope_theta`` as the file has it). ``ValueError`` for a RoPE type the family does not
+        implement (``yarn``, ``dynamic``, ``longrope``…) or a malformed entry."""
+        parameters, where = merged_rope_parameters(config)
+        kind = parameters.get("rope_type", parameters.get("type")) or "default"
+        if kind != "default" and kind not in self.rope_scalings:
+            if not self.rope_scalings:
+                raise ValueError(f"{CONFIG_FILE} has {where}.rope_type={kind!r}; {self.architecture} here "
+                                 "supports only default RoPE")
+            raise ValueError(f"{CONFIG_FILE} has {where}.rope_type={kind!r}; supported RoPE types: "
+                             f"{', '.join(['default', *self.rope_scalings])}")
+        fields: dict[str, Any] = {}
+        if parameters.get("rope_theta") is not None:
+            fields["rope_theta"] = parameters["rope_theta"]
+        if self.rope_scalings:
+            fields["rope_scaling"] = "none" if kind == "default" else kind
+        if kind != "default":
+            try:
+                fields.update({f.ours: f.cast(parameters[f.hf]) for f in self.rope_scalings[kind]})
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{CONFIG_FILE} {where} of type {kind!r} lacks a usable field: {exc}") from None
+        return fields
 
-    def from_hf(self, name: str) -> str:
-        """Hugging Face name → our parameter name (``ValueError`` for an unknown name)."""
-        found = self._translate(name, self._from_hf, self._THEIRS)
-        if found is None:
-            raise ValueError(f"{name!r} is not a Hugging Face {self.family} parameter name")
-        return found
+    def config_mismatch(self, config: Mapping[str, Any], args: Any) -> str | None:
+        """The first field of ``config`` that asks for computation this model lacks or disagrees
+        with ``args``, as a phrase, or None."""
+        problem = self._unsupported(config)
+        if problem is not None:
+            return problem
+        try:
+            rope = self._rope_fields(config)
+        except ValueError as exc:
+            return str(exc)
+        sizes = {name: config.get(name) for name, _ in _SIZE_FIELDS}
+        if sizes["num_key_value_heads"] is None:  # absent: as many as the query heads
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+        exact = [(name, sizes[name], getattr(args, attr)) for name, attr in _SIZE_FIELDS]
+        exact.append(("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)), args.tie_word_embeddings))
+        for name, value, want in exact:
+            if value is not None and value != want:
+                return f"{CONFIG_FILE} has {name}={value!r} but this model has {name}={want!r}"
+        numbers = [("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps),
+                   ("rope_theta", rope.get("rope_theta"), args.rope_theta)]
+        if self.rope_scalings:
+            if rope["rope_scaling"] != args.rope_scaling:
+                return (f"{CONFIG_FILE} has RoPE scaling {rope['rope_scaling']!r} but this model has "
+                        f"rope_scaling={args.rope_scaling!r}")
+            numbers += [(f.ours, rope.get(f.ours), getattr(args, f.ours))
+                        for f in self.rope_scalings.get(args.rope_scaling, ())]
+        for name, value, want in numbers:
+            if value is None:
+                continue
+            if not isinstance(value, (int, float)) or not math.isclose(value, want, rel_tol=1e-6):
+                return f"{CONFIG_FILE} has {name}={value!r} but this model has {name}={want!r}"
+        return None
 
-
-def decoder_shapes(args: Any, per_layer: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Hugging Face name → shape of a decoder's tensors in file order: the embedding, the
-    ``per_layer`` suffixes under ``model.layers.N.``, the final norm, and ``lm_head.weight``
-    unless the embeddings are tied."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, args.dim)}
-    for i in range(args.n_layers):
-        for suffix, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{suffix}"] = shape
-    shapes["model.norm.weight"] = (args.dim,)
-    if not args.tie_word_embeddings:
-        shapes["lm_head.weight"] = (args.vocab_size, args.dim)
-    return shapes
+    def args_from_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
+        """The family's args for a ``config.json`` of any size (``ValueError``, one line, for
+        another family, computation this model lacks or a shape the args cannot express);
+        defaults as ``transformers``' config class has them (:attr:`config_defaults`);
+        ``overrides`` replace fields. The result is checked against the whole file
+        (:meth:`config_mismatch`)."""
+        problem = self._unsupported(config)
+        if problem is not None:
+            raise ValueError(problem)
+        rope = self._rope_fields(config)
+        defaults = self.config_defaults
+        try:
+            n_heads = int(config["num_attention_heads"])
+            fields: dict[str, Any] = {
+                "dim": int(config["hidden_size"]), "n_layers": int(config["num_hidden_layers"]), "n_heads": n_heads,
+                "n_kv_heads": int(config.get("num_key_value_heads") or n_heads),
+                "ffn_hidden_dim": int(config["intermediate_size"]), "vocab_size": int(config["vocab_size"]),
+                "norm_eps": float(config.get("rms_norm_eps", defaults["rms_norm_eps"])),
+                "max_seq_len": int(config.get("max_position_embeddings", defaults["max_position_embeddings"])),
+                "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+                **rope, "rope_theta": float(rope.get("rope_theta") or _DEFAULT_ROPE_THETA),
+            }
+            if self._head_dim_field:  # a head size of the family's own
+                fields["head_dim"] = int(config.get("head_dim") or defaults["head_dim"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{CONFIG_FILE} lacks a usable {self.architecture} field: {exc}") from None
+        fields.update(overrides)
+        args = self.args_cls(**fields) if self.build_args is None else self.build_args(fields)
+        problem = self.config_mismatch(config, args)
+        if problem is not None:
+            raise ValueError(problem)
+        return args

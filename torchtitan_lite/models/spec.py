@@ -40,7 +40,8 @@ class FSDPLayout(dict):  # type: ignore[type-arg]
 
 class HFAdapter(Protocol):
     """A family's Hugging Face names, row layouts and ``config.json`` (see
-    :mod:`torchtitan_lite.checkpoint.hf_storage`, which does the file work)."""
+    :mod:`torchtitan_lite.checkpoint.hf_storage`, which does the file work). Our decoder
+    families configure one class for it: :class:`~torchtitan_lite.models.decoder_hf.DecoderHFAdapter`."""
 
     architectures: tuple[str, ...]
     model_type: str

@@ -1,0 +1,179 @@
+"""A model of one's own, registered with ``register_model_spec``, trains through the normal entry
+point (``torchtitan_lite.train.main``); the registry refuses duplicates and unusable specs, and an
+unknown ``model.name`` lists what is registered.
+
+The model here is deliberately not our decoder: learned positions, LayerNorm, one-head causal
+attention and a GELU MLP, built only on the contract of :mod:`torchtitan_lite.models.spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist_utils import REPO_ROOT, read_jsonl
+from torchtitan_lite.models import MODEL_SPECS, get_model_spec, register_model_spec
+from torchtitan_lite.models import init as shard_init
+from torchtitan_lite.models.spec import FSDPLayout, ModelSpec
+
+NAME = "test_registry_lm"
+
+
+@dataclass(frozen=True)
+class TinyLMArgs:
+    """Shape of :class:`TinyLM`."""
+
+    dim: int = 32
+    n_layers: int = 2
+    vocab_size: int = 258
+    max_seq_len: int = 64
+    hidden: int = 64
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        d = self.dim
+        block = 4 * d + (3 * d * d + d * d) + (2 * d * self.hidden + self.hidden + d)  # 2 norms, attention, MLP
+        total = self.n_layers * block + 2 * d + self.vocab_size * d  # final norm, output
+        if include_embedding:
+            total += self.vocab_size * d + self.max_seq_len * d
+        return total
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        return 12 * self.dim * seq_len
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return 6 * self.num_params(include_embedding=False) + self.n_layers * self.attention_flops_per_token(seq_len)
+
+
+class Block(nn.Module):
+    def __init__(self, args: TinyLMArgs) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(args.dim), nn.LayerNorm(args.dim)
+        self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.up = nn.Linear(args.dim, args.hidden)
+        self.down = nn.Linear(args.hidden, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).unsqueeze(1).chunk(3, dim=-1)  # one head
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+    def init_weights(self) -> None:
+        for norm in (self.norm1, self.norm2):
+            shard_init.ones_(norm.weight)
+            shard_init.zeros_(norm.bias)
+        for linear in (self.qkv, self.proj, self.up, self.down):
+            shard_init.trunc_normal_(linear.weight, std=0.02)
+        shard_init.zeros_(self.up.bias)
+        shard_init.zeros_(self.down.bias)
+
+
+class TinyLM(nn.Module):
+    """Token and learned position embeddings, ``n_layers`` blocks, a final norm and the output."""
+
+    def __init__(self, args: TinyLMArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.blocks = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("positions", torch.arange(args.max_seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(self.positions[: tokens.shape[1]])
+        for block in self.blocks:
+            h = block(h)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        self.init_buffers(buffer_device)
+        shard_init.normal_(self.tok_embeddings.weight, std=1.0)
+        shard_init.normal_(self.pos_embeddings.weight, std=0.02)
+        for block in self.blocks:
+            block.init_weights()  # type: ignore[operator]
+        shard_init.ones_(self.norm.weight)
+        shard_init.zeros_(self.norm.bias)
+        shard_init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
+
+    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        device = torch.device(buffer_device) if buffer_device is not None else self.positions.device
+        self.positions = torch.arange(self.args.max_seq_len, device="cpu" if device.type == "meta" else device)
+
+
+def tiny_lm_units(model: nn.Module) -> FSDPLayout:
+    assert isinstance(model, TinyLM)
+    return FSDPLayout(first_unit=[model.tok_embeddings, model.pos_embeddings], blocks=list(model.blocks),
+                      last_unit=[model.norm, model.output])
+
+
+SPEC = ModelSpec(name=NAME, model_cls=TinyLM, args_cls=TinyLMArgs, flavors={"small": TinyLMArgs()},
+                 fsdp_units=tiny_lm_units)
+
+
+@pytest.fixture
+def registered() -> Iterator[ModelSpec]:
+    register_model_spec(SPEC)
+    yield SPEC
+    MODEL_SPECS.pop(NAME, None)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp"])
+def test_a_registered_model_trains_through_main(registered: ModelSpec, sharded: bool, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """One process trains the plain model; with CPU offload FSDP2 shards it by the spec's units."""
+    from torchtitan_lite.train import main
+
+    dump = tmp_path / "dump"
+    code = main(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+                 "--model.name", NAME, "--model.flavor", "small",
+                 "--training.steps", "6", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                 "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+                 "--metrics.no-enable_tensorboard", "--validation.no-enable", "--job.dump_folder", str(dump),
+                 *(["--training.enable_cpu_offload"] if sharded else [])])
+    assert code == 0, capsys.readouterr().err
+    losses = [r["loss"] for r in read_jsonl(dump / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert losses[0] > math.log(258) - 0.5, losses  # untrained: near uniform over the byte vocabulary
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.5, losses
+
+
+def test_registering_a_name_twice_fails_unless_replaced(registered: ModelSpec) -> None:
+    with pytest.raises(ValueError, match=rf"model '{NAME}' is registered already \(pass replace=True"):
+        register_model_spec(dataclasses.replace(SPEC))
+    assert get_model_spec(NAME) is SPEC
+    other = dataclasses.replace(SPEC, flavors={"other": TinyLMArgs(dim=16)})
+    register_model_spec(other, replace=True)
+    assert get_model_spec(NAME) is other
+
+
+def test_an_unusable_spec_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^register_model_spec: expected a ModelSpec, got dict$"):
+        register_model_spec({"name": NAME})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^register_model_spec: flavors must be a non-empty mapping[^\n]*$"):
+        register_model_spec(dataclasses.replace(SPEC, flavors={}))
+    with pytest.raises(ValueError, match=r"^register_model_spec: args_cls int must be a dataclass[^\n]*$"):
+        register_model_spec(dataclasses.replace(SPEC, args_cls=int))
+    assert NAME not in MODEL_SPECS
+
+
+def test_an_unknown_model_name_lists_the_registered_ones(registered: ModelSpec,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from torchtitan_lite.train import main
+
+    assert main(["--model.name", "nope", "--model.flavor", "small"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: model.name: invalid value 'nope'; expected one of "), lines
+    assert f"'{NAME}'" in lines[0], lines
+    assert main(["--help"]) == 0
+    assert f"registered: {', '.join(MODEL_SPECS)}" in capsys.readouterr().out
