@@ -8,7 +8,7 @@ Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 ``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. With
 ``KILL_AFTER_COMMIT`` set it also waits (within the same 60 s) until the step before is a
 committed checkpoint folder. Used by
-tests/test_restarts.py and the integration runner's ``restart_after_kill`` case."""
+tests/test_process_group_restarts.py and the integration runner's ``restart_after_kill`` case."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from tests.dist_utils import run_command
 def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     # Memory and collectives share one 2-rank launch (world size 1: its first rank). The memory
     # part measures the three modes in fp32 without CPU offload, what the checks below compare.
-    # (The auto part's trainer runs are what tests/test_auto_reshard.py checks on 2 ranks.)
+    # (The auto part's trainer runs are what tests/test_memory_auto.py checks on 2 ranks.)
     out = tmp_path / "bench.json"
     result = run_command([sys.executable, "scripts/benchmark.py", "--flavor", "tiny", "--seq_len", "32",
                           "--local_batch_size", "2", "--world_sizes", "1,2", "--skip", "overhead,auto,ac,compile,metainit,startup",

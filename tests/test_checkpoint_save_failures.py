@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
-from tests.test_divergence import _finite_checkpoints
+from tests.test_trainer_divergence import _finite_checkpoints
 
 
 def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Llama-3 model: names, shapes, RoPE and GQA against plain reference computations."""
+"""The decoder (``torchtitan_lite/models/decoder.py``) as Llama 3: names, shapes, RoPE and GQA
+against plain reference computations."""
 
 from __future__ import annotations
 

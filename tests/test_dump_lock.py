@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, read_jsonl, run_distributed
-from tests.test_divergence import _main
+from tests.test_trainer_divergence import _main
 from torchtitan_lite.checkpoint.manager import committed_steps
 from torchtitan_lite.dump_lock import LOCK_FILE, DumpFolderLock
 from torchtitan_lite.errors import ConfigError

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
-from tests.test_torchtitan_configs import _write  # a job.toml of the given text
+from tests.test_config_torchtitan import _write  # a job.toml of the given text
 from torchtitan_lite import train
 from torchtitan_lite.config import load_job_config
 from torchtitan_lite.distributed.float8 import apply_float8, float8_unavailable

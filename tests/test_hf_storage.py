@@ -1,4 +1,4 @@
-"""Hugging Face Llama safetensors import/export (``torchtitan_lite.hf``).
+"""Hugging Face Llama safetensors import/export (``torchtitan_lite.checkpoint.hf_storage``).
 
 The RoPE permutation is proved against an independent Hugging Face style forward written here
 (half-split ``rotate_half`` RoPE on Hugging Face names), and against ``transformers`` when it is

@@ -19,7 +19,7 @@ import torch
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
 from tests.fsdp_probes import reshard_kind
-from tests.test_parallelize import _llama_units, _probe_collectives
+from tests.test_fsdp import _llama_units, _probe_collectives
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.distributed.activation_checkpoint import checkpoint_policy_of
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units

@@ -1,9 +1,11 @@
 """Process-group life cycle: when a rank dies or hangs, the others exit with an error in time; at a
-clean exit the groups are freed while Python is still alive."""
+clean exit the groups are freed while Python is still alive; the backend string for each device;
+a second run in one process builds its mesh on its own groups."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,9 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, free_port, run_distributed
+from tests.test_fsdp_units import VOCAB, MyModel
 
 TRAIN_TIMEOUT = 5  # seconds
 INIT_TIMEOUT = 300  # seconds: comm.init_timeout_seconds's default, which the survivor must not wait for
@@ -159,3 +164,69 @@ def test_a_job_that_fails_with_a_traceback_still_frees_its_process_group_at_exit
     assert done.returncode == 1 and "RuntimeError: failed in step 1" in done.stderr, done.stderr[-2000:]
     counts = dict(line.rsplit(" ", 1) for line in done.stdout.splitlines() if line.startswith("threads "))
     assert counts["threads at exit"] == counts["threads before"], done.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# The backend string
+# --------------------------------------------------------------------------------------------
+
+
+def test_backend_for():
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from torchtitan_lite.distributed import backend_for
+
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cpu"), cpu_collectives=True) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    mixed = backend_for(torch.device("cuda", 0), cpu_collectives=True)
+    assert mixed == "cuda:nccl,cpu:gloo"
+    # torch itself parses it into a CPU and a CUDA backend.
+    assert BackendConfig(Backend(mixed)).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
+    with pytest.raises(ValueError, match="unsupported device type"):
+        backend_for(torch.device("meta"))
+
+
+# --------------------------------------------------------------------------------------------
+# A second run in the same process
+# --------------------------------------------------------------------------------------------
+
+
+def _two_hsdp_runs_in_one_process() -> list[float]:
+    """Two HSDP 2 × 2 runs one after the other in one process, each with its own process group
+    (the second on a port the first agreed on) and gradient clipping; returns the grad norms.
+    The first run makes one more group before its mesh, so the two meshes' groups have
+    different names (as after any earlier job that made a different number of groups)."""
+    import os
+
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import ParallelDims, build_mesh, free_port, init_distributed
+    from torchtitan_lite.distributed.fsdp import apply_fsdp
+    from torchtitan_lite.trainer import clip_grad_norm_
+
+    norms = []
+    for run in range(2):
+        init_distributed(torch.device("cpu"))
+        if run == 0:
+            dist.new_group(list(range(4)))
+        mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(dp_replicate=2, dp_shard=2, world_size=4))
+        torch.manual_seed(0)
+        model = MyModel()
+        apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=model.head)
+        tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        norms.append(float(clip_grad_norm_(list(model.parameters()), 1.0)))
+        port = [free_port() if dist.get_rank() == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        dist.barrier()
+        dist.destroy_process_group()  # not destroy_distributed: as research code might
+        os.environ["MASTER_PORT"] = str(port[0])
+    return norms
+
+
+def test_second_hsdp_run_in_one_process_does_not_reuse_the_first_runs_groups():
+    """DTensor caches sharding plans by mesh layout; a new mesh of the same shape must not be
+    handed the first mesh's (destroyed) process groups."""
+    for first, second in run_distributed(_two_hsdp_runs_in_one_process, 4):
+        assert math.isfinite(first) and first == pytest.approx(second, rel=1e-6)
