@@ -19,12 +19,14 @@ the models keep Llama 3's vocabulary of 128,256 rows (TorchTitan's flavors have 
 
 Model shapes: ``1B`` is Llama 3.2 1B's (TorchTitan 0.2.x has no 1B flavor; the worker adds it,
 with the same args as ours), ``8B_L<N>`` is Llama 3 8B cut to its first N layers (both get it the
-same way). Differences that remain, by design of each framework: on one GPU TorchTitan does not
-apply FSDP and computes in bf16 through autocast; ours always applies FSDP (one rank) with a bf16
-``MixedPrecisionPolicy``.
+same way). On one GPU neither applies FSDP: both compute in bf16 through autocast over fp32
+weights; on several, both shard with FSDP2 and a bf16 ``MixedPrecisionPolicy``.
 
-Without a GPU, TorchTitan's workers run on CPU through a small device shim (``_cpu_shim``): that
-checks the plumbing (configs, data, tokenizer, parsing), not speed.
+Without a GPU, TorchTitan's workers run on CPU through a small device shim (``_cpu_shim``: the
+device type and memory queries); its step is TorchTitan's own, so ``--rows debug --param_dtype
+float32`` compares the two trainers on CPU. TorchTitan 0.2.2 imports ``triton`` even there: install
+both into one folder, ``pip install --no-deps --target DIR torchtitan==0.2.2 triton torchdata tyro
+einops docstring-parser typeguard shtab``, and pass ``--torchtitan_path DIR``.
 
 Needs TorchTitan importable in the workers (``pip install torchtitan==0.2.2``, or its wheels on
 ``PYTHONPATH``; see docs/gpu_session.md). ``--only ours`` runs without it.
@@ -231,6 +233,7 @@ enable = false
 
 def _figures_ours(dump: Path, skip: int) -> dict[str, Any]:
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("run_id") == records[-1].get("run_id")]  # this run's (the file appends)
     kept = [r for r in records if r.get("step", 0) > skip and r.get("tps")]
     return {"tps": statistics.median(r["tps"] for r in kept),
             "mfu_pct": statistics.median(r["mfu_pct"] for r in kept) if kept[0].get("mfu_pct") is not None else None,

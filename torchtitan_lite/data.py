@@ -3,7 +3,7 @@
 Datasets (``[training] dataset`` / ``dataset_path``, and the same keys under ``[validation]``):
 
 - ``python_stdlib``: the embedded default, the top-level ``.py`` modules of the running Python's
-  standard library (about 4–5 MB of real text on every machine, read at run time, no download);
+  standard library but its build configuration (``_sysconfigdata_*``) (about 4–5 MB of real text on every machine, read at run time, no download);
 - ``python_stdlib_validation``: a held-out part of the same library (a few of its packages, never
   part of ``python_stdlib``), the default validation set;
 - ``text``: a ``.txt`` file (one document), a ``.jsonl`` file (one document per line, in its
@@ -508,7 +508,10 @@ def _files_under(folder: Path, suffixes: tuple[str, ...], key: str) -> list[Path
 def _stdlib_files(dataset: str) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if dataset == "python_stdlib":
-        files = sorted(stdlib.glob("*.py"))
+        # Without the build's configuration (_sysconfigdata_*.py: install paths and compiler
+        # flags, which differ between builds of one Python version): the corpus is the same
+        # wherever this Python version is installed.
+        files = sorted(f for f in stdlib.glob("*.py") if not f.name.startswith("_sysconfigdata"))
     else:
         files = sorted(
             f for pkg in _STDLIB_VALIDATION_PACKAGES for f in (stdlib / pkg).rglob("*.py")

@@ -1,7 +1,19 @@
 """The training loss: next-token cross-entropy summed in fp32 (the trainer, validation and the memory
-estimator all compute it here)."""
+estimator all compute it here).
+
+Eagerly it runs as :class:`_RowChunkedCrossEntropy`: the log-sum-exp of every row and, in
+backward, the gradient ``softmax - one_hot``, a few rows at a time, so that each step's temporaries
+stay in the CPU's caches instead of streaming full ``(tokens, vocab)`` tensors through memory
+(log-probabilities in forward, a zero-filled gradient and a second pass in backward, as
+``F.cross_entropy`` does). At Llama 3's 128,256-row vocabulary that halves the loss's time on CPU
+(0.40 s against 0.68 s for 512 tokens, forward and backward; ``docs/performance.md``). The values
+are those of ``F.cross_entropy`` in fp32 (within float rounding). Under ``torch.compile`` the loss
+is ``F.cross_entropy``, which inductor fuses itself.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +22,45 @@ from torchtitan_lite.data import IGNORE_INDEX
 
 __all__ = ["token_loss_sum"]
 
+_CHUNK_ELEMENTS = 1 << 20
+"""Elements of one chunk of rows (4 MiB in fp32): the unit of work of the eager loss."""
+
+
+class _RowChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``logits`` (tokens, vocab; any float dtype, computed in fp32)
+    against ``labels`` (``IGNORE_INDEX`` counts nothing), a chunk of rows at a time. Saves the
+    logits and one fp32 log-sum-exp per row for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+        valid = labels != IGNORE_INDEX
+        safe = torch.where(valid, labels, 0)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            lse[start:start + rows] = torch.logsumexp(logits[start:start + rows].float(), dim=-1)
+        target = logits.gather(1, safe[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, lse, safe, valid)
+        ctx.rows = rows
+        return torch.where(valid, lse - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        logits, lse, safe, valid = ctx.saved_tensors
+        scale = grad.float() * valid  # per row: the upstream gradient, 0 for ignored rows
+        out = torch.empty_like(logits)
+        rows = ctx.rows
+        for start in range(0, logits.shape[0], rows):
+            end = start + rows
+            chunk = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
+            chunk.scatter_add_(1, safe[start:end, None], torch.full_like(lse[start:end, None], -1.0))  # - one_hot
+            out[start:end] = chunk.mul_(scale[start:end, None])  # in fp32, then the logits' dtype
+        return out, None
+
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
+    if torch.compiler.is_compiling():
+        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _RowChunkedCrossEntropy.apply(flat_logits, flat_labels)
