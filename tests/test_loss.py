@@ -31,3 +31,9 @@ def test_chunked_cross_entropy_equals_torch(monkeypatch: pytest.MonkeyPatch, dty
     assert torch.all(grad[0, :3] == 0)  # ignored rows get no gradient
     with torch.no_grad():  # validation's path
         assert torch.allclose(loss.token_loss_sum(logits, labels), reference, rtol=1e-6)
+
+
+def test_chunks_are_few_rows_on_a_cpu_and_eighths_elsewhere() -> None:
+    assert loss._chunk_rows(torch.empty(8192, 128256)) == 8  # 4 MiB of fp32: in cache
+    assert loss._chunk_rows(torch.empty(8192, 128256, device="meta")) == 1024  # 8 chunks: few launches
+    assert loss._chunk_rows(torch.empty(16, 258, device="meta")) == 4064  # small logits: one chunk

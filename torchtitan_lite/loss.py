@@ -2,10 +2,13 @@
 estimator all compute it here).
 
 Eagerly it runs as :class:`_RowChunkedCrossEntropy`: the log-sum-exp of every row and, in
-backward, the gradient ``softmax - one_hot``, a few rows at a time, so that each step's temporaries
-stay in the CPU's caches instead of streaming full ``(tokens, vocab)`` tensors through memory
-(log-probabilities in forward, a zero-filled gradient and a second pass in backward, as
-``F.cross_entropy`` does). At Llama 3's 128,256-row vocabulary that halves the loss's time on CPU
+backward, the gradient ``softmax - one_hot``, a chunk of rows at a time, so that no full
+``(tokens, vocab)`` fp32 tensor is made besides the gradient (``F.cross_entropy`` on upcast logits
+makes the fp32 copy, the log-probabilities, and in backward a zero-filled gradient and a second
+pass). On a CPU a chunk is a few rows (its temporaries stay in cache); on an accelerator an eighth
+of the rows (few kernel launches). The memory estimator, which runs on fake CPU tensors, models the
+CPU's chunks: for a GPU job it leaves out up to two eighths of the fp32 logits that a GPU chunk's
+temporaries hold (about 1 GiB for the 8B at seq 8192 against a 43 GiB peak). At Llama 3's 128,256-row vocabulary that halves the loss's time on CPU
 (0.40 s against 0.68 s for 512 tokens, forward and backward; ``docs/performance.md``). The values
 are those of ``F.cross_entropy`` in fp32 (within float rounding). Under ``torch.compile`` the loss
 is ``F.cross_entropy``, which inductor fuses itself.
@@ -23,7 +26,18 @@ from torchtitan_lite.data import IGNORE_INDEX
 __all__ = ["token_loss_sum"]
 
 _CHUNK_ELEMENTS = 1 << 20
-"""Elements of one chunk of rows (4 MiB in fp32): the unit of work of the eager loss."""
+"""Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
+_DEVICE_CHUNKS = 8
+"""Chunks at most on an accelerator (few kernel launches; still no full fp32 copy of the logits)."""
+
+
+def _chunk_rows(logits: torch.Tensor) -> int:
+    """Rows per chunk: a CPU's few (the memory estimator's fake CPU tensors too, so that its
+    estimate is the CPU run's); on an accelerator at most :data:`_DEVICE_CHUNKS` chunks."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    if logits.device.type == "cpu":
+        return rows
+    return max(rows, -(-logits.shape[0] // _DEVICE_CHUNKS))
 
 
 class _RowChunkedCrossEntropy(torch.autograd.Function):
@@ -33,7 +47,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
+        rows = _chunk_rows(logits)
         valid = labels != IGNORE_INDEX
         safe = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
