@@ -31,6 +31,16 @@ _DEVICE_CHUNKS = 8
 """Chunks at most on an accelerator (few kernel launches; still no full fp32 copy of the logits)."""
 
 
+def _chunk_starts(logits: torch.Tensor, rows: int) -> range:
+    """The first row of every chunk; on the memory estimator's fake tensors only the first chunk's
+    (each chunk frees its temporaries before the next, so one chunk gives the same peak, without
+    a thousand iterations of fake ops at a large shape)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    starts = range(0, logits.shape[0], rows)
+    return starts[:1] if is_fake(logits) else starts
+
+
 def _chunk_rows(logits: torch.Tensor) -> int:
     """Rows per chunk: a CPU's few (the memory estimator's fake CPU tensors too, so that its
     estimate is the CPU run's); on an accelerator at most :data:`_DEVICE_CHUNKS` chunks."""
@@ -51,7 +61,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         safe = torch.where(valid, labels, 0)
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
+        for start in _chunk_starts(logits, rows):
             lse[start:start + rows] = torch.logsumexp(logits[start:start + rows].float(), dim=-1)
         target = logits.gather(1, safe[:, None]).squeeze(1).float()
         ctx.save_for_backward(logits, lse, safe, valid)
@@ -64,7 +74,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
         scale = grad.float() * valid  # per row: the upstream gradient, 0 for ignored rows
         out = torch.empty_like(logits)
         rows = ctx.rows
-        for start in range(0, logits.shape[0], rows):
+        for start in _chunk_starts(logits, rows):
             end = start + rows
             chunk = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
             chunk.scatter_add_(1, safe[start:end, None], torch.full_like(lse[start:end, None], -1.0))  # - one_hot
