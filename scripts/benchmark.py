@@ -215,7 +215,7 @@ def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.distributed.autocast import apply_autocast
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.trainer import Trainer, build_optimizers, clip_grad_norm_
 
     def timed(fn: Any, n: int) -> float:
@@ -237,13 +237,9 @@ def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
             opts, *extra, "--job.dump_folder", str(Path(opts.dump) / f"single_{dtype}_{vocab}"), param_dtype=dtype)))
         assert trainer.plan.fsdp_options() is None, "one process should train the plain model"
         plan, device = trainer.plan, trainer.device
-        with torch.device("meta"):
-            bare = plan.spec.model_cls(plan.model_args)
-        bare.to_empty(device=device)
-        torch.manual_seed(0)
-        bare.init_weights(buffer_device=device)
-        if dtype != "float32":
-            apply_autocast(bare, dtype=getattr(torch, dtype), device_type=device.type)
+        # The same model as the trainer's, plain (fsdp=None) and under autocast for bf16.
+        bare = build_sharded_model(plan.spec, plan.model_args, None, device=device, seed=trainer.config.debug.seed,
+                                   fsdp=None, autocast_dtype=plan.autocast_dtype)
         bare_opt, bare_sched = build_optimizers(trainer.config, plan, bare)  # the trainer's AdamW and schedule
 
         def bare_steps(n: int, bare: Any = bare, bare_opt: Any = bare_opt, bare_sched: Any = bare_sched,

@@ -120,13 +120,16 @@ class JobPlan:
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
     cpu_offload: bool = False
     """``training.enable_cpu_offload``: shards, gradients and optimizer state on CPU (FSDP2's)."""
-    shard: bool = True
-    """Whether the model is sharded with FSDP2: more than one rank, or CPU offload (which FSDP2
-    does). One process without offload trains the plain model: no unsharded copies, mixed
-    precision through autocast (:mod:`~torchtitan_lite.distributed.autocast`)."""
     float8: Float8Plan | None = None
     """The float8 conversion when ``model.converters`` names float8, else None. The float8
     all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
+
+    @property
+    def shard(self) -> bool:
+        """Whether the model is sharded with FSDP2: more than one rank, or CPU offload (which FSDP2
+        does). One process without offload trains the plain model: no unsharded copies, mixed
+        precision through autocast (:mod:`~torchtitan_lite.distributed.autocast`)."""
+        return self.world_size > 1 or self.cpu_offload
 
     def fsdp_options(self, reshard_mode: ReshardMode | None = None) -> FSDPOptions | None:
         """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` is
@@ -268,5 +271,5 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        cpu_offload=t.enable_cpu_offload, shard=world_size > 1 or t.enable_cpu_offload, float8=float8,
+        cpu_offload=t.enable_cpu_offload, float8=float8,
     )
