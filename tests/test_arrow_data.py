@@ -15,17 +15,20 @@ import pytest
 import torch
 
 from tests.conftest import TINY_ARGS
-from tests.test_data import _user_error  # the schema → preflight → plan checks, one line
+from tests.test_data import (
+    _user_error,  # the schema → preflight → plan checks, one line
+    build_token_stream,
+)
 from tests.test_data_tiktoken import _one_line
 from torchtitan_lite.config import load_job_config
-from torchtitan_lite.data import ByteTokenizer, build_token_stream
+from torchtitan_lite.data import BatchLoader, ByteTokenizer, LoaderSource
 from torchtitan_lite.errors import ConfigError, DataError
 from torchtitan_lite.job import preflight
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from torchtitan_lite.arrow_data import ArrowCorpus, StreamingLoader  # noqa: E402
+from torchtitan_lite.data.arrow import ArrowCorpus, LaneReader  # noqa: E402
 
 
 def write_parquet(path: Path, docs: list[str], *, row_group_size: int = 16, column: str = "text") -> Path:
@@ -41,15 +44,24 @@ def write_parquet(path: Path, docs: list[str], *, row_group_size: int = 16, colu
 DOCS = [f"document {i}: " + "lorem ipsum dolor " * (i % 9) for i in range(100)]
 
 
-def _rows(loader: StreamingLoader) -> torch.Tensor:
+def _rows(loader: BatchLoader) -> torch.Tensor:
     """The windows of this rank's next global batch, stacked (inputs plus the last label)."""
     return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in loader.next_batch()])
 
 
 def _loader(corpus: ArrowCorpus, *, global_bs: int = 4, local_bs: int = 2, rank: int = 0, dp: int = 1,
-            seq_len: int = 16) -> StreamingLoader:
-    return StreamingLoader(corpus, ByteTokenizer(), seq_len=seq_len, global_batch_size=global_bs,
-                           local_batch_size=local_bs, dp_rank=rank, dp_size=dp)
+            seq_len: int = 16, shuffle: bool = False, buffer: int = 8, seed: int = 0) -> BatchLoader:
+    """One streamed source (in file order unless ``shuffle``) as rank ``rank`` of ``dp`` reads it."""
+    per_rank = global_bs // dp
+    reader = LaneReader(corpus, ByteTokenizer(), seq_len=seq_len, num_lanes=global_bs,
+                        lanes=range(rank * per_rank, (rank + 1) * per_rank), seed=seed, shuffle=shuffle,
+                        shuffle_buffer=buffer)
+    return BatchLoader([LoaderSource("d", reader)], seq_len=seq_len, global_batch_size=global_bs,
+                       local_batch_size=local_bs, dp_rank=rank, dp_size=dp)
+
+
+def _lanes(loader: BatchLoader) -> dict[int, list[int]]:
+    return loader.sources[0].reader.positions()
 
 
 def test_corpus_reads_rows_across_files_and_row_groups(tmp_path: Path) -> None:
@@ -75,7 +87,7 @@ def test_each_sample_packs_its_own_rows_epoch_after_epoch(tmp_path: Path) -> Non
         epochs = steps * 17 // len(rng)
         stream = np.concatenate([rng] * (epochs + 1))[: steps * 17]
         assert np.array_equal(got[:, p].reshape(-1).numpy(), stream), p
-        assert epochs >= 1 and loader.state_dict()["positions"][p][0] == epochs
+        assert epochs >= 1 and loader.state_dict()["lanes"]["d"][p][0] == epochs
 
 
 @pytest.mark.parametrize("dp,local_bs,global_bs", [(2, 2, 4), (4, 1, 4), (1, 1, 4), (2, 1, 4)])
@@ -89,22 +101,23 @@ def test_global_batches_are_independent_of_world_size(tmp_path: Path, dp: int, l
         assert torch.equal(torch.cat([_rows(r) for r in ranks]), _rows(single))
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_state_resumes_exactly_on_any_world_size(tmp_path: Path, dp: int) -> None:
+@pytest.mark.parametrize("dp, shuffle", [(1, False), (2, False), (4, False), (1, True), (4, True)])
+def test_state_resumes_exactly_on_any_world_size(tmp_path: Path, dp: int, shuffle: bool) -> None:
     """The state after 7 steps (with batch 5 left out, as a rollback does), loaded by the ranks of
-    another world size, continues with exactly the global batches of the uninterrupted run."""
+    another world size, continues with exactly the global batches of the uninterrupted run (shuffled
+    too: the buffer's documents are read again on resume)."""
     corpus = ArrowCorpus("parquet", str(write_parquet(tmp_path / "d.parquet", DOCS, row_group_size=5)))
-    full = _loader(corpus)
+    full = _loader(corpus, shuffle=shuffle)
     full.skipped = {5}
     expected = [_rows(full) for _ in range(20)]
-    first = _loader(corpus)
+    first = _loader(corpus, shuffle=shuffle)
     first.skipped = {5}
     for _ in range(7):
         _rows(first)
     state = first.state_dict()
-    assert state["step"] == 8 and state["skipped"] == [5] and len(state["positions"]) == 4
-    assert all(isinstance(v, int) for pos in state["positions"] for v in pos)
-    resumed = [_loader(corpus, local_bs=4 // dp, rank=r, dp=dp) for r in range(dp)]
+    assert state["step"] == 8 and state["skipped"] == [5] and len(state["lanes"]["d"]) == 4
+    assert all(isinstance(v, int) for pos in state["lanes"]["d"] for v in pos)
+    resumed = [_loader(corpus, local_bs=4 // dp, rank=r, dp=dp, shuffle=shuffle) for r in range(dp)]
     for loader in resumed:
         loader.load_state_dict(state)
     if dp == 1:
@@ -112,8 +125,51 @@ def test_state_resumes_exactly_on_any_world_size(tmp_path: Path, dp: int) -> Non
     for step in range(7, 20):
         assert torch.equal(torch.cat([_rows(r) for r in resumed]), expected[step]), step
     # The ranks' sample positions together are the uninterrupted loader's (what gather_state saves).
-    together = {s.index: s.position() for loader in resumed for s in loader._streams}
-    assert together == {s.index: s.position() for s in full._streams}
+    together = {p: pos for loader in resumed for p, pos in _lanes(loader).items()}
+    assert together == _lanes(full)
+
+
+def _label_counts(loader: BatchLoader, steps: int) -> np.ndarray:
+    """Documents of each label (their letter: a-h) begun in the next ``steps`` global batches."""
+    counts = np.zeros(8, dtype=np.int64)
+    for _ in range(steps):
+        rows = _rows(loader)
+        starts = (rows[:, :-1] == ByteTokenizer.bos_id).nonzero()
+        for r, c in starts.tolist():
+            counts[int(rows[r, c + 1]) - ord("a")] += 1
+    return counts
+
+
+def test_shuffled_parquet_sorted_by_label_reads_every_label_early(tmp_path: Path) -> None:
+    """A file whose rows are sorted by label (8 labels × 50 rows, row groups of 25): the labels of
+    the documents of the first 8 global batches pass a chi-square test against the file's (uniform)
+    histogram when shuffled, and fail it in file order (each of the 4 samples then reads its first
+    label only). With a buffer smaller than a lane, the shuffle holds at most ``shuffle_buffer``
+    documents per lane; every epoch has its own order."""
+    docs = [chr(ord("a") + label) * 30 for label in range(8) for _ in range(50)]
+    corpus = ArrowCorpus("parquet", str(write_parquet(tmp_path / "sorted.parquet", docs, row_group_size=25)))
+    chi2_999 = 24.32  # chi-square, 7 degrees of freedom, p = 0.001
+
+    def chi2(counts: np.ndarray) -> float:
+        expected = counts.sum() / 8
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    in_order = _label_counts(_loader(corpus, seq_len=64, local_bs=4), 8)
+    assert chi2(in_order) > chi2_999 and set(np.nonzero(in_order)[0]) == {0, 2, 4, 6}, in_order
+    shuffled = _label_counts(_loader(corpus, seq_len=64, local_bs=4, shuffle=True, buffer=1000), 8)  # the default
+    assert chi2(shuffled) < chi2_999, shuffled
+    small = _loader(corpus, seq_len=64, local_bs=4, shuffle=True, buffer=20)
+    _label_counts(small, 8)
+    lanes = small.sources[0].reader._lanes.values()
+    assert all(len(lane.texts.held) <= 20 for lane in lanes)
+    # Each lane reads each of its rows once per epoch, in another order in the next epoch.
+    lane = next(iter(lanes))
+    orders = []
+    for epoch in (0, 1):
+        order = lane._order(epoch)
+        orders.append([order.next() for _ in range(lane.hi - lane.lo)])
+        assert order.next() is None and sorted(orders[-1]) == list(range(lane.lo, lane.hi))
+    assert orders[0] != orders[1]
 
 
 def test_state_from_another_run_is_refused(tmp_path: Path) -> None:
@@ -124,13 +180,14 @@ def test_state_from_another_run_is_refused(tmp_path: Path) -> None:
     other = ArrowCorpus("parquet", str(write_parquet(tmp_path / "e" / "d.parquet", DOCS[:50])))
     with pytest.raises(DataError, match="num_rows=100"):
         _loader(other).load_state_dict(state)
-    with pytest.raises(DataError, match="another kind of dataset"):
+    with pytest.raises(DataError, match="another kind of source; this run reads a streamed source"):
         _loader(corpus).load_state_dict({"step": 3, "global_batch_size": 4, "seq_len": 16})
-    from torchtitan_lite.data import GlobalBatchLoader, TokenWindows
+    from torchtitan_lite.data import TokenWindows, WindowReader
 
     windows = TokenWindows(np.arange(200) % 250, 16)
-    text = GlobalBatchLoader(windows, global_batch_size=4, local_batch_size=2, dp_rank=0, dp_size=1, seed=0)
-    with pytest.raises(DataError, match="streaming a 'parquet' dataset"):
+    text = BatchLoader([LoaderSource("d", WindowReader(windows, seed=0, shuffle=True))], seq_len=16,
+                       global_batch_size=4, local_batch_size=2, dp_rank=0, dp_size=1)
+    with pytest.raises(DataError, match="another kind of source; this run reads a windowed"):
         text.load_state_dict(state)
 
 
@@ -289,5 +346,5 @@ def test_bench_data_script_runs(tmp_path: Path) -> None:
         import bench_data
     finally:
         sys.path.pop(0)
-    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--folder", str(tmp_path)])
-    assert result["rows"] >= 8 and result["tokens"] > 300_000 and result["ratio"] > 0
+    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--batches", "3", "--folder", str(tmp_path)])
+    assert result["tokens"] > 300_000 and result["ratio"] > 0 and result["mixture_ratio"] > 0

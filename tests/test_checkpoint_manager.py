@@ -35,7 +35,7 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
     def recording_step() -> dict[str, float]:
         if crash_at is not None and trainer.step + 1 == crash_at:
             raise RuntimeError("injected crash")
-        samples[trainer.step + 1] = trainer.loader.sample_indices(trainer.loader.step)
+        samples[trainer.step + 1] = _window_indices(trainer.loader)
         values = original()
         draws.append(int(torch.randint(0, 2**62, ())))
         return values
@@ -54,6 +54,14 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
     return {"start": start, "history": history, "outcome": outcome, "samples": samples, "draws": draws,
             "fsdp": isinstance(trainer.model, FSDPModule),
             "blocked_s": None if trainer.checkpointer is None else trainer.checkpointer.last_blocked_s}
+
+
+def _window_indices(loader: Any) -> list[int]:
+    """The windows this rank reads in the loader's next global batch (one windowed source: the
+    source's sample numbers are the run's)."""
+    reader, per_rank = loader.sources[0].reader, loader.global_batch_size // loader.dp_size
+    first = loader.step * loader.global_batch_size + loader.dp_rank * per_rank
+    return [reader.index(first + i) for i in range(per_rank)]
 
 
 def _argv(dump: Path, *extra: str) -> list[str]:

@@ -12,13 +12,16 @@ import torch
 
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.data import (
+    BatchLoader,
     ByteTokenizer,
-    GlobalBatchLoader,
     HFTokenizer,
+    LoaderSource,
+    SourceSpec,
     TokenWindows,
-    build_token_stream,
+    WindowReader,
     build_tokenizer,
     check_dataset,
+    token_stream,
 )
 from torchtitan_lite.errors import DataError, UserError
 from torchtitan_lite.job import plan_job, preflight
@@ -62,8 +65,15 @@ def stream_array(stream) -> np.ndarray:
 
 
 def _loader(windows, *, global_bs, local_bs, rank, dp, seed=7):
-    return GlobalBatchLoader(windows, global_batch_size=global_bs, local_batch_size=local_bs,
-                             dp_rank=rank, dp_size=dp, seed=seed)
+    return BatchLoader([LoaderSource("w", WindowReader(windows, seed=seed, shuffle=True))], seq_len=windows.seq_len,
+                       global_batch_size=global_bs, local_batch_size=local_bs, dp_rank=rank, dp_size=dp)
+
+
+def build_token_stream(dataset, dataset_path, tokenizer, *, section="training", token_dtype="uint16",
+                       max_tokens=None, **kwargs):
+    """A source's whole token stream (streamed kinds: up to ``max_tokens``)."""
+    return token_stream(SourceSpec(dataset, dataset_path, section=section, token_dtype=token_dtype, **kwargs),
+                        tokenizer, max_tokens=max_tokens)
 
 
 def _step_rows(loader):
@@ -308,9 +318,12 @@ def test_state_from_another_dataset_or_batch_is_rejected():
     windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=9)
     loader = _loader(windows, global_bs=4, local_bs=2, rank=0, dp=1)
     state = loader.state_dict()
-    for name, value in [("global_batch_size", 8), ("seed", 1), ("num_windows", 5), ("seq_len", 7)]:
+    for name, value in [("global_batch_size", 8), ("seq_len", 7)]:
         with pytest.raises(DataError, match=f"{name}={value!r}"):
             loader.load_state_dict({**state, name: value})
+    for name, value in [("seed", 1), ("num_windows", 5), ("shuffle", False)]:
+        with pytest.raises(DataError, match=f"{name}={value!r}"):
+            loader.load_state_dict({**state, "sources": [{**state["sources"][0], name: value}]})
     with pytest.raises(DataError, match="invalid step"):
         loader.load_state_dict({**state, "step": -1})
 
@@ -485,7 +498,6 @@ def test_unreadable_files_and_folders_are_one_line(tmp_path, monkeypatch):
     import errno
     import os
 
-    from torchtitan_lite.data import build_token_stream
 
     good = tmp_path / "corpus"
     (good / "sub").mkdir(parents=True)
@@ -530,7 +542,7 @@ def test_unreadable_files_and_folders_are_one_line(tmp_path, monkeypatch):
 def test_text_that_is_not_utf8_is_counted_and_refused_above_the_threshold(tmp_path, caplog):
     import logging
 
-    from torchtitan_lite.data import MAX_INVALID_UTF8_FRACTION, build_token_stream
+    from torchtitan_lite.data import MAX_INVALID_UTF8_FRACTION
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

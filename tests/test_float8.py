@@ -140,7 +140,7 @@ def test_without_float8_matmuls_the_job_stops_before_its_process_group(
     def not_yet(*args: Any, **kwargs: Any) -> None:
         pytest.fail("the data was read before the device was checked")
 
-    monkeypatch.setattr("torchtitan_lite.trainer.build_token_stream", not_yet)
+    monkeypatch.setattr("torchtitan_lite.trainer.build_data", not_yet)
     assert train.main([*TINY_ARGS, "--model.converters", "float8", "--job.dump_folder", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: model.converters: invalid value ['float8']; float8 matmuls need a CUDA GPU"), line

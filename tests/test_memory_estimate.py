@@ -264,3 +264,70 @@ def test_tied_embeddings_count_once_in_the_estimate() -> None:
     assert untied.state["sharded_params"] - tied.state["sharded_params"] == share
     # AdamW's two moments, plus one parameter's step counter fewer.
     assert 0 <= untied.state["optimizer_state"] - tied.state["optimizer_state"] - 2 * share <= 8
+
+
+def test_cli_job_whose_tokenizer_and_dataset_are_not_here(tmp_path, monkeypatch, capsys) -> None:
+    """A Llama 3.1 8B job planned on a machine without its files: the tokenizer folder and the
+    Parquet dataset do not exist. The model takes the 8B flavor's own vocabulary (128256: 8.03B
+    parameters) and one line says so. (The estimate itself is stubbed to stay cheap: what is
+    checked is the plan the CLI estimates and reports.)"""
+    import torchtitan_lite.memory.cli as cli
+
+    missing = tmp_path / "not-downloaded"
+    config = tmp_path / "llama3_8b_remote.toml"
+    config.write_text(f"""
+[model]
+name = "llama3"
+flavor = "8B"
+tokenizer_path = "{missing / 'Llama-3.1-8B' / 'original'}"
+
+[training]
+dataset = "parquet"
+dataset_path = "{missing / 'fineweb-edu'}"
+seq_len = 8192
+local_batch_size = 1
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+""")
+    planned: list[ModelArgs] = []
+
+    def stub_estimate(spec: Any, args: ModelArgs, *, reshard_after_forward_mode: Any, **kwargs: Any) -> MemoryEstimate:
+        planned.append(args)
+        zeros = dict.fromkeys(CATEGORY_NAMES, 0)
+        return MemoryEstimate(
+            world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"],
+            dp_shard=kwargs["world_size"] // kwargs["dp_replicate"],
+            reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=str(kwargs["param_dtype"]),
+            reduce_dtype=str(kwargs["reduce_dtype"]), cpu_offload=kwargs["cpu_offload"],
+            local_batch_size=kwargs["local_batch_size"], seq_len=kwargs["seq_len"],
+            grad_accum_steps=kwargs["grad_accum_steps"], optimizer=kwargs["optimizer"], peak=0,
+            peak_phase="forward", peak_module="", categories=zeros, device_peak=0, device_peak_phase="forward",
+            device_peak_module="", device_categories=zeros, cpu_peak=0)
+
+    monkeypatch.setattr(cli, "estimate_memory", stub_estimate)
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert planned and {args.vocab_size for args in planned} == {128256}
+    assert out.startswith("llama3 8B: 8.03B parameters, vocab 128256; 8 ranks"), out
+    notes = [line for line in out.splitlines() if line.startswith("model.tokenizer_path")]
+    assert notes == [f"model.tokenizer_path {str(missing / 'Llama-3.1-8B' / 'original')!r} does not exist on "
+                     "this machine: the estimate uses llama3 8B's own vocabulary, 128256 ids"], out
+
+    # A vocabulary the user set is kept; the byte tokenizer (no tokenizer_path) prints no note.
+    planned.clear()
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--model.vocab_size", "128512"]) == 0
+    out = capsys.readouterr().out
+    assert {args.vocab_size for args in planned} == {128512}
+    assert "the estimate uses model.vocab_size, 128512 ids" in out
+    assert main(["--world_size", "2", "--model.flavor", "8B"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab 258;" in out and "model.tokenizer_path" not in out
+
+    # Config checks of the datasets still run (those that need no files): every problem at once.
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--training.dataset", "fineweb",
+                 "--validation.enable", "--validation.dataset", "text"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("error: training.dataset: 'fineweb' is HuggingFaceFW/fineweb"), err
+    assert err[1].startswith("error: validation.dataset_path: validation.dataset='text' needs a path"), err

@@ -143,3 +143,43 @@ def test_no_model_family_named_outside_its_folder() -> None:
                 found.append((name, getattr(node, "lineno", 0), text))
     allowed = {("torchtitan_lite.config.schema", "llama3")}  # the default of model.name
     assert [f for f in found if (f[0], f[2]) not in allowed] == []
+
+
+DATA = "torchtitan_lite.data"
+SOURCE_MODULES = ("stdlib", "text", "c4", "tokens", "arrow")
+
+
+def test_data_imports_point_one_way() -> None:
+    """Nothing in ``data/`` imports the trainer (or anything but the config schema, errors and
+    itself); the base modules import no source; source modules import nothing from the loader,
+    the mixture or the build; the loader and the mixture import no source module."""
+    graph = import_graph()
+    data = {m: t for m, t in graph.items() if m == DATA or m.startswith(DATA + ".")}
+    assert {f"{DATA}.{name}" for name in (*SOURCE_MODULES, "files", "windows", "tokenizers", "sources", "mixture",
+                                          "loader", "build")} <= set(data)
+    for module, targets in data.items():
+        outside = {t for t in targets if not t.startswith(DATA)}
+        assert outside <= {"torchtitan_lite.errors", "torchtitan_lite.config.schema"}, (module, outside)
+    upper = {f"{DATA}.{name}" for name in ("loader", "mixture", "build", "sources")} | {DATA}
+    for name in SOURCE_MODULES:
+        assert not graph[f"{DATA}.{name}"] & upper, (name, graph[f"{DATA}.{name}"])
+    for name in ("files", "windows", "tokenizers"):
+        assert not graph[f"{DATA}.{name}"] & ({f"{DATA}.{s}" for s in SOURCE_MODULES} | upper), name
+    for name in ("loader", "mixture"):
+        assert not graph[f"{DATA}.{name}"] & {f"{DATA}.{s}" for s in (*SOURCE_MODULES, "sources")}, name
+
+
+def test_trainer_names_no_source_kind() -> None:
+    """The trainer (and the validator) read data through ``build_data`` only: no source kind's
+    name, no source module, no streamed/windowed distinction appears in their code."""
+    from torchtitan_lite.data import DATASETS
+
+    for module in ("torchtitan_lite.trainer", "torchtitan_lite.validate", "torchtitan_lite.train"):
+        path = _modules()[module]
+        text = path.read_text()
+        for kind in DATASETS:
+            assert f'"{kind}"' not in text and f"'{kind}'" not in text, (module, kind)
+        for word in ("arrow", "parquet", "Streaming", "LaneReader", "WindowReader", "STREAMED", "isinstance(self.loader"):
+            assert word not in text, (module, word)
+        assert not {t for t in import_graph()[module] if t.startswith(DATA + ".")} - {
+            f"{DATA}.windows"}, module  # the package's public names only (and the windows validation pads)

@@ -1,4 +1,4 @@
-"""Streamed datasets (``torchtitan_lite/arrow_data.py``) through the trainer: Meta's tiktoken
+"""Streamed datasets (``torchtitan_lite/data/arrow.py``) through the trainer: Meta's tiktoken
 ``tokenizer.model`` with Parquet files trains, validates and exports its tokenizer; an exact resume
 in the middle of a Parquet dataset on 2 ranks and at another world size; a Hugging Face
 ``datasets`` folder trains."""
@@ -6,6 +6,7 @@ in the middle of a Parquet dataset on 2 ranks and at another world size; a Huggi
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 from pathlib import Path
@@ -18,8 +19,8 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
 from tests.test_arrow_data import write_parquet
 from tests.test_data_tiktoken import SAMPLES, small_ranks, stdlib_docs, write_tiktoken_model
-from torchtitan_lite.arrow_data import ArrowCorpus
 from torchtitan_lite.data import build_tokenizer
+from torchtitan_lite.data.arrow import ArrowCorpus
 
 
 def _train(argv: list[str]) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def _train(argv: list[str]) -> dict[str, Any]:
     finally:
         trainer.close()
     return {"start": start, "history": history, "digests": digests, "rank": trainer.rank,
-            "loader": type(trainer.loader).__name__}
+            "reader": type(trainer.loader.sources[0].reader).__name__}
 
 
 def _losses(result: dict[str, Any], first: int = 1) -> list[float]:
@@ -78,7 +79,7 @@ def test_tiktoken_and_parquet_train_and_validate(tmp_path: Path, assets: Path) -
                  "--validation.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "100",
                  "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf")
     (result,) = run_distributed(_train, 1, argv)
-    assert result["loader"] == "StreamingLoader"
+    assert result["reader"] == "LaneReader"
     losses = _losses(result)
     vocab = build_tokenizer(str(assets / "tokenizer")).vocab_size
     assert all(math.isfinite(x) for x in losses), losses
@@ -143,3 +144,109 @@ def test_datasets_save_to_disk_folder_trains(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(258)) < 1.0  # the byte tokenizer
     assert math.isfinite(result["history"][-1]["validation_loss"])
+
+
+# --------------------------------------------------------------------------------------------
+# A mixture of three source kinds through the trainer
+# --------------------------------------------------------------------------------------------
+
+MIX_WEIGHTS = {"code": 0.5, "web": 0.3, "books": 0.2}
+MIX_SEQ = 32
+MIX_GLOBAL = 4
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TOML job reading a token file (code), a Parquet folder (web) and a text folder (books)
+    at 0.5 / 0.3 / 0.2, validated on two named sets; checkpoints every 20 steps."""
+    import numpy as np
+
+    from torchtitan_lite.data import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("mixture")
+    docs = stdlib_docs(90, chars=800)
+    np.save(root / "code.npy", np.concatenate(ByteTokenizer().encode_batch(docs[:30])).astype(np.uint16))
+    write_parquet(root / "web" / "a.parquet", docs[30:45], row_group_size=4)
+    write_parquet(root / "web" / "b.parquet", docs[45:60], row_group_size=4)
+    (root / "books").mkdir()
+    (root / "books" / "one.txt").write_text(docs[60])
+    (root / "books" / "more.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[61:80]))
+    write_parquet(root / "val_web.parquet", docs[80:90], row_group_size=4)
+    paths = {"code": ("tokens", root / "code.npy"), "web": ("parquet", root / "web"),
+             "books": ("text", root / "books")}
+    tables = "".join(f'[[training.datasets]]\nname = "{name}"\ndataset = "{kind}"\ndataset_path = "{path}"\n'
+                     f"weight = {MIX_WEIGHTS[name]}\n\n" for name, (kind, path) in paths.items())
+    (root / "job.toml").write_text(
+        f"[training]\nsteps = 40\nseq_len = {MIX_SEQ}\nglobal_batch_size = {MIX_GLOBAL}\nlocal_batch_size = 1\n\n"
+        f"{tables}[validation]\nenable = true\nfreq = 20\nsteps = 2\n\n"
+        f'[[validation.datasets]]\nname = "held_out_web"\ndataset = "parquet"\ndataset_path = "{root / "val_web.parquet"}"\n\n'
+        '[[validation.datasets]]\nname = "stdlib"\ndataset = "python_stdlib_validation"\n\n'
+        "[checkpoint]\nenable = true\ninterval = 20\n\n[metrics]\nenable_tensorboard = true\n")
+    return root
+
+
+def _mixture_argv(root: Path, dump: Path) -> list[str]:
+    tiny = list(TINY_ARGS)
+    for key in ("--training.seq_len", "--training.local_batch_size", "--training.steps"):  # the TOML's
+        del tiny[tiny.index(key) : tiny.index(key) + 2]
+    return ["--job.config_file", str(root / "job.toml"), *tiny, "--job.dump_folder", str(dump)]
+
+
+def test_mixture_shares_losses_and_validation_sets(tmp_path: Path, mixture: Path) -> None:
+    """A token file, a Parquet folder and a text folder at 0.5 / 0.3 / 0.2 on 2 ranks for 40
+    steps: at every step each tokens/NAME in metrics.jsonl is within one sample (seq_len tokens)
+    of its weight's share of all training tokens so far, and the loss/NAME, weighted by each
+    source's tokens of the step, make up the step's loss. Each named validation set has its
+    loss and perplexity in metrics.jsonl and TensorBoard. Resumed from step 20 on 1 rank and on
+    4 ranks (the same global batch), steps 21-40 read the same windows (every window's digest)
+    and their losses, overall and per source, equal the 2-rank run's within 1e-5."""
+    full = run_distributed(_train, 2, _mixture_argv(mixture, tmp_path / "full"))
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    previous = dict.fromkeys(MIX_WEIGHTS, 0.0)
+    for r in records:
+        total = r["step"] * MIX_GLOBAL * MIX_SEQ
+        assert sum(r[f"tokens/{name}"] for name in MIX_WEIGHTS) == total == r["tokens_seen"]
+        for name, weight in MIX_WEIGHTS.items():
+            assert abs(r[f"tokens/{name}"] - weight * total) <= MIX_SEQ, (r["step"], name, r[f"tokens/{name}"])
+        step_tokens = {name: r[f"tokens/{name}"] - previous[name] for name in MIX_WEIGHTS}
+        mixed = sum(r[f"loss/{name}"] * n for name, n in step_tokens.items() if n) / (MIX_GLOBAL * MIX_SEQ)
+        assert abs(mixed - r["loss"]) <= 1e-9 * r["loss"], (r["step"], mixed, r["loss"])
+        assert all((r[f"loss/{name}"] is None) == (n == 0) for name, n in step_tokens.items())
+        previous = {name: r[f"tokens/{name}"] for name in MIX_WEIGHTS}
+    validated = [r for r in records if r.get("validation/stdlib/loss") is not None]
+    assert [r["step"] for r in validated] == [20, 40]
+    for r in validated:
+        for name in ("held_out_web", "stdlib"):
+            assert math.isfinite(r[f"validation/{name}/loss"])
+            assert abs(r[f"validation/{name}/perplexity"] - math.exp(r[f"validation/{name}/loss"])) < 1e-6 * \
+                r[f"validation/{name}/perplexity"]
+        assert r["validation/held_out_web/loss"] != r["validation/stdlib/loss"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run_dir,) = (tmp_path / "full" / "tb").iterdir()
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    for name in ("held_out_web", "stdlib"):
+        events = acc.Scalars(f"validation/{name}/loss")
+        assert [(e.step, round(e.value, 5)) for e in events] == [
+            (r["step"], round(r[f"validation/{name}/loss"], 5)) for r in validated]
+    assert [e.step for e in acc.Scalars("tokens/web")] == list(range(1, 41))
+
+    expected = {h["step"]: h for h in full[0]["history"]}
+    for world in (1, 4):
+        dump = tmp_path / f"resumed_{world}"
+        shutil.copytree(tmp_path / "full" / "checkpoint" / "step-20", dump / "checkpoint" / "step-20")
+        resumed = run_distributed(_train, world, _mixture_argv(mixture, dump))
+        assert all(r["start"] == 20 for r in resumed)
+        for step in range(21, 41):
+            windows = [d for r in resumed for d in r["digests"][step]]
+            assert windows == full[0]["digests"][step] + full[1]["digests"][step], (world, step)
+        got = {h["step"]: h for h in resumed[0]["history"]}
+        assert sorted(got) == list(range(21, 41))
+        for step, h in got.items():
+            for key in ["loss", *(f"loss/{name}" for name in MIX_WEIGHTS)]:
+                e = expected[step][key]
+                assert (h[key] is None) == (e is None) and (e is None or abs(h[key] - e) <= 1e-5 * abs(e)), \
+                    (world, step, key, h[key], e)
+            assert all(h[f"tokens/{n}"] == expected[step][f"tokens/{n}"] for n in MIX_WEIGHTS)

@@ -280,7 +280,8 @@ def test_console_line_is_coloured_only_on_a_terminal(tmp_path, monkeypatch, capl
 
 def test_whole_validation_set_matches_a_direct_computation(tmp_path):
     """``steps = -1`` visits every window exactly once; the loss is the plain mean over them."""
-    from torchtitan_lite.data import ByteTokenizer, TokenWindows, build_token_stream
+    from tests.test_data import build_token_stream
+    from torchtitan_lite.data import ByteTokenizer, TokenWindows
     from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
     from torchtitan_lite.validate import Validator
 

@@ -19,12 +19,13 @@ import torch
 from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
 from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data import Tokenizer, build_tokenizer, check_dataset, tokenizer_file
+from torchtitan_lite.data.build import check_sources
+from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
 from torchtitan_lite.distributed.float8 import Float8Plan
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.dtypes import DTYPES
-from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.errors import ConfigError, DataError, UserError
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
 
@@ -35,13 +36,21 @@ def preflight(config: JobConfig) -> None:
     """The checks that need the filesystem, once, before any process group: tokenizer file,
     datasets, checkpoint folders and paths, the dump folder. Raises
     :class:`~torchtitan_lite.errors.ConfigError` or :class:`~torchtitan_lite.errors.DataError`
-    with one line naming the key; reads the config only."""
+    with one line naming the key; reads the config only. The files a job reads (tokenizer, every
+    source) are reported together: one line for each that is missing or unusable."""
+    problems: list[UserError] = []
     if config.model.tokenizer_path is not None:
-        tokenizer_file(config.model.tokenizer_path)
-    t, v, ck = config.training, config.validation, config.checkpoint
-    check_dataset(t.dataset, t.dataset_path, section="training", text_column=t.dataset_text_column)
-    if v.enable:
-        check_dataset(v.dataset, v.dataset_path, section="validation", text_column=t.dataset_text_column)
+        try:
+            tokenizer_file(config.model.tokenizer_path)
+        except UserError as exc:
+            problems.append(exc)
+    problems += check_sources(config)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:  # a config error among them is the config's exit code
+        kind = ConfigError if any(isinstance(p, ConfigError) for p in problems) else DataError
+        raise kind("\n".join(map(str, problems)))
+    ck = config.checkpoint
     folder = _own_folder(config)
     own = committed_steps(folder)
     if _initial_load_used(config):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchtitan_lite.data import IGNORE_INDEX
+from torchtitan_lite.data.windows import IGNORE_INDEX
 
 __all__ = ["token_loss_sum"]
 

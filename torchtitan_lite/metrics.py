@@ -219,6 +219,13 @@ class MetricsLogger:
         if r["validation_loss"] is not None:
             ppl = r["validation_perplexity"]
             parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))
+        # Per source of a mixture: this step's loss and its tokens so far; each validation set's loss.
+        for key, value in r.items():
+            if key.startswith("loss/"):
+                tokens = r.get(f"tokens/{key[5:]}")
+                parts.append(f"{key[5:]} {_fmt(value, '.4f')} ({_fmt(tokens, ',.0f')} tok)")
+            elif key.startswith("validation/") and key.endswith("/loss"):
+                parts.append(s(f"val[{key[11:-5]}] {_fmt(value, '.4f')}", "35"))
         return "  ".join(parts)
 
     def close(self) -> None:

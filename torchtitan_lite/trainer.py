@@ -3,7 +3,8 @@
 Each part has a builder that research code can call on its own, in this order (each needs only
 the config, the :class:`~torchtitan_lite.job.JobPlan` and the parts before it):
 
-- :func:`build_data`: the training loader and the validator (files read before any process group);
+- :func:`~torchtitan_lite.data.build_data`: the training loader and the validation sets (files
+  read before any process group), and :func:`build_validators` over those sets;
 - :func:`setup_distributed`: the process group, the dump folder's lock and the device mesh;
 - :func:`plan_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan;
 - :func:`build_model`: spec → meta → float8 → activation checkpointing → compile → FSDP2 (or,
@@ -32,11 +33,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.arrow_data import STREAMED_DATASETS, ArrowCorpus, StreamingLoader
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data import GlobalBatchLoader, TokenWindows, build_token_stream, hf_tokenizer_json
+from torchtitan_lite.data import BatchLoader, TokenWindows, build_data, hf_tokenizer_json
 from torchtitan_lite.distributed import (
     build_mesh,
     choose_device,
@@ -72,6 +72,7 @@ __all__ = [
     "build_loss",
     "build_model",
     "build_optimizers",
+    "build_validators",
     "clip_grad_norm_",
     "log_startup",
     "plan_auto_reshard",
@@ -80,7 +81,7 @@ __all__ = [
 
 logger = logging.getLogger("torchtitan_lite")
 
-Loader = GlobalBatchLoader | StreamingLoader
+Loader = BatchLoader
 """The training loader: ``next_batch()`` gives this rank's micro-batches of the next global batch;
 ``state_dict()`` / ``load_state_dict()`` its exact position."""
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -105,36 +106,13 @@ def clip_grad_norm_(
     return total
 
 
-def build_data(config: JobConfig, plan: JobPlan, *, dp_rank: int, device: torch.device) -> tuple[Loader, Validator | None]:
-    """The training loader of data-parallel rank ``dp_rank`` and the validator (None when
-    validation is off). Reads and tokenizes the files (streamed datasets: their metadata only),
-    so a bad path, an empty dataset or a tokenizer that does not fit fails here, on every rank
-    alike, before any process group; needs none itself."""
-    t, v = config.training, config.validation
-    split = {"global_batch_size": plan.global_batch_size, "local_batch_size": t.local_batch_size,
-             "dp_rank": dp_rank, "dp_size": plan.dp_size}
-    loader: Loader
-    if t.dataset in STREAMED_DATASETS:
-        corpus = ArrowCorpus(t.dataset, t.dataset_path, text_column=t.dataset_text_column)  # type: ignore[arg-type]
-        loader = StreamingLoader(corpus, plan.tokenizer, seq_len=t.seq_len, **split)
-    else:
-        stream = build_token_stream(t.dataset, t.dataset_path, plan.tokenizer, token_dtype=t.dataset_token_dtype)
-        windows = TokenWindows(stream, t.seq_len, source=f"training dataset {t.dataset_path or t.dataset!r}")
-        loader = GlobalBatchLoader(windows, seed=config.debug.seed, **split)
-    if not v.enable:
-        return loader, None
-    max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)
-    val_windows = TokenWindows(
-        build_token_stream(v.dataset, v.dataset_path, plan.tokenizer, section="validation",
-                           token_dtype=t.dataset_token_dtype, text_column=t.dataset_text_column,
-                           max_tokens=max_tokens),
-        plan.val_seq_len,
-        seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
-        source=f"validation dataset {v.dataset_path or v.dataset!r}",
-    )
-    return loader, Validator(val_windows, local_batch_size=plan.val_local_batch_size,
-                             global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank,
-                             dp_size=plan.dp_size, steps=v.steps, device=device)
+def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows], *, dp_rank: int,
+                     device: torch.device) -> dict[str | None, Validator]:
+    """A validator for each validation set of :func:`~torchtitan_lite.data.build_data` (by name;
+    None: the one ``validation.dataset``)."""
+    return {name: Validator(windows, local_batch_size=plan.val_local_batch_size,
+                            global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
+                            steps=config.validation.steps, device=device) for name, windows in sets.items()}
 
 
 def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[int, str] | None:
@@ -265,22 +243,18 @@ def build_checkpointer(
     )
 
 
-def _describe_data(config: JobConfig, loader: Loader, validator: Validator | None) -> str:
-    t, v = config.training, config.validation
-    if isinstance(loader, StreamingLoader):
-        text = loader.describe()
-    else:
-        windows = loader.windows
-        text = (f"{t.dataset_path or t.dataset}, {len(windows.tokens)} tokens, {len(windows)} windows of "
-                f"{t.seq_len + 1} ({t.steps * loader.global_batch_size / len(windows):.2f} epochs in {t.steps} steps)")
-    if validator is not None:
-        text += (f"; validation: {v.dataset_path or v.dataset}, {validator.num_windows} of "
-                 f"{len(validator.windows)} windows every {v.freq} steps")
+def _describe_data(config: JobConfig, loader: Loader, validators: dict[str | None, Validator]) -> str:
+    v = config.validation
+    text = loader.describe()
+    for name, validator in validators.items():
+        label = v.dataset_path or v.dataset if name is None else repr(name)
+        text += (f"; validation {label}: {validator.num_windows} of {len(validator.windows)} windows every "
+                 f"{v.freq} steps")
     return text
 
 
 def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: DeviceMesh, loader: Loader,
-                validator: Validator | None, reshard_plan: AutoReshardPlan | None = None,
+                validators: dict[str | None, Validator], reshard_plan: AutoReshardPlan | None = None,
                 mfu: str = "") -> None:
     """The start-up lines of the log (rank 0): the job, the model and its parallelism, the data,
     MFU's reference, checkpointing and compile, float8."""
@@ -298,7 +272,7 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Dev
                 config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
                 type(plan.tokenizer).__name__, dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False)),
                 sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
-    logger.info("data: %s", _describe_data(config, loader, validator))
+    logger.info("data: %s", _describe_data(config, loader, validators))
     if mfu:
         logger.info("MFU: %s", mfu)
     added = (f" (auto adds {reshard_plan.recomputed_text()})"
@@ -331,7 +305,8 @@ class Trainer:
                 raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
         # Data first, before any process group or model: the mesh is all data-parallel, so the
         # data-parallel rank is the global rank.
-        self.loader, self.validator = build_data(config, plan, dp_rank=rank, device=self.device)
+        self.loader, validation_sets = build_data(config, plan, dp_rank=rank)
+        self.validators = build_validators(config, plan, validation_sets, dp_rank=rank, device=self.device)
         budget = auto_budget(config, plan, self.device)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -358,35 +333,50 @@ class Trainer:
                                      enable_tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
                                      disable_color=config.metrics.disable_color_printing)
-        log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validator=self.validator,
+        log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validators=self.validators,
                     reshard_plan=self.reshard_plan,
                     mfu=f"against {self.peak_tflops} TFLOP/s ({peak_source})" if self.peak_tflops
                     else f"not reported: {peak_source}")
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         sources: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
         """Forward and backward over this rank's micro-batches of one global batch; the
         gradients are those of the mean loss over every token of the global batch. Returns this
-        rank's summed token loss (fp64, detached) and its token count."""
+        rank's summed token loss (fp64, detached) and its token count. With ``sources`` (the
+        source of each row of each micro-batch, rows of one source next to each other: the
+        loader's ``batch_sources``) the loss is a vector: the sum, then each source's sum."""
         tokens_this_rank = sum(labels.numel() for _, labels in micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, labels in micro_batches:
+        num_sources = 0 if sources is None else len(self.loader.sources)
+        loss_sum = torch.zeros(1 + num_sources, dtype=torch.float64, device=self.device)
+        for i, (inputs, labels) in enumerate(micro_batches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            token_loss = self.loss_fn(self.model(inputs), labels)
+            logits = self.model(inputs)
+            if sources is None:
+                token_loss = self.loss_fn(logits, labels)
+            else:  # one loss call per source's rows (views of the logits), summed
+                groups, counts = torch.unique_consecutive(sources[i], return_counts=True)
+                parts, start = [], 0
+                for group, count in zip(groups.tolist(), counts.tolist(), strict=True):
+                    parts.append(self.loss_fn(logits[start : start + count], labels[start : start + count]))
+                    loss_sum[1 + group] += parts[-1].detach().double()
+                    start += count
+                token_loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
             # Normalised by all tokens this rank sees in the step; FSDP averages over ranks,
             # so the gradient is that of the mean loss over every token of the global batch.
             (token_loss / tokens_this_rank).backward()
-            loss_sum += token_loss.detach().double()
-        return loss_sum, tokens_this_rank
+            loss_sum[0] += token_loss.detach().double()
+        return loss_sum if sources is not None else loss_sum[0], tokens_this_rank
 
     def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
         """Clip, step (only when the global loss and gradient norm are finite: every rank decides
         alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
-        loss, reduced here over the ranks. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
+        loss (or :meth:`forward_backward`'s vector, whose first entry it is), reduced here over
+        the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
         dist.all_reduce(loss_sum)
-        loss, norm = float(loss_sum.item() / global_tokens), float(grad_norm.item())
+        loss, norm = float(loss_sum.reshape(-1)[0].item() / global_tokens), float(grad_norm.item())
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
@@ -401,11 +391,18 @@ class Trainer:
         data_start = time.perf_counter()
         micro_batches = self.loader.next_batch()
         data_time = time.perf_counter() - data_start
-        loss_sum, tokens_this_rank = self.forward_backward(micro_batches)
+        sources = self.loader.batch_sources if self.loader.named else None
+        loss_sum, tokens_this_rank = self.forward_backward(micro_batches, sources)
         global_tokens = tokens_this_rank * self.plan.dp_size
         values = self.optimizer_step(loss_sum, global_tokens)
         self.step += 1
         self.tokens_seen += global_tokens
+        if sources is not None:  # per source: its tokens so far, and this step's mean loss over its samples
+            seq_len = self.loader.seq_len
+            for i, (name, tokens) in enumerate(self.loader.tokens_by_source().items()):
+                count = self.loader.batch_counts[i] * seq_len
+                values[f"tokens/{name}"] = float(tokens)
+                values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None  # type: ignore[assignment]
         return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
 
     def _diverged(self, values: dict[str, float]) -> None:
@@ -445,8 +442,20 @@ class Trainer:
                             f"{intact}; lower optimizer.lr, or set training.on_nonfinite = 'skip' or 'rollback'")
 
     def validate(self) -> dict[str, float]:
-        """Validation metrics at the current weights (empty when validation is off)."""
-        return {} if self.validator is None else self.validator.run(self.model)
+        """Validation metrics at the current weights (empty when validation is off): the one
+        validation set's ``validation_loss`` …, or ``validation/NAME/loss`` and
+        ``validation/NAME/perplexity`` of each named set."""
+        values: dict[str, float] = {}
+        for name, validator in self.validators.items():
+            result = validator.run(self.model)
+            if name is None:
+                values.update(result)  # type: ignore[arg-type]
+                continue
+            values[f"validation/{name}/loss"] = result["validation_loss"]  # type: ignore[assignment]
+            values[f"validation/{name}/perplexity"] = result["validation_perplexity"]  # type: ignore[assignment]
+            values[f"validation/{name}/tokens"] = result["validation_tokens"]  # type: ignore[assignment]
+            values["validation_time_s"] = values.get("validation_time_s", 0.0) + result["validation_time_s"]  # type: ignore[operator]
+        return values
 
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns every step's metrics (validation included)."""
@@ -505,10 +514,10 @@ class Trainer:
         """Validation, metrics (unless ``logged`` already) and a checkpoint when they are due."""
         cfg = self.config
         last = self.step == cfg.training.steps
-        if self.validator is not None and (self.step % cfg.validation.freq == 0 or last):
+        validated = bool(self.validators) and (self.step % cfg.validation.freq == 0 or last)
+        if validated:
             values.update(self.validate())
-        if not logged and (self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last
-                           or "validation_loss" in values):
+        if not logged and (self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or validated):
             self.metrics.log(self.step, {**values, **memory_stats(self.device)})
             reset_peak_memory(self.device)
         if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_lite.data import IGNORE_INDEX, TokenWindows, num_batches, padded_batch
+from torchtitan_lite.data.windows import IGNORE_INDEX, TokenWindows, num_batches, padded_batch
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.loss import token_loss_sum
 

@@ -25,6 +25,7 @@ from torchtitan_lite.errors import ConfigError
 
 __all__ = [
     "RESHARD_MODES",
+    "DataSource",
     "Float8",
     "JobConfig",
     "SECTIONS",
@@ -101,6 +102,22 @@ class LRScheduler:
 
 
 @dataclass
+class DataSource:
+    """One table of ``[[training.datasets]]`` or ``[[validation.datasets]]``."""
+
+    name: str = ""
+    """Name of the source in metrics (tokens/NAME, loss/NAME, validation/NAME/loss) and logs; unique."""
+    dataset: str = ""
+    """Its kind: any value training.dataset takes (python_stdlib, text, tokens, parquet, arrow, ...)."""
+    dataset_path: str | None = None
+    """File or folder it reads (the kinds that read one)."""
+    weight: float = 1.0
+    """Training only: its share of the samples, a number > 0 (the weights are normalised to sum to 1)."""
+    max_epochs: int | None = None
+    """Training only: after this many epochs of its own the source leaves the mixture (the others' weights are normalised again); unset: it starts again when used up, as long as the run goes on."""
+
+
+@dataclass
 class Training:
     local_batch_size: int = 8
     """Samples per rank per micro-batch (one forward/backward)."""
@@ -120,6 +137,14 @@ class Training:
     """Column holding the documents in parquet and arrow datasets (training and validation)."""
     dataset_token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Dtype of raw .bin token files (.npy files carry their own)."""
+    datasets: list[DataSource] = field(default_factory=list)
+    """A weighted mixture instead of training.dataset: [[training.datasets]] tables in the TOML file, each with name, dataset, dataset_path, weight and optionally max_epochs. Sample-level and deterministic: after k steps each source has within one sample of weight × k × global_batch_size samples, on any world size."""
+    shuffle: bool = True
+    """Read each epoch in a seeded order (debug.seed): windows of text and token files permuted per epoch; streamed Parquet/Arrow rows by row groups in a permuted order through a buffer of training.shuffle_buffer documents. false: file order."""
+    shuffle_buffer: int = 1000
+    """Documents a streamed (parquet/arrow) source holds per sample lane to draw its next document from, when training.shuffle is on."""
+    allow_mixture_change: bool = False
+    """Resume a checkpoint whose [[training.datasets]] weights, max_epochs or sources differ from this config's: the new mixture applies from the resumed step (logged). false: such a resume is refused."""
     gc_freq: int = 50
     """Python's automatic garbage collection is off during training; collect every this many steps (so step times do not jitter)."""
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
@@ -202,6 +227,8 @@ class Validation:
     """Validation dataset; same names as training.dataset (parquet/arrow: only the rows needed for validation.steps are read). The default is held out from python_stdlib."""
     dataset_path: str | None = None
     """File or folder read by the text, tokens, parquet and arrow datasets."""
+    datasets: list[DataSource] = field(default_factory=list)
+    """Several validation sets instead of validation.dataset: [[validation.datasets]] tables with name, dataset and dataset_path; each is evaluated on its own (validation/NAME/loss, validation/NAME/perplexity)."""
     freq: int = 100
     """Run validation every this many training steps."""
     steps: int = 20
@@ -394,6 +421,8 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
             except ConfigError:
                 continue
         raise bad
+    if origin is list and dataclasses.is_dataclass(typing.get_args(inner)[0]):
+        return _coerce_tables(key, value, typing.get_args(inner)[0], from_cli=from_cli)
     if origin is list:
         (elem,) = typing.get_args(inner)
         if from_cli and isinstance(value, str):
@@ -432,9 +461,62 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported field type {type_name(tp)}")  # pragma: no cover
 
 
+def _coerce_tables(key: str, value: Any, cls: Any, *, from_cli: bool) -> list[Any]:
+    """A TOML array of tables (``[[training.datasets]]``) as a list of ``cls``; each key checked."""
+    if from_cli:
+        raise ConfigError(f"{key}: cannot be set on the command line; write [[{key}]] tables in the TOML file")
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: invalid value {value!r}; expected [[{key}]] tables")
+    types_ = field_types(cls)
+    out = []
+    for i, item in enumerate(value):
+        table = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else item
+        if not isinstance(table, dict):
+            raise ConfigError(f"{key}: invalid entry {item!r}; expected a table with {', '.join(types_)}")
+        where = f"{key}[{table['name']}]" if isinstance(table.get("name"), str) and table["name"] else f"{key}[{i}]"
+        unknown = sorted(set(table) - set(types_))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (keys: {', '.join(types_)})")
+        out.append(cls(**{name: coerce(f"{where}.{name}", v, types_[name], from_cli=False)
+                          for name, v in table.items()}))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Validation (the config alone: no files, no world size, no model family)
 # --------------------------------------------------------------------------------------------
+
+
+def _check_sources(c: JobConfig, problems: list[str]) -> None:
+    """``[[training.datasets]]`` and ``[[validation.datasets]]``: names, kinds, weights, epochs."""
+    for section, default in (("training", Training()), ("validation", Validation())):
+        sec = getattr(c, section)
+        if not sec.datasets:
+            continue
+        if sec.dataset != default.dataset or sec.dataset_path is not None:
+            problems.append(f"{section}.dataset: {sec.dataset!r} is set together with [[{section}.datasets]]; "
+                            f"keep one (the tables, or {section}.dataset and {section}.dataset_path)")
+        seen: set[str] = set()
+        for i, src in enumerate(sec.datasets):
+            where = f"{section}.datasets[{src.name or i}]"
+            if not src.name:
+                problems.append(f"{where}.name: missing; every [[{section}.datasets]] table needs a unique name")
+            elif src.name in seen:
+                problems.append(f"{where}.name: duplicate name {src.name!r}; names must be unique")
+            elif not all(ch.isalnum() or ch in "_-." for ch in src.name):
+                problems.append(f"{where}.name: invalid value {src.name!r}; expected letters, digits, _, - or . "
+                                "(it becomes a metric name)")
+            seen.add(src.name)
+            if not src.dataset:
+                problems.append(f"{where}.dataset: missing; expected a source kind, as training.dataset takes")
+            if section == "training":
+                if not (math.isfinite(src.weight) and src.weight > 0):
+                    problems.append(f"{where}.weight: invalid value {src.weight!r}; expected a finite number > 0")
+                if src.max_epochs is not None and src.max_epochs < 1:
+                    problems.append(f"{where}.max_epochs: invalid value {src.max_epochs!r}; expected an integer "
+                                    ">= 1, or unset")
+            elif src.weight != 1.0 or src.max_epochs is not None:
+                problems.append(f"{where}: weight and max_epochs have no effect on a validation set; remove them")
 
 
 def validate_config(c: JobConfig) -> None:
@@ -489,6 +571,8 @@ def validate_config(c: JobConfig) -> None:
              "rollback reloads this run's checkpoints: set checkpoint.enable = true too")
     _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
              "expected an integer >= 1, or -1 (follow the tokenizer)")
+    _check_sources(c, problems)
+    _require(t.shuffle_buffer >= 1, "training.shuffle_buffer", t.shuffle_buffer, "expected an integer >= 1")
     v = c.validation
     if v.enable:
         _require(v.freq >= 1, "validation.freq", v.freq, "expected an integer >= 1")

@@ -6,12 +6,17 @@
 prints, for every reshard mode (default, never, always, and the configured integer one or auto),
 the memory of one rank by category, its peak and where in the step it falls, and whether it fits
 the device; ``--json PATH`` writes every figure. The job is planned exactly as the trainer plans
-it (:func:`torchtitan_lite.job.plan_job`) for the given world; its datasets need not exist here.
+it (:func:`torchtitan_lite.job.plan_job`) for the given world, with every config check of the
+trainer's but those that need files (:func:`plan_without_files`): the datasets, the tokenizer
+and the job's folders need not be on this machine (without the tokenizer, the flavor's own
+vocabulary is used, and a line says so); ``model.flavor = "from_checkpoint"`` reads its shape
+from the checkpoint, which must be.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,10 +27,12 @@ from typing import Any
 import torch
 
 from torchtitan_lite.config import load_job_config
+from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
-from torchtitan_lite.errors import UserError
-from torchtitan_lite.job import plan_job
+from torchtitan_lite.errors import ConfigError, DataError, UserError
+from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, plan_job
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -33,8 +40,9 @@ from torchtitan_lite.memory.estimate import (
     job_estimate_kwargs,
     where_text,
 )
+from torchtitan_lite.models import get_model_spec
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "plan_without_files"]
 
 _DESCRIPTION = """\
 Estimated memory per rank of a training job, by category, for every reshard mode (default,
@@ -54,6 +62,62 @@ _COLUMNS = (
 
 class _UsageError(ValueError):
     pass
+
+
+def _dataset_config_errors(config: JobConfig) -> list[str]:
+    """The source checks of :func:`~torchtitan_lite.job.preflight` that are config checks (a
+    source kind, a path a kind needs or does not read): one line each. What needs the files
+    (a missing or unreadable path, a column) is no concern of an estimate and is skipped."""
+    return [str(exc) for exc in check_sources(config) if isinstance(exc, ConfigError)]
+
+
+def _without_tokenizer(config: JobConfig, error: DataError) -> tuple[JobConfig, str]:
+    """``config`` planned without its unreadable tokenizer: the byte tokenizer's ids inside the
+    flavor's own vocabulary (or the user's ``model.vocab_size``, or a checkpoint's), and the line
+    that says so (completed with the vocabulary by the caller)."""
+    m = config.model
+    path = str(m.tokenizer_path)
+    if not Path(path).expanduser().exists():
+        why = "does not exist on this machine"
+    else:
+        reason = str(error).removeprefix("model.tokenizer_path: ").removeprefix(f"invalid value {path!r}; ")
+        why = f"holds no readable tokenizer ({reason})"
+    vocab_size = m.vocab_size
+    if vocab_size != -1:
+        source = "model.vocab_size"
+    elif m.flavor == FROM_CHECKPOINT:
+        source = "the checkpoint's vocabulary"
+    else:
+        vocab_size = get_model_spec(m.name).flavors[m.flavor].vocab_size
+        source = f"{m.name} {m.flavor}'s own vocabulary"
+    planned = dataclasses.replace(config, model=dataclasses.replace(m, tokenizer_path=None, vocab_size=vocab_size))
+    return planned, f"model.tokenizer_path {path!r} {why}: the estimate uses {source}"
+
+
+def plan_without_files(config: JobConfig, *, world_size: int,
+                       local_world_size: int | None = None) -> tuple[JobPlan, str | None]:
+    """The job as :func:`~torchtitan_lite.job.plan_job` plans it, after the config checks of
+    :func:`~torchtitan_lite.job.preflight` (dataset names and the paths they need; every problem
+    at once, as one :class:`ConfigError` of one line each), for a job whose files need not be on
+    this machine: its datasets are not read, and when ``model.tokenizer_path`` holds no readable
+    tokenizer the model takes the flavor's own vocabulary (``model.vocab_size`` when set; a
+    checkpoint's for ``from_checkpoint``). Returns the plan and, in that case, one line saying so."""
+    errors = _dataset_config_errors(config)
+    note = None
+    try:
+        try:
+            plan = plan_job(config, world_size=world_size, local_world_size=local_world_size)
+        except DataError as exc:  # plan_job reads no file but the tokenizer
+            if config.model.tokenizer_path is None:
+                raise
+            planned, note = _without_tokenizer(config, exc)
+            plan = plan_job(planned, world_size=world_size, local_world_size=local_world_size)
+            note = f"{note}, {plan.model_args.vocab_size} ids"
+    except ConfigError as exc:
+        errors.append(str(exc))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return plan, note
 
 
 def _positive_int(text: str) -> int:
@@ -175,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError(f"--ranks_per_node: invalid value {ranks_per_node}; it must divide "
                               f"--world_size {world_size}")
         config = load_job_config(rest)
-        plan = plan_job(config, world_size=world_size, local_world_size=ranks_per_node)
+        plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node)
         model_args, accum = plan.model_args, plan.grad_accum_steps
         t, p = config.training, config.parallelism
         kwargs = job_estimate_kwargs(config, plan)
@@ -200,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
           f"{first.dp_replicate} × dp_shard {first.dp_shard}")
+    if vocab_note is not None:
+        print(vocab_note)
     print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {'on' if t.enable_cpu_offload else 'off'}; "
@@ -224,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "world_size": world_size, "ranks_per_node": ranks_per_node, "model": config.model.name,
             "flavor": config.model.flavor, "num_params": model_args.num_params(),
-            "vocab_size": model_args.vocab_size, "configured_mode": configured,
+            "vocab_size": model_args.vocab_size, "vocab_note": vocab_note, "configured_mode": configured,
             "device_memory_bytes": device_bytes,
             "estimates": [{**e.to_dict(), "configured": _label(e.reshard_after_forward_mode)
                            == str(configured),

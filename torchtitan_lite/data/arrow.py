@@ -1,72 +1,51 @@
-"""Streamed datasets: Parquet files and Hugging Face ``datasets`` folders (``save_to_disk``,
+"""The streamed sources: Parquet files and Hugging Face ``datasets`` folders (``save_to_disk``,
 Arrow) with a text column, read with ``pyarrow`` record batch by record batch and tokenized only
 as windows are needed.
 
-Sharding (independent of the world size): the rows (documents) of all files, in order, are cut
-into ``G`` contiguous ranges, ``G`` the global batch size; sample ``p`` of every global batch comes
-from range ``p``, whose documents are tokenized (BOS/EOS around each) and packed back to back
-into windows of ``seq_len + 1`` tokens, one window per step. Data-parallel rank ``r`` of ``D``
-serves samples ``r·G/D … (r+1)·G/D − 1``, as with :class:`~torchtitan_lite.data.GlobalBatchLoader`:
-it reads and tokenizes only its own ranges, and a run on 1 rank with gradient accumulation sees
-the same samples at every step as a run on 4 ranks. When a range is used up it starts again at
-its first row (its next epoch; logged).
+Lanes (independent of the world size): the rows (documents) of all files, in order, are cut into
+``L`` contiguous ranges, ``L`` the global batch size; lane ``p`` packs its own rows (tokenized,
+BOS/EOS around each) back to back into windows of ``seq_len + 1`` tokens, and the loader asks
+lane ``p`` for the window of sample ``p`` of a global batch. A rank reads and tokenizes only its
+own samples' lanes. When a lane is used up it starts again (its next epoch; logged).
 
-The position (per range: epoch, row, tokens of that row already used) is plain integers; saved
-in a checkpoint it resumes exactly, on any world size with the same global batch size. This
-module imports nothing of the package but :mod:`torchtitan_lite.errors`.
+Shuffled (``shuffle``), each epoch of a lane reads its Parquet row groups / Arrow record batches
+(clipped to the lane) in an order seeded by ``(seed, key, lane, epoch)``, through a buffer of
+``shuffle_buffer`` documents from which the next is drawn by a seeded counter: memory stays
+bounded by the buffer, and the order is a function of the files' metadata alone. A lane's
+position is three integers (epoch, documents of the epoch's order before the current one, tokens
+of the current one used): saved in a checkpoint it resumes exactly, on any world size with the
+same global batch size.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import torch
 
-from torchtitan_lite.errors import DataError
+from torchtitan_lite.data.files import files_under, unreadable_error
+from torchtitan_lite.data.windows import Encoder, TokenStream, pack_texts
+from torchtitan_lite.errors import ConfigError, DataError
 
-__all__ = [
-    "STREAMED_DATASETS",
-    "ArrowCorpus",
-    "StreamingLoader",
-    "check_streamed_dataset",
-    "unreadable_error",
-]
+__all__ = ["KINDS", "ArrowCorpus", "LaneReader", "check_streamed_dataset", "find_files", "token_stream"]
 
 logger = logging.getLogger("torchtitan_lite")
 
-STREAMED_DATASETS: dict[str, str] = {
+KINDS: dict[str, str] = {
     "parquet": ".parquet files or a folder of them (searched recursively), streamed (dataset_path)",
     "arrow": "a Hugging Face datasets folder (Dataset.save_to_disk) or .arrow files, streamed (dataset_path)",
 }
 _SUFFIX = {"parquet": ".parquet", "arrow": ".arrow"}
-_READ_ROWS = 256  # Parquet rows decoded at a time per range (bounds the memory of a reader) ...
+_READ_ROWS = 256  # Parquet rows decoded at a time per lane (bounds the memory of a reader) ...
 _PY_ROWS = 16  # ... of which this many become Python strings at a time
-_TOKENIZE_ROWS = 256  # at most this many documents tokenized at a time per range ...
+_TOKENIZE_ROWS = 256  # at most this many documents tokenized at a time per lane ...
 _TOKENIZE_CHARS = 1 << 16  # ... or about this many characters
-
-
-def unreadable_error(key: str, path: Path, exc: OSError) -> DataError:
-    """One line naming a file that cannot be read and the operating system's reason."""
-    reason = f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
-    return DataError(f"{key}: {str(path)!r} cannot be read: {reason}")
-
-
-def files_under(folder: Path, key: str) -> list[Path]:
-    """The regular files under ``folder`` (searched recursively), sorted; an unreadable folder is
-    one line naming it (``key``) and the operating system's reason."""
-    errors: list[OSError] = []
-    found = [Path(root) / name for root, _, names in os.walk(folder, onerror=errors.append) for name in names]
-    if errors:
-        raise unreadable_error(key, Path(errors[0].filename or folder), errors[0])
-    return sorted(f for f in found if f.is_file())
 
 
 def _pyarrow(dataset: str, section: str) -> Any:
@@ -162,9 +141,7 @@ def check_streamed_dataset(
     Raises :class:`DataError` with one line naming the key and the file."""
     key = key or f"{section}.dataset_path"
     if dataset_path is None:
-        from torchtitan_lite.errors import ConfigError
-
-        raise ConfigError(f"{key}: {section}.dataset={dataset!r} needs a path to {STREAMED_DATASETS[dataset]}")
+        raise ConfigError(f"{key}: {section}.dataset={dataset!r} needs a path to {KINDS[dataset]}")
     pa = _pyarrow(dataset, section)
     path = Path(dataset_path).expanduser()
     if not path.exists():
@@ -230,6 +207,17 @@ class ArrowCorpus:
                 f"training.global_batch_size = {global_batch_size}; every sample of a global batch streams "
                 "its own share of the rows"
             )
+
+    def spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Rows ``[lo, hi)`` cut at the pieces' (row groups', record batches') bounds, in order."""
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        out = []
+        for index in range(first, len(self.pieces)):
+            start, stop = int(self.starts[index]), int(self.starts[index + 1])
+            if start >= hi:
+                break
+            out.append((max(start, lo), min(stop, hi)))
+        return out
 
     def _read_error(self, file: Path, exc: Exception) -> DataError:
         """One line for a file that cannot be read: the OS error (permissions, a missing file), or
@@ -307,73 +295,191 @@ def _skip_rows(columns: Iterator[Any], skip: int) -> Iterator[Any]:
         skip = 0
 
 
+def find_files(dataset: str, dataset_path: str | None, *, section: str, key: str,
+               text_column: str = "text") -> list[Path]:
+    """The files of a streamed source (see :func:`check_streamed_dataset`)."""
+    return check_streamed_dataset(dataset, dataset_path, text_column=text_column, section=section, key=key)
+
+
+def token_stream(dataset: str, dataset_path: str, tokenizer: Encoder, *, section: str, where: str,
+                 text_column: str, max_tokens: int | None) -> TokenStream:
+    """The rows read in order and tokenized until ``max_tokens`` tokens are packed (None: all of
+    them): validation reads the first windows it needs, not the whole set."""
+    corpus = ArrowCorpus(dataset, dataset_path, text_column=text_column, section=section)
+    return pack_texts(corpus.texts(0, corpus.num_rows), tokenizer, max_tokens=max_tokens,
+                      empty=f"{corpus.key}: {where} is empty (no text)")
+
+
 # --------------------------------------------------------------------------------------------
-# One range of rows packed into windows, and the loader
+# Lanes: one range of rows each, in a (shuffled) order, packed into windows
 # --------------------------------------------------------------------------------------------
 
-
-class _Encoder(Protocol):
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+_MASK = (1 << 64) - 1
 
 
-class _Stream:
-    """Rows ``[lo, hi)`` tokenized as needed and packed back to back, forever (epoch after
-    epoch). Its position is the first row not yet fully used and how many of its tokens were."""
+def _draw(key: int, n: int) -> int:
+    """The ``n``-th pseudo-random 64-bit number of stream ``key`` (splitmix64 of a counter: no
+    state to save but ``n``)."""
+    z = (key + (n + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
-    def __init__(self, corpus: ArrowCorpus, tokenizer: _Encoder, lo: int, hi: int, index: int,
-                 wrapped: set[int]) -> None:
-        self.corpus, self.tokenizer, self.lo, self.hi, self.index = corpus, tokenizer, lo, hi, index
-        self.wrapped = wrapped  # epochs some sample of this rank has begun (shared by its samples)
-        self.pending: deque[tuple[int, int, np.ndarray]] = deque()  # (epoch, row, tokens)
+
+class _EpochOrder:
+    """The rows of one epoch of a lane, as row numbers, in the order they are read: its spans in
+    the given order (the reading order) taken in one by one into a buffer of ``size`` rows, from
+    which each next row is drawn by counter ``n`` of stream ``key`` (size 1: the reading order)."""
+
+    def __init__(self, spans: list[tuple[int, int]], size: int, key: int) -> None:
+        self.spans, self.size, self.key = spans, max(1, size), key
+        self.buffer: list[int] = []
+        self.taken = 0  # rows of the reading order taken in so far
+        self.draws = 0
+        self._span, self._row = 0, spans[0][0] if spans else 0
+
+    def _take_in(self) -> bool:
+        while self._span < len(self.spans) and self._row >= self.spans[self._span][1]:
+            self._span += 1
+            self._row = self.spans[self._span][0] if self._span < len(self.spans) else 0
+        if self._span >= len(self.spans):
+            return False
+        self.buffer.append(self._row)
+        self._row += 1
+        self.taken += 1
+        return True
+
+    def next(self) -> int | None:
+        """The next row of the epoch, or None at its end."""
+        while len(self.buffer) < self.size and self._take_in():
+            pass
+        if not self.buffer:
+            return None
+        j = 0 if len(self.buffer) == 1 else _draw(self.key, self.draws) % len(self.buffer)
+        self.draws += 1
+        row = self.buffer[j]
+        self.buffer[j] = self.buffer[-1]
+        self.buffer.pop()
+        return row
+
+    def reading_order(self, start: int) -> Iterator[tuple[int, int]]:
+        """``(first, stop)`` rows of the reading order from its ``start``-th row on."""
+        for lo, hi in self.spans:
+            if start < hi - lo:
+                yield lo + start, hi
+                start = 0
+            else:
+                start -= hi - lo
+
+
+class _EpochTexts:
+    """The texts of the rows an :class:`_EpochOrder` gives, read in its reading order (as the
+    order takes them in) and kept until given: at most its buffer's rows are held."""
+
+    def __init__(self, corpus: ArrowCorpus, order: _EpochOrder) -> None:
+        self.corpus = corpus
+        self.held: dict[int, str | None] = {}
+        for lo, hi in _runs(sorted(order.buffer)):  # rows taken in before a seek: read again
+            wanted = set(range(lo, hi)) & set(order.buffer)
+            self.held.update((row, text) for row, text in zip(range(lo, hi), corpus.texts(lo, hi), strict=True)
+                             if row in wanted)
+        self._rows = self._read(order.reading_order(order.taken))
+
+    def _read(self, ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, str | None]]:
+        for lo, hi in ranges:
+            yield from zip(range(lo, hi), self.corpus.texts(lo, hi), strict=True)
+
+    def take(self, row: int) -> str | None:
+        while row not in self.held:
+            got, text = next(self._rows)
+            self.held[got] = text
+        return self.held.pop(row)
+
+
+def _runs(rows: list[int], gap: int = 64) -> Iterator[tuple[int, int]]:
+    """Sorted rows grouped into ``[lo, hi)`` ranges with gaps of at most ``gap`` rows inside."""
+    start = prev = None
+    for row in rows:
+        if start is None:
+            start = prev = row
+        elif row - prev > gap:  # type: ignore[operator]
+            yield start, prev + 1  # type: ignore[operator]
+            start = row
+        prev = row
+    if start is not None:
+        yield start, prev + 1  # type: ignore[operator]
+
+
+class _Lane:
+    """Rows ``[lo, hi)`` tokenized as needed and packed back to back, forever (epoch after epoch),
+    each epoch in its :class:`_EpochOrder`. Its position: the epoch, the documents of the epoch's
+    order before the first one not yet fully used, and how many tokens of that one were used."""
+
+    def __init__(self, reader: LaneReader, lo: int, hi: int, index: int) -> None:
+        self.reader, self.corpus, self.lo, self.hi, self.index = reader, reader.corpus, lo, hi, index
+        self.spans = reader.corpus.spans(lo, hi)
+        self.pending: deque[tuple[int, int, np.ndarray]] = deque()  # (epoch, document, tokens)
         self.used = 0  # tokens of pending[0] already in windows
-        self.seek(0, lo, 0)
+        self.seek(0, 0, 0)
 
-    def seek(self, epoch: int, row: int, used: int) -> None:
-        if not self.lo <= row < self.hi:
-            raise DataError(f"data loader state: row {row} is outside sample {self.index}'s rows "
-                            f"[{self.lo}, {self.hi}) of the dataset")
-        self.epoch, self.next_row, self.used_epoch = epoch, row, epoch
+    def _order(self, epoch: int) -> _EpochOrder:
+        r = self.reader
+        if not r.shuffle:
+            return _EpochOrder(self.spans, 1, 0)
+        seed = [r.seed, *r.key, self.index, epoch]
+        spans = [self.spans[i] for i in np.random.default_rng(seed).permutation(len(self.spans))]
+        key = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0])
+        return _EpochOrder(spans, r.shuffle_buffer, key)
+
+    def _start_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.next_doc = epoch, skip
+        self.order = self._order(epoch)
+        for _ in range(skip):
+            self.order.next()
+        self.texts = _EpochTexts(self.corpus, self.order)
+
+    def seek(self, epoch: int, doc: int, used: int) -> None:
+        if not 0 <= doc < self.hi - self.lo:
+            raise DataError(f"data loader state: document {doc} is outside lane {self.index}'s "
+                            f"{self.hi - self.lo} rows of the dataset")
+        self._start_epoch(epoch, doc)
+        self.used_epoch = epoch
         self.pending.clear()
         self.used = 0
-        self._texts = self.corpus.texts(row, self.hi)
         if used:
             self._fetch()
-            if not self.pending or self.pending[0][1] != row or used >= len(self.pending[0][2]):
-                raise DataError(f"data loader state: row {row} of the dataset has no token {used}: the "
+            if self.pending[0][:2] != (epoch, doc) or used >= len(self.pending[0][2]):
+                raise DataError(f"data loader state: document {doc} of lane {self.index} has no token {used}: the "
                                 "dataset or the tokenizer is not the one the checkpoint was saved with")
             self.used = used
 
     def position(self) -> list[int]:
         if self.pending:
-            epoch, row, _ = self.pending[0]
-            return [epoch, row, self.used]
-        return [self.epoch, self.next_row, 0]
+            epoch, doc, _ = self.pending[0]
+            return [epoch, doc, self.used]
+        return [self.epoch, self.next_doc, 0]
 
     def _fetch(self) -> None:
-        """Tokenize the next rows (wrapping to ``lo`` after ``hi``) until some tokens are pending."""
+        """Tokenize the next documents (the next epoch's after the last) until some tokens are pending."""
         empty = 0
         while not self.pending:
-            rows: list[tuple[int, int, str]] = []
+            docs: list[tuple[int, int, str]] = []
             chars = 0
-            while len(rows) < _TOKENIZE_ROWS:
-                text = next(self._texts, None) if self.next_row < self.hi else None
-                row = self.next_row
-                self.next_row += 1
+            while len(docs) < _TOKENIZE_ROWS and chars < _TOKENIZE_CHARS:
+                row = self.order.next()
+                if row is None:
+                    self._start_epoch(self.epoch + 1)
+                    break
+                text = self.texts.take(row)
                 if text:
-                    rows.append((self.epoch, row, text))
+                    docs.append((self.epoch, self.next_doc, text))
                     chars += len(text)
                 else:
                     empty += 1
-                if self.next_row >= self.hi:
-                    self.epoch += 1
-                    self.next_row = self.lo
-                    self._texts = self.corpus.texts(self.lo, self.hi)
-                    break
-                if chars >= _TOKENIZE_CHARS:
-                    break
-            if rows:
-                encoded = self.tokenizer.encode_batch([text for _, _, text in rows])
-                self.pending.extend((e, r, ids) for (e, r, _), ids in zip(rows, encoded, strict=True) if len(ids))
+                self.next_doc += 1
+            if docs:
+                encoded = self.reader.tokenizer.encode_batch([text for _, _, text in docs])
+                self.pending.extend((e, d, ids) for (e, d, _), ids in zip(docs, encoded, strict=True) if len(ids))
             elif empty >= self.hi - self.lo:
                 raise DataError(f"{self.corpus.key}: rows {self.lo}..{self.hi - 1} of {self.corpus.source!r} hold "
                                 "no text (empty or null); every sample of a global batch reads its own rows")
@@ -388,11 +494,7 @@ class _Stream:
             epoch, _, ids = self.pending[0]
             if epoch > self.used_epoch:
                 self.used_epoch = epoch
-                if epoch not in self.wrapped:  # the first of this rank's samples to read its rows again
-                    self.wrapped.add(epoch)
-                    logger.warning("training data: sample %d has used all %d of its rows (%d..%d) and reads them "
-                                   "again (epoch %d); this rank's other samples follow as theirs run out",
-                                   self.index, self.hi - self.lo, self.lo, self.hi - 1, epoch)
+                self.reader.began(epoch, self)
             k = min(n - filled, len(ids) - self.used)
             out[filled : filled + k] = ids[self.used : self.used + k]
             filled += k
@@ -403,146 +505,57 @@ class _Stream:
         return out
 
 
-def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
-    """Micro-batches per rank per global batch; one :class:`DataError` line when the global batch
-    does not split into ``local_batch_size`` rows on each of ``dp_size`` ranks (both loaders)."""
-    if global_batch_size % (local_batch_size * dp_size):
-        raise DataError(
-            f"training.global_batch_size={global_batch_size} is not a multiple of "
-            f"local_batch_size × dp = {local_batch_size} × {dp_size}"
-        )
-    return global_batch_size // (local_batch_size * dp_size)
+class LaneReader:
+    """The windows of a streamed source for the loader: lane ``p`` serves sample ``p`` of each
+    global batch (see the module's docstring). This rank builds only ``lanes``; the positions of
+    all ``num_lanes`` come back through :meth:`positions` / :meth:`seek` (the loader gathers them)."""
 
+    samples_per_epoch: int | None = None  # epochs are per lane, not known before reading
 
-def micro_batches(rows: torch.Tensor, local_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's ``rows`` (windows of ``seq_len + 1`` tokens) as ``(inputs, labels)`` micro-batches
-    of ``local_batch_size`` rows, in order (both loaders)."""
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(local_batch_size)]
+    def __init__(self, corpus: ArrowCorpus, tokenizer: Encoder, *, seq_len: int, num_lanes: int, lanes: range,
+                 seed: int, shuffle: bool, shuffle_buffer: int, key: tuple[int, ...] = (),
+                 label: str = "training data") -> None:
+        corpus.check_global_batch(num_lanes)
+        self.corpus, self.tokenizer, self.seq_len, self.num_lanes = corpus, tokenizer, seq_len, num_lanes
+        self.seed, self.shuffle, self.shuffle_buffer, self.key, self.label = seed, shuffle, shuffle_buffer, key, label
+        self.bounds = [p * corpus.num_rows // num_lanes for p in range(num_lanes + 1)]
+        self._wrapped: set[int] = set()  # epochs some lane of this rank has begun
+        self._lanes = {p: _Lane(self, self.bounds[p], self.bounds[p + 1], p) for p in lanes}
 
+    def began(self, epoch: int, lane: _Lane) -> None:
+        """A lane started reading its rows again: logged once per epoch (the first of this rank's lanes)."""
+        if epoch not in self._wrapped:
+            self._wrapped.add(epoch)
+            logger.warning("%s: sample %d has used all %d of its rows (%d..%d) and reads them again (epoch %d); "
+                           "this rank's other samples follow as theirs run out", self.label, lane.index,
+                           lane.hi - lane.lo, lane.lo, lane.hi - 1, epoch)
 
-class StreamingLoader:
-    """Yields this rank's micro-batches ``(inputs, labels)`` for each global batch of a streamed
-    dataset; a drop-in for :class:`~torchtitan_lite.data.GlobalBatchLoader` (``next_batch``,
-    ``state_dict``/``load_state_dict``, ``step``, ``skipped``, ``grad_accum_steps``).
+    def window(self, n: int, lane: int) -> np.ndarray:
+        """The next ``seq_len + 1`` tokens of lane ``lane`` (``n`` plays no part)."""
+        return self._lanes[lane].take(self.seq_len + 1)
 
-    Sample ``p`` of every global batch is the next window of range ``p`` of the rows (see the
-    module's docstring). A position known on one rank is only its own samples': before
-    :meth:`state_dict` on a run of several ranks, every rank calls :meth:`gather_state` (a
-    collective), so that the state holds every sample's position.
-    """
+    def positions(self) -> dict[int, list[int]]:
+        """This rank's lanes' positions."""
+        return {p: lane.position() for p, lane in self._lanes.items()}
 
-    def __init__(
-        self,
-        corpus: ArrowCorpus,
-        tokenizer: _Encoder,
-        *,
-        seq_len: int,
-        global_batch_size: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-    ) -> None:
-        self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
-        corpus.check_global_batch(global_batch_size)
-        self.corpus = corpus
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.step = 0  # global batches consumed
-        self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
-        per_rank = global_batch_size // dp_size
-        bounds = [p * corpus.num_rows // global_batch_size for p in range(global_batch_size + 1)]
-        self.bounds = bounds
-        self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        wrapped: set[int] = set()
-        self._streams = [_Stream(corpus, tokenizer, bounds[p], bounds[p + 1], p, wrapped) for p in self._mine]
-        self._all: list[list[int]] | None = None  # every sample's position at step _all_step
-        self._all_step = -1
+    def seek(self, positions: list[list[int]]) -> None:
+        """Continue every lane of this rank from ``positions`` (one per lane of all ranks)."""
+        for p, lane in self._lanes.items():
+            lane.seek(*positions[p])
 
-    def _advance(self) -> np.ndarray:
-        return np.stack([s.take(self.seq_len + 1) for s in self._streams])
+    def epochs_begun(self) -> int:
+        """The latest epoch any of this rank's lanes has begun (0 while all read their first)."""
+        return max((lane.used_epoch for lane in self._lanes.values()), default=0)
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches of this rank for the next global batch (batches in :attr:`skipped`
-        are read and left out)."""
-        while self.step in self.skipped:
-            self._advance()
-            self.step += 1
-        data = torch.from_numpy(self._advance())
-        self.step += 1
-        return micro_batches(data, self.local_batch_size)
-
-    def gather_state(self) -> None:
-        """Every rank's sample positions to every rank (a collective over the default group, whose
-        ranks are the data-parallel ranks); call on every rank before a checkpoint is saved."""
-        mine = {s.index: s.position() for s in self._streams}
-        if self.dp_size > 1:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (self.step, mine))
-            if {step for step, _ in gathered} != {self.step}:
-                raise RuntimeError(f"data loader: ranks are at different steps {[s for s, _ in gathered]}")
-            for _, part in gathered:
-                mine.update(part)
-        self._all = [mine[p] for p in range(self.global_batch_size)]
-        self._all_step = self.step
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position as plain data: global batches consumed, every sample's position
-        (epoch, row, tokens of that row used), and what gives them meaning."""
-        if self._all_step != self.step:
-            if self.dp_size > 1:
-                raise RuntimeError("StreamingLoader.state_dict: call gather_state() on every rank first")
-            self.gather_state()
-        return {
-            "step": self.step,
-            "global_batch_size": self.global_batch_size,
-            "seq_len": self.seq_len,
-            "dataset": self.corpus.dataset,
-            "text_column": self.corpus.text_column,
-            "num_rows": self.corpus.num_rows,
-            "positions": [list(p) for p in self._all or []],
-            "skipped": sorted(self.skipped),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (saved at any world size with the same global batch size)."""
-        mine = {"global_batch_size": self.global_batch_size, "seq_len": self.seq_len,
-                "dataset": self.corpus.dataset, "text_column": self.corpus.text_column,
-                "num_rows": self.corpus.num_rows}
-        if "positions" not in state:
-            raise DataError(f"data loader state does not match this run: it was saved from another kind of "
-                            f"dataset, this run streams {self.corpus.dataset!r}")
-        for name, value in mine.items():
-            if state.get(name) != value:
-                hint = (f"; to resume at another world size, set training.global_batch_size = {state.get(name)}"
-                        if name == "global_batch_size" else "")
-                raise DataError(f"data loader state does not match this run: it was saved with {name}="
-                                f"{state.get(name)!r}, this run has {value!r}; the saved position would point "
-                                f"at other samples{hint}")
-        step, positions, skipped = state.get("step"), state["positions"], state.get("skipped", [])
-        if not isinstance(step, int) or step < 0:
-            raise DataError(f"data loader state: invalid step {step!r}; expected an integer >= 0")
-        if (not isinstance(positions, list) or len(positions) != self.global_batch_size
-                or not all(isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and v >= 0 for v in p)
-                           for p in positions)):
-            raise DataError(f"data loader state: invalid positions; expected {self.global_batch_size} "
-                            "[epoch, row, tokens] lists of integers >= 0")
-        if not isinstance(skipped, list) or not all(isinstance(s, int) and s >= 0 for s in skipped):
-            raise DataError(f"data loader state: invalid skipped {skipped!r}; expected a list of integers >= 0")
-        for stream in self._streams:
-            stream.seek(*positions[stream.index])
-        self.step = step
-        self.skipped = set(skipped)
-        self._all = [list(p) for p in positions]
-        self._all_step = step
+    def identity(self) -> dict[str, Any]:
+        """What gives saved lane positions their meaning."""
+        return {"dataset": self.corpus.dataset, "text_column": self.corpus.text_column,
+                "num_rows": self.corpus.num_rows, "seed": self.seed if self.shuffle else None,
+                "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
 
     def describe(self) -> str:
-        """One line for the start-up log."""
-        return (f"{self.corpus.source} ({self.corpus.dataset}, column {self.corpus.text_column!r}): "
-                f"{self.corpus.num_rows} rows in {len(self.corpus.files)} files, streamed; each of the "
-                f"{self.global_batch_size} samples of a global batch packs its own {self.corpus.num_rows // self.global_batch_size}"
-                f"+ rows into windows of {self.seq_len + 1}")
+        c = self.corpus
+        order = (f"shuffled (row groups per epoch, buffer of {self.shuffle_buffer} documents)" if self.shuffle
+                 else "in file order")
+        return (f"{c.num_rows} rows in {len(c.files)} files (column {c.text_column!r}), streamed {order}; each of "
+                f"the {self.num_lanes} samples of a global batch packs its own {c.num_rows // self.num_lanes}+ rows")

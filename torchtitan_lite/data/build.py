@@ -1,0 +1,110 @@
+"""From a job's config to its data: the sources it names, checked before any process group, and
+:func:`build_data`, the training loader and the validation sets.
+
+A job names its training data either as one ``training.dataset`` (with ``dataset_path``) or as a
+weighted mixture of ``[[training.datasets]]`` tables, and its validation data as one
+``validation.dataset`` or several named ``[[validation.datasets]]``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.data.loader import BatchLoader, LoaderSource
+from torchtitan_lite.data.sources import SourceSpec, check_dataset, open_reader, token_stream
+from torchtitan_lite.data.tokenizers import Tokenizer
+from torchtitan_lite.data.windows import TokenWindows
+from torchtitan_lite.errors import UserError
+
+__all__ = ["DataPlan", "NamedSource", "build_data", "check_sources", "training_sources", "validation_sources"]
+
+
+class DataPlan(Protocol):
+    """What the data needs of a job's plan (:class:`~torchtitan_lite.job.JobPlan` has it)."""
+
+    tokenizer: Tokenizer
+    global_batch_size: int
+    val_global_batch_size: int
+    val_seq_len: int
+
+    @property
+    def dp_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class NamedSource:
+    """A source of the job: its name (None: the one ``training.dataset`` / ``validation.dataset``)."""
+
+    name: str | None
+    spec: SourceSpec
+    weight: float = 1.0
+    max_epochs: int | None = None
+
+
+def training_sources(config: JobConfig) -> list[NamedSource]:
+    """The training sources: the ``[[training.datasets]]`` mixture, or the one ``training.dataset``."""
+    t = config.training
+    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype}
+    if not t.datasets:
+        return [NamedSource(None, SourceSpec(t.dataset, t.dataset_path, section="training", **common))]
+    return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"training.datasets[{d.name}]", **common),
+                        weight=d.weight, max_epochs=d.max_epochs) for d in t.datasets]
+
+
+def validation_sources(config: JobConfig) -> list[NamedSource]:
+    """The validation sets (none when validation is off)."""
+    t, v = config.training, config.validation
+    if not v.enable:
+        return []
+    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype}
+    if not v.datasets:
+        return [NamedSource(None, SourceSpec(v.dataset, v.dataset_path, section="validation", **common))]
+    return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"validation.datasets[{d.name}]",
+                                           **common)) for d in v.datasets]
+
+
+def check_sources(config: JobConfig) -> list[UserError]:
+    """Every source's cheap checks (kind, path, files, schema); the problems found, one line each."""
+    problems: list[UserError] = []
+    for source in [*training_sources(config), *validation_sources(config)]:
+        s = source.spec
+        try:
+            check_dataset(s.dataset, s.dataset_path, section=s.section, text_column=s.text_column)
+        except UserError as exc:  # reported with the others
+            problems.append(exc)
+    return problems
+
+
+def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int) -> tuple[BatchLoader, dict[str | None, TokenWindows]]:
+    """The training loader of data-parallel rank ``dp_rank`` and the validation sets by name
+    (empty when validation is off). Reads and tokenizes the files (streamed sources: their
+    metadata only), so a bad path, an empty source or a tokenizer that does not fit fails here,
+    on every rank alike, before any process group; needs none itself."""
+    t, v = config.training, config.validation
+    per_rank = plan.global_batch_size // plan.dp_size
+    lanes = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    sources = []
+    for source in training_sources(config):
+        key = () if source.name is None else (zlib.crc32(source.name.encode()),)
+        reader = open_reader(source.spec, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+                             lanes=lanes, seed=config.debug.seed, shuffle=t.shuffle, shuffle_buffer=t.shuffle_buffer,
+                             key=key, name=source.name)
+        sources.append(LoaderSource(source.name or source.spec.dataset, reader, weight=source.weight,
+                                    max_epochs=source.max_epochs,
+                                    where=source.spec.dataset_path or source.spec.dataset))
+    loader = BatchLoader(sources, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+                         local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
+                         named=bool(t.datasets), allow_mixture_change=t.allow_mixture_change)
+    max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)
+    validation = {}
+    for source in validation_sources(config):
+        s = source.spec
+        validation[source.name] = TokenWindows(
+            token_stream(s, plan.tokenizer, max_tokens=max_tokens), plan.val_seq_len,
+            seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
+            source=f"validation dataset {s.dataset_path or s.dataset!r}" if source.name is None
+            else f"{s.section} {s.where}")
+    return loader, validation

@@ -1,0 +1,323 @@
+"""The loader: one contract for every source and every mixture of them.
+
+The loader's unit is the *global* batch. The mixture's schedule (:mod:`.mixture`) gives each of
+its ``G`` samples a source and that source's own sample number; data-parallel rank ``r`` of ``D``
+reads samples ``r·G/D … (r+1)·G/D − 1`` (sample ``p`` from its source's reader with lane ``p``)
+and splits them into micro-batches of ``local_batch_size`` rows. So a run on 1 rank with gradient
+accumulation and a run on 4 ranks see exactly the same samples at every step, and the state
+(plain integers: the schedule, plus the lanes of streamed sources) resumes on any world size with
+the same global batch size.
+
+The loader never names a source kind: a reader gives ``window(n, lane)`` (the ``seq_len + 1``
+tokens of the source's sample ``n``, or of lane ``lane``), ``samples_per_epoch`` (None where epochs
+are per lane), ``positions()`` / ``seek()`` for lanes, ``epochs_begun()``, ``identity()`` and
+``describe()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from torchtitan_lite.data.mixture import Schedule
+from torchtitan_lite.errors import DataError
+
+__all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches"]
+
+logger = logging.getLogger("torchtitan_lite")
+
+
+class Reader(Protocol):
+    """What the loader needs from a source (see the module's docstring)."""
+
+    samples_per_epoch: int | None
+
+    def window(self, n: int, lane: int) -> np.ndarray: ...
+    def positions(self) -> dict[int, list[int]]: ...
+    def seek(self, positions: list[list[int]]) -> None: ...
+    def epochs_begun(self) -> int: ...
+    def identity(self) -> dict[str, Any]: ...
+    def describe(self) -> str: ...
+
+
+@dataclass
+class LoaderSource:
+    """One source of the loader: its name (metrics, logs, the saved state), weight and epochs."""
+
+    name: str
+    reader: Reader
+    weight: float = 1.0
+    max_epochs: int | None = None
+    where: str = ""
+    """The dataset as the config names it (for the start-up log)."""
+
+
+def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per rank per global batch; one :class:`DataError` line when the global batch
+    does not split into ``local_batch_size`` rows on each of ``dp_size`` ranks."""
+    if global_batch_size % (local_batch_size * dp_size):
+        raise DataError(
+            f"training.global_batch_size={global_batch_size} is not a multiple of "
+            f"local_batch_size × dp = {local_batch_size} × {dp_size}"
+        )
+    return global_batch_size // (local_batch_size * dp_size)
+
+
+def micro_batches(rows: torch.Tensor, local_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``rows`` (windows of ``seq_len + 1`` tokens) as ``(inputs, labels)`` micro-batches
+    of ``local_batch_size`` rows, in order."""
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(local_batch_size)]
+
+
+def _any_rank(flags: list[bool], dp_size: int) -> list[bool]:
+    """``flags`` or-ed over the data-parallel ranks (the default group's ranks)."""
+    if dp_size == 1:
+        return flags
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, flags)
+    return [any(g[i] for g in gathered) for i in range(len(flags))]
+
+
+class BatchLoader:
+    """Yields this rank's micro-batches ``(inputs, labels)`` of each global batch (see the module's
+    docstring). After :meth:`next_batch`, :attr:`batch_sources` holds the source of each row of
+    each micro-batch; rows of one source are next to each other within a micro-batch.
+
+    ``named``: the sources are a ``[[training.datasets]]`` mixture, reported per source. A
+    changed mixture in a saved state is refused unless ``allow_mixture_change``.
+    """
+
+    def __init__(self, sources: list[LoaderSource], *, seq_len: int, global_batch_size: int, local_batch_size: int,
+                 dp_rank: int, dp_size: int, named: bool = False, allow_mixture_change: bool = False) -> None:
+        self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
+        self.sources = sources
+        self.seq_len, self.global_batch_size, self.local_batch_size = seq_len, global_batch_size, local_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.named, self.allow_mixture_change = named, allow_mixture_change
+        self.schedule = Schedule([s.name for s in sources], [s.weight for s in sources],
+                                 samples_per_epoch=[s.reader.samples_per_epoch for s in sources],
+                                 max_epochs=[s.max_epochs for s in sources])
+        self.step = 0  # global batches consumed
+        self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
+        per_rank = global_batch_size // dp_size
+        self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        self.batch_sources: list[torch.Tensor] = []
+        self.batch_counts = [0] * len(sources)  # samples of each source in the last global batch (all ranks)
+        self._lanes: dict[str, list[list[int]]] | None = None  # every lane's position at step _lanes_step
+        self._lanes_step = -1
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def _read(self) -> tuple[list[np.ndarray], list[int]]:
+        """The next global batch: this rank's windows and their sources."""
+        assignment = self.schedule.take(self.global_batch_size)
+        rows, sources = [], []
+        for p in self._mine:
+            s, n = assignment[p]
+            rows.append(self.sources[s].reader.window(n, p))
+            sources.append(s)
+        self.batch_counts = [0] * len(self.sources)
+        for s, _ in assignment:
+            self.batch_counts[s] += 1
+        self._retire_finished_lanes()
+        if self.dp_rank == 0:
+            for event in self.schedule.events:
+                logger.warning("training data: %s", event)
+        self.schedule.events.clear()
+        return rows, sources
+
+    def _retire_finished_lanes(self) -> None:
+        """Streamed sources with ``max_epochs``: retired once a lane of any rank began that epoch."""
+        limited = [i for i, s in enumerate(self.sources) if s.max_epochs is not None
+                   and s.reader.samples_per_epoch is None and self.schedule.active[i]]
+        if not limited:
+            return
+        done = _any_rank([self.sources[i].reader.epochs_begun() >= self.sources[i].max_epochs  # type: ignore[operator]
+                          for i in limited], self.dp_size)
+        for i, finished in zip(limited, done, strict=True):
+            if finished:
+                self.schedule.retire(i, f"has read all its rows {self.sources[i].max_epochs} times in some lane "
+                                        f"(max_epochs = {self.sources[i].max_epochs})")
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of this rank for the next global batch (batches in :attr:`skipped`
+        are read and left out)."""
+        while self.step in self.skipped:
+            self._read()
+            self.step += 1
+        rows, sources = self._read()
+        self.step += 1
+        data, order = torch.from_numpy(np.stack(rows)), torch.tensor(sources)
+        if len(self.sources) > 1:  # each micro-batch's rows grouped by source (a stable sort per micro-batch)
+            perm = torch.cat([chunk.sort(stable=True).indices + i * self.local_batch_size
+                              for i, chunk in enumerate(order.split(self.local_batch_size))])
+            data, order = data[perm], order[perm]
+        self.batch_sources = list(order.split(self.local_batch_size))
+        return micro_batches(data, self.local_batch_size)
+
+    def tokens_by_source(self) -> dict[str, int]:
+        """Training tokens (labels) of each source since the run began, over all ranks."""
+        return {s.name: n * self.seq_len for s, n in zip(self.sources, self.schedule.totals, strict=True)}
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def gather_state(self) -> None:
+        """Every rank's lane positions to every rank (a collective over the default group when
+        there are several ranks and a streamed source); call on every rank before a save."""
+        lanes = [i for i, s in enumerate(self.sources) if s.reader.samples_per_epoch is None]
+        mine = {self.sources[i].name: self.sources[i].reader.positions() for i in lanes}
+        if lanes and self.dp_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.step, mine))
+            if {step for step, _ in gathered} != {self.step}:
+                raise RuntimeError(f"data loader: ranks are at different steps {[s for s, _ in gathered]}")
+            for _, part in gathered:
+                for name, positions in part.items():
+                    mine[name].update(positions)
+        self._lanes = {name: [positions[p] for p in range(self.global_batch_size)] for name, positions in mine.items()}
+        self._lanes_step = self.step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position as plain data: global batches consumed, the schedule, every lane's
+        position, and what gives them meaning."""
+        if self._lanes_step != self.step:
+            if self.dp_size > 1 and any(s.reader.samples_per_epoch is None for s in self.sources):
+                raise RuntimeError("BatchLoader.state_dict: call gather_state() on every rank first")
+            self.gather_state()
+        return {
+            "step": self.step,
+            "global_batch_size": self.global_batch_size,
+            "seq_len": self.seq_len,
+            "skipped": sorted(self.skipped),
+            "sources": [{"name": s.name, "weight": s.weight, "max_epochs": s.max_epochs, **s.reader.identity()}
+                        for s in self.sources],
+            "schedule": self.schedule.state_dict(),
+            "lanes": {name: [list(p) for p in positions] for name, positions in (self._lanes or {}).items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; it may come from any world size or micro-batch split."""
+        state = _upgrade(state, self)
+        for name in ("global_batch_size", "seq_len"):
+            if state.get(name) != getattr(self, name):
+                hint = (f"; to resume at another world size, set training.global_batch_size = {state.get(name)}"
+                        if name == "global_batch_size" else "")
+                raise DataError(f"data loader state does not match this run: it was saved with {name}="
+                                f"{state.get(name)!r}, this run has {getattr(self, name)!r}; the saved position "
+                                f"would point at other samples{hint}")
+        step, skipped, saved = state.get("step"), state.get("skipped", []), state.get("sources")
+        if not isinstance(step, int) or step < 0:
+            raise DataError(f"data loader state: invalid step {step!r}; expected an integer >= 0")
+        if not isinstance(skipped, list) or not all(isinstance(s, int) and s >= 0 for s in skipped):
+            raise DataError(f"data loader state: invalid skipped {skipped!r}; expected a list of integers >= 0")
+        if not isinstance(saved, list) or not all(isinstance(s, dict) and "name" in s for s in saved):
+            raise DataError("data loader state: invalid sources; expected a list of tables with a name")
+        by_name = {s["name"]: s for s in saved}
+        self._check_identities(by_name)
+        changes = self._mixture_changes(saved)
+        if changes and not self.allow_mixture_change:
+            raise DataError(f"data loader state does not match this run: the mixture changed ({'; '.join(changes)}); "
+                            "set training.allow_mixture_change = true to apply the new mixture from the resumed step")
+        schedule = state.get("schedule", {})
+        order = [s["name"] for s in saved]
+        columns = {k: schedule.get(k) for k in ("totals", "active", "segment")}
+        if not all(isinstance(v, list) and len(v) == len(order) for v in columns.values()):
+            raise DataError("data loader state: invalid schedule; expected one entry per saved source")
+        mine = {k: [v[order.index(s.name)] if s.name in by_name else (0 if k != "active" else True)
+                    for s in self.sources] for k, v in columns.items()}
+        if changes:
+            for i, s in enumerate(self.sources):  # a source given more epochs may come back
+                if s.name in by_name and by_name[s.name].get("max_epochs") != s.max_epochs:
+                    mine["active"][i] = True
+            if self.dp_rank == 0:
+                logger.warning("training data: the mixture changed on resume (%s); the new mixture applies from "
+                               "global batch %d (training.allow_mixture_change = true)", "; ".join(changes), step)
+        self.schedule.load_state_dict({**mine, "segment_samples": schedule.get("segment_samples")},
+                                      new_segment=bool(changes))
+        lanes = state.get("lanes", {})
+        for s in self.sources:
+            if s.reader.samples_per_epoch is None and s.name in by_name:
+                positions = lanes.get(s.name) if isinstance(lanes, dict) else None
+                if (not isinstance(positions, list) or len(positions) != self.global_batch_size or not all(
+                        isinstance(p, list) and len(p) == 3 and all(isinstance(v, int) and v >= 0 for v in p)
+                        for p in positions)):
+                    raise DataError(f"data loader state: invalid lane positions of source {s.name!r}; expected "
+                                    f"{self.global_batch_size} [epoch, document, tokens] lists of integers >= 0")
+                s.reader.seek(positions)
+        self.step, self.skipped = step, set(skipped)
+        self._lanes = {name: [list(p) for p in positions] for name, positions in lanes.items()
+                       if name in self.names} if isinstance(lanes, dict) else None
+        self._lanes_step = step if not changes else -1
+
+    def _check_identities(self, by_name: dict[str, dict[str, Any]]) -> None:
+        """A source of the same name must be the same data, read the same way."""
+        for s in self.sources:
+            if s.name not in by_name:
+                continue
+            what = f"source {s.name!r} " if self.named else ""
+            identity = s.reader.identity()
+            if not set(identity) <= set(by_name[s.name]):
+                kind = "a streamed" if s.reader.samples_per_epoch is None else "a windowed (not streamed)"
+                raise DataError(f"data loader state does not match this run: {what}was saved from another kind of "
+                                f"source; this run reads {kind} source ({s.where})")
+            for key, value in identity.items():
+                if by_name[s.name].get(key) != value:
+                    raise DataError(f"data loader state does not match this run: {what}was saved with {key}="
+                                    f"{by_name[s.name].get(key)!r}, this run has {value!r}; the saved position "
+                                    "would point at other samples")
+
+    def _mixture_changes(self, saved: list[dict[str, Any]]) -> list[str]:
+        by_name = {s["name"]: s for s in saved}
+        changes = [f"{name!r} removed" for name in by_name if name not in self.names]
+        for s in self.sources:
+            old = by_name.get(s.name)
+            if old is None:
+                changes.append(f"{s.name!r} added")
+                continue
+            for key in ("weight", "max_epochs"):
+                if old.get(key) != getattr(s, key):
+                    changes.append(f"{key} of {s.name!r} {old.get(key)!r} -> {getattr(s, key)!r}")
+        return changes
+
+    def describe(self) -> str:
+        """One line per source for the start-up log."""
+        total = sum(s.weight for s in self.sources)
+        parts = []
+        for s in self.sources:
+            share = f"{s.name!r} weight {s.weight / total:.3g}, " if self.named else ""
+            epochs = f", at most {s.max_epochs} epochs" if s.max_epochs is not None else ""
+            parts.append(f"{share}{s.where}: {s.reader.describe()}{epochs}")
+        return "; ".join(parts)
+
+
+def _upgrade(state: dict[str, Any], loader: BatchLoader) -> dict[str, Any]:
+    """A state saved by an earlier version (one source; ``num_windows``, or streamed ``positions``
+    of ``[epoch, row, tokens]``) in this version's form."""
+    if "sources" in state or len(loader.sources) != 1:
+        return state
+    source = loader.sources[0]
+    step = state.get("step", 0) if isinstance(state.get("step"), int) else 0
+    upgraded = {**state, "schedule": {"totals": [step * loader.global_batch_size], "active": [True], "segment":
+                                      [step * loader.global_batch_size], "segment_samples": step * loader.global_batch_size}}
+    if "positions" in state:  # the streaming loader: rows in file order
+        identity = {"dataset": state.get("dataset"), "text_column": state.get("text_column"),
+                    "num_rows": state.get("num_rows"), "seed": None, "shuffle": False, "shuffle_buffer": 0}
+        bounds = [p * int(state.get("num_rows") or 0) // loader.global_batch_size
+                  for p in range(loader.global_batch_size)]
+        positions = state["positions"] if isinstance(state["positions"], list) else []
+        upgraded["lanes"] = {source.name: [[e, r - bounds[p], u] for p, (e, r, u) in enumerate(positions)]
+                             if len(positions) == len(bounds) else positions}
+    else:
+        identity = {k: state[k] for k in ("num_windows", "seed", "shuffle") if k in state}
+    upgraded["sources"] = [{"name": source.name, "weight": source.weight, "max_epochs": source.max_epochs, **identity}]
+    return upgraded

@@ -1,0 +1,201 @@
+"""Token streams and their windows: what every source kind produces, and what validation pads.
+
+A source's documents (tokenized, BOS/EOS around each) are packed back to back into one
+:class:`TokenStream` and cut into non-overlapping :class:`TokenWindows` of ``seq_len + 1``
+tokens. :class:`WindowReader` gives the loader sample ``n`` of such a source, epoch after
+epoch, each epoch in its own seeded order. Imports nothing of the package but
+:mod:`torchtitan_lite.errors`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from torchtitan_lite.errors import DataError
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TokenStream",
+    "TokenWindows",
+    "WindowReader",
+    "num_batches",
+    "pack_texts",
+    "padded_batch",
+    "token_dtype_for",
+]
+
+IGNORE_INDEX = -100  # label of padding rows (validation's last, partial batch)
+
+
+class Encoder(Protocol):
+    """What packing needs from a tokenizer."""
+
+    vocab_size: int
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+
+class TokenStream:
+    """Several token arrays (in memory or memory-mapped) read as one stream, without copying."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = [p for p in parts if len(p)]
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` as a new ``int64`` array (crossing part boundaries as needed)."""
+        out = np.empty(stop - start, dtype=np.int64)
+        part = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            begin = pos - int(self.offsets[part])
+            take = min(stop - pos, len(self.parts[part]) - begin)
+            out[pos - start : pos - start + take] = self.parts[part][begin : begin + take]
+            pos += take
+            part += 1
+        return out
+
+    def max_token(self, chunk: int = 1 << 24) -> int:
+        """Largest token id (reads every part once, chunk by chunk)."""
+        best = -1
+        for p in self.parts:
+            for i in range(0, len(p), chunk):
+                best = max(best, int(p[i : i + chunk].max()))
+        return best
+
+
+def token_dtype_for(vocab_size: int) -> type[np.unsignedinteger]:
+    """The smallest token dtype that holds every id of a vocabulary."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def pack_texts(texts: Iterable[str | None], tokenizer: Encoder, *, max_tokens: int | None = None,
+               empty: str) -> TokenStream:
+    """Texts tokenized 256 at a time and packed back to back, until ``max_tokens`` (None: all);
+    empty texts and nulls are left out. ``empty``: the :class:`DataError` line when there is no text."""
+    parts: list[np.ndarray] = []
+    total = 0
+    batch: list[str] = []
+    for text in _with_end(texts):
+        if text:
+            batch.append(text)
+        if batch and (len(batch) == 256 or text is None):
+            parts.extend(tokenizer.encode_batch(batch))
+            total += sum(len(p) for p in parts[-len(batch):])
+            batch = []
+            if max_tokens is not None and total >= max_tokens:
+                break
+    if not parts:
+        raise DataError(empty)
+    tokens = np.concatenate(parts).astype(token_dtype_for(tokenizer.vocab_size))
+    return TokenStream([tokens if max_tokens is None else tokens[:max_tokens]])
+
+
+def _with_end(texts: Iterable[str | None]) -> Iterator[str | None]:
+    """The texts with nulls as empty strings, then None (the end)."""
+    yield from ("" if t is None else t for t in texts)
+    yield None
+
+
+@dataclass
+class TokenWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream."""
+
+    tokens: TokenStream | np.ndarray
+    seq_len: int
+    seq_len_key: str = "training.seq_len"
+    source: str = "the dataset"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, np.ndarray):
+            self.tokens = TokenStream([self.tokens])
+        if len(self) == 0:
+            raise DataError(
+                f"{self.seq_len_key}={self.seq_len}: {self.source} has only {len(self.tokens)} "
+                "tokens, fewer than one window of seq_len + 1"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens) // (self.seq_len + 1)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = index * (self.seq_len + 1)
+        assert isinstance(self.tokens, TokenStream)
+        return self.tokens.read(start, start + self.seq_len + 1)
+
+
+class WindowReader:
+    """Sample ``n`` of a source whose windows are all known: window ``perm_e[n mod W]`` of epoch
+    ``e = n // W``, ``perm_e`` a permutation seeded by ``(seed, *key, e)`` (the identity without
+    ``shuffle``). Within an epoch no window is used twice; every window is used once per epoch.
+    Its position is the loader's count of the source's samples: it keeps none itself."""
+
+    def __init__(self, windows: TokenWindows, *, seed: int, shuffle: bool, key: tuple[int, ...] = ()) -> None:
+        self.windows = windows
+        self.seed, self.shuffle, self.key = seed, shuffle, key
+        self.samples_per_epoch: int | None = len(windows)
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def index(self, n: int) -> int:
+        """The window of the source's sample ``n``."""
+        w = len(self.windows)
+        if not self.shuffle:
+            return n % w
+        epoch = n // w
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, *self.key, epoch]).permutation(w)
+            self._epoch = epoch
+        assert self._perm is not None
+        return int(self._perm[n % w])
+
+    def window(self, n: int, lane: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of the source's sample ``n`` (``lane`` plays no part)."""
+        return self.windows[self.index(n)]
+
+    def positions(self) -> dict[int, list[int]]:
+        """Lane positions: none (sample ``n`` alone says which window it is)."""
+        return {}
+
+    def seek(self, positions: list[list[int]]) -> None:
+        """Nothing to seek (see :meth:`positions`)."""
+
+    def epochs_begun(self) -> int:
+        """Not used for these sources: the loader counts their epochs from their samples."""
+        return 0
+
+    def identity(self) -> dict[str, Any]:
+        """What gives a saved sample count its meaning."""
+        return {"num_windows": len(self.windows), "seed": self.seed, "shuffle": self.shuffle}
+
+    def describe(self) -> str:
+        return f"{len(self.windows.tokens)} tokens, {len(self.windows)} windows of {self.windows.seq_len + 1}"
+
+
+def padded_batch(
+    windows: TokenWindows, indices: list[int], batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, labels)`` for ``indices`` padded to ``batch_size`` rows; padding rows are
+    all-zero inputs with :data:`IGNORE_INDEX` labels, so every rank can run the same shapes."""
+    seq_len = windows.seq_len
+    inputs = torch.zeros(batch_size, seq_len, dtype=torch.int64)
+    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    for row, index in enumerate(indices):
+        window = torch.from_numpy(windows[index])
+        inputs[row] = window[:-1]
+        labels[row] = window[1:]
+    return inputs, labels
+
+
+def num_batches(num_windows: int, global_batch_size: int) -> int:
+    """Global batches needed to cover ``num_windows`` once (the last one may be partial)."""
+    return math.ceil(num_windows / global_batch_size)
