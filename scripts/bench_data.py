@@ -77,12 +77,17 @@ def build_loader(kinds: list[tuple[str, float]], paths: dict[str, str], tokenize
 
 
 def measure(kinds: list[tuple[str, float]], paths: dict[str, str], tokenizer: Tokenizer, *, seq_len: int,
-            global_batch_size: int, batches: int) -> tuple[float, float]:
-    """Start-up to the first global batch (s) and windows per second after it (this rank's)."""
+            global_batch_size: int, batches: int, warmup: int = 0) -> tuple[float, float]:
+    """Start-up to the first global batch (s), and this rank's windows per second over ``batches``
+    global batches after ``warmup`` more (by then every streamed range has filled its shuffle
+    buffer, which a source alone does in its first batch and a mixture as the schedule first
+    picks it in each range)."""
     start = time.perf_counter()
     loader = build_loader(kinds, paths, tokenizer, seq_len=seq_len, global_batch_size=global_batch_size)
     loader.next_batch()
     startup = time.perf_counter() - start
+    for _ in range(warmup):
+        loader.next_batch()
     start = time.perf_counter()
     for _ in range(batches):
         loader.next_batch()
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--tokenizer_path", default=None, help="tokenizer.json / tokenizer.model (default: bytes)")
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--global_batch_size", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=50, help="global batches timed after the first")
+    parser.add_argument("--batches", type=int, default=400, help="global batches timed after the warm-up")
+    parser.add_argument("--warmup", type=int, default=20, help="global batches read after the first, untimed")
     parser.add_argument("--folder", default=None, help="where to write the files (default: a temporary folder)")
     args = parser.parse_args(argv)
     tokenizer = build_tokenizer(args.tokenizer_path)
@@ -110,9 +116,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                     "ratio": whole / streamed}
         for kind, _ in MIXTURE:
             result[f"{kind}_first_batch_s"], result[f"{kind}_windows_per_s"] = measure(
-                [(kind, 1.0)], paths, tokenizer, batches=args.batches, **shape)
+                [(kind, 1.0)], paths, tokenizer, batches=args.batches, warmup=args.warmup, **shape)
         result["mixture_first_batch_s"], result["mixture_windows_per_s"] = measure(
-            list(MIXTURE), paths, tokenizer, batches=args.batches, **shape)
+            list(MIXTURE), paths, tokenizer, batches=args.batches, warmup=args.warmup, **shape)
     expected = 1 / sum(w / result[f"{kind}_windows_per_s"] for kind, w in MIXTURE)
     result["mixture_expected_windows_per_s"] = expected
     result["mixture_ratio"] = result["mixture_windows_per_s"] / expected

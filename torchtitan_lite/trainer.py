@@ -19,6 +19,7 @@ A step is :meth:`Trainer.forward_backward` (the micro-batches of one global batc
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -339,7 +340,7 @@ class Trainer:
                     else f"not reported: {peak_source}")
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         sources: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+                         sources: list[list[int]] | None = None) -> tuple[torch.Tensor, int]:
         """Forward and backward over this rank's micro-batches of one global batch; the
         gradients are those of the mean loss over every token of the global batch. Returns this
         rank's summed token loss (fp64, detached) and its token count. With ``sources`` (the
@@ -355,9 +356,9 @@ class Trainer:
             if sources is None:
                 token_loss = self.loss_fn(logits, labels)
             else:  # one loss call per source's rows (views of the logits), summed
-                groups, counts = torch.unique_consecutive(sources[i], return_counts=True)
                 parts, start = [], 0
-                for group, count in zip(groups.tolist(), counts.tolist(), strict=True):
+                for group, rows in itertools.groupby(sources[i]):
+                    count = len(list(rows))
                     parts.append(self.loss_fn(logits[start : start + count], labels[start : start + count]))
                     loss_sum[1 + group] += parts[-1].detach().double()
                     start += count

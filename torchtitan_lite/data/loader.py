@@ -107,7 +107,7 @@ class BatchLoader:
         self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
         per_rank = global_batch_size // dp_size
         self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        self.batch_sources: list[torch.Tensor] = []
+        self.batch_sources: list[list[int]] = []  # the source of each row of each micro-batch
         self.batch_counts = [0] * len(sources)  # samples of each source in the last global batch (all ranks)
         self._lanes: dict[str, list[list[int]]] | None = None  # every lane's position at step _lanes_step
         self._lanes_step = -1
@@ -155,13 +155,13 @@ class BatchLoader:
             self.step += 1
         rows, sources = self._read()
         self.step += 1
-        data, order = torch.from_numpy(np.stack(rows)), torch.tensor(sources)
         if len(self.sources) > 1:  # each micro-batch's rows grouped by source (a stable sort per micro-batch)
-            perm = torch.cat([chunk.sort(stable=True).indices + i * self.local_batch_size
-                              for i, chunk in enumerate(order.split(self.local_batch_size))])
-            data, order = data[perm], order[perm]
-        self.batch_sources = list(order.split(self.local_batch_size))
-        return micro_batches(data, self.local_batch_size)
+            size = self.local_batch_size
+            order = [i for first in range(0, len(rows), size)
+                     for i in sorted(range(first, min(first + size, len(rows))), key=sources.__getitem__)]
+            rows, sources = [rows[i] for i in order], [sources[i] for i in order]
+        self.batch_sources = [sources[i : i + self.local_batch_size] for i in range(0, len(sources), self.local_batch_size)]
+        return micro_batches(torch.from_numpy(np.stack(rows)), self.local_batch_size)
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (labels) of each source since the run began, over all ranks."""

@@ -17,6 +17,7 @@ normalised again from that sample on. Imports nothing of the package but
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torchtitan_lite.errors import DataError
@@ -44,33 +45,50 @@ class Schedule:
         self.weights = [w / total if a else 0.0 for w, a in zip(self.base_weights, self.active, strict=True)]
         self.segment = [0] * len(self.names)
         self.segment_samples = 0
-
-    def _pick(self) -> int:
-        active = [s for s, a in enumerate(self.active) if a]
-        delta = 1 / (2 * (len(active) - 1)) if len(active) > 1 else 0.0
-        due = self.segment_samples + 1
-        eligible = [s for s in active if self.weights[s] * due - self.segment[s] >= delta - _EPS] or active
-        return min(eligible, key=lambda s: ((self.segment[s] + 1 - delta) / self.weights[s], s))
+        self._active = [s for s, a in enumerate(self.active) if a]
+        self._delta = 1 / (2 * (len(self._active) - 1)) if len(self._active) > 1 else 0.0
+        self._eligible = [(self._delta - _EPS) / w if w else math.inf for w in self.weights]
+        self._due = [(1 - self._delta) / w if w else math.inf for w in self.weights]
 
     def take(self, count: int) -> list[tuple[int, int]]:
         """The next ``count`` samples as ``(source, n)``: the source's index and its own sample number."""
         out = []
         for _ in range(count):
             s = self._pick()
-            out.append((s, self.totals[s]))
-            self.totals[s] += 1
+            n = self.totals[s]
+            out.append((s, n))
+            self.totals[s] = n + 1
             self.segment[s] += 1
             self.segment_samples += 1
+            if len(self._active) > 1:  # when s is next eligible, and when its next sample is due
+                self._eligible[s] = (self.segment[s] + self._delta - _EPS) / self.weights[s]
+                self._due[s] = (self.segment[s] + 1 - self._delta) / self.weights[s]
             per_epoch = self.samples_per_epoch[s]
-            if per_epoch and self.totals[s] % per_epoch == 0:
-                epoch = self.totals[s] // per_epoch
-                limit = self.max_epochs[s]
-                if limit is not None and epoch >= limit:
-                    self.retire(s, f"has used its {per_epoch} windows {epoch} times (max_epochs = {limit})")
-                else:
-                    self.events.append(f"source {self.names[s]!r} has used all its {per_epoch} windows and "
-                                       f"starts again (epoch {epoch})")
+            if per_epoch is not None and (n + 1) % per_epoch == 0:
+                self._epoch_done(s, (n + 1) // per_epoch)
         return out
+
+    def _pick(self) -> int:
+        """The next sample's source: among the sources not ahead of their share (``w·t − c ≥ δ``
+        at sample ``t``), the one whose next sample is due first (``(c + 1 − δ) / w``)."""
+        active = self._active
+        if len(active) == 1:
+            return active[0]
+        t = self.segment_samples + 1
+        eligible, due = self._eligible, self._due
+        best = -1
+        for s in active:
+            if eligible[s] <= t and (best < 0 or due[s] < due[best]):
+                best = s
+        return best if best >= 0 else min(active, key=due.__getitem__)
+
+    def _epoch_done(self, s: int, epoch: int) -> None:
+        per_epoch, limit = self.samples_per_epoch[s], self.max_epochs[s]
+        if limit is not None and epoch >= limit:
+            self.retire(s, f"has used its {per_epoch} windows {epoch} times (max_epochs = {limit})")
+        else:
+            self.events.append(f"source {self.names[s]!r} has used all its {per_epoch} windows and starts again "
+                               f"(epoch {epoch})")
 
     def retire(self, source: int, why: str) -> None:
         """``source`` leaves the mix from the next sample on; the others' weights are normalised again."""
@@ -102,3 +120,6 @@ class Schedule:
         self._new_segment()
         if not new_segment:
             self.segment, self.segment_samples = [int(v) for v in state["segment"]], int(state["segment_samples"])
+            for s in self._active:
+                self._eligible[s] = (self.segment[s] + self._delta - _EPS) / self.weights[s]
+                self._due[s] = (self.segment[s] + 1 - self._delta) / self.weights[s]
