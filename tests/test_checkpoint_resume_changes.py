@@ -72,7 +72,7 @@ def test_resume_lists_changes_and_the_new_schedule_applies_from_the_resumed_step
 
 
 def test_a_resumed_run_cannot_change_its_tokenizer(tmp_path: Path) -> None:
-    from tests.test_data import train_hf_tokenizer
+    from tests.data_helpers import train_hf_tokenizer
 
     dump = tmp_path / "job"
     assert run_distributed(_train, 1, _argv(dump, "--training.steps", "2"))[0]["error"] is None

@@ -275,7 +275,7 @@ def _tiktoken_model(path: Path) -> None:
 
 def _workspace(root: Path) -> None:
     """What TorchTitan's configs point at, relative to where they run: tokenizers and c4_test."""
-    from tests.test_data import train_hf_tokenizer
+    from tests.data_helpers import train_hf_tokenizer
 
     for folder in ("tests/assets/tokenizer", "assets/hf/Llama-3.1-8B"):
         train_hf_tokenizer(root / folder, special=("<|begin_of_text|>", "<|end_of_text|>"))

@@ -2,7 +2,7 @@
 in process: the corpus, each sample's own rows, global batches and state at any world size,
 validation reads; the one-line errors before training (TorchTitan's dataset names included);
 TorchTitan's c4 names on local JSON lines and scripts/jsonl_to_parquet.py; scripts/bench_data.py.
-Through the trainer: tests/test_trainer_arrow_data.py."""
+Through the trainer: tests/test_trainer_data.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import TINY_ARGS
-from tests.test_data import (
-    _user_error,  # the schema → preflight → plan checks, one line
-    build_token_stream,
-)
+from tests.data_helpers import build_token_stream
+from tests.data_helpers import user_error as _user_error  # the schema → preflight → plan checks, one line
 from tests.test_data_tiktoken import _one_line
 from torchtitan_lite.config import load_job_config
 from torchtitan_lite.data import BatchLoader, ByteTokenizer, LoaderSource

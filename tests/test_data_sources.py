@@ -1,4 +1,5 @@
-"""Tokenizers, every dataset kind, the loader's slicing, its state, and the data errors."""
+"""The source kinds (``torchtitan_lite/data/{stdlib,text,c4,tokens,sources}.py``): every kind read, and
+the data errors before training. Streamed kinds: tests/test_data_arrow.py."""
 
 from __future__ import annotations
 
@@ -8,155 +9,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from tests.data_helpers import (
+    DOCS,
+    build_token_stream,
+    expected_stream,
+    stream_array,
+    train_hf_tokenizer,
+    user_error,
+)
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.data import (
-    BatchLoader,
     ByteTokenizer,
     HFTokenizer,
-    LoaderSource,
-    SourceSpec,
     TokenWindows,
-    WindowReader,
-    build_tokenizer,
     check_dataset,
-    token_stream,
 )
-from torchtitan_lite.errors import DataError, UserError
-from torchtitan_lite.job import plan_job, preflight
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
-
-DOCS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def add(a, b):\n    return a + b\n",
-    "Ünïcödé text survives the round trip: ∑ αβγ ✓",
-    "A fourth document, a little longer than the others, to make the windows interesting.",
-]
-
-
-def train_hf_tokenizer(folder: Path, *, special: tuple[str, ...] = ("<s>", "</s>"), vocab: int = 300) -> Path:
-    """A byte-level BPE ``tokenizer.json`` trained by the ``tokenizers`` library on DOCS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=list(special),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(DOCS * 20, trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "tokenizer.json"
-    tok.save(str(path))
-    return path
-
-
-def expected_stream(tokenizer, docs: list[str]) -> np.ndarray:
-    return np.concatenate(tokenizer.encode_batch(docs)).astype(np.int64)
-
-
-def stream_array(stream) -> np.ndarray:
-    return stream.read(0, len(stream))
-
-
-def _loader(windows, *, global_bs, local_bs, rank, dp, seed=7):
-    return BatchLoader([LoaderSource("w", WindowReader(windows, seed=seed, shuffle=True))], seq_len=windows.seq_len,
-                       global_batch_size=global_bs, local_batch_size=local_bs, dp_rank=rank, dp_size=dp)
-
-
-def build_token_stream(dataset, dataset_path, tokenizer, *, section="training", token_dtype="uint16",
-                       max_tokens=None, **kwargs):
-    """A source's whole token stream (streamed kinds: up to ``max_tokens``)."""
-    return token_stream(SourceSpec(dataset, dataset_path, section=section, token_dtype=token_dtype, **kwargs),
-                        tokenizer, max_tokens=max_tokens)
-
-
-def _step_rows(loader):
-    return torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in loader.next_batch()])
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
-    ids = tok.encode("héllo")
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-    assert tok.decode(ids) == "héllo"
-    (arr,) = tok.encode_batch(["héllo"])
-    assert arr.tolist() == ids
-
-
-def test_hf_tokenizer_from_tokenizer_json(tmp_path):
-    path = train_hf_tokenizer(tmp_path / "tok")
-    tok = build_tokenizer(str(path))
-    assert isinstance(tok, HFTokenizer)
-    assert 258 < tok.vocab_size <= 300
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(path)).get_vocab()
-    assert tok.bos_id == vocab["<s>"] and tok.eos_id == vocab["</s>"]
-    for doc in DOCS:
-        (ids,) = tok.encode_batch([doc])
-        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-        assert int(ids.max()) < tok.vocab_size
-        assert tok.decode(ids.tolist()) == doc
-    # BPE really merges: fewer tokens than bytes.
-    (ids,) = tok.encode_batch([DOCS[0]])
-    assert len(ids) - 2 < len(DOCS[0].encode())
-    # A folder holding tokenizer.json works too.
-    assert build_tokenizer(str(tmp_path / "tok")).vocab_size == tok.vocab_size
-
-
-def test_hf_tokenizer_special_tokens_from_config(tmp_path):
-    path = train_hf_tokenizer(tmp_path, special=("<|start|>", "<|stop|>", "</s>"))
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|start|>", "eos_token": {"content": "<|stop|>"}})
-    )
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(path)).get_vocab()
-    tok = HFTokenizer(path)
-    assert (tok.bos_id, tok.eos_id) == (vocab["<|start|>"], vocab["<|stop|>"])
-
-
-def test_hf_tokenizer_single_separator_and_null_bos(tmp_path):
-    # GPT-2 style: one <|endoftext|> token; it separates documents once, not twice.
-    path = train_hf_tokenizer(tmp_path / "gpt2", special=("<|endoftext|>",))
-    tok = HFTokenizer(path)
-    assert tok.bos_id is None and tok.eos_id is not None
-    (ids,) = tok.encode_batch(["abc"])
-    assert ids[-1] == tok.eos_id and (ids == tok.eos_id).sum() == 1
-    # A tokenizer_config.json that sets bos_token to null means no BOS (no fallback).
-    path = train_hf_tokenizer(tmp_path / "qwen", special=("<s>", "</s>"))
-    (tmp_path / "qwen" / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "</s>"}))
-    tok = HFTokenizer(path)
-    assert tok.bos_id is None and tok.eos_id is not None
-    # A configured token the vocabulary lacks is an error, not a silent fallback.
-    (tmp_path / "qwen" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    with pytest.raises(DataError, match=r"names eos_token '<\|im_end\|>'"):
-        HFTokenizer(path)
-
-
-def test_hf_tokenizer_without_bos_or_eos_is_rejected(tmp_path):
-    path = train_hf_tokenizer(tmp_path, special=("<pad>",))
-    with pytest.raises(DataError, match=r"model.tokenizer_path: .*no BOS or EOS"):
-        HFTokenizer(path)
-
-
-def test_hf_tokenizer_bad_file(tmp_path):
-    bad = tmp_path / "tokenizer.json"
-    bad.write_text("{not json")
-    with pytest.raises(DataError, match="model.tokenizer_path: .*not a valid tokenizer.json"):
-        HFTokenizer(bad)
-
+from torchtitan_lite.errors import DataError
 
 # --------------------------------------------------------------------------------------------
 # Datasets
@@ -237,112 +106,9 @@ def test_hf_tokenizer_with_pretokenized_uint32(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The loader
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dp, local_bs", [(1, 8), (1, 2), (2, 4), (4, 1), (2, 2)])
-def test_global_batch_is_independent_of_world_size(dp, local_bs):
-    windows = TokenWindows(np.arange(10_000, dtype=np.uint16) % 258, seq_len=15)
-    reference = _loader(windows, global_bs=8, local_bs=8, rank=0, dp=1)
-    loaders = [_loader(windows, global_bs=8, local_bs=local_bs, rank=r, dp=dp) for r in range(dp)]
-    for _ in range(5):
-        expected = _step_rows(reference)
-        got = torch.cat([_step_rows(ld) for ld in loaders])
-        assert torch.equal(got, expected)
-    assert loaders[0].grad_accum_steps == 8 // (local_bs * dp)
-
-
-def test_inputs_and_labels_are_shifted_by_one():
-    windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=9)
-    (inputs, labels), = _loader(windows, global_bs=2, local_bs=2, rank=0, dp=1).next_batch()
-    assert inputs.shape == labels.shape == (2, 9)
-    assert inputs.dtype == labels.dtype == torch.int64
-    assert torch.equal(inputs[:, 1:], labels[:, :-1])
-
-
-@pytest.mark.parametrize("num_windows, global_bs", [(100, 10), (103, 8)])
-def test_ranks_see_disjoint_windows_covering_each_epoch(num_windows, global_bs):
-    """Two data-parallel ranks never read the same window within an epoch, and together read
-    every window of it (also when the epoch does not end on a step boundary)."""
-    seq = 19
-    windows = TokenWindows(np.arange(num_windows * (seq + 1), dtype=np.uint32), seq_len=seq)
-    loaders = [_loader(windows, global_bs=global_bs, local_bs=global_bs // 2, rank=r, dp=2) for r in (0, 1)]
-    steps = 3 * num_windows // global_bs + 1
-    per_rank = [[], []]  # (sample number, window) read by each rank
-    for step in range(steps):
-        for r, ld in enumerate(loaders):
-            rows = _step_rows(ld)
-            first = step * global_bs + r * (global_bs // 2)
-            per_rank[r] += [(first + i, int(row[0]) // (seq + 1)) for i, row in enumerate(rows)]
-    for epoch in range(3):
-        seen = [[w for s, w in per_rank[r] if s // num_windows == epoch] for r in (0, 1)]
-        assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
-        assert not set(seen[0]) & set(seen[1]), f"epoch {epoch}: a window read by both ranks"
-        assert sorted(seen[0] + seen[1]) == list(range(num_windows)), f"epoch {epoch} not covered"
-    # Epochs are shuffled differently.
-    order = [w for _, w in sorted(per_rank[0] + per_rank[1])]
-    assert order[:num_windows] != order[num_windows : 2 * num_windows]
-
-
-@pytest.mark.parametrize("stop_after", [1, 5, 13])  # 13 steps of 8 cross the 100-window epoch
-def test_state_round_trip_is_bit_identical(stop_after):
-    windows = TokenWindows(np.arange(100 * 10, dtype=np.uint16), seq_len=9)
-    uninterrupted = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
-    interrupted = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
-    for _ in range(stop_after):
-        for a, b in zip(uninterrupted, interrupted, strict=True):
-            a.next_batch()
-            b.next_batch()
-    # The state is plain data: it survives JSON (no pickled objects).
-    states = [json.loads(json.dumps(ld.state_dict())) for ld in interrupted]
-    assert states[0] == states[1]
-    restored = [_loader(windows, global_bs=8, local_bs=2, rank=r, dp=2) for r in (0, 1)]
-    for ld, state in zip(restored, states, strict=True):
-        ld.load_state_dict(state)
-    for _ in range(15):
-        for a, b in zip(uninterrupted, restored, strict=True):
-            for (xa, ya), (xb, yb) in zip(a.next_batch(), b.next_batch(), strict=True):
-                assert torch.equal(xa, xb) and torch.equal(ya, yb)
-
-    # The same state continues a run on another world size with the same global batches.
-    single = _loader(windows, global_bs=8, local_bs=4, rank=0, dp=1)
-    single.load_state_dict(states[0])
-    reference = _loader(windows, global_bs=8, local_bs=8, rank=0, dp=1)
-    for _ in range(stop_after):
-        reference.next_batch()
-    assert torch.equal(_step_rows(single), _step_rows(reference))
-
-
-def test_state_from_another_dataset_or_batch_is_rejected():
-    windows = TokenWindows(np.arange(1000, dtype=np.uint16), seq_len=9)
-    loader = _loader(windows, global_bs=4, local_bs=2, rank=0, dp=1)
-    state = loader.state_dict()
-    for name, value in [("global_batch_size", 8), ("seq_len", 7)]:
-        with pytest.raises(DataError, match=f"{name}={value!r}"):
-            loader.load_state_dict({**state, name: value})
-    for name, value in [("seed", 1), ("num_windows", 5), ("shuffle", False)]:
-        with pytest.raises(DataError, match=f"{name}={value!r}"):
-            loader.load_state_dict({**state, "sources": [{**state["sources"][0], name: value}]})
-    with pytest.raises(DataError, match="invalid step"):
-        loader.load_state_dict({**state, "step": -1})
-
-
-# --------------------------------------------------------------------------------------------
 # Errors, before training starts
 # --------------------------------------------------------------------------------------------
 
-
-def _user_error(argv: list[str], kind: type[UserError]) -> str:
-    """The error of the checks before any process group: schema, preflight, plan."""
-    with pytest.raises(UserError) as info:
-        config = load_job_config(argv)
-        preflight(config)
-        plan_job(config, world_size=1)
-    assert type(info.value) is kind, (argv, info.value)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 def test_bad_dataset_paths_are_one_line_user_errors(tmp_path):
@@ -366,7 +132,7 @@ def test_bad_dataset_paths_are_one_line_user_errors(tmp_path):
          ConfigError, ["training.seq_len", "4096", "at most 512"]),
     ]
     for argv, kind, expected in cases:
-        message = _user_error(argv, kind)
+        message = user_error(argv, kind)
         for part in expected:
             assert part in message, (argv, message)
 

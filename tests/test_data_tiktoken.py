@@ -141,7 +141,7 @@ def meta_encode(model: Any, s: str, *, bos: bool, eos: bool) -> list[int]:
 
 
 def small_ranks() -> dict[bytes, int]:
-    """The rank table of these tests and of tests/test_trainer_arrow_data.py: 150 merges learnt on
+    """The rank table of these tests and of tests/test_trainer_data.py: 150 merges learnt on
     real text and the samples."""
     return train_ranks(stdlib_docs(20) + SAMPLES, 150)
 
@@ -196,7 +196,7 @@ def test_tokenizer_folders(tmp_path: Path, ranks: dict[bytes, int]) -> None:
     """TorchTitan's hf_assets_path folder (tokenizer.json, tokenizer_config.json, config.json,
     weights) reads its tokenizer.json; a Meta download's tokenizer.model and a Hugging Face
     folder's original/tokenizer.model are found; tokenizer.json wins when both are there."""
-    from tests.test_data import train_hf_tokenizer
+    from tests.data_helpers import train_hf_tokenizer
 
     assets = tmp_path / "assets"
     train_hf_tokenizer(assets, special=("<|begin_of_text|>", "<|end_of_text|>"))

@@ -411,7 +411,7 @@ def _train_and_export(argv: list[str]) -> None:
 
 
 def test_export_is_a_complete_folder_for_transformers(tmp_path: Path) -> None:
-    from tests.test_data import DOCS, train_hf_tokenizer
+    from tests.data_helpers import DOCS, train_hf_tokenizer
 
     tok_path = train_hf_tokenizer(tmp_path / "tok")  # special tokens <s> and </s>, no tokenizer_config.json
     data = tmp_path / "corpus.txt"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,11 +268,13 @@ def test_tied_embeddings_count_once_in_the_estimate() -> None:
 
 
 def test_cli_job_whose_tokenizer_and_dataset_are_not_here(tmp_path, monkeypatch, capsys) -> None:
-    """A Llama 3.1 8B job planned on a machine without its files: the tokenizer folder and the
-    Parquet dataset do not exist. The model takes the 8B flavor's own vocabulary (128256: 8.03B
-    parameters) and one line says so. (The estimate itself is stubbed to stay cheap: what is
-    checked is the plan the CLI estimates and reports.)"""
+    """The shipped Llama 3.1 8B job (train_configs/llama3_8b.toml) planned on a machine without its
+    files: the tokenizer folder and the Parquet mixture do not exist. The model takes the 8B
+    flavor's own vocabulary (128256: 8.03B parameters) and one line says so. (The estimate itself
+    is stubbed to stay cheap: what is checked is the plan the CLI estimates and reports.)"""
     import torchtitan_lite.memory.cli as cli
+
+    shipped = Path(__file__).resolve().parent.parent / "train_configs" / "llama3_8b.toml"
 
     missing = tmp_path / "not-downloaded"
     config = tmp_path / "llama3_8b_remote.toml"
@@ -307,13 +310,20 @@ selective_ac_option = "op"
             device_peak_module="", device_categories=zeros, cpu_peak=0)
 
     monkeypatch.setattr(cli, "estimate_memory", stub_estimate)
-    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80"]) == 0
+    monkeypatch.chdir(tmp_path)  # the shipped job's relative paths: nothing there
+    assert main(["--job.config_file", str(shipped), "--world_size", "8", "--device_memory_gib", "80"]) == 0
     out = capsys.readouterr().out
     assert planned and {args.vocab_size for args in planned} == {128256}
+    assert {(args.dim, args.n_layers) for args in planned} == {(4096, 32)}
     assert out.startswith("llama3 8B: 8.03B parameters, vocab 128256; 8 ranks"), out
     notes = [line for line in out.splitlines() if line.startswith("model.tokenizer_path")]
+    assert notes == ["model.tokenizer_path './assets/hf/Llama-3.1-8B' does not exist on this machine: the "
+                     "estimate uses llama3 8B's own vocabulary, 128256 ids"], out
+    planned.clear()
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model.tokenizer_path")]
     assert notes == [f"model.tokenizer_path {str(missing / 'Llama-3.1-8B' / 'original')!r} does not exist on "
-                     "this machine: the estimate uses llama3 8B's own vocabulary, 128256 ids"], out
+                     "this machine: the estimate uses llama3 8B's own vocabulary, 128256 ids"]
 
     # A vocabulary the user set is kept; the byte tokenizer (no tokenizer_path) prints no note.
     planned.clear()

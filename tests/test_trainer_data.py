@@ -1,7 +1,8 @@
-"""Streamed datasets (``torchtitan_lite/data/arrow.py``) through the trainer: Meta's tiktoken
+"""Data through the trainer (``torchtitan_lite/data/build.py``'s ``build_data``): Meta's tiktoken
 ``tokenizer.model`` with Parquet files trains, validates and exports its tokenizer; an exact resume
 in the middle of a Parquet dataset on 2 ranks and at another world size; a Hugging Face
-``datasets`` folder trains."""
+``datasets`` folder trains; a mixture of three source kinds keeps its shares, reports each
+source's tokens and loss and each validation set's loss, and resumes exactly on 1 and 4 ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
-from tests.test_arrow_data import write_parquet
+from tests.test_data_arrow import write_parquet
 from tests.test_data_tiktoken import SAMPLES, small_ranks, stdlib_docs, write_tiktoken_model
 from torchtitan_lite.data import build_tokenizer
 from torchtitan_lite.data.arrow import ArrowCorpus

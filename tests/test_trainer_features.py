@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import TINY_ARGS
+from tests.data_helpers import DOCS, train_hf_tokenizer
 from tests.dist_utils import read_jsonl, run_distributed
-from tests.test_data import DOCS, train_hf_tokenizer
 from torchtitan_lite.metrics import RECORD_KEYS, device_peak_tflops
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +280,7 @@ def test_console_line_is_coloured_only_on_a_terminal(tmp_path, monkeypatch, capl
 
 def test_whole_validation_set_matches_a_direct_computation(tmp_path):
     """``steps = -1`` visits every window exactly once; the loss is the plain mean over them."""
-    from tests.test_data import build_token_stream
+    from tests.data_helpers import build_token_stream
     from torchtitan_lite.data import ByteTokenizer, TokenWindows
     from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
     from torchtitan_lite.validate import Validator
