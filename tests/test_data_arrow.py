@@ -6,6 +6,7 @@ Through the trainer: tests/test_trainer_data.py."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,28 @@ def test_shuffled_parquet_sorted_by_label_reads_every_label_early(tmp_path: Path
         orders.append([order.next() for _ in range(lane.hi - lane.lo)])
         assert order.next() is None and sorted(orders[-1]) == list(range(lane.lo, lane.hi))
     assert orders[0] != orders[1]
+
+
+def test_streamed_source_leaves_the_mixture_after_max_epochs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A streamed source with ``max_epochs = 1`` leaves at the end of the global batch in which one
+    of its ranges began its second epoch; the other source then takes every sample."""
+    from torchtitan_lite.data import TokenWindows, WindowReader
+
+    caplog.set_level(logging.WARNING, "torchtitan_lite")
+    corpus = ArrowCorpus("parquet", str(write_parquet(tmp_path / "d.parquet", DOCS[:8])))
+    streamed = LaneReader(corpus, ByteTokenizer(), seq_len=16, num_lanes=4, lanes=range(4), seed=0, shuffle=True,
+                          shuffle_buffer=8)
+    other = WindowReader(TokenWindows(np.arange(17 * 100) % 250, 16), seed=0, shuffle=False)
+    loader = BatchLoader([LoaderSource("web", streamed, weight=0.5, max_epochs=1), LoaderSource("ids", other, weight=0.5)],
+                         seq_len=16, global_batch_size=4, local_batch_size=4, dp_rank=0, dp_size=1, named=True)
+    counts = []
+    for _ in range(30):
+        loader.next_batch()
+        counts.append(loader.batch_counts[0])
+    left = counts.index(0)
+    assert left > 2 and set(counts[left:]) == {0} and loader.schedule.active == [False, True]
+    assert streamed.epochs_begun() >= 1
+    assert "source 'web' has read all its rows 1 times in some lane (max_epochs = 1) and leaves the mixture" in caplog.text
 
 
 def test_state_from_another_run_is_refused(tmp_path: Path) -> None:

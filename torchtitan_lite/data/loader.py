@@ -109,6 +109,7 @@ class BatchLoader:
         self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         self.batch_sources: list[list[int]] = []  # the source of each row of each micro-batch
         self.batch_counts = [0] * len(sources)  # samples of each source in the last global batch (all ranks)
+        self.trained = [0] * len(sources)  # samples of each source in the batches given out (not the skipped)
         self._lanes: dict[str, list[list[int]]] | None = None  # every lane's position at step _lanes_step
         self._lanes_step = -1
 
@@ -155,6 +156,7 @@ class BatchLoader:
             self.step += 1
         rows, sources = self._read()
         self.step += 1
+        self.trained = [n + c for n, c in zip(self.trained, self.batch_counts, strict=True)]
         if len(self.sources) > 1:  # each micro-batch's rows grouped by source (a stable sort per micro-batch)
             size = self.local_batch_size
             order = [i for first in range(0, len(rows), size)
@@ -164,8 +166,9 @@ class BatchLoader:
         return micro_batches(torch.from_numpy(np.stack(rows)), self.local_batch_size)
 
     def tokens_by_source(self) -> dict[str, int]:
-        """Training tokens (labels) of each source since the run began, over all ranks."""
-        return {s.name: n * self.seq_len for s, n in zip(self.sources, self.schedule.totals, strict=True)}
+        """Training tokens (labels) of each source in the batches given out since the run began
+        (not those left out by a rollback), over all ranks."""
+        return {s.name: n * self.seq_len for s, n in zip(self.sources, self.trained, strict=True)}
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -202,6 +205,7 @@ class BatchLoader:
             "sources": [{"name": s.name, "weight": s.weight, "max_epochs": s.max_epochs, **s.reader.identity()}
                         for s in self.sources],
             "schedule": self.schedule.state_dict(),
+            "trained": list(self.trained),
             "lanes": {name: [list(p) for p in positions] for name, positions in (self._lanes or {}).items()},
         }
 
@@ -244,6 +248,10 @@ class BatchLoader:
                                "global batch %d (training.allow_mixture_change = true)", "; ".join(changes), step)
         self.schedule.load_state_dict({**mine, "segment_samples": schedule.get("segment_samples")},
                                       new_segment=bool(changes))
+        trained = state.get("trained", columns["totals"])  # states before it: what was read
+        if not isinstance(trained, list) or len(trained) != len(order):
+            raise DataError("data loader state: invalid trained; expected one sample count per saved source")
+        self.trained = [int(trained[order.index(s.name)]) if s.name in by_name else 0 for s in self.sources]
         lanes = state.get("lanes", {})
         for s in self.sources:
             if s.reader.samples_per_epoch is None and s.name in by_name:
@@ -290,14 +298,14 @@ class BatchLoader:
         return changes
 
     def describe(self) -> str:
-        """One line per source for the start-up log."""
+        """The sources for the start-up log (one line each in a mixture)."""
         total = sum(s.weight for s in self.sources)
         parts = []
         for s in self.sources:
             share = f"{s.name!r} weight {s.weight / total:.3g}, " if self.named else ""
-            epochs = f", at most {s.max_epochs} epochs" if s.max_epochs is not None else ""
+            epochs = f", at most {s.max_epochs} epoch(s)" if s.max_epochs is not None else ""
             parts.append(f"{share}{s.where}: {s.reader.describe()}{epochs}")
-        return "; ".join(parts)
+        return "\n  ".join(["a mixture of:", *parts]) if self.named else "; ".join(parts)
 
 
 def _upgrade(state: dict[str, Any], loader: BatchLoader) -> dict[str, Any]:
