@@ -369,3 +369,41 @@ def test_bench_data_script_runs(tmp_path: Path) -> None:
         sys.path.pop(0)
     result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--batches", "3", "--warmup", "1", "--folder", str(tmp_path)])
     assert result["tokens"] > 300_000 and result["ratio"] > 0 and result["mixture_ratio"] > 0
+
+
+def test_every_lane_of_a_streamed_source_is_read_in_a_mixture(tmp_path: Path) -> None:
+    """At 1:1 with a global batch of 4 the schedule alternates, so without rotating the positions
+    each batch the streamed source would always take positions 0 and 2 and never read lanes 1, 3."""
+    from torchtitan_lite.data import TokenWindows, WindowReader
+
+    corpus = ArrowCorpus("parquet", str(write_parquet(tmp_path / "d.parquet", DOCS)))
+    streamed = LaneReader(corpus, ByteTokenizer(), seq_len=16, num_lanes=4, lanes=range(4), seed=0, shuffle=False,
+                          shuffle_buffer=8)
+    other = WindowReader(TokenWindows(np.arange(17 * 100) % 250, 16), seed=0, shuffle=False)
+    loader = BatchLoader([LoaderSource("web", streamed, weight=0.5), LoaderSource("ids", other, weight=0.5)],
+                         seq_len=16, global_batch_size=4, local_batch_size=4, dp_rank=0, dp_size=1, named=True)
+    for _ in range(40):
+        loader.next_batch()
+    used = {p: pos[1] + 1000 * pos[0] for p, pos in streamed.positions().items()}  # documents read per lane
+    assert min(used.values()) > 0 and max(used.values()) <= 2 * min(used.values()) + 2, used
+
+
+def test_a_lane_saved_at_the_very_end_of_its_epoch_resumes(tmp_path: Path) -> None:
+    """Two documents of 40 000 characters fill one tokenization round (64K characters) exactly:
+    when a window ends with the second, the lane's position is the next epoch's start (not a
+    document past the end), and a resume from it reads what the uninterrupted lane reads."""
+    docs = ["a" * 40_000, "b" * 40_000]
+    corpus = ArrowCorpus("parquet", str(write_parquet(tmp_path / "d.parquet", docs)))
+
+    def reader() -> LaneReader:
+        return LaneReader(corpus, ByteTokenizer(), seq_len=40_001, num_lanes=1, lanes=range(1), seed=0,
+                          shuffle=False, shuffle_buffer=1)
+
+    full = reader()
+    first = [full.window(0, 0), full.window(1, 0)]  # 2 × 40 002 tokens: both documents, exactly
+    assert np.array_equal(np.concatenate(first), np.concatenate(ByteTokenizer().encode_batch(docs)))
+    assert full.positions() == {0: [1, 0, 0]} and full.epochs_begun() == 0
+    resumed = reader()
+    resumed.seek([[1, 0, 0]])
+    assert resumed.epochs_begun() == 0  # no token of epoch 1 used yet: as the uninterrupted lane
+    assert np.array_equal(resumed.window(2, 0), full.window(2, 0))

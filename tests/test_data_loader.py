@@ -11,6 +11,7 @@ import torch
 
 from torchtitan_lite.data import (
     BatchLoader,
+    ByteTokenizer,
     LoaderSource,
     TokenWindows,
     WindowReader,
@@ -117,3 +118,23 @@ def test_state_from_another_dataset_or_batch_is_rejected():
             loader.load_state_dict({**state, "sources": [{**state["sources"][0], name: value}]})
     with pytest.raises(DataError, match="invalid step"):
         loader.load_state_dict({**state, "step": -1})
+
+
+def test_block_causal_document_ids_of_plain_windows() -> None:
+    """With the tokenizer's BOS/EOS (block-causal attention), the loader gives each micro-batch's
+    document ids: a document begins at each BOS and after each EOS; without them, none."""
+    bos, eos = ByteTokenizer.bos_id, ByteTokenizer.eos_id
+    docs = ByteTokenizer().encode_batch(["ab", "cde", "f"])  # [256 a b 257] [256 c d e 257] [256 f 257]
+    stream = np.concatenate(docs + docs).astype(np.uint16)
+    windows = TokenWindows(stream, seq_len=len(stream) - 1)
+    reader = WindowReader(windows, seed=0, shuffle=False)
+    loader = BatchLoader([LoaderSource("w", reader)], seq_len=windows.seq_len, global_batch_size=1,
+                         local_batch_size=1, dp_rank=0, dp_size=1, documents=(bos, eos))
+    ((inputs, labels),) = loader.next_batch()
+    (ids,) = loader.batch_documents
+    assert ids[0].tolist() == [1] * 4 + [2] * 5 + [3] * 3 + [4] * 4 + [5] * 5 + [6] * 2
+    assert torch.equal(labels[0], torch.from_numpy(stream[1:].astype(np.int64)))  # labels as before
+    plain = BatchLoader([LoaderSource("w", reader)], seq_len=windows.seq_len, global_batch_size=1,
+                        local_batch_size=1, dp_rank=0, dp_size=1)
+    plain.next_batch()
+    assert plain.batch_documents is None

@@ -104,3 +104,65 @@ def test_init_statistics():
 def test_sequence_longer_than_max_seq_len_is_rejected():
     with pytest.raises(ValueError, match="max_seq_len"):
         _tiny()(torch.zeros(1, 600, dtype=torch.long))
+
+
+def _packed_and_alone(ranks: int) -> dict[str, float]:
+    """Logits of two packed windows (documents of 7 + 9 + 16 and 20 + 12 tokens) with block-causal
+    attention against each document run alone, and against causal packing: the largest
+    differences relative to the logits' scale. ``ranks > 1``: the model is sharded by FSDP2."""
+    from torchtitan_lite.distributed import destroy_distributed, fsdp_mesh, init_distributed
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
+    from torchtitan_lite.models import get_model_spec
+
+    device = torch.device("cpu")
+    spec = get_model_spec("llama3")
+    if ranks > 1:
+        init_distributed(device)
+        model = build_sharded_model(spec, spec.model_args("tiny"), fsdp_mesh(device), device=device, seed=0)
+    else:
+        model = build_sharded_model(spec, spec.model_args("tiny"), None, device=device, seed=0, fsdp=None)
+    tokens = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(5))
+    lengths = [[7, 9, 16], [20, 12]]
+    docs = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        packed = model(tokens, docs)
+        causal = model(tokens)
+        scale = packed.abs().max().item()
+        alone = 0.0
+        for b, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                single = model(tokens[b : b + 1, start : start + n])
+                alone = max(alone, (packed[b, start : start + n] - single[0]).abs().max().item())
+                start += n
+        out = {"alone": alone / scale, "causal": (packed - causal).abs().max().item() / scale}
+    if ranks > 1:
+        destroy_distributed()
+    return out
+
+
+def test_block_causal_logits_equal_each_document_alone_on_one_and_two_ranks() -> None:
+    """Packed documents with ``document_ids``: attention stays within each and RoPE restarts, so
+    each document's logits are those of it run alone (1e-5 of the logits' scale), unlike plain
+    causal packing; the same under FSDP2 on 2 ranks."""
+    from tests.dist_utils import run_distributed
+
+    for result in [_packed_and_alone(1), *run_distributed(_packed_and_alone, 2, 2)]:
+        assert result["alone"] <= 1e-5, result
+        assert result["causal"] > 1e-2, result
+
+
+def test_block_causal_mask_of_flex_attention_equals_the_dense_one() -> None:
+    """The FlexAttention BlockMask (used on CUDA) and the dense mask (elsewhere) attend alike:
+    FlexAttention run here eagerly on the CPU with the decoder's BlockMask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan_lite.models.decoder import block_causal_mask
+
+    docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 8 + [1] * 3 + [2] * 5])
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    flex = flex_attention(q, k, v, block_mask=block_causal_mask(docs, flex=True))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(docs))
+    assert isinstance(block_causal_mask(docs), torch.Tensor)
+    assert (flex - dense).abs().max().item() < 1e-5

@@ -37,7 +37,15 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data import BatchLoader, TokenWindows, build_data, hf_tokenizer_json
+from torchtitan_lite.data import (
+    IGNORE_INDEX,
+    BatchLoader,
+    PackedWindows,
+    TokenWindows,
+    build_data,
+    document_bounds,
+    hf_tokenizer_json,
+)
 from torchtitan_lite.distributed import (
     build_mesh,
     choose_device,
@@ -107,13 +115,15 @@ def clip_grad_norm_(
     return total
 
 
-def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows], *, dp_rank: int,
-                     device: torch.device) -> dict[str | None, Validator]:
+def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows | PackedWindows], *,
+                     dp_rank: int, device: torch.device) -> dict[str | None, Validator]:
     """A validator for each validation set of :func:`~torchtitan_lite.data.build_data` (by name;
     None: the one ``validation.dataset``)."""
+    docs = document_bounds(config, plan.tokenizer)
     return {name: Validator(windows, local_batch_size=plan.val_local_batch_size,
                             global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
-                            steps=config.validation.steps, device=device) for name, windows in sets.items()}
+                            steps=config.validation.steps, device=device, documents=docs)
+            for name, windows in sets.items()}
 
 
 def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[int, str] | None:
@@ -258,7 +268,7 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Dev
                 validators: dict[str | None, Validator], reshard_plan: AutoReshardPlan | None = None,
                 mfu: str = "") -> None:
     """The start-up lines of the log (rank 0): the job, the model and its parallelism, the data,
-    MFU's reference, checkpointing and compile, float8."""
+    MFU's reference, checkpointing and compile, float8, LoRA."""
     if dist.get_rank() != 0:
         return
     t, ac = config.training, config.activation_checkpoint
@@ -340,34 +350,59 @@ class Trainer:
                     else f"not reported: {peak_source}")
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         sources: list[list[int]] | None = None) -> tuple[torch.Tensor, int]:
+                         sources: list[list[int]] | None = None, *, documents: list[torch.Tensor] | None = None,
+                         counted: int | None = None) -> tuple[torch.Tensor, int]:
         """Forward and backward over this rank's micro-batches of one global batch; the
-        gradients are those of the mean loss over every token of the global batch. Returns this
-        rank's summed token loss (fp64, detached) and its token count. With ``sources`` (the
-        source of each row of each micro-batch, rows of one source next to each other: the
-        loader's ``batch_sources``) the loss is a vector: the sum, then each source's sum."""
+        gradients are those of the mean loss over every counted token of the global batch.
+        Returns this rank's summed token loss (fp64, detached) and its token count.
+
+        ``sources``: the source of each row of each micro-batch, rows of one source next to each
+        other (the loader's ``batch_sources``); the loss is then a vector: the sum, then each
+        source's sum. ``documents``: each micro-batch's document ids (block-causal attention, the
+        loader's ``batch_documents``). ``counted``: the labels the loss counts over all ranks when
+        some are ignored (packed chat samples); None: every label of every rank."""
         tokens_this_rank = sum(labels.numel() for _, labels in micro_batches)
+        # FSDP averages gradients over the ranks: scaled by ranks / counted labels, they are the
+        # gradient of the mean over every counted label of the global batch.
+        scale = 1 / tokens_this_rank if counted is None else self.plan.dp_size / max(counted, 1)
         num_sources = 0 if sources is None else len(self.loader.sources)
         loss_sum = torch.zeros(1 + num_sources, dtype=torch.float64, device=self.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            logits = self.model(inputs)
-            if sources is None:
-                token_loss = self.loss_fn(logits, labels)
-            else:  # one loss call per source's rows (views of the logits), summed
-                parts, start = [], 0
-                for group, rows in itertools.groupby(sources[i]):
-                    count = len(list(rows))
-                    parts.append(self.loss_fn(logits[start : start + count], labels[start : start + count]))
-                    loss_sum[1 + group] += parts[-1].detach().double()
-                    start += count
-                token_loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-            # Normalised by all tokens this rank sees in the step; FSDP averages over ranks,
-            # so the gradient is that of the mean loss over every token of the global batch.
-            (token_loss / tokens_this_rank).backward()
+            if documents is None:
+                logits = self.model(inputs)
+            else:
+                logits = self.model(inputs, documents[i].to(self.device, non_blocking=True))
+            token_loss = self.loss_fn(logits, labels)
+            if sources is not None:  # each source's rows' loss, for the metrics: no gradient
+                groups = [(group, len(list(rows))) for group, rows in itertools.groupby(sources[i])]
+                if len(groups) == 1:
+                    loss_sum[1 + groups[0][0]] += token_loss.detach().double()
+                else:
+                    with torch.no_grad():
+                        start = 0
+                        for group, count in groups:
+                            part = self.loss_fn(logits[start : start + count], labels[start : start + count])
+                            loss_sum[1 + group] += part.double()
+                            start += count
+            (token_loss * scale).backward()
             loss_sum[0] += token_loss.detach().double()
         return loss_sum if sources is not None else loss_sum[0], tokens_this_rank
+
+    def _counted_labels(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                        sources: list[list[int]] | None) -> torch.Tensor:
+        """Labels the loss counts in this global batch over all ranks: in all, then per source
+        (a vector; one all-reduce, only when some labels are ignored)."""
+        per_source = torch.zeros(1 + len(self.loader.sources), dtype=torch.int64)
+        for i, (_, labels) in enumerate(micro_batches):
+            row_counts = (labels != IGNORE_INDEX).sum(dim=1)
+            per_source[0] += row_counts.sum()
+            for row, source in enumerate(sources[i] if sources is not None else []):
+                per_source[1 + source] += row_counts[row]
+        per_source = per_source.to(self.device)
+        dist.all_reduce(per_source)
+        return per_source.cpu()
 
     def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
         """Clip, step (only when the global loss and gradient norm are finite: every rank decides
@@ -393,15 +428,18 @@ class Trainer:
         micro_batches = self.loader.next_batch()
         data_time = time.perf_counter() - data_start
         sources = self.loader.batch_sources if self.loader.named else None
-        loss_sum, tokens_this_rank = self.forward_backward(micro_batches, sources)
+        counted = self._counted_labels(micro_batches, sources) if self.loader.masked else None
+        loss_sum, tokens_this_rank = self.forward_backward(
+            micro_batches, sources, documents=self.loader.batch_documents,
+            counted=None if counted is None else int(counted[0]))
         global_tokens = tokens_this_rank * self.plan.dp_size
-        values = self.optimizer_step(loss_sum, global_tokens)
+        values = self.optimizer_step(loss_sum, global_tokens if counted is None else max(int(counted[0]), 1))
         self.step += 1
         self.tokens_seen += global_tokens
         if sources is not None:  # per source: its tokens so far, and this step's mean loss over its samples
             seq_len = self.loader.seq_len
             for i, (name, tokens) in enumerate(self.loader.tokens_by_source().items()):
-                count = self.loader.batch_counts[i] * seq_len
+                count = self.loader.batch_counts[i] * seq_len if counted is None else int(counted[1 + i])
                 values[f"tokens/{name}"] = float(tokens)
                 values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None  # type: ignore[assignment]
         return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}

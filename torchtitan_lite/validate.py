@@ -9,7 +9,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_lite.data.windows import IGNORE_INDEX, TokenWindows, num_batches, padded_batch
+from torchtitan_lite.data.windows import (
+    IGNORE_INDEX,
+    Documents,
+    PackedWindows,
+    TokenWindows,
+    num_batches,
+    padded_batch,
+)
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.loss import token_loss_sum
 
@@ -29,7 +36,7 @@ class Validator:
 
     def __init__(
         self,
-        windows: TokenWindows,
+        windows: TokenWindows | PackedWindows,
         *,
         local_batch_size: int,
         global_batch_size: int,
@@ -37,8 +44,10 @@ class Validator:
         dp_size: int,
         steps: int,
         device: torch.device,
+        documents: Documents | None = None,
     ) -> None:
         self.windows = windows
+        self.documents = documents  # block-causal attention over plain windows: the tokenizer's BOS/EOS
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -62,10 +71,11 @@ class Validator:
         try:
             for forward_pass in range(self.passes):
                 indices = self.rank_indices(forward_pass)
-                inputs, labels = padded_batch(self.windows, indices, self.local_batch_size)
+                inputs, labels, docs = padded_batch(self.windows, indices, self.local_batch_size, self.documents)
                 inputs = inputs.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
-                totals[0] += token_loss_sum(model(inputs), labels).double()
+                logits = model(inputs) if docs is None else model(inputs, docs.to(self.device, non_blocking=True))
+                totals[0] += token_loss_sum(logits, labels).double()
                 totals[1] += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)

@@ -63,6 +63,8 @@ class Model:
     """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids, needs no files)."""
     vocab_size: int = -1
     """Rows of the embedding and output layers; -1 follows the tokenizer. A larger value pads the vocabulary (e.g. to a multiple of 64); a smaller one is an error."""
+    attention_mask: Literal["causal", "block_causal"] = "causal"
+    """causal: every token attends to all before it in its window; block_causal: only to those of its own sample (document or conversation) in a packed window, with RoPE positions restarting at each sample (TorchTitan's attn_mask_type)."""
     converters: list[Literal["float8", "quantize.linear.float8"]] = field(default_factory=list)
     """Conversions of the model before it is sharded: float8 (TorchTitan's later name: quantize.linear.float8) trains the blocks' linears in float8 through torchao, with the [float8] options; needs a CUDA GPU of compute capability 8.9 or later, or float8.emulate."""
 
@@ -139,6 +141,10 @@ class Training:
     """Dtype of raw .bin token files (.npy files carry their own)."""
     datasets: list[DataSource] = field(default_factory=list)
     """A weighted mixture instead of training.dataset: [[training.datasets]] tables in the TOML file, each with name, dataset, dataset_path, weight and optionally max_epochs. Sample-level and deterministic: after k steps each source has within one sample of weight × k × global_batch_size samples, on any world size."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """For chat data (dataset = "chat"): which tokens the loss counts: the assistant turns only (the rest are ignored), or all; the loss is the mean over the counted tokens of the global batch."""
+    truncate: Literal["right", "drop"] = "right"
+    """For chat data: a conversation longer than seq_len + 1 tokens is cut at the right, or dropped (counted and logged either way)."""
     shuffle: bool = True
     """Read each epoch in a seeded order (debug.seed): windows of text and token files permuted per epoch; streamed Parquet/Arrow rows by row groups in a permuted order through a buffer of training.shuffle_buffer documents. false: file order."""
     shuffle_buffer: int = 1000
@@ -203,6 +209,23 @@ class Float8:
     """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g. attention.wq); "auto_filter_small_kn" also keeps those too small for float8 to pay off (torchao's rule for the recipe). The output and embedding layers, and linears with a dimension not a multiple of 16, are never converted."""
     emulate: bool = False
     """Compute the float8 matmuls in high precision on float8-rounded values, on any device (CPU included): for tests, not speed."""
+
+
+@dataclass
+class Lora:
+    enable: bool = False
+    """Fine-tune low-rank adapters instead of the weights: the base weights are frozen (no gradients, no optimizer state, never saved); y = W x + (alpha / rank) · B A dropout(x) on each target linear."""
+    rank: int = 16
+    """Rank r of each adapter (A: r × in, B: out × r)."""
+    alpha: float = 32.0
+    """Scale numerator: the adapters' output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """The linears that get adapters, by PEFT's (Hugging Face's) names."""
+    merge_on_export: bool = False
+    """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model folder) instead of a PEFT adapter folder."""
 
 
 @dataclass
@@ -318,6 +341,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
@@ -620,6 +644,14 @@ def validate_config(c: JobConfig) -> None:
     _require(f8.recipe_name in (None, "tensorwise") or not f8.enable_fsdp_float8_all_gather, "float8.recipe_name",
              f8.recipe_name, "expected unset or tensorwise with float8.enable_fsdp_float8_all_gather = true "
              "(the float8 all-gather needs tensorwise scales)")
+
+    lo = c.lora
+    if lo.enable:
+        _require(lo.rank >= 1, "lora.rank", lo.rank, "expected an integer >= 1")
+        _require(math.isfinite(lo.alpha) and lo.alpha > 0, "lora.alpha", lo.alpha, "expected a finite number > 0")
+        _require(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= dropout < 1")
+        _require(bool(lo.target_modules), "lora.target_modules", lo.target_modules,
+                 "expected at least one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
 
     m = c.metrics
     _require(m.log_freq >= 1, "metrics.log_freq", m.log_freq, "expected an integer >= 1")

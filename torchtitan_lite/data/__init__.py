@@ -6,7 +6,8 @@ Imports point one way, from the base up:
 - :mod:`.tokenizers`;
 - one module per source kind: :mod:`.stdlib` (the embedded default), :mod:`.text` (``.txt`` /
   JSON lines), :mod:`.c4` (TorchTitan's names), :mod:`.tokens` (pre-tokenized files),
-  :mod:`.arrow` (Parquet / Arrow, streamed); :mod:`.sources` maps the kinds' names to them;
+  :mod:`.arrow` (Parquet / Arrow, streamed), :mod:`.chat` (conversations for fine-tuning);
+  :mod:`.sources` maps the kinds' names to them;
 - :mod:`.mixture` (which source each sample comes from) and :mod:`.loader` (the one contract:
   ``next_batch``, micro-batches, ``state_dict`` / ``load_state_dict``);
 - :mod:`.build`: :func:`build_data`, which the trainer calls without naming a source kind.
@@ -18,7 +19,13 @@ run on 1 rank with gradient accumulation and a run on 4 ranks see the same sampl
 and the loader state resumes on any world size.
 """
 
-from torchtitan_lite.data.build import build_data, check_sources, training_sources, validation_sources
+from torchtitan_lite.data.build import (
+    build_data,
+    check_sources,
+    document_bounds,
+    training_sources,
+    validation_sources,
+)
 from torchtitan_lite.data.loader import BatchLoader, LoaderSource, check_batch_split, micro_batches
 from torchtitan_lite.data.sources import (
     DATASETS,
@@ -42,6 +49,7 @@ from torchtitan_lite.data.tokenizers import (
 )
 from torchtitan_lite.data.windows import (
     IGNORE_INDEX,
+    PackedWindows,
     TokenStream,
     TokenWindows,
     WindowReader,
@@ -58,6 +66,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LoaderSource",
     "MAX_INVALID_UTF8_FRACTION",
+    "PackedWindows",
     "STREAMED",
     "SourceSpec",
     "TiktokenTokenizer",
@@ -70,6 +79,7 @@ __all__ = [
     "check_batch_split",
     "check_dataset",
     "check_sources",
+    "document_bounds",
     "hf_tokenizer_json",
     "micro_batches",
     "num_batches",

@@ -379,8 +379,12 @@ class _EpochTexts:
     def __init__(self, corpus: ArrowCorpus, order: _EpochOrder) -> None:
         self.corpus = corpus
         self.held: dict[int, str | None] = {}
-        for lo, hi in _runs(sorted(order.buffer)):  # rows taken in before a seek: read again
-            wanted = set(range(lo, hi)) & set(order.buffer)
+        wanted = set(order.buffer)  # rows taken in before a seek: read again, each piece once
+        pieces: dict[int, list[int]] = {}
+        for row in order.buffer:
+            pieces.setdefault(int(np.searchsorted(corpus.starts, row, side="right")) - 1, []).append(row)
+        for rows in pieces.values():
+            lo, hi = min(rows), max(rows) + 1
             self.held.update((row, text) for row, text in zip(range(lo, hi), corpus.texts(lo, hi), strict=True)
                              if row in wanted)
         self._rows = self._read(order.reading_order(order.taken))
@@ -394,20 +398,6 @@ class _EpochTexts:
             got, text = next(self._rows)
             self.held[got] = text
         return self.held.pop(row)
-
-
-def _runs(rows: list[int], gap: int = 64) -> Iterator[tuple[int, int]]:
-    """Sorted rows grouped into ``[lo, hi)`` ranges with gaps of at most ``gap`` rows inside."""
-    start = prev = None
-    for row in rows:
-        if start is None:
-            start = prev = row
-        elif row - prev > gap:  # type: ignore[operator]
-            yield start, prev + 1  # type: ignore[operator]
-            start = row
-        prev = row
-    if start is not None:
-        yield start, prev + 1  # type: ignore[operator]
 
 
 class _Lane:
@@ -443,7 +433,8 @@ class _Lane:
             raise DataError(f"data loader state: document {doc} is outside lane {self.index}'s "
                             f"{self.hi - self.lo} rows of the dataset")
         self._start_epoch(epoch, doc)
-        self.used_epoch = epoch
+        # The epoch of the last token used: at an epoch's very start, the one before.
+        self.used_epoch = epoch if doc or used else max(epoch - 1, 0)
         self.pending.clear()
         self.used = 0
         if used:
@@ -457,6 +448,8 @@ class _Lane:
         if self.pending:
             epoch, doc, _ = self.pending[0]
             return [epoch, doc, self.used]
+        if self.next_doc >= self.hi - self.lo:  # every document of the epoch given: the next one's start
+            return [self.epoch + 1, 0, 0]
         return [self.epoch, self.next_doc, 0]
 
     def _fetch(self) -> None:
@@ -511,6 +504,7 @@ class LaneReader:
     all ``num_lanes`` come back through :meth:`positions` / :meth:`seek` (the loader gathers them)."""
 
     samples_per_epoch: int | None = None  # epochs are per lane, not known before reading
+    packed = False  # plain token windows
 
     def __init__(self, corpus: ArrowCorpus, tokenizer: Encoder, *, seq_len: int, num_lanes: int, lanes: range,
                  seed: int, shuffle: bool, shuffle_buffer: int, key: tuple[int, ...] = (),

@@ -14,12 +14,13 @@ from typing import Protocol
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.loader import BatchLoader, LoaderSource
-from torchtitan_lite.data.sources import SourceSpec, check_dataset, open_reader, token_stream
+from torchtitan_lite.data.sources import SourceSpec, check_dataset, open_reader, source_windows
 from torchtitan_lite.data.tokenizers import Tokenizer
-from torchtitan_lite.data.windows import TokenWindows
+from torchtitan_lite.data.windows import Documents, PackedWindows, TokenWindows
 from torchtitan_lite.errors import UserError
 
-__all__ = ["DataPlan", "NamedSource", "build_data", "check_sources", "training_sources", "validation_sources"]
+__all__ = ["DataPlan", "NamedSource", "build_data", "check_sources", "document_bounds", "training_sources",
+           "validation_sources"]
 
 
 class DataPlan(Protocol):
@@ -47,7 +48,8 @@ class NamedSource:
 def training_sources(config: JobConfig) -> list[NamedSource]:
     """The training sources: the ``[[training.datasets]]`` mixture, or the one ``training.dataset``."""
     t = config.training
-    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype}
+    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
+              "truncate": t.truncate}
     if not t.datasets:
         return [NamedSource(None, SourceSpec(t.dataset, t.dataset_path, section="training", **common))]
     return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"training.datasets[{d.name}]", **common),
@@ -59,7 +61,8 @@ def validation_sources(config: JobConfig) -> list[NamedSource]:
     t, v = config.training, config.validation
     if not v.enable:
         return []
-    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype}
+    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
+              "truncate": t.truncate}
     if not v.datasets:
         return [NamedSource(None, SourceSpec(v.dataset, v.dataset_path, section="validation", **common))]
     return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"validation.datasets[{d.name}]",
@@ -78,7 +81,8 @@ def check_sources(config: JobConfig) -> list[UserError]:
     return problems
 
 
-def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int) -> tuple[BatchLoader, dict[str | None, TokenWindows]]:
+def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int,
+               ) -> tuple[BatchLoader, dict[str | None, TokenWindows | PackedWindows]]:
     """The training loader of data-parallel rank ``dp_rank`` and the validation sets by name
     (empty when validation is off). Reads and tokenizes the files (streamed sources: their
     metadata only), so a bad path, an empty source or a tokenizer that does not fit fails here,
@@ -97,14 +101,21 @@ def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int) -> tuple[Batc
                                     where=source.spec.dataset_path or source.spec.dataset))
     loader = BatchLoader(sources, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
                          local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
-                         named=bool(t.datasets), allow_mixture_change=t.allow_mixture_change)
+                         named=bool(t.datasets), allow_mixture_change=t.allow_mixture_change,
+                         documents=document_bounds(config, plan.tokenizer))
     max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)
     validation = {}
     for source in validation_sources(config):
         s = source.spec
-        validation[source.name] = TokenWindows(
-            token_stream(s, plan.tokenizer, max_tokens=max_tokens), plan.val_seq_len,
+        validation[source.name] = source_windows(
+            s, plan.tokenizer, seq_len=plan.val_seq_len, max_tokens=max_tokens,
             seq_len_key="validation.seq_len" if v.seq_len > 0 else "training.seq_len",
             source=f"validation dataset {s.dataset_path or s.dataset!r}" if source.name is None
             else f"{s.section} {s.where}")
     return loader, validation
+
+
+def document_bounds(config: JobConfig, tokenizer: Tokenizer) -> Documents | None:
+    """Where plain windows' documents begin and end (the tokenizer's BOS/EOS) when attention is
+    block-causal (``model.attention_mask``); None for causal attention."""
+    return (tokenizer.bos_id, tokenizer.eos_id) if config.model.attention_mask == "block_causal" else None

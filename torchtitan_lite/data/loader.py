@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from torchtitan_lite.data.mixture import Schedule
+from torchtitan_lite.data.windows import Documents, as_packed, window_tensors
 from torchtitan_lite.errors import DataError
 
 __all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches"]
@@ -35,6 +36,7 @@ class Reader(Protocol):
     """What the loader needs from a source (see the module's docstring)."""
 
     samples_per_epoch: int | None
+    packed: bool  # windows of (tokens, counted, samples) rather than plain tokens
 
     def window(self, n: int, lane: int) -> np.ndarray: ...
     def positions(self) -> dict[int, list[int]]: ...
@@ -67,10 +69,14 @@ def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: in
     return global_batch_size // (local_batch_size * dp_size)
 
 
-def micro_batches(rows: torch.Tensor, local_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's ``rows`` (windows of ``seq_len + 1`` tokens) as ``(inputs, labels)`` micro-batches
-    of ``local_batch_size`` rows, in order."""
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(local_batch_size)]
+def micro_batches(rows: np.ndarray, local_batch_size: int, documents: Documents | None = None,
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor] | None]:
+    """This rank's ``rows`` (windows of ``seq_len + 1`` tokens, or packed samples) as ``(inputs,
+    labels)`` micro-batches of ``local_batch_size`` rows, in order, and each micro-batch's
+    document ids (None without packed samples or ``documents``: plain causal attention)."""
+    inputs, labels, docs = window_tensors(rows, documents)
+    pairs = list(zip(inputs.split(local_batch_size), labels.split(local_batch_size), strict=True))
+    return pairs, None if docs is None else list(docs.split(local_batch_size))
 
 
 def _any_rank(flags: list[bool], dp_size: int) -> list[bool]:
@@ -90,16 +96,22 @@ class BatchLoader:
     each micro-batch; rows of one source are next to each other within a micro-batch.
 
     ``named``: the sources are a ``[[training.datasets]]`` mixture, reported per source. A
-    changed mixture in a saved state is refused unless ``allow_mixture_change``.
+    changed mixture in a saved state is refused unless ``allow_mixture_change``. ``documents``
+    (block-causal attention): the tokenizer's BOS/EOS, where plain windows' documents begin and
+    end; then, and with packed sources, :attr:`batch_documents` holds each micro-batch's
+    document ids, and :attr:`masked` says labels may be ignored (the loss counts fewer tokens).
     """
 
     def __init__(self, sources: list[LoaderSource], *, seq_len: int, global_batch_size: int, local_batch_size: int,
-                 dp_rank: int, dp_size: int, named: bool = False, allow_mixture_change: bool = False) -> None:
+                 dp_rank: int, dp_size: int, named: bool = False, allow_mixture_change: bool = False,
+                 documents: Documents | None = None) -> None:
         self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
         self.sources = sources
         self.seq_len, self.global_batch_size, self.local_batch_size = seq_len, global_batch_size, local_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.named, self.allow_mixture_change = named, allow_mixture_change
+        self.named, self.allow_mixture_change, self.documents = named, allow_mixture_change, documents
+        self.masked = any(s.reader.packed for s in sources)  # labels of packed samples may be ignored
+        self.batch_documents: list[torch.Tensor] | None = None
         self.schedule = Schedule([s.name for s in sources], [s.weight for s in sources],
                                  samples_per_epoch=[s.reader.samples_per_epoch for s in sources],
                                  max_epochs=[s.max_epochs for s in sources])
@@ -120,6 +132,12 @@ class BatchLoader:
     def _read(self) -> tuple[list[np.ndarray], list[int]]:
         """The next global batch: this rank's windows and their sources."""
         assignment = self.schedule.take(self.global_batch_size)
+        if len(self.sources) > 1:
+            # Position p of global batch k takes sample (p + k) mod G of the schedule's batch:
+            # a streamed source reads lane p at position p, and the schedule repeats with a
+            # period that often divides G, so without the rotation some lanes would never be read.
+            shift = self.step % self.global_batch_size
+            assignment = assignment[shift:] + assignment[:shift]
         rows, sources = [], []
         for p in self._mine:
             s, n = assignment[p]
@@ -163,7 +181,10 @@ class BatchLoader:
                      for i in sorted(range(first, min(first + size, len(rows))), key=sources.__getitem__)]
             rows, sources = [rows[i] for i in order], [sources[i] for i in order]
         self.batch_sources = [sources[i : i + self.local_batch_size] for i in range(0, len(sources), self.local_batch_size)]
-        return micro_batches(torch.from_numpy(np.stack(rows)), self.local_batch_size)
+        if self.masked:
+            rows = [as_packed(row, self.documents) for row in rows]
+        batches, self.batch_documents = micro_batches(np.stack(rows), self.local_batch_size, self.documents)
+        return batches
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (labels) of each source in the batches given out since the run began
@@ -278,11 +299,13 @@ class BatchLoader:
                 kind = "a streamed" if s.reader.samples_per_epoch is None else "a windowed (not streamed)"
                 raise DataError(f"data loader state does not match this run: {what}was saved from another kind of "
                                 f"source; this run reads {kind} source ({s.where})")
-            for key, value in identity.items():
-                if by_name[s.name].get(key) != value:
-                    raise DataError(f"data loader state does not match this run: {what}was saved with {key}="
-                                    f"{by_name[s.name].get(key)!r}, this run has {value!r}; the saved position "
-                                    "would point at other samples")
+            for key in sorted(identity, key=lambda k: k != "shuffle"):  # shuffle first: it explains the rest
+                value, saved = identity[key], by_name[s.name].get(key)
+                if saved != value:
+                    hint = f"; set training.shuffle = {str(saved).lower()} to resume it" if key == "shuffle" else ""
+                    raise DataError(f"data loader state does not match this run: {what or 'it '}was saved with "
+                                    f"{key}={saved!r}, this run has {value!r}; the saved position would point at "
+                                    f"other samples{hint}")
 
     def _mixture_changes(self, saved: list[dict[str, Any]]) -> list[str]:
         by_name = {s["name"]: s for s in saved}

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_lite.data import arrow, c4, stdlib, text, tokens
-from torchtitan_lite.data.windows import Encoder, TokenStream, TokenWindows, WindowReader
+from torchtitan_lite.data import arrow, c4, chat, stdlib, text, tokens
+from torchtitan_lite.data.tokenizers import Tokenizer
+from torchtitan_lite.data.windows import Encoder, PackedWindows, TokenStream, TokenWindows, WindowReader
 from torchtitan_lite.errors import ConfigError
 
-__all__ = ["DATASETS", "STREAMED", "SourceSpec", "check_dataset", "open_reader", "token_stream"]
+__all__ = ["DATASETS", "STREAMED", "SourceSpec", "check_dataset", "open_reader", "source_windows", "token_stream"]
 
-_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4) for kind in module.KINDS}
+_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4, chat)
+                            for kind in module.KINDS}
 DATASETS: dict[str, str] = {kind: module.KINDS[kind] for kind, module in _MODULES.items()}
 """Every source kind and what it reads (shown in errors and ``--help``)."""
 STREAMED = frozenset(arrow.KINDS)
@@ -38,6 +40,10 @@ class SourceSpec:
     """What errors name: ``training``, ``validation``, or ``training.datasets[NAME]``."""
     text_column: str = "text"
     token_dtype: str = "uint16"
+    loss_on: str = "assistant"
+    """Chat sources: which labels count (``training.loss_on``)."""
+    truncate: str = "right"
+    """Chat sources: what happens to a conversation longer than a window (``training.truncate``)."""
 
     @property
     def key(self) -> str:
@@ -78,10 +84,12 @@ def token_stream(spec: SourceSpec, tokenizer: Encoder, *, max_tokens: int | None
     files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
     if spec.dataset in tokens.KINDS:
         return tokens.token_stream(files, tokenizer, key=spec.key, where=spec.where, token_dtype=spec.token_dtype)
+    if spec.dataset in chat.KINDS:
+        raise ConfigError(f"{spec.section}.dataset: 'chat' is read as packed conversations, not as a token stream")
     return _MODULES[spec.dataset].token_stream(files, tokenizer, key=spec.key, where=spec.where)  # type: ignore[no-any-return]
 
 
-def open_reader(spec: SourceSpec, tokenizer: Encoder, *, seq_len: int, global_batch_size: int, lanes: range,
+def open_reader(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int, lanes: range,
                 seed: int, shuffle: bool, shuffle_buffer: int, key: tuple[int, ...] = (),
                 name: str | None = None) -> WindowReader | arrow.LaneReader:
     """A source's reader for the loader: streamed sources lane by lane (this rank's ``lanes`` of
@@ -95,5 +103,18 @@ def open_reader(spec: SourceSpec, tokenizer: Encoder, *, seq_len: int, global_ba
         return arrow.LaneReader(corpus, tokenizer, seq_len=seq_len, num_lanes=global_batch_size, lanes=lanes,
                                 seed=seed, shuffle=shuffle, shuffle_buffer=shuffle_buffer, key=key, label=label)
     source = f"training dataset {spec.where}" if name is None else f"{spec.section} {spec.where}"
-    windows = TokenWindows(token_stream(spec, tokenizer), seq_len, source=source)
-    return WindowReader(windows, seed=seed, shuffle=shuffle, key=key)
+    return WindowReader(source_windows(spec, tokenizer, seq_len=seq_len, source=source), seed=seed, shuffle=shuffle,
+                        key=key)
+
+
+def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, source: str,
+                   seq_len_key: str = "training.seq_len", max_tokens: int | None = None,
+                   ) -> TokenWindows | PackedWindows:
+    """A source read whole into windows of ``seq_len + 1`` tokens: its token stream cut into
+    windows, or (chat) its conversations packed into them. ``source`` names it in errors."""
+    if spec.dataset in chat.KINDS:
+        files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
+        return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,
+                                   key=spec.key, where=spec.where)
+    return TokenWindows(token_stream(spec, tokenizer, max_tokens=max_tokens), seq_len, seq_len_key=seq_len_key,
+                        source=source)

@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -135,6 +135,22 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` as written (special-token spellings are special tokens, no BOS/EOS
+        added: how ``apply_chat_template`` tokenizes a rendered conversation), and each token's
+        character span."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
+    def config_values(self) -> dict[str, Any]:
+        """``tokenizer_config.json`` beside the file, or {} without one."""
+        config = self.path.parent / "tokenizer_config.json"
+        try:
+            data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")

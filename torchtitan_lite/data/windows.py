@@ -21,13 +21,17 @@ from torchtitan_lite.errors import DataError
 
 __all__ = [
     "IGNORE_INDEX",
+    "Documents",
+    "PackedWindows",
     "TokenStream",
     "TokenWindows",
     "WindowReader",
+    "as_packed",
     "num_batches",
     "pack_texts",
     "padded_batch",
     "token_dtype_for",
+    "window_tensors",
 ]
 
 IGNORE_INDEX = -100  # label of padding rows (validation's last, partial batch)
@@ -139,10 +143,12 @@ class WindowReader:
     ``shuffle``). Within an epoch no window is used twice; every window is used once per epoch.
     Its position is the loader's count of the source's samples: it keeps none itself."""
 
-    def __init__(self, windows: TokenWindows, *, seed: int, shuffle: bool, key: tuple[int, ...] = ()) -> None:
+    def __init__(self, windows: TokenWindows | PackedWindows, *, seed: int, shuffle: bool,
+                 key: tuple[int, ...] = ()) -> None:
         self.windows = windows
         self.seed, self.shuffle, self.key = seed, shuffle, key
         self.samples_per_epoch: int | None = len(windows)
+        self.packed = isinstance(windows, PackedWindows)  # windows of (tokens, counted, samples)
         self._epoch = -1
         self._perm: np.ndarray | None = None
 
@@ -178,22 +184,85 @@ class WindowReader:
         return {"num_windows": len(self.windows), "seed": self.seed, "shuffle": self.shuffle}
 
     def describe(self) -> str:
+        if isinstance(self.windows, PackedWindows):
+            return self.windows.describe()
         return f"{len(self.windows.tokens)} tokens, {len(self.windows)} windows of {self.windows.seq_len + 1}"
 
 
+Documents = tuple[int | None, int | None]
+"""A tokenizer's ``(bos_id, eos_id)``: where packed text documents begin and end, for
+block-causal attention over windows of plain tokens."""
+
+
+class PackedWindows:
+    """Windows of whole samples packed back to back (chat conversations): window ``i`` is a
+    ``(3, seq_len + 1)`` array of token ids, whether each token is a counted label (1) or not (0),
+    and each token's sample number within the window (padding at the end is a sample of its own,
+    never counted)."""
+
+    def __init__(self, rows: np.ndarray, *, seq_len: int, samples: int, what: str) -> None:
+        self.rows, self.seq_len, self.samples, self.what = rows, seq_len, samples, what
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.rows[index].astype(np.int64)
+
+    def describe(self) -> str:
+        counted = int(self.rows[:, 1].sum())
+        return (f"{self.samples} {self.what} packed into {len(self)} windows of {self.seq_len + 1} tokens "
+                f"({counted} counted labels)")
+
+
+def window_tensors(rows: np.ndarray, documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(inputs, labels, document_ids)`` of windows: ``rows`` is ``(n, seq_len + 1)`` plain tokens
+    or ``(n, 3, seq_len + 1)`` packed samples (:class:`PackedWindows`). Packed samples' labels are
+    :data:`IGNORE_INDEX` where the token is not counted or belongs to another sample than the one
+    predicting it. Document ids come only with ``documents`` (block-causal attention): packed
+    samples' are the samples'; plain tokens' start a document at each BOS and after each EOS."""
+    data = torch.from_numpy(np.ascontiguousarray(rows)).long()
+    if data.dim() == 3:
+        tokens, counted, docs = data[:, 0], data[:, 1].bool(), data[:, 2]
+        keep = counted[:, 1:] & (docs[:, 1:] == docs[:, :-1])
+        labels = torch.where(keep, tokens[:, 1:], torch.full_like(tokens[:, 1:], IGNORE_INDEX))
+        return tokens[:, :-1].contiguous(), labels, None if documents is None else docs[:, :-1].contiguous()
+    inputs, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    if documents is None:
+        return inputs, labels, None
+    bos, eos = documents
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    if bos is not None:
+        starts |= inputs == bos
+    if eos is not None:
+        starts[:, 1:] |= inputs[:, :-1] == eos
+    return inputs, labels, starts.long().cumsum(dim=1)
+
+
+def as_packed(window: np.ndarray, documents: Documents | None) -> np.ndarray:
+    """A plain window as a packed one (every label counted; samples from BOS/EOS, see
+    :func:`window_tensors`), so that it stacks with the windows of packed sources."""
+    if window.ndim == 2:
+        return window
+    _, _, docs = window_tensors(window[None], documents or (None, None))
+    ids = np.zeros(len(window), dtype=np.int64)
+    ids[:-1] = docs[0].numpy()
+    ids[-1] = ids[-2]
+    return np.stack([window.astype(np.int64), np.ones(len(window), dtype=np.int64), ids])
+
+
 def padded_batch(
-    windows: TokenWindows, indices: list[int], batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, labels)`` for ``indices`` padded to ``batch_size`` rows; padding rows are
-    all-zero inputs with :data:`IGNORE_INDEX` labels, so every rank can run the same shapes."""
-    seq_len = windows.seq_len
-    inputs = torch.zeros(batch_size, seq_len, dtype=torch.int64)
-    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    for row, index in enumerate(indices):
-        window = torch.from_numpy(windows[index])
-        inputs[row] = window[:-1]
-        labels[row] = window[1:]
-    return inputs, labels
+    windows: TokenWindows | PackedWindows, indices: list[int], batch_size: int, documents: Documents | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(inputs, labels, document_ids)`` for ``indices`` padded to ``batch_size`` rows; padding
+    rows are all-zero inputs with :data:`IGNORE_INDEX` labels, so every rank can run the same
+    shapes. ``document_ids`` as :func:`window_tensors` gives them (None: plain causal windows)."""
+    rows = [windows[index] for index in indices]
+    shape = (3, windows.seq_len + 1) if isinstance(windows, PackedWindows) else (windows.seq_len + 1,)
+    padding = np.zeros((batch_size - len(rows), *shape), dtype=np.int64)
+    inputs, labels, docs = window_tensors(np.concatenate([np.stack(rows), padding]) if rows else padding, documents)
+    labels[len(rows):] = IGNORE_INDEX
+    return inputs, labels, docs
 
 
 def num_batches(num_windows: int, global_batch_size: int) -> int:

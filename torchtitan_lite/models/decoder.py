@@ -18,6 +18,7 @@ Nothing here knows about FSDP: the model can be built on the meta device, sharde
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -28,7 +29,8 @@ from torch import nn
 import torchtitan_lite.models.init as init
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "apply_rotary_emb", "decoder_fsdp_units", "precompute_freqs_cis", "rope_bits"]
+__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions",
+           "precompute_freqs_cis", "rope_bits"]
 
 def precompute_freqs_cis(
     head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
@@ -68,9 +70,12 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     complex multiply, bit for bit on CPU): inductor generates code for it, which it does not for
     complex operators.
     """
-    seq_len, head_dim = x.shape[1], x.shape[-1]
+    bs, seq_len, head_dim = x.shape[0], x.shape[1], x.shape[-1]
     table = freqs_cis.view(torch.float32) if freqs_cis.dtype == torch.int32 else torch.view_as_real(freqs_cis)
-    table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
+    if table.dim() == 4:  # per sample and position (bs, seq, head_dim // 2, 2): positions restart per document
+        table = table.view(bs, seq_len, 1, head_dim // 2, 2)
+    else:
+        table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
     cos, sin = table[..., 0], table[..., 1]
     pairs = x.float().reshape(*x.shape[:-1], head_dim // 2, 2)
     real, imag = pairs[..., 0], pairs[..., 1]
@@ -106,7 +111,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Any = None) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         q = self.wq(x).view(bs, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
@@ -116,9 +121,13 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, torch.Tensor):  # a dense (bs, 1, seq, seq) mask: True attends
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:  # a FlexAttention BlockMask
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -159,8 +168,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_std = 0.02 / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -170,8 +179,45 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.out_std)
 
 
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document: ``document_ids`` ``(bs, seq)`` numbers the
+    packed documents of each row (equal ids next to each other)."""
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def block_causal_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> Any:
+    """The attention mask of packed documents: a token attends to the tokens before it in its own
+    document only. A FlexAttention BlockMask on CUDA (``flex``; the sparse blocks are skipped);
+    elsewhere a dense ``(bs, 1, seq, seq)`` boolean mask for ``scaled_dot_product_attention``."""
+    bs, seq_len = document_ids.shape
+    if document_ids.is_cuda if flex is None else flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
+
+        return create_block_mask(mask_mod, bs, None, seq_len, seq_len, device=document_ids.device)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+@functools.cache
+def _flex_attention() -> Any:
+    """FlexAttention, compiled once (uncompiled it materialises the whole score matrix)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class Decoder(nn.Module):
-    """The decoder. ``forward(tokens)`` returns logits ``(bs, seq, vocab)``."""
+    """The decoder. ``forward(tokens)`` returns logits ``(bs, seq, vocab)``; with
+    ``document_ids`` ``(bs, seq)`` (the packed documents of each row numbered) attention stays
+    within each document and RoPE positions restart at each (block-causal)."""
 
     def __init__(self, args: Any) -> None:
         super().__init__()
@@ -190,15 +236,19 @@ class Decoder(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}"
             )
         h = self.tok_embeddings(tokens)
-        rope = rope_bits(self.freqs_cis, tokens.shape[1])
+        if document_ids is None:
+            rope, mask = rope_bits(self.freqs_cis, tokens.shape[1]), None
+        else:
+            rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[document_positions(document_ids)]
+            mask = block_causal_mask(document_ids)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
