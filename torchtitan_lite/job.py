@@ -23,6 +23,7 @@ from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
 from torchtitan_lite.distributed.float8 import Float8Plan
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -76,8 +77,9 @@ def _resumable_steps(config: JobConfig) -> list[int]:
 
 
 def _initial_load_used(config: JobConfig) -> bool:
-    """``initial_load_path`` is loaded only while the job's own folder holds no checkpoint."""
-    return config.checkpoint.initial_load_path is not None and not _resumable_steps(config)
+    """``initial_load_path`` is loaded only while the job's own folder holds no checkpoint, or
+    always with LoRA (the frozen base weights are never saved: a resumed run loads them again)."""
+    return config.checkpoint.initial_load_path is not None and (config.lora.enable or not _resumable_steps(config))
 
 
 def _check_writable_folder(key: str, folder: str) -> None:
@@ -132,6 +134,9 @@ class JobPlan:
     float8: Float8Plan | None = None
     """The float8 conversion when ``model.converters`` names float8, else None. The float8
     all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
+    lora: LoRAPlan | None = None
+    """Low-rank adapters on the linears ``lora.target_modules`` names, the rest of the model
+    frozen, when ``lora.enable``; else None."""
 
     @property
     def shard(self) -> bool:
@@ -271,6 +276,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         force_recompute_fp8_weight_in_bwd=f8.force_recompute_fp8_weight_in_bwd,
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
+    lora = _lora_plan(config, spec, model_args)
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,
         model_args=model_args,
@@ -280,5 +286,26 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        cpu_offload=t.enable_cpu_offload, float8=float8,
+        cpu_offload=t.enable_cpu_offload, float8=float8, lora=lora,
     )
+
+
+def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRAPlan | None:
+    """The job's LoRA (None when ``lora.enable`` is off): the linears its targets name, found
+    by their Hugging Face (PEFT) names on the model built on the meta device. A target the
+    model lacks is a :class:`ConfigError`."""
+    lo = config.lora
+    if not lo.enable:
+        return None
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    try:
+        return LoRAPlan.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+                                  target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,
+                                  hf_name=None if spec.hf is None else spec.hf.to_hf_name)
+    except ValueError as exc:
+        message = str(exc)
+        if not message.startswith("lora."):  # a target the model lacks (the settings name their key)
+            message = (f"lora.target_modules: invalid value {list(lo.target_modules)!r}; "
+                       f"{message.replace('the model', f'model {spec.name!r}', 1)}")
+        raise ConfigError(message) from None

@@ -195,8 +195,9 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
 def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, device: torch.device,
                 reshard_plan: AutoReshardPlan | None = None) -> nn.Module:
     """The job's model, initialised from ``debug.seed`` and in training mode: built on the meta
-    device, converted (float8), checkpointed, compiled and sharded over ``mesh`` as the plan says
-    (on one process without CPU offload: not sharded, under autocast for bf16), then allocated.
+    device, adapted (LoRA: the rest frozen), converted (float8), checkpointed, compiled and
+    sharded over ``mesh`` as the plan says (on one process without CPU offload: not sharded,
+    under autocast for bf16), then allocated.
     ``reshard_plan``: what ``auto`` chose (its per-unit resharding and checkpointing)."""
     ac = config.activation_checkpoint
     model = build_sharded_model(
@@ -208,6 +209,7 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, de
         float8=plan.float8,
         fsdp=plan.fsdp_options(None if reshard_plan is None else reshard_plan.reshard),
         autocast_dtype=plan.autocast_dtype,
+        lora=plan.lora,
     )
     model.train()
     return model
@@ -222,8 +224,9 @@ def build_loss(config: JobConfig) -> LossFn:
 
 
 def build_optimizers(config: JobConfig, plan: JobPlan, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The optimizer over ``model``'s parameters and its learning-rate schedule over the plan's
-    ``schedule_steps``."""
+    """The optimizer over ``model``'s trainable parameters (``requires_grad``: with LoRA the
+    adapters only, so the frozen base has no optimizer state) and its learning-rate schedule
+    over the plan's ``schedule_steps``."""
     if config.lr_scheduler.warmup_steps >= plan.schedule_steps and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning("lr_scheduler.warmup_steps=%d >= the schedule's %d steps: warmup is cut to %d steps "
                        "and the learning rate never decays",
@@ -245,7 +248,7 @@ def build_checkpointer(
     convert = ck.last_save_in_hf and dist.get_rank() == 0
     return CheckpointManager(
         ck, dump_folder=config.job.dump_folder, model=model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, loader=loader, model_spec=plan.spec,
+        lr_scheduler=lr_scheduler, loader=loader, model_spec=plan.spec, lora=plan.lora,
         timeout_s=config.comm.init_timeout_seconds,
         run_config={f"{section}.{key}": value for section, values in config.to_dict().items()
                     for key, value in values.items()},
@@ -292,6 +295,8 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Dev
                 added, ", ".join(config.compile.components) if config.compile.enable else "off")
     if plan.float8 is not None:
         logger.info(plan.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
+    if plan.lora is not None:
+        logger.info(plan.lora.describe(model))
 
 
 class Trainer:

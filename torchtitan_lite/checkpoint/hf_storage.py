@@ -41,6 +41,7 @@ from torch.futures import Future
 from torchtitan_lite.checkpoint.plain import plain_tensor
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
+from torchtitan_lite.distributed.lora import adapter_parameter_names, lora_modules, merged_weight
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
@@ -332,9 +333,11 @@ class _HFRowReader(HuggingFaceStorageReader):
 def _named_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters as they are stored: sharded DTensors under FSDP2 (a unit left
     unsharded after a forward pass would expose full tensors), as plain tensors (see
-    :func:`~.plain.plain_tensor`)."""
+    :func:`~.plain.plain_tensor`); LoRA adapters left out (no Hugging Face model tensor: see
+    :mod:`.peft_storage`)."""
     reshard_all(model)
-    return {name: plain_tensor(param) for name, param in model.named_parameters()}
+    adapters = set(adapter_parameter_names(model))
+    return {name: plain_tensor(param) for name, param in model.named_parameters() if name not in adapters}
 
 
 def _local_rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -490,12 +493,15 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
     query/key weights are gathered, one matrix at a time, to apply the RoPE permutation. With
     ``extras``, the folder is complete for ``transformers``: token ids in ``config.json`` and
     ``generation_config.json``, and the tokenizer files (:class:`HFExportExtras`).
-    The caller handles writing to a temporary folder and renaming it.
+    A linear with LoRA adapters is written merged, ``W + (alpha/rank) · B A`` (each rank merges
+    its own rows). The caller handles writing to a temporary folder and renaming it.
     """
     path = Path(path)
     adapter = _adapter(spec)
     args = model.args
     params = _named_params(model)
+    for name, module in lora_modules(model).items():
+        params[f"{name}.weight"] = plain_tensor(merged_weight(module))
     export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
     if not export_dtype.is_floating_point:
         raise ValueError(f"dtype={export_dtype} is not a floating-point dtype")

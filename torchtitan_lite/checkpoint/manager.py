@@ -12,6 +12,12 @@ a silent fresh start.
 Model-only checkpoints (the seed checkpoint at step 0, ``last_save_model_only``) hold the
 weights in ``export_dtype``; ``last_save_in_hf`` writes them as Hugging Face safetensors.
 
+With LoRA (``lora``) the frozen base weights are never saved: a DCP checkpoint holds the
+adapters and their optimizer state, and the base comes again from ``initial_load_path`` (loaded
+on every start, resumes included) or from the seeded initialisation. ``last_save_in_hf`` then
+writes a PEFT adapter folder (:mod:`.peft_storage`), or with ``lora.merge_on_export`` the merged
+weights as a Hugging Face folder.
+
 Loading never unpickles arbitrary objects: DCP's metadata file is read with an unpickler that
 only builds DCP's own metadata classes, non-tensor values (the optimizer's hyper-parameters)
 are read with ``torch.load(weights_only=True)``, and everything else lives in JSON.
@@ -38,9 +44,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -51,9 +57,11 @@ from torchtitan_lite.checkpoint.hf_storage import (
     read_hf_config,
     save_hf_weights,
 )
+from torchtitan_lite.checkpoint.peft_storage import load_peft_adapter, save_peft_adapter
 from torchtitan_lite.checkpoint.plain import plain_state
 from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
+from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
@@ -71,7 +79,7 @@ logger = logging.getLogger("torchtitan_lite")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Settings a resumed run must keep (a vocabulary change is caught by the weights' shapes).
-_FIXED_ON_RESUME = ("model.name", "model.tokenizer_path")
+_FIXED_ON_RESUME = ("model.name", "model.tokenizer_path", "lora.enable")
 # Settings that name places and say nothing about training.
 _NOT_SHOWN = ("job.dump_folder", "job.config_file", "checkpoint.load_step")
 TRAIN_STATE_FILE = "train_state.json"
@@ -174,7 +182,7 @@ def _read_train_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(file)!r} cannot be read: {exc}") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise CheckpointError(f"checkpoint {str(file)!r} is not a train state (no integer 'step')")
-    if state.get("format", "dcp") == "hf":
+    if state.get("format", "dcp") in ("hf", "peft"):
         if not any(path.glob("*.safetensors")):
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: no .safetensors files")
     elif not (path / ".metadata").is_file():
@@ -222,8 +230,9 @@ class CheckpointManager:
 
     ``config`` is a validated ``[checkpoint]`` section; checkpoints live in
     ``<dump_folder>/<config.folder>``. ``model_spec`` (the model's family) is needed for
-    Hugging Face saves and loads. ``timeout_s`` bounds the collectives of background saves. All ranks call :meth:`load`, :meth:`save`,
-    :meth:`wait` and :meth:`close` together (they are collectives).
+    Hugging Face saves and loads. ``timeout_s`` bounds the collectives of background saves.
+    ``lora``: the model's LoRA (its frozen base is not saved; see the module's notes). All ranks
+    call :meth:`load`, :meth:`save`, :meth:`wait` and :meth:`close` together (they are collectives).
     """
 
     def __init__(
@@ -239,8 +248,10 @@ class CheckpointManager:
         timeout_s: float = 1800.0,
         hf_extras: HFExportExtras | None = None,
         run_config: dict[str, Any] | None = None,
+        lora: LoRAPlan | None = None,
     ) -> None:
         self.config = config
+        self.lora = lora
         self.run_config = run_config  # the job's settings ("section.key": value), saved with each checkpoint
         self.model_spec = model_spec
         self.hf_extras = hf_extras  # token ids and tokenizer files for a Hugging Face export
@@ -286,6 +297,7 @@ class CheckpointManager:
         cfg = self.config
         model_only = step == 0 or (last and cfg.last_save_model_only)
         in_hf = model_only and last and cfg.last_save_in_hf
+        in_peft = in_hf and self.lora is not None and not self.lora.merge_on_export
         final = self.folder / f"step-{step}"
         staging = self.folder / f".step-{step}.partial"
         rng: list[Any] = [None] * self.world_size
@@ -302,7 +314,7 @@ class CheckpointManager:
             state_json = {
                 **train_state,
                 "step": step,
-                "format": "hf" if in_hf else "dcp",
+                "format": "peft" if in_peft else "hf" if in_hf else "dcp",
                 "model_only": model_only,
                 "export_dtype": cfg.export_dtype if model_only else None,
                 "world_size": self.world_size,
@@ -317,16 +329,21 @@ class CheckpointManager:
         dist.barrier()
         dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
         if in_hf:
-            save_hf_weights(self.model, staging, spec=self._spec(), dtype=dtype, extras=self.hf_extras)
+            if in_peft:
+                base_name = cfg.initial_load_path if cfg.initial_load_in_hf else None
+                save_peft_adapter(self.model, staging, spec=self._spec(), lora=self.lora,  # type: ignore[arg-type]
+                                  dtype=dtype, base_model_name_or_path=base_name)
+            else:  # LoRA adapters are merged into the weights
+                save_hf_weights(self.model, staging, spec=self._spec(), dtype=dtype, extras=self.hf_extras)
             self._commit(step, staging, final, started)
             dist.barrier()
             return final
+        model_sd = plain_state(self._model_state())
         if model_only:
-            model_sd = plain_state(get_model_state_dict(self.model))
             state: dict[str, Any] = {"model": {k: v.to(dtype) for k, v in model_sd.items()}}
         else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": plain_state(model_sd), "optimizer": plain_state(optim_sd)}
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optimizer": plain_state(optim_sd)}
         if self._async_group is not None:
             response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
             future = getattr(response, "upload_completion", response)
@@ -436,6 +453,8 @@ class CheckpointManager:
                 f"checkpoint.load_step: invalid value {cfg.load_step}; {str(self.folder)!r} "
                 f"holds committed steps {steps or 'none'}"
             )
+        if self.lora is not None:
+            self._load_base()  # the frozen weights: never in this run's own checkpoints
         if steps:
             step = cfg.load_step if cfg.load_step >= 0 else steps[-1]
             start = step if "train_state" in parts else 0
@@ -449,6 +468,8 @@ class CheckpointManager:
             return self._load_from(self.folder / f"step-{step}", parts)
         if cfg.initial_load_path is None:
             return None
+        if self.lora is not None:
+            return {}  # loaded above: the base weights (a LoRA run's adapters start at their init)
         path = Path(cfg.initial_load_path)
         if cfg.initial_load_in_hf:
             load_hf_weights(self.model, path, spec=self._spec())
@@ -484,6 +505,9 @@ class CheckpointManager:
         if state.get("format", "dcp") == "hf":
             if "model" in parts:
                 load_hf_weights(self.model, path, spec=self._spec())
+        elif state.get("format") == "peft":
+            if "model" in parts:
+                load_peft_adapter(self.model, path, spec=self._spec())
         else:
             self._load_dcp(path, parts)
         if "lr_scheduler" in parts and "lr_scheduler" in state:
@@ -521,12 +545,37 @@ class CheckpointManager:
                            path.name.removeprefix("step-"),
                            "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(shown.items())))
 
-    def _load_dcp(self, path: Path, parts: set[str]) -> None:
-        """Load the model and/or optimizer from DCP files, each rank reading only its shards."""
+    def _model_state(self, *, base: bool = False) -> dict[str, Any]:
+        """The model's state that its checkpoints hold: all of it, or with LoRA all but the
+        frozen parameters; ``base``: only those (what ``initial_load_path`` gives a LoRA run)."""
+        state = get_model_state_dict(self.model)
+        if self.lora is None:
+            return state
+        frozen = {name for name, param in self.model.named_parameters(remove_duplicate=False)
+                  if not param.requires_grad}
+        return {k: v for k, v in state.items() if (k in frozen) == base}
+
+    def _load_base(self) -> None:
+        """A LoRA run's frozen weights from ``initial_load_path`` (Hugging Face or DCP; the adapters
+        keep their init); without one they stay as initialised from the seed."""
+        cfg = self.config
+        if cfg.initial_load_path is None:
+            return
+        path = Path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf:
+            load_hf_weights(self.model, path, spec=self._spec())  # every weight but the adapters
+        else:
+            self._load_dcp(path, {"model"}, base=True)
+        if self.rank == 0:
+            logger.info("base weights loaded from %s (LoRA: frozen, never saved)", path)
+
+    def _load_dcp(self, path: Path, parts: set[str], *, base: bool = False) -> None:
+        """Load the model and/or optimizer from DCP files, each rank reading only its shards
+        (``base``: only the frozen weights of a LoRA model)."""
         reader = SafeFileSystemReader(str(path))
         to_load: dict[str, Any] = {}
         if "model" in parts:
-            to_load["model"] = model_sd = plain_state(get_model_state_dict(self.model))
+            to_load["model"] = model_sd = plain_state(self._model_state(base=base))
         if "optimizer" in parts:
             # Only when it is loaded: building the optimizer's state dict creates its state (a
             # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
@@ -545,7 +594,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model: "
                                   f"{failure_reason(exc)}") from None
         if "model" in to_load:
-            set_model_state_dict(self.model, to_load["model"])
+            set_model_state_dict(self.model, to_load["model"],
+                                 options=StateDictOptions(strict=self.lora is None))
         if "optimizer" in to_load:
             set_optimizer_state_dict(self.model, self.optimizer, to_load["optimizer"])
 

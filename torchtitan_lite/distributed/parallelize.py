@@ -1,8 +1,9 @@
-"""The meta-init path of a registered model: build on the meta device, convert to float8,
-checkpoint activations, compile, shard, allocate, initialise.
+"""The meta-init path of a registered model: build on the meta device, add LoRA adapters,
+convert to float8, checkpoint activations, compile, shard, allocate, initialise.
 
-The order matters and is the one TorchTitan uses: the float8 conversion swaps the blocks'
-linears first (so that all that follows wraps the converted layers), activation checkpointing wraps each block's
+The order matters and is the one TorchTitan uses: LoRA adapts its linears first (the adapters
+are then parameters of their blocks like any other: checkpointed, compiled and sharded with
+them), the float8 conversion swaps the blocks' other linears next (so that all that follows wraps the converted layers), activation checkpointing wraps each block's
 forward first (so that compile traces the checkpoint as part of the block's graph), compile
 comes next, and ``fully_shard`` last (so that its hooks, which gather and free parameters, stay
 outside the compiled code).
@@ -22,6 +23,7 @@ from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
 from torchtitan_lite.distributed.float8 import Float8Plan
 from torchtitan_lite.distributed.fsdp import FSDPOptions, apply_fsdp
+from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["build_sharded_model"]
@@ -42,21 +44,25 @@ def build_sharded_model(
     float8: Float8Plan | None = None,
     fsdp: FSDPOptions | None = FSDPOptions(),  # noqa: B008 - frozen
     autocast_dtype: torch.dtype | None = None,
+    lora: LoRAPlan | None = None,
 ) -> nn.Module:
-    """Build ``spec.model_cls(args)`` on the meta device; convert its blocks' linears to float8
+    """Build ``spec.model_cls(args)`` on the meta device; adapt the linears ``lora`` names with
+    low-rank adapters and freeze the rest (:mod:`.lora`); convert its blocks' other linears to float8
     by ``float8``; checkpoint its blocks by ``ac_mode`` and ``selective_ac_option`` (TorchTitan's
     settings) or by ``ac_policies`` (one of ``none``/``full``/``op`` per block; see
     :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
     (with ``compile_backend``); shard it with :func:`~.fsdp.apply_fsdp` over the spec's units and
     ``mesh`` by ``fsdp``; allocate this rank's shards (on CPU under ``fsdp.cpu_offload``, else on
-    ``device``) and fill them with ``init_weights`` from ``seed``. No rank ever holds the full
-    model.
+    ``device``) and fill them with ``init_weights`` from ``seed`` (the adapters too: A
+    kaiming-uniform, B zeros). No rank ever holds the full model.
 
     ``fsdp=None`` (one process) keeps the model plain, allocated whole on ``device`` (``mesh``
     unused), with its forward under autocast in ``autocast_dtype`` when given (see
     :mod:`.autocast`). The weights are the same either way: they depend on the seed only."""
     with torch.device("meta"):
         model = spec.model_cls(args)
+    if lora is not None:
+        lora.apply(model)
     units = spec.fsdp_units(model)
     if float8 is not None:
         float8.apply(model, blocks=units["blocks"])

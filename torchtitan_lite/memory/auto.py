@@ -14,6 +14,7 @@ import torch
 
 from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
+from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -166,11 +167,13 @@ def plan_auto_reshard(
     grad_accum_steps: int = 1,
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
+    lora: LoRAPlan | None = None,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
     that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
     The checkpointing configured by ``ac_mode`` and ``selective_ac_option`` is the least each
-    block gets: ``auto`` only adds recomputation.
+    block gets: ``auto`` only adds recomputation. Every estimate trains what the job trains
+    (``lora``: the adapters only, the base frozen).
 
     - Nothing is changed when everything fits (``never``: one all-gather per unit and
       micro-batch, nothing recomputed beyond what is configured).
@@ -218,6 +221,7 @@ def plan_auto_reshard(
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
+        "lora": lora,
     }
     check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
                      seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,

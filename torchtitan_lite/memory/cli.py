@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{t.mixed_precision_reduce}; CPU offload {'on' if t.enable_cpu_offload else 'off'}; "
           f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
           f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}")
+    if plan.lora is not None:
+        lo = plan.lora
+        print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
+              "optimizer state for the adapters only, the base weights frozen")
     print(_table(estimates, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"]
     if t.enable_cpu_offload:

@@ -44,6 +44,7 @@ from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_lite.distributed.fsdp import ReshardMode, apply_fsdp, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.process_group import build_mesh
 from torchtitan_lite.dtypes import dtype_name
@@ -155,6 +156,7 @@ def estimate_memory(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
+    lora: LoRAPlan | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
@@ -164,7 +166,8 @@ def estimate_memory(
     group of ``world_size`` ranks (``dp_replicate × dp_shard``), under ``FSDPMemTracker``. The
     optimizer state exists from the start, so the step is a steady-state one (a real run's
     second step; its first holds less). More than two micro-batches would repeat the second
-    one's memory, so at most two are run.
+    one's memory, so at most two are run. With ``lora`` the model gets its adapters and the
+    rest is frozen, as in training: gradients and optimizer state for the adapters only.
 
     Nothing real is allocated and no process group of that size is needed. The current process
     must not already hold a process group; when it does, the estimate runs in a fresh child
@@ -182,7 +185,7 @@ def estimate_memory(
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
-        "ac_policies": None if ac_policies is None else tuple(ac_policies),
+        "ac_policies": None if ac_policies is None else tuple(ac_policies), "lora": lora,
     }
     import torch.distributed as dist
 
@@ -408,6 +411,7 @@ def _estimate_uncached(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
+    lora: LoRAPlan | None = None,
 ) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -419,6 +423,8 @@ def _estimate_uncached(
         # Sharding meta parameters needs no fake mode (and is much faster without it).
         with torch.device("meta"):
             model = spec.model_cls(args)
+        if lora is not None:
+            lora.apply(model)  # frozen base: only the adapters get gradients and optimizer state
         units = spec.fsdp_units(model)
         apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
                                        selective_ac_option=selective_ac_option, policies=ac_policies)
@@ -481,7 +487,7 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "reduce_dtype": plan.reduce_dtype, "cpu_offload": t.enable_cpu_offload,
         "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
-        "selective_ac_option": config.activation_checkpoint.selective_ac_option,
+        "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
     }
 
 

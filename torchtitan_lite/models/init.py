@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["normal_", "trunc_normal_", "ones_", "zeros_"]
+__all__ = ["normal_", "trunc_normal_", "uniform_", "ones_", "zeros_"]
 
 # Elements generated per block; fixed so that values do not depend on sharding.
 _BLOCK_ELEMENTS = 1 << 18
@@ -98,6 +98,11 @@ def trunc_normal_(
         tensor,
         lambda t, g: torch.nn.init.trunc_normal_(t, mean=mean, std=std, a=lo, b=hi, generator=g),
     )
+
+
+def uniform_(tensor: torch.Tensor, *, a: float = 0.0, b: float = 1.0) -> torch.Tensor:
+    """Fill ``tensor`` (plain or sharded) from U(a, b), independent of sharding."""
+    return _fill_blockwise(tensor, lambda t, g: torch.nn.init.uniform_(t, a=a, b=b, generator=g))
 
 
 @torch.no_grad()

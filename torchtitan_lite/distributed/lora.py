@@ -1,0 +1,278 @@
+"""Low-rank adapters (LoRA) on any model's linear layers, applied from outside the model code.
+
+:func:`apply_lora` gives each named ``nn.Linear`` two adapter matrices, ``lora_A`` (rank × in,
+PEFT's kaiming-uniform init) and ``lora_B`` (out × rank, zeros), so that the layer computes
+
+    y = W x + b + (alpha / rank) · B A dropout(x)
+
+and freezes every other parameter of the model (``requires_grad = False``): only the adapters
+get gradients and optimizer state. As activation checkpointing does, the layer's class is
+replaced by a subclass (``LoRALinear``), with no wrapper module: the base weight keeps its name
+(``layers.0.attention.wq.weight``: Hugging Face import, FSDP units and float8 filters are
+unchanged) and the adapters sit below the layer under PEFT's names (``….wq.lora_A.weight``,
+``….wq.lora_B.weight``). The model's class gets an ``init_weights`` that also initialises the
+adapters (:func:`init_lora_weights`, shard-aware like :mod:`torchtitan_lite.models.init`: the
+values do not depend on the sharding), so the meta-init path (``to_empty`` → ``init_weights``)
+fills them; loading base weights afterwards (a Hugging Face folder) leaves them at their init.
+
+Apply it to the model on the meta device before float8, activation checkpointing, compile and
+``fully_shard`` (:func:`~.parallelize.build_sharded_model`): FSDP2 shards the adapters with the
+frozen base weights of the same unit. The float8 conversion leaves the adapted linears and the
+adapters in high precision (it converts exact ``nn.Linear`` layers only).
+
+Which linears: :func:`lora_linears` finds them by PEFT's names (``q_proj`` …), which a model
+family's Hugging Face names give (``spec.hf.to_hf_name``: ``layers.0.attention.wq`` ↔
+``model.layers.0.self_attn.q_proj``); a model without them is matched by its own module names.
+:class:`LoRAPlan` is a job's choice, resolved once by :func:`torchtitan_lite.job.plan_job`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import torchtitan_lite.models.init as init
+
+__all__ = [
+    "ADAPTERS",
+    "LoRAPlan",
+    "LoRAWeight",
+    "adapter_parameter_names",
+    "apply_lora",
+    "init_lora_weights",
+    "is_lora_linear",
+    "lora_linears",
+    "lora_modules",
+    "merged_weight",
+    "peft_name",
+]
+
+ADAPTERS = ("lora_A", "lora_B")
+"""The adapter submodules of an adapted linear (PEFT's names)."""
+
+
+def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
+    """``ValueError`` naming the first setting that is not allowed (the ``[lora]`` keys)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora.rank: invalid value {rank!r}; expected an integer >= 1")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"lora.alpha: invalid value {alpha!r}; expected a finite number > 0")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"lora.dropout: invalid value {dropout!r}; expected 0 <= dropout < 1")
+
+
+class LoRAWeight(nn.Module):
+    """One adapter matrix, applied as ``x @ weight.T``. Not an ``nn.Linear``, so that conversions
+    that swap linears (float8) leave it alone."""
+
+    def __init__(self, out_features: int, in_features: int, *, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.weight.shape[0]}, in_features={self.weight.shape[1]}"
+
+
+def is_lora_linear(module: nn.Module) -> bool:
+    """Whether :func:`apply_lora` adapted ``module``."""
+    return bool(getattr(type(module), "_lora_linear", False))
+
+
+@functools.cache
+def _lora_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        out = super(subclass, self).forward(x)  # the layer's own W x + b
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scaling
+
+    def extra_repr(self: Any) -> str:
+        return f"{super(subclass, self).extra_repr()}, lora_scaling={self.lora_scaling:g}"
+
+    subclass = type(f"LoRA{cls.__name__}", (cls,), {
+        "forward": forward, "extra_repr": extra_repr, "__module__": cls.__module__, "_lora_linear": True})
+    return subclass
+
+
+@functools.cache
+def _initialising_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def init_weights(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super(subclass, self).init_weights(*args, **kwargs)  # type: ignore[misc]
+        init_lora_weights(self)
+
+    subclass = type(f"LoRA{cls.__name__}", (cls,), {
+        "init_weights": init_weights, "__module__": cls.__module__, "_lora_root": True})
+    return subclass
+
+
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → adapted linear, in model order."""
+    return {name: module for name, module in model.named_modules() if is_lora_linear(module)}
+
+
+def adapter_parameter_names(model: nn.Module) -> list[str]:
+    """The names of the adapter parameters (``layers.0.attention.wq.lora_A.weight`` …)."""
+    return [f"{name}.{adapter}.weight" for name in lora_modules(model) for adapter in ADAPTERS]
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module) -> None:
+    """Initialise every adapter of ``model`` as PEFT does: A from kaiming-uniform with
+    ``a = √5`` (U(±1/√in)), B zeros, so that an adapted model starts as its base. Sharded
+    adapters get the same values as unsharded ones (the draws come from the global generator,
+    see :mod:`torchtitan_lite.models.init`)."""
+    for module in lora_modules(model).values():
+        bound = 1.0 / math.sqrt(module.lora_A.weight.shape[1])
+        init.uniform_(module.lora_A.weight, a=-bound, b=bound)
+        init.zeros_(module.lora_B.weight)
+
+
+def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: float,
+               dropout: float = 0.0) -> list[str]:
+    """Adapt the ``nn.Linear`` layers of ``model`` named in ``linears`` (qualified names, e.g.
+    ``layers.0.attention.wq``) in place, freeze every other parameter, and return the names of
+    the adapter parameters.
+
+    The model may be on the meta device (then ``init_weights``, or :func:`init_lora_weights`,
+    fills the adapters after ``to_empty``) or on a real one (the adapters are initialised here,
+    from the global generator). It must not be sharded or compiled yet. Raises ``ValueError``
+    (one line) for a setting that is not allowed, a name that is no linear of the model, or a
+    layer that is adapted already.
+    """
+    _check_settings(rank, alpha, dropout)
+    if not linears:
+        raise ValueError("lora: no linears to adapt")
+    modules = dict(model.named_modules())
+    for name in linears:
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(f"lora: {name!r} is not a module of the model")
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"lora: {name!r} is a {type(module).__name__}, not an nn.Linear")
+        if is_lora_linear(module):
+            raise ValueError(f"lora: {name!r} is adapted already")
+        if isinstance(module.weight, DTensor) or getattr(module, "_compiled_call_impl", None) is not None:
+            raise ValueError(f"lora: {name!r} is sharded or compiled already; apply LoRA first")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    materialised = False
+    for name in linears:
+        module = modules[name]
+        weight = module.weight
+        module.__class__ = _lora_class(type(module))
+        module.lora_scaling = alpha / rank
+        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        module.lora_A = LoRAWeight(rank, module.in_features, device=weight.device, dtype=weight.dtype)
+        module.lora_B = LoRAWeight(module.out_features, rank, device=weight.device, dtype=weight.dtype)
+        materialised = materialised or weight.device.type != "meta"
+    if callable(getattr(model, "init_weights", None)) and not getattr(type(model), "_lora_root", False):
+        model.__class__ = _initialising_class(type(model))
+    if materialised:
+        init_lora_weights(model)
+    return adapter_parameter_names(model)
+
+
+def peft_name(name: str, hf_name: Callable[[str], str] | None = None) -> str:
+    """PEFT's name of the linear ``name`` (what ``target_modules`` matches): the last part of
+    its weight's Hugging Face name (``layers.0.attention.wq`` → ``q_proj``), or of its own name
+    when there is no Hugging Face name for it."""
+    if hf_name is not None:
+        try:
+            return hf_name(f"{name}.weight").removesuffix(".weight").rpartition(".")[2]
+        except ValueError:
+            pass
+    return name.rpartition(".")[2]
+
+
+def lora_linears(model: nn.Module, target_modules: Sequence[str], *,
+                 hf_name: Callable[[str], str] | None = None) -> tuple[str, ...]:
+    """The qualified names of ``model``'s ``nn.Linear`` layers whose PEFT name
+    (:func:`peft_name`) is one of ``target_modules``, in model order. ``ValueError`` (one line)
+    for a target that names no linear of the model."""
+    linears = {name: peft_name(name, hf_name) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear)}
+    known = list(dict.fromkeys(linears.values()))
+    missing = [t for t in dict.fromkeys(target_modules) if t not in known]
+    if missing:
+        raise ValueError(f"{', '.join(map(repr, missing))} {'names' if len(missing) == 1 else 'name'} no linear "
+                         f"of the model (its linears: {', '.join(known)})")
+    wanted = set(target_modules)
+    return tuple(name for name, peft in linears.items() if peft in wanted)
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """A job's LoRA (``[lora]`` with ``enable = true``), resolved once by
+    :func:`~torchtitan_lite.job.plan_job`: the settings and the linears they name."""
+
+    rank: int
+    """Rank r of each adapter."""
+    alpha: float
+    """Scale numerator: the adapters' output is multiplied by alpha / rank."""
+    dropout: float
+    """Dropout on the adapters' input while training."""
+    target_modules: tuple[str, ...]
+    """The targets by PEFT's names (written to a PEFT adapter folder)."""
+    linears: tuple[str, ...]
+    """The adapted linears, our qualified names (``layers.0.attention.wq`` …)."""
+    merge_on_export: bool = False
+    """A Hugging Face export holds the merged weights instead of a PEFT adapter folder."""
+
+    def __post_init__(self) -> None:
+        _check_settings(self.rank, self.alpha, self.dropout)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
+                  target_modules: Sequence[str], merge_on_export: bool = False,
+                  hf_name: Callable[[str], str] | None = None) -> LoRAPlan:
+        """The plan for ``model`` (e.g. built on the meta device): ``target_modules`` resolved by
+        :func:`lora_linears` (``ValueError``, one line, for a target the model lacks)."""
+        linears = lora_linears(model, target_modules, hf_name=hf_name)
+        return cls(rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(target_modules),
+                   linears=linears, merge_on_export=merge_on_export)
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank."""
+        return self.alpha / self.rank
+
+    def apply(self, model: nn.Module) -> list[str]:
+        """:func:`apply_lora` with this plan's settings and linears."""
+        return apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout)
+
+    def describe(self, model: nn.Module) -> str:
+        """One log line: what is adapted and how many parameters train."""
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return (f"LoRA rank {self.rank}, alpha {self.alpha:g} (scale {self.scaling:g}), dropout {self.dropout:g} on "
+                f"{len(self.linears)} linears ({', '.join(self.target_modules)}): {trainable / 1e6:.3f}M trainable "
+                f"parameters of {total / 1e6:.2f}M ({100 * trainable / max(total, 1):.2f}%), the rest frozen; "
+                f"Hugging Face export: {'merged weights' if self.merge_on_export else 'PEFT adapter folder'}")
+
+
+@torch.no_grad()
+def merged_weight(module: nn.Module) -> torch.Tensor:
+    """``W + (alpha/rank) · B A`` of an adapted linear, laid out as ``W``: under FSDP a DTensor
+    sharded as ``W`` is, each rank computing only its own rows (``B``'s rows are sharded as
+    ``W``'s; ``A``, rank × in, is gathered)."""
+    if not is_lora_linear(module):
+        raise ValueError(f"merged_weight: {type(module).__name__} is not an adapted linear")
+    w, a, b = module.weight, module.lora_A.weight, module.lora_B.weight
+    scaling = module.lora_scaling
+    if not isinstance(w, DTensor):
+        return w.detach() + scaling * (b.detach() @ a.detach()).to(w.dtype)
+    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
+        raise ValueError("merged_weight: lora_B is not sharded as the base weight")
+    a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
+    local = w.to_local() + scaling * (b.to_local() @ a_full.to(b.dtype)).to(w.dtype)
+    return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
