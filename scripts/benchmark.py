@@ -43,8 +43,10 @@ compile       compiled (blocks and loss) against eager trainer on 2 ranks (--com
 peak          the estimator's peak per rank against the measured one for every reshard mode ×
               activation checkpointing setting, on --peak_ranks ranks at --flavor, --seq_len,
               --local_batch_size and the first of --param_dtypes, through the real trainer:
-              ``torch.cuda.max_memory_allocated`` after two steps on a GPU, FSDPMemTracker's peak
-              of a step on CPU. Not in the default run (name it in --parts, e.g. on one GPU:
+              ``torch.cuda.max_memory_allocated`` after two steps on a GPU; on CPU the peak of live
+              bytes over one real ``Trainer.train_step`` from torch.profiler's memory timeline (the
+              allocator's events: independent of the FSDPMemTracker the estimator runs on), with
+              FSDPMemTracker's own peak beside it (tracker vs tracker). Not in the default run (name it in --parts, e.g. on one GPU:
               --parts peak --peak_ranks 1 --flavor 1B --seq_len 2048 --param_dtypes bfloat16).
 float8        float8 training (the blocks' linears through torchao, float8 all-gather with
               precomputed scales) against the same job without it, eager and compiled, on
@@ -440,26 +442,25 @@ def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.memory.measure import AllocatorPeak, measure_step_memory
     from torchtitan_lite.trainer import Trainer
 
     out = {}
     for mode in MODES:
         for label, ac in AC_RUNS.items():
-            trainer = Trainer(load_job_config(_peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
-            trainer.config.training.steps = 1
-            trainer.train()  # warm-up: lazy FSDP init, allocator pools
-            if trainer.device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(trainer.device)
-                trainer.config.training.steps += 2
-                trainer.train()
-                torch.cuda.synchronize()
-                peak, how = torch.cuda.max_memory_allocated(trainer.device), "torch.cuda.max_memory_allocated"
-            else:
-                peak = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]["total"]
-                how = "FSDPMemTracker"
-            out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how}
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+                else torch.device("cpu")
+            with AllocatorPeak(device) as memory:  # the allocator's own figures, from before the model exists
+                trainer = Trainer(load_job_config(_peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
+                trainer.train_step()  # warm-up: lazy FSDP init, optimizer state, allocator pools
+                with memory.window():
+                    trainer.train_step()
+            peak = memory.peak
+            how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                   else "the CPU allocator's total, reported to torch.profiler")
+            tracked = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]["total"]
+            out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how,
+                                        "tracker_peak": tracked}
             trainer.metrics.close()
             del trainer
             dist.barrier()
@@ -971,10 +972,12 @@ def main() -> None:
         print(f"\npeak per rank, estimated against measured ({opts.peak_ranks} rank(s), {opts.flavor}, seq_len "
               f"{opts.seq_len}, local batch {opts.local_batch_size}, {opts.param_dtypes.split(',')[0]}; "
               f"measured with {next(iter(peaks.values()))['measured_by']})")
-        print(f"{'reshard / AC':24} {'measured MiB':>12} {'estimate MiB':>12} {'est./meas.':>10}")
+        print(f"{'reshard / AC':24} {'measured MiB':>12} {'estimate MiB':>12} {'est./meas.':>10} "
+              f"{'tracker MiB':>11} {'est./tracker':>12}")
         for key, r in peaks.items():
             print(f"{key:24} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
-                  f"{r['estimated_peak'] / r['peak']:10.3f}")
+                  f"{r['estimated_peak'] / r['peak']:10.3f} {r['tracker_peak'] / 2**20:11.1f} "
+                  f"{r['estimated_peak'] / r['tracker_peak']:12.3f}")
     if "single" in opts.parts.split(","):
         single = _launch(["single"], 1, opts)["single"][0]
         figures["single"] = single

@@ -56,3 +56,59 @@ def test_sharded_state_per_rank_is_one_nth_of_one_rank():
                 assert abs(got - expected) <= 0.05 * expected, (world, rank, key, got, expected)
             # The peak holds more than the state: activations and gathered parameters.
             assert result["peak"]["total"] > result["state"]["sharded_params"] + result["peak"]["activations"]
+
+
+def test_allocator_peak_counts_live_tensors_from_the_allocators_events() -> None:
+    """``AllocatorPeak`` (the CPU allocator's own running total, reported to torch.profiler; not a
+    tracker of ours): a tensor made before the window counts while alive, a freed one stops
+    counting; the peak is the largest sum within the window."""
+    import torch
+
+    from torchtitan_lite.memory.measure import AllocatorPeak
+
+    mb = 500 * 500 * 4
+    with AllocatorPeak(torch.device("cpu")) as memory:
+        x = torch.randn(500, 500)  # 1 MB, made before the window
+        with memory.window():
+            y = x @ x  # 2 MB live
+            z = y * 2  # 3 MB live (the peak)
+            del y  # 2 MB
+            w = z + 1  # 3 MB again
+            del z, w
+    assert 3 * mb <= memory.peak <= 3 * mb + 4096, memory.peak
+
+
+def test_allocator_peak_of_a_trainer_step_holds_its_state(tmp_path: Any) -> None:
+    """The peak of one real ``Trainer.train_step`` on one process is at least the parameters,
+    their gradients and AdamW's two moments (fp32: 16 bytes a parameter), and below a loose
+    ceiling (four times that, plus 16 MiB of activations): a sanity check of the instrument; how
+    the estimator compares with it is scripts/benchmark.py --parts peak."""
+    import torch
+
+    from tests.conftest import TINY_ARGS
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory.measure import AllocatorPeak
+    from torchtitan_lite.trainer import Trainer
+
+    with AllocatorPeak(torch.device("cpu")) as memory:
+        trainer = Trainer(load_job_config([*TINY_ARGS, "--job.dump_folder", str(tmp_path), "--training.steps", "3"]))
+        try:
+            trainer.train_step()  # the optimizer state exists from here on
+            with memory.window():
+                trainer.train_step()
+            params = sum(p.numel() for p in trainer.model.parameters())
+        finally:
+            trainer.close()
+    assert 16 * params <= memory.peak <= 64 * params + 2**24, (memory.peak, params)
+
+
+def test_allocator_peak_counts_each_session_from_its_start() -> None:
+    """Two measurements in one process: the second does not include what the first allocated."""
+    import torch
+
+    from torchtitan_lite.memory.measure import profiled_peak
+
+    kept = []
+    first = profiled_peak(lambda: kept.append(torch.zeros(250_000)), device=torch.device("cpu"))
+    second = profiled_peak(lambda: kept.append(torch.zeros(250_000)), device=torch.device("cpu"))
+    assert first == second == 1_000_000, (first, second)

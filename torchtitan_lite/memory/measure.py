@@ -13,7 +13,8 @@ GPU would hold (allocator caching and fragmentation are not included).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,86 @@ from torch import nn
 
 from torchtitan_lite.gc_control import no_automatic_gc
 
-__all__ = ["CATEGORIES", "by_category", "measure_step_memory", "process_memory", "reset_peak_rss"]
+__all__ = ["AllocatorPeak", "CATEGORIES", "by_category", "measure_step_memory", "process_memory", "profiled_peak",
+           "reset_peak_rss"]
+
+class AllocatorPeak:
+    """The peak of live tensor bytes over a window of code, from the allocator's own figures rather
+    than a tracker of ours: on CUDA ``torch.cuda.max_memory_allocated`` (reset when the window
+    opens); elsewhere the CPU allocator's running total of allocated bytes, which it reports to
+    ``torch.profiler`` with every allocation and free while profiling memory, counted from where
+    it stood when this profiling began. The CPU allocator knows only what it allocated while
+    profiling, so open this before the tensors to count exist (the trainer and its model), then
+    measure one window::
+
+        with AllocatorPeak(device) as memory:
+            trainer = Trainer(config)
+            trainer.train_step()              # optimizer state made
+            with memory.window():
+                trainer.train_step()
+        memory.peak                           # bytes
+    """
+
+    _MARK = "torchtitan_lite.allocator_peak.window"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak = device, 0
+        self._prof: Any = None
+
+    def __enter__(self) -> AllocatorPeak:
+        if self.device.type != "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        """The code whose peak is :attr:`peak` (one window per instance)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        with torch.profiler.record_function(self._MARK):
+            yield
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._prof is None:
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        nodes = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        window, allocations = None, []
+        while nodes:
+            node = nodes.pop()
+            if node.name == self._MARK:
+                window = (node.start_time_ns, node.end_time_ns)
+            if str(node.tag).endswith("Allocation"):
+                allocations.append(node)
+            nodes.extend(node.children)
+        if window is None:
+            raise RuntimeError("AllocatorPeak: no window() was measured")
+        if not allocations:
+            return
+        # The allocator's total runs on from earlier profiling sessions of this process: count from
+        # what it stood at when this one began.
+        first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
+        start = first.total_allocated - first.alloc_size
+        self.peak = max((a.extra_fields.total_allocated - start for a in allocations
+                         if window[0] <= a.start_time_ns <= window[1]), default=0)
+
+
+def profiled_peak(fn: Callable[[], Any], *, device: torch.device) -> int:
+    """:class:`AllocatorPeak` of ``fn()`` alone (on CPU only the tensors made during it count)."""
+    with AllocatorPeak(device) as memory, memory.window():
+        fn()
+    return memory.peak
+
 
 # Our names for FSDPMemTracker's categories (its _FSDPRefType values).
 CATEGORIES = {
