@@ -340,3 +340,16 @@ selective_ac_option = "op"
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith("error: training.dataset: 'fineweb' is HuggingFaceFW/fineweb"), err
     assert err[1].startswith("error: validation.dataset_path: validation.dataset='text' needs a path"), err
+
+
+def test_cli_says_what_it_does_not_model(capsys) -> None:
+    """float8, compile and the block-causal mask are not in the estimate: the CLI says so, one
+    line each (and a job without them gets none of these lines)."""
+    small = ["--model.flavor", "tiny", "--world_size", "2", "--training.seq_len", "32",
+             "--training.local_batch_size", "1"]
+    assert main([*small, "--model.converters", "float8", "--float8.emulate", "--compile.enable",
+                 "--model.attention_mask", "block_causal"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "is not modelled" in line]
+    assert [line.split(" ")[0] for line in lines] == ["model.converters", "compile.enable", "model.attention_mask"]
+    assert main(small) == 0
+    assert "is not modelled" not in capsys.readouterr().out

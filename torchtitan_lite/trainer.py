@@ -168,7 +168,7 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
     """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
     estimates on fake tensors, in a child process) and every rank applies that one plan."""
     from torchtitan_lite.memory.auto import plan_auto_reshard as plan_units
-    from torchtitan_lite.memory.estimate import job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import job_estimate_kwargs, not_modelled
 
     chosen: list[AutoReshardPlan | Exception | None] = [None]
     if dist.get_rank() == 0:
@@ -189,6 +189,8 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
         raise chosen[0]
     if dist.get_rank() == 0:
         logger.info("%s (budget: %s)", chosen[0].summary(), budget[1])  # type: ignore[union-attr]
+        for line in not_modelled(config, plan):  # what the plan's estimates leave out
+            logger.warning("auto: %s", line)
     return chosen[0]  # type: ignore[return-value]
 
 

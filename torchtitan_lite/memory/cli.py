@@ -38,6 +38,7 @@ from torchtitan_lite.memory.estimate import (
     MemoryEstimate,
     estimate_memory,
     job_estimate_kwargs,
+    not_modelled,
     where_text,
 )
 from torchtitan_lite.models import get_model_spec
@@ -280,10 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if t.enable_cpu_offload:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
-    if not plan.shard:
-        notes.append("one process without CPU offload trains the plain model (no FSDP), which is not modelled: "
-                     "these figures are FSDP2's on one rank (its unsharded parameter and gradient copies "
-                     "included; bf16 through autocast keeps some activations in fp32 instead)")
+    notes += not_modelled(config, plan)
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
     if plan_auto is not None:
@@ -294,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "world_size": world_size, "ranks_per_node": ranks_per_node, "model": config.model.name,
             "flavor": config.model.flavor, "num_params": model_args.num_params(),
-            "vocab_size": model_args.vocab_size, "vocab_note": vocab_note, "configured_mode": configured,
+            "vocab_size": model_args.vocab_size, "vocab_note": vocab_note,
+            "not_modelled": not_modelled(config, plan), "configured_mode": configured,
             "device_memory_bytes": device_bytes,
             "estimates": [{**e.to_dict(), "configured": _label(e.reshard_after_forward_mode)
                            == str(configured),

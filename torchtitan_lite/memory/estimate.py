@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from torchtitan_lite.job import JobPlan
 
 __all__ = ["CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "MemoryEstimate", "estimate_memory", "job_estimate_kwargs",
-           "size_text", "where_text"]
+           "not_modelled", "size_text", "where_text"]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
 """Categories of an estimate, the same names as :data:`torchtitan_lite.memory.CATEGORIES`."""
@@ -489,6 +489,26 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
         "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
     }
+
+
+def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
+    """What of the job the estimate leaves out, one line each (the memory CLI prints them and
+    ``auto`` logs them): an estimate is of the job as :func:`job_estimate_kwargs` describes it."""
+    lines = []
+    if not plan.shard:
+        lines.append("one process without CPU offload trains the plain model (no FSDP), which is not modelled: "
+                     "these figures are FSDP2's on one rank (its unsharded parameter and gradient copies "
+                     "included; bf16 through autocast keeps some activations in fp32 instead)")
+    if plan.float8 is not None:
+        lines.append(f"model.converters = {config.model.converters!r} (float8) is not modelled: the figures are "
+                     "of the job without it (float8 saved activations and one-byte all-gathers are smaller)")
+    if config.compile.enable:
+        lines.append("compile.enable = true is not modelled: the figures are of the eager job (inductor's fused "
+                     "kernels keep fewer temporaries; its own buffers are not counted)")
+    if config.model.attention_mask == "block_causal":
+        lines.append("model.attention_mask = 'block_causal' is not modelled: off CUDA its dense mask adds "
+                     "local_batch_size × seq_len² bytes per forward")
+    return lines
 
 
 def where_text(phase: str, module: str) -> str:
