@@ -49,7 +49,10 @@ __all__ = [
     "CONFIG_FILE",
     "HFExportExtras",
     "check_hf_checkpoint",
+    "barrier_if_distributed",
     "check_hf_config",
+    "copy_full_into",
+    "is_distributed",
     "load_hf_weights",
     "quiet_without_process_group",
     "read_hf_config",
@@ -370,13 +373,24 @@ def _permute_into(dest: torch.Tensor, source: torch.Tensor, index: torch.Tensor)
         if _rows_sharded_only(dest):
             local.copy_(full.index_select(0, _local_rows(index, dest)))
         else:
-            replicated = DTensor.from_local(full.index_select(0, index), dest.device_mesh,
-                                            [Replicate()] * dest.device_mesh.ndim, run_check=False)
-            local.copy_(replicated.redistribute(dest.device_mesh, dest.placements).to_local())
+            copy_full_into(dest, full.index_select(0, index))
         del full
 
 
-def _distributed() -> bool:
+def copy_full_into(dest: torch.Tensor, full: torch.Tensor) -> None:
+    """``dest ← full``: ``dest`` plain, or a DTensor that keeps its own part of ``full`` (which
+    every rank holds whole)."""
+    with torch.no_grad():
+        if not isinstance(dest, DTensor):
+            dest.copy_(full)
+            return
+        mesh = dest.device_mesh
+        replicated = DTensor.from_local(full.to(dest.device, dest.dtype), mesh, [Replicate()] * mesh.ndim,
+                                        run_check=False)
+        dest.to_local().copy_(replicated.redistribute(mesh, dest.placements).to_local())
+
+
+def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
@@ -388,8 +402,8 @@ def quiet_without_process_group() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
-    if _distributed():
+def barrier_if_distributed() -> None:
+    if is_distributed():
         dist.barrier()
 
 
@@ -516,10 +530,10 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
                 tensor = permuted
             to_save[adapter.to_hf_name(name)] = tensor.to(export_dtype)
     mapping = _file_index_mapping(adapter.expected_shapes(args), export_dtype.itemsize, max_file_bytes)
-    rank = dist.get_rank() if _distributed() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier_if_distributed()
     writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping,
                                       save_distributed=True, enable_consolidation=True)
     with quiet_without_process_group():
@@ -532,4 +546,4 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
         if extras is not None:
             _write_extras(path, config, extras)
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    _barrier()
+    barrier_if_distributed()

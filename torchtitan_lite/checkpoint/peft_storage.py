@@ -23,8 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.checkpoint.hf_storage import barrier_if_distributed, copy_full_into, is_distributed
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.distributed.lora import ADAPTERS, LoRAPlan, lora_modules
@@ -72,15 +73,6 @@ def adapter_config(lora: LoRAPlan, *, base_model_name_or_path: str | None = None
     }
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
@@ -107,12 +99,12 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec, lo
             if index is not None:
                 full = full.index_select(0, index.to(full.device))
         tensors[key] = full.to(dtype or full.dtype).cpu().contiguous()
-    if _rank() == 0:
+    if not is_distributed() or dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
         config = adapter_config(lora, base_model_name_or_path=base_model_name_or_path)
         (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    _barrier()
+    barrier_if_distributed()
 
 
 @torch.no_grad()
@@ -152,10 +144,4 @@ def load_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec) ->
             index = adapter.row_permutation(name.removesuffix("lora_B.weight") + "weight", args, to_hf=False)
             if index is not None:
                 full = full.index_select(0, index)
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            replicated = DTensor.from_local(full.to(param.device, param.dtype), mesh, [Replicate()] * mesh.ndim,
-                                            run_check=False)
-            param.to_local().copy_(replicated.redistribute(mesh, param.placements).to_local())
-        else:
-            param.copy_(full)
+        copy_full_into(param, full)

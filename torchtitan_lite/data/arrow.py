@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_lite.data.files import files_under, unreadable_error
+from torchtitan_lite.data.files import existing_path, files_under, unreadable_error
 from torchtitan_lite.data.windows import Encoder, TokenStream, pack_texts
-from torchtitan_lite.errors import ConfigError, DataError
+from torchtitan_lite.errors import DataError
 
 __all__ = ["KINDS", "ArrowCorpus", "LaneReader", "check_streamed_dataset", "find_files", "token_stream"]
 
@@ -140,12 +140,8 @@ def check_streamed_dataset(
     file's schema (its footer or first message; no data) has ``text_column`` as a string column.
     Raises :class:`DataError` with one line naming the key and the file."""
     key = key or f"{section}.dataset_path"
-    if dataset_path is None:
-        raise ConfigError(f"{key}: {section}.dataset={dataset!r} needs a path to {KINDS[dataset]}")
+    path = existing_path(dataset_path, key=key, section=section, dataset=dataset, what=KINDS[dataset])
     pa = _pyarrow(dataset, section)
-    path = Path(dataset_path).expanduser()
-    if not path.exists():
-        raise DataError(f"{key}: path not found: {dataset_path!r}")
     files = _find_files(dataset, path, key, section)
     for file in files:
         if not file.is_file():

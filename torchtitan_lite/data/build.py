@@ -45,11 +45,17 @@ class NamedSource:
     max_epochs: int | None = None
 
 
+def _reading(config: JobConfig) -> dict[str, str]:
+    """How every source of the job is read (the ``training`` keys that apply to all of them)."""
+    t = config.training
+    return {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
+            "truncate": t.truncate}
+
+
 def training_sources(config: JobConfig) -> list[NamedSource]:
     """The training sources: the ``[[training.datasets]]`` mixture, or the one ``training.dataset``."""
     t = config.training
-    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
-              "truncate": t.truncate}
+    common = _reading(config)
     if not t.datasets:
         return [NamedSource(None, SourceSpec(t.dataset, t.dataset_path, section="training", **common))]
     return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"training.datasets[{d.name}]", **common),
@@ -58,11 +64,10 @@ def training_sources(config: JobConfig) -> list[NamedSource]:
 
 def validation_sources(config: JobConfig) -> list[NamedSource]:
     """The validation sets (none when validation is off)."""
-    t, v = config.training, config.validation
+    v = config.validation
     if not v.enable:
         return []
-    common = {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
-              "truncate": t.truncate}
+    common = _reading(config)
     if not v.datasets:
         return [NamedSource(None, SourceSpec(v.dataset, v.dataset_path, section="validation", **common))]
     return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"validation.datasets[{d.name}]",

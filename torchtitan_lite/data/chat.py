@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_lite.data.files import suffix_files, unreadable_error
-from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
+from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
 from torchtitan_lite.data.windows import PackedWindows
 from torchtitan_lite.errors import DataError
 
@@ -87,7 +87,7 @@ class ChatTemplate:
         if not isinstance(tokenizer, HFTokenizer):
             raise DataError(f"{key}: dataset = 'chat' needs a Hugging Face tokenizer.json with a chat_template in "
                             f"its tokenizer_config.json; this job's tokenizer is {type(tokenizer).__name__}")
-        values = tokenizer.config_values()
+        values = tokenizer.config
         template = values.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -96,12 +96,7 @@ class ChatTemplate:
             raise DataError(f"{key}: {str(tokenizer.path.parent / 'tokenizer_config.json')!r} has no chat_template; "
                             "dataset = 'chat' renders conversations with the tokenizer's own template")
         self.tokenizer, self.template = tokenizer, template
-        self.special: dict[str, str] = {}
-        for name in _SPECIAL:
-            value = values.get(name)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                self.special[name] = value
+        self.special = {name: value for name, value in special_tokens(values, _SPECIAL).items() if value is not None}
         try:
             self._compiled = _compile(template)
         except Exception as exc:  # jinja2's TemplateSyntaxError

@@ -27,6 +27,7 @@ __all__ = [
     "build_tokenizer",
     "hf_tokenizer_json",
     "read_tiktoken_ranks",
+    "special_tokens",
     "tiktoken_to_tokenizer_json",
     "tokenizer_file",
 ]
@@ -100,7 +101,8 @@ class HFTokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         config = file.parent / "tokenizer_config.json"
-        named = _special_tokens_from_config(config)
+        self.config = _read_config(config)  # tokenizer_config.json's values ({} without one)
+        named = special_tokens(self.config, ("bos_token", "eos_token"))
         self.bos_id = self._find("bos_token", named, _BOS_NAMES, vocab, config, key)
         self.eos_id = self._find("eos_token", named, _EOS_NAMES, vocab, config, key)
         if self.bos_id is not None and self.bos_id == self.eos_id:
@@ -143,15 +145,6 @@ class HFTokenizer:
         encoding = self._tok.encode(text, add_special_tokens=False)
         return list(encoding.ids), [tuple(o) for o in encoding.offsets]
 
-    def config_values(self) -> dict[str, Any]:
-        """``tokenizer_config.json`` beside the file, or {} without one."""
-        config = self.path.parent / "tokenizer_config.json"
-        try:
-            data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
 """What a tokenizer folder is searched for, in this order: a Hugging Face ``tokenizer.json``
@@ -189,20 +182,26 @@ def _is_hf_json(file: Path) -> bool:
     return file.suffix == ".json"
 
 
-def _special_tokens_from_config(path: Path) -> dict[str, str | None]:
-    """``bos_token``/``eos_token`` of a tokenizer_config.json: a string, or None where the file
-    sets it to null; a key the file does not have is left out."""
+def _read_config(path: Path) -> dict[str, Any]:
+    """A ``tokenizer_config.json``, or {} where there is none (or it is not a JSON object)."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def special_tokens(config: dict[str, Any], names: tuple[str, ...]) -> dict[str, str | None]:
+    """The special tokens ``names`` (``bos_token`` …) of a tokenizer_config.json's values: a
+    string (an ``AddedToken`` table's ``content``), or None where the file sets it to null; a
+    key the file does not have is left out."""
     out: dict[str, str | None] = {}
-    for name in ("bos_token", "eos_token"):
-        if name not in data:
+    for name in names:
+        if name not in config:
             continue
-        value = data[name]
+        value = config[name]
         if isinstance(value, dict):
             value = value.get("content")
         out[name] = value if isinstance(value, str) else None
