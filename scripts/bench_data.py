@@ -11,7 +11,8 @@ process, as data-parallel rank 0 of 2:
   loader, read a batch), its later global batches, and tokenizing the whole file up front (what
   the ``text`` source does) for comparison;
 - each source alone (token file, Parquet, text folder) and the mixture of the three (weights
-  0.5 / 0.3 / 0.2): start-up to the first batch and windows per second. The mixture's windows/s
+  0.5 / 0.3 / 0.2): start-up to the first batch and windows per second, medians of ``--rounds``
+  alternating rounds. The mixture's windows/s
   is compared with what its sources alone give at those weights (time per window
   ``Σ w_s / rate_s``): the ratio is what mixing itself costs.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sysconfig
 import tempfile
 import time
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--global_batch_size", type=int, default=8)
     parser.add_argument("--batches", type=int, default=400, help="global batches timed after the warm-up")
     parser.add_argument("--warmup", type=int, default=20, help="global batches read after the first, untimed")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of every run (medians reported)")
     parser.add_argument("--folder", default=None, help="where to write the files (default: a temporary folder)")
     args = parser.parse_args(argv)
     tokenizer = build_tokenizer(args.tokenizer_path)
@@ -114,11 +117,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         whole = time.perf_counter() - start
         result: dict[str, float] = {"tokens": tokens, "streamed_first_batch_s": streamed, "tokenize_all_s": whole,
                                     "ratio": whole / streamed}
-        for kind, _ in MIXTURE:
-            result[f"{kind}_first_batch_s"], result[f"{kind}_windows_per_s"] = measure(
-                [(kind, 1.0)], paths, tokenizer, batches=args.batches, warmup=args.warmup, **shape)
-        result["mixture_first_batch_s"], result["mixture_windows_per_s"] = measure(
-            list(MIXTURE), paths, tokenizer, batches=args.batches, warmup=args.warmup, **shape)
+        runs: dict[str, list[tuple[float, float]]] = {}
+        for _ in range(args.rounds):  # alternating, so that a slower spell of the machine hits every run alike
+            for kind, kinds in [*((k, [(k, 1.0)]) for k, _ in MIXTURE), ("mixture", list(MIXTURE))]:
+                runs.setdefault(kind, []).append(measure(kinds, paths, tokenizer, batches=args.batches,
+                                                         warmup=args.warmup, **shape))
+        for kind, values in runs.items():  # medians over the rounds
+            result[f"{kind}_first_batch_s"] = statistics.median(v[0] for v in values)
+            result[f"{kind}_windows_per_s"] = statistics.median(v[1] for v in values)
     expected = 1 / sum(w / result[f"{kind}_windows_per_s"] for kind, w in MIXTURE)
     result["mixture_expected_windows_per_s"] = expected
     result["mixture_ratio"] = result["mixture_windows_per_s"] / expected
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for kind in [k for k, _ in MIXTURE] + ["mixture"]:
         print(f"  {kind:8s} first batch after {result[f'{kind}_first_batch_s']:7.3f} s, then "
               f"{result[f'{kind}_windows_per_s']:9.1f} windows/s")
-    print(f"  mixture 0.5/0.3/0.2: {result['mixture_windows_per_s']:.1f} windows/s against {expected:.1f} from its "
+    print(f"  mixture 0.5/0.3/0.2 (medians of {args.rounds} rounds): {result['mixture_windows_per_s']:.1f} windows/s against {expected:.1f} from its "
           f"sources alone at those weights: ratio {result['mixture_ratio']:.3f}")
     return result
 

@@ -367,7 +367,7 @@ def test_bench_data_script_runs(tmp_path: Path) -> None:
         import bench_data
     finally:
         sys.path.pop(0)
-    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--batches", "3", "--warmup", "1", "--folder", str(tmp_path)])
+    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--batches", "3", "--warmup", "1", "--rounds", "1", "--folder", str(tmp_path)])
     assert result["tokens"] > 300_000 and result["ratio"] > 0 and result["mixture_ratio"] > 0
 
 

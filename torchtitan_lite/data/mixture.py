@@ -51,36 +51,40 @@ class Schedule:
         self._due = [(1 - self._delta) / w if w else math.inf for w in self.weights]
 
     def take(self, count: int) -> list[tuple[int, int]]:
-        """The next ``count`` samples as ``(source, n)``: the source's index and its own sample number."""
-        out = []
+        """The next ``count`` samples as ``(source, n)``: the source's index and its own sample
+        number. Among the sources not ahead of their share (``w·t − c ≥ δ`` at sample ``t``),
+        the one whose next sample is due first (``(c + 1 − δ) / w``); each source's two
+        thresholds are kept and updated when it is picked (this runs for every sample)."""
+        out: list[tuple[int, int]] = []
+        totals, weights, per_epoch = self.totals, self.weights, self.samples_per_epoch
+        active, eligible, due, segment, delta = self._active, self._eligible, self._due, self.segment, self._delta
+        t = self.segment_samples
         for _ in range(count):
-            s = self._pick()
-            n = self.totals[s]
+            t += 1
+            if len(active) == 1:
+                s = active[0]
+            else:
+                s = -1
+                for candidate in active:
+                    if eligible[candidate] <= t and (s < 0 or due[candidate] < due[s]):
+                        s = candidate
+                if s < 0:
+                    s = min(active, key=due.__getitem__)
+                c = segment[s] + 1
+                eligible[s] = (c + delta - _EPS) / weights[s]
+                due[s] = (c + 1 - delta) / weights[s]
+            segment[s] += 1
+            n = totals[s]
+            totals[s] = n + 1
             out.append((s, n))
-            self.totals[s] = n + 1
-            self.segment[s] += 1
-            self.segment_samples += 1
-            if len(self._active) > 1:  # when s is next eligible, and when its next sample is due
-                self._eligible[s] = (self.segment[s] + self._delta - _EPS) / self.weights[s]
-                self._due[s] = (self.segment[s] + 1 - self._delta) / self.weights[s]
-            per_epoch = self.samples_per_epoch[s]
-            if per_epoch is not None and (n + 1) % per_epoch == 0:
-                self._epoch_done(s, (n + 1) // per_epoch)
+            if per_epoch[s] is not None and (n + 1) % per_epoch[s] == 0:  # type: ignore[operator]
+                self.segment_samples = t
+                self._epoch_done(s, (n + 1) // per_epoch[s])  # type: ignore[operator]
+                # A source that retired starts a new segment: its lists are new.
+                active, eligible, due, segment, delta = self._active, self._eligible, self._due, self.segment, self._delta
+                weights, t = self.weights, self.segment_samples
+        self.segment_samples = t
         return out
-
-    def _pick(self) -> int:
-        """The next sample's source: among the sources not ahead of their share (``w·t − c ≥ δ``
-        at sample ``t``), the one whose next sample is due first (``(c + 1 − δ) / w``)."""
-        active = self._active
-        if len(active) == 1:
-            return active[0]
-        t = self.segment_samples + 1
-        eligible, due = self._eligible, self._due
-        best = -1
-        for s in active:
-            if eligible[s] <= t and (best < 0 or due[s] < due[best]):
-                best = s
-        return best if best >= 0 else min(active, key=due.__getitem__)
 
     def _epoch_done(self, s: int, epoch: int) -> None:
         per_epoch, limit = self.samples_per_epoch[s], self.max_epochs[s]
