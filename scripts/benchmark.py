@@ -117,7 +117,11 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter
+
         kind = _kind(func._schema.name.split("::")[-1]) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind == "all_reduce" and InPlaceReduceScatter.running:
+            kind = "reduce_scatter"  # on gloo apply_fsdp reduce-scatters as an in-place all-reduce
         if kind is not None:
             self.calls[kind] += 1
             # all-gather / reduce-scatter: (output, input, ...); all-reduce: (tensors, ...)

@@ -9,8 +9,9 @@ the dispatcher actually ran; the assertions are made in the parent test.
 How collectives are observed: ``_CollectiveRecorder`` is a ``TorchDispatchMode``. In torch 2.x
 every ``ProcessGroup`` method (what ``dist.all_gather_into_tensor`` and
 ``dist.reduce_scatter_tensor`` call, FSDP2 included) goes through a ``c10d::*`` dispatcher op
-(here ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_``), so a dispatch mode sees
-them. On CPU the autograd engine runs backward in the calling thread, so the mode also sees the
+(here ``c10d::_allgather_base_``, and ``c10d::allreduce_`` for the gradient reduce-scatters,
+which ``apply_fsdp`` runs as in-place all-reduces on gloo: ``InPlaceReduceScatter.running`` tells
+them apart), so a dispatch mode sees them. On CPU the autograd engine runs backward in the calling thread, so the mode also sees the
 backward all-gathers and reduce-scatters; the tests check that backward collectives were
 recorded (``never`` still records its backward reduce-scatters), so a recorder that silently
 saw nothing in backward would fail rather than pass.
@@ -42,6 +43,7 @@ from tests.fsdp_probes import (
     same_unit,
     unit_param_names,
 )
+from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter
 
 UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm+output")
 BLOCKS = ("layers.0", "layers.1")
@@ -78,6 +80,8 @@ class _CollectiveRecorder(TorchDispatchMode):
                 else "all_reduce" if ("allreduce" in name or "all_reduce" in name)
                 else name
             )
+            if kind == "all_reduce" and InPlaceReduceScatter.running:
+                kind = "reduce_scatter"  # gloo: apply_fsdp reduce-scatters as an in-place all-reduce
             first = _flat_tensors(args[0]) if args else []
             second = _flat_tensors(args[1]) if len(args) > 1 else []
             n1 = sum(t.numel() for t in first)

@@ -527,3 +527,49 @@ class _FakeMesh:
 
     ndim = 1
     shape = (2,)
+
+
+def _in_place_reduce_scatter_rank() -> dict[str, Any]:
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from torchtitan_lite.distributed import fsdp_mesh, init_distributed
+    from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter, apply_fsdp
+
+    device = torch.device("cpu")
+    init_distributed(device)
+    mesh = fsdp_mesh(device)
+    # The collective alone: gloo's reduce-scatter of a copy against ours.
+    x = torch.randn(2 * 1000, generator=torch.Generator().manual_seed(dist.get_rank()))
+    theirs, ours = torch.empty(1000), torch.empty(1000)
+    dist.reduce_scatter_tensor(theirs, x.clone(), op=dist.ReduceOp.SUM)
+    InPlaceReduceScatter()(ours, x.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    # A model: apply_fsdp (ours installed) against fully_shard with FSDP2's default comm.
+    torch.manual_seed(0)
+    model = MyModel()
+    plain = copy.deepcopy(model)
+    apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=model.head)
+    for unit in [plain.embed, *plain.blocks, plain.head]:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(plain, mesh=mesh)
+    comms = {type(group._reduce_scatter_comm).__name__ for module in model.modules()
+             if hasattr(module, "_get_fsdp_state") for group in module._get_fsdp_state()._fsdp_param_groups}
+    (inputs, labels), = _token_batches(1, batch=2)
+    grads = []
+    for m in (model, plain):
+        _loss(m(inputs), labels).backward()
+        grads.append({n: p.grad.to_local().clone() for n, p in m.named_parameters()})
+    return {"collective_equal": torch.equal(theirs, ours), "comms": sorted(comms),
+            "grads_equal": sorted(grads[0]) == sorted(grads[1])
+            and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])}
+
+
+def test_gradients_reduce_scatter_in_place_on_gloo() -> None:
+    """On CPU meshes apply_fsdp reduce-scatters gradients with ``InPlaceReduceScatter`` (an
+    all-reduce of FSDP2's own buffer, no copy of it, see its docstring): every unit uses it, and
+    the sums are bitwise those of gloo's reduce-scatter, alone and through a model's backward."""
+    for result in run_distributed(_in_place_reduce_scatter_rank, 2):
+        assert result["comms"] == ["InPlaceReduceScatter"], result
+        assert result["collective_equal"] and result["grads_equal"], result

@@ -112,3 +112,32 @@ def test_allocator_peak_counts_each_session_from_its_start() -> None:
     first = profiled_peak(lambda: kept.append(torch.zeros(250_000)), device=torch.device("cpu"))
     second = profiled_peak(lambda: kept.append(torch.zeros(250_000)), device=torch.device("cpu"))
     assert first == second == 1_000_000, (first, second)
+
+
+def test_allocator_peak_sees_frees_on_other_threads_and_of_earlier_sessions() -> None:
+    """Gloo's worker threads free the buffers of the collectives they ran, outside the threads the
+    profiler follows; and a tensor of an earlier measurement may be freed during a later one.
+    Both drop the count at once: the peak is what was really alive, not a figure that keeps
+    the thread's tensor (2 MB) or falls below zero."""
+    import threading
+
+    import torch
+
+    from torchtitan_lite.memory.measure import AllocatorPeak
+
+    mb = 250_000  # floats: 1 MB
+    with AllocatorPeak(torch.device("cpu")) as first:
+        earlier = torch.zeros(4 * mb)
+        with first.window():
+            pass
+    with AllocatorPeak(torch.device("cpu")) as memory:
+        held = [torch.zeros(mb)]
+        with memory.window():
+            del earlier  # 4 MB of the first session freed here
+            thread = threading.Thread(target=held.clear)  # 1 MB freed on another thread
+            thread.start()
+            thread.join()
+            b = torch.zeros(mb)  # 1 MB live: the peak
+            c = torch.zeros(mb // 2)  # 1.5 MB
+            del b, c
+    assert 1_500_000 <= memory.peak <= 1_500_000 + 4096, memory.peak

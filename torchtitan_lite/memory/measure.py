@@ -14,7 +14,9 @@ GPU would hold (allocator caching and fragmentation are not included).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,9 +32,10 @@ class AllocatorPeak:
     than a tracker of ours: on CUDA ``torch.cuda.max_memory_allocated`` (reset when the window
     opens); elsewhere the CPU allocator's running total of allocated bytes, which it reports to
     ``torch.profiler`` with every allocation and free while profiling memory, counted from where
-    it stood when this profiling began. The CPU allocator knows only what it allocated while
-    profiling, so open this before the tensors to count exist (the trainer and its model), then
-    measure one window::
+    it stood when this profiling began, over every thread (frees on gloo's worker threads
+    included, see :func:`_count_every_thread`). The CPU allocator knows only what it allocated
+    while counting, so open this before the tensors to count exist (the trainer and its model),
+    then measure one window::
 
         with AllocatorPeak(device) as memory:
             trainer = Trainer(config)
@@ -47,11 +50,13 @@ class AllocatorPeak:
     def __init__(self, device: torch.device) -> None:
         self.device, self.peak = device, 0
         self._prof: Any = None
+        self._counting = False
 
     def __enter__(self) -> AllocatorPeak:
         if self.device.type != "cuda":
             from torch.profiler import ProfilerActivity, profile
 
+            self._counting = _count_every_thread(True)
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self
@@ -72,7 +77,10 @@ class AllocatorPeak:
     def __exit__(self, *exc: Any) -> None:
         if self._prof is None:
             return
-        self._prof.__exit__(*exc)
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            _count_every_thread(self._counting)
         if exc[0] is not None:
             return
         nodes = list(self._prof.profiler.kineto_results.experimental_event_tree())
@@ -88,12 +96,46 @@ class AllocatorPeak:
             raise RuntimeError("AllocatorPeak: no window() was measured")
         if not allocations:
             return
-        # The allocator's total runs on from earlier profiling sessions of this process: count from
-        # what it stood at when this one began.
-        first = min(allocations, key=lambda a: a.start_time_ns).extra_fields
-        start = first.total_allocated - first.alloc_size
-        self.peak = max((a.extra_fields.total_allocated - start for a in allocations
-                         if window[0] <= a.start_time_ns <= window[1]), default=0)
+        allocations.sort(key=lambda a: a.start_time_ns)
+        # The allocator's total runs on from earlier sessions of this process: count from what it
+        # stood at when this one began, and add back the blocks of earlier sessions freed during
+        # this one (frees of pointers this session did not allocate).
+        first = allocations[0].extra_fields
+        start, earlier, mine = first.total_allocated - first.alloc_size, 0, set()
+        peak = 0
+        for event in allocations:
+            fields = event.extra_fields
+            if fields.alloc_size > 0:
+                mine.add(fields.ptr)
+            elif fields.ptr in mine:
+                mine.discard(fields.ptr)
+            else:
+                earlier -= fields.alloc_size
+            if window[0] <= event.start_time_ns <= window[1]:
+                peak = max(peak, fields.total_allocated - start + earlier)
+        self.peak = peak
+
+
+def _count_every_thread(on: bool) -> bool:
+    """Make the CPU allocator keep its running total over every thread (c10's
+    ``caffe2_report_cpu_memory_usage`` flag); return the flag's previous value.
+
+    While profiling memory, the allocator counts and reports only the threads the profiler
+    follows: a tensor allocated on this thread and freed on another (gloo's worker threads free
+    the buffers of collectives they ran) would stay in the total for good. With the flag on, the
+    total drops when such a tensor is freed, and the next event reported here carries the true
+    figure. Raises ``RuntimeError`` where the flag is not found (a torch without it)."""
+    import ctypes
+
+    library = Path(torch.__file__).parent / "lib" / ("libc10.dylib" if sys.platform == "darwin" else "libc10.so")
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(library)), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"AllocatorPeak: cannot switch on the CPU allocator's count over every thread "
+                           f"({library}: {exc})") from None
+    previous = bool(flag.value)
+    flag.value = on
+    return previous
 
 
 def profiled_peak(fn: Callable[[], Any], *, device: torch.device) -> int:
