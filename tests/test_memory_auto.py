@@ -358,3 +358,88 @@ def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
         assert capsys.readouterr().err.strip().splitlines() == [
             "error: parallelism.memory_budget_gib: unset; reshard_after_forward_mode = 'auto' needs a per-rank "
             "memory budget without a CUDA device (e.g. 16 for 16 GiB; the estimator also takes --device_memory_gib)"]
+
+
+# --------------------------------------------------------------------------------------------
+# parallelism.cpu_offload = "auto": per-unit offload chosen under the budget
+# --------------------------------------------------------------------------------------------
+
+# debugmodel (8 units) at a small batch: its peak is the optimizer step's (the state), which
+# neither resharding nor recomputation lowers; offloading units does.
+OFFLOAD_JOB = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.steps", "4"]
+OFFLOAD_RUNS = {
+    "plain": ["--parallelism.reshard_after_forward_mode", "default"],
+    "tight": ["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.cpu_offload", "auto",
+              "--parallelism.memory_budget_gib", "0.035"],
+    "loose": ["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.cpu_offload", "auto",
+              "--parallelism.memory_budget_gib", "10"],
+}
+
+
+def _offload_rank(dump: str) -> dict[str, Any]:
+    import logging
+
+    import torch.distributed as dist
+
+    from tests.fsdp_probes import offload_flags
+    from torchtitan_lite.trainer import Trainer
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    handler, log = Lines(), logging.getLogger("torchtitan_lite")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # as python -m torchtitan_lite.train logs
+    results = {}
+    try:
+        for label, extra in OFFLOAD_RUNS.items():
+            handler.lines.clear()
+            trainer = Trainer(load_job_config([*OFFLOAD_JOB, *extra, "--job.dump_folder", str(Path(dump) / label)]))
+            units = _llama_units(trainer.model)
+            plan = trainer.reshard_plan
+            results[label] = {
+                "losses": [h["loss"] for h in trainer.train()],
+                "plan": None if plan is None else {"units": plan.units, "offload": plan.offload,
+                                                   "peak": plan.peak, "budget": plan.budget},
+                # What FSDP2 was told, per unit: every parameter's offload_to_cpu.
+                "fsdp_offload": {name: sorted({flag for flag, _ in offload_flags([module])})
+                                 for name, module in units.items()},
+                "logged": [line for line in handler.lines if "CPU offload:" in line],
+            }
+            trainer.metrics.close()  # not trainer.close(): that ends the process group the next one uses
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    dist.barrier()
+    return results
+
+
+@pytest.mark.slow
+def test_trainer_auto_offloads_the_units_a_budget_needs_and_trains_the_same(tmp_path):
+    """2 ranks, ``cpu_offload = "auto"``: a budget that only offloading meets (the peak is the
+    optimizer step's) offloads some units, FSDP2 is told exactly those, rank 0 logs the plan
+    naming them, and the losses equal the job without offload; a loose budget offloads nothing."""
+    ranks = run_distributed(_offload_rank, 2, str(tmp_path))
+    for rank, runs in enumerate(ranks):
+        tight, loose, plain = runs["tight"], runs["loose"], runs["plain"]
+        offloaded = [name for name, flag in zip(tight["plan"]["units"], tight["plan"]["offload"], strict=True)
+                     if flag]
+        assert 0 < len(offloaded) < len(tight["plan"]["units"]), tight["plan"]
+        assert tight["plan"]["peak"] <= tight["plan"]["budget"]
+        assert tight["fsdp_offload"] == {name: [name in offloaded] for name in tight["plan"]["units"]}
+        assert loose["plan"]["offload"] == (False,) * len(loose["plan"]["units"])
+        assert loose["fsdp_offload"] == {name: [False] for name in loose["plan"]["units"]}
+        if rank == 0:  # the plan is logged once, by rank 0, naming the offloaded units
+            assert len(tight["logged"]) == 1 and f"CPU offload: {len(offloaded)} of 8 units" in tight["logged"][0]
+            assert "layers.0" in tight["logged"][0], tight["logged"]
+            assert "CPU offload: none" in loose["logged"][0]
+            print(f"\n{tight['logged'][0]}")
+        assert tight["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
+        assert loose["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
+        assert all(math.isfinite(x) for x in plain["losses"])

@@ -129,8 +129,10 @@ class JobPlan:
     """Tokens per validation window."""
     schedule_steps: int
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
-    cpu_offload: bool = False
-    """``training.enable_cpu_offload``: shards, gradients and optimizer state on CPU (FSDP2's)."""
+    offload: str = "none"
+    """``parallelism.cpu_offload``: where shards, gradients and optimizer state live: ``none``
+    (the device), ``all`` (CPU, FSDP2's offload; also ``training.enable_cpu_offload``) or
+    ``auto`` (per unit, as ``auto`` plans it)."""
     float8: Float8Plan | None = None
     """The float8 conversion when ``model.converters`` names float8, else None. The float8
     all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
@@ -139,20 +141,30 @@ class JobPlan:
     frozen, when ``lora.enable``; else None."""
 
     @property
+    def cpu_offload(self) -> bool:
+        """Whether any unit may be offloaded to CPU (``all``, or ``auto``, which may choose to)."""
+        return self.offload != "none"
+
+    @property
     def shard(self) -> bool:
         """Whether the model is sharded with FSDP2: more than one rank, or CPU offload (which FSDP2
         does). One process without offload trains the plain model: no unsharded copies, mixed
         precision through autocast (:mod:`~torchtitan_lite.distributed.autocast`)."""
         return self.world_size > 1 or self.cpu_offload
 
-    def fsdp_options(self, reshard_mode: ReshardMode | None = None) -> FSDPOptions | None:
-        """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` is
-        the per-unit plan ``auto`` chose (default: :attr:`reshard_mode`)."""
+    def fsdp_options(self, reshard_mode: ReshardMode | None = None,
+                     offload: tuple[bool, ...] | None = None) -> FSDPOptions | None:
+        """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` and
+        ``offload`` are the per-unit plans ``auto`` chose (default: :attr:`reshard_mode`, and
+        every unit offloaded or none as :attr:`offload` says)."""
         if not self.shard:
             return None
         mode = self.reshard_mode if reshard_mode is None else reshard_mode
+        if offload is None and self.offload == "auto":
+            raise ValueError("fsdp_options: parallelism.cpu_offload = 'auto' needs the per-unit plan auto chose")
+        cpu_offload = (self.offload == "all") if offload is None else offload
         return FSDPOptions(reshard_after_forward_mode=mode, param_dtype=self.param_dtype,  # type: ignore[arg-type]
-                           reduce_dtype=self.reduce_dtype, cpu_offload=self.cpu_offload)
+                           reduce_dtype=self.reduce_dtype, cpu_offload=cpu_offload)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -286,7 +298,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        cpu_offload=t.enable_cpu_offload, float8=float8, lora=lora,
+        offload="all" if t.enable_cpu_offload else p.cpu_offload, float8=float8, lora=lora,
     )
 
 

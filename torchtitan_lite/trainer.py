@@ -167,8 +167,9 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
 def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, budget: tuple[int, str]) -> AutoReshardPlan:
     """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
     estimates on fake tensors, in a child process) and every rank applies that one plan."""
+    from torchtitan_lite.memory.auto import job_auto_kwargs
     from torchtitan_lite.memory.auto import plan_auto_reshard as plan_units
-    from torchtitan_lite.memory.estimate import job_estimate_kwargs, not_modelled
+    from torchtitan_lite.memory.estimate import not_modelled
 
     chosen: list[AutoReshardPlan | Exception | None] = [None]
     if dist.get_rank() == 0:
@@ -178,7 +179,7 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
                 count_offloaded=device.type == "cpu",
                 # The other ranks wait in the broadcast below for at most init_timeout_seconds.
                 timeout_s=max(1, config.comm.init_timeout_seconds - 10),
-                **job_estimate_kwargs(config, plan),
+                **job_auto_kwargs(config, plan),
             )
         except ValueError as exc:  # the budget is too small even when resharding everything
             chosen[0] = ConfigError(str(exc))
@@ -209,7 +210,8 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, de
         compile_model=config.compile.enable and "model" in config.compile.components,
         compile_backend=config.compile.backend,
         float8=plan.float8,
-        fsdp=plan.fsdp_options(None if reshard_plan is None else reshard_plan.reshard),
+        fsdp=plan.fsdp_options(None if reshard_plan is None else reshard_plan.reshard,
+                               reshard_plan.offload if reshard_plan is not None and plan.offload == "auto" else None),
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
     )

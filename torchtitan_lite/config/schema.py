@@ -175,6 +175,8 @@ class Parallelism:
     """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute than activation_checkpoint says, at the least modelled step time whose estimated peak fits parallelism.memory_budget_gib."""
     memory_budget_gib: float | None = None
     """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.memory counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
+    cpu_offload: Literal["none", "all", "auto"] = "none"
+    """Where sharded parameters, their gradients and optimizer state live (FSDP2 CPUOffloadPolicy, per unit): none (the device), all (the host; the same as training.enable_cpu_offload = true), or auto (with reshard_after_forward_mode = auto: per unit, offloaded only where resharding and recomputing cost more step time per byte freed, by one cost model; the budget is then the device's, offloaded state excluded)."""
 
 
 @dataclass
@@ -632,6 +634,15 @@ def validate_config(c: JobConfig) -> None:
         _require(mode == "auto", "parallelism.memory_budget_gib", p.memory_budget_gib,
                  f"it is used only with parallelism.reshard_after_forward_mode = 'auto' (this job has "
                  f"{mode!r})")
+
+    _require(p.cpu_offload in ("none", "all", "auto"), "parallelism.cpu_offload", p.cpu_offload,
+             "expected none, all or auto")
+    _require(p.cpu_offload != "auto" or mode == "auto", "parallelism.cpu_offload", p.cpu_offload,
+             f"auto chooses per unit under the memory budget of parallelism.reshard_after_forward_mode = 'auto' "
+             f"(this job has {mode!r})")
+    _require(not (c.training.enable_cpu_offload and p.cpu_offload == "auto"), "training.enable_cpu_offload", True,
+             "expected false with parallelism.cpu_offload = 'auto' (true offloads every unit: "
+             "parallelism.cpu_offload = 'all')")
 
     ac = c.activation_checkpoint
     option = ac.selective_ac_option

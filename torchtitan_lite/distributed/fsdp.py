@@ -53,8 +53,10 @@ __all__ = [
     "apply_fsdp",
     "find_blocks",
     "fsdp_units",
+    "materialize",
     "reshard_all",
     "resolve_reshard_after_forward",
+    "unit_offload",
     "validate_reshard_after_forward_mode",
 ]
 
@@ -94,8 +96,9 @@ class FSDPOptions:
     """Dtype of all-gathered parameters and of compute (None: the model's own)."""
     reduce_dtype: torch.dtype | None = None
     """Dtype of gradient reduction (None: the compute dtype)."""
-    cpu_offload: bool = False
-    """Keep shards, gradients and optimizer state on CPU."""
+    cpu_offload: bool | tuple[bool, ...] = False
+    """Keep shards, gradients and optimizer state on CPU: every unit, or one bool per unit in
+    forward order."""
 
 
 def validate_reshard_after_forward_mode(
@@ -349,6 +352,43 @@ class InPlaceReduceScatter(_ReduceScatterComm):  # type: ignore[misc,valid-type]
         output_tensor.copy_(input_tensor.view(size, -1)[dist.get_rank(group)])
 
 
+def unit_offload(cpu_offload: bool | Sequence[bool], units: Sequence[FSDPUnit]) -> tuple[bool, ...]:
+    """Whether each unit is offloaded to CPU: ``cpu_offload`` for every unit, or its one bool
+    per unit (``ValueError`` when the count is not the units')."""
+    if isinstance(cpu_offload, bool):
+        return (cpu_offload,) * len(units)
+    flags = tuple(cpu_offload)
+    if len(flags) != len(units) or not all(isinstance(flag, bool) for flag in flags):
+        raise ValueError(f"cpu_offload: a per-unit plan is {len(units)} bools, one per FSDP unit "
+                         f"({', '.join(u.name for u in units)}); got {cpu_offload!r}")
+    return flags
+
+
+def materialize(model: nn.Module, device: torch.device, *, units: Sequence[FSDPUnit] = (),
+                cpu_offload: bool | Sequence[bool] = False) -> None:
+    """Allocate a model sharded on the meta device (``to_empty``): the shards of offloaded units
+    (``cpu_offload``, as given to :func:`apply_fsdp` with these ``units``) on CPU, everything else
+    on ``device``. Parameters shared between modules (tied embedding and output) stay shared:
+    on a plain module ``to_empty`` would give each name a parameter of its own."""
+    flags = unit_offload(cpu_offload, units) if units else (bool(cpu_offload),)
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    cpu = torch.device("cpu")
+    if units and any(flags) and not all(flags):
+        for unit, offload in zip(units, flags, strict=True):
+            for module in unit.modules:
+                module.to_empty(device=cpu if offload else device)
+        model._apply(lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t)
+    else:
+        model.to_empty(device=cpu if all(flags) else device)
+    for aliases in names.values():
+        shared = model.get_parameter(aliases[0])
+        for alias in aliases[1:]:
+            owner, _, attr = alias.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -359,7 +399,7 @@ def apply_fsdp(
     reshard_after_forward_mode: str | int | Sequence[bool] = "default",
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    cpu_offload: bool = False,
+    cpu_offload: bool | Sequence[bool] = False,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Shard ``model`` with FSDP2 in place and return it (now also an ``FSDPModule``).
@@ -382,7 +422,10 @@ def apply_fsdp(
             keep the model's dtype.
         reduce_dtype: dtype in which gradients are reduced; None: the compute dtype.
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (pinned only
-            when CUDA is available). The process group then needs a CPU backend for clipping.
+            when CUDA is available), for every unit or per unit (one bool per unit in forward
+            order; the root's own parameters, if any, are offloaded only when every unit is).
+            The process group then needs a CPU backend for clipping. Materialise with
+            :func:`materialize` so that each unit's shards land where they live.
         fully_shard_kwargs: any other ``fully_shard`` option (e.g. ``shard_placement_fn``),
             given to every unit and the root.
 
@@ -404,13 +447,14 @@ def apply_fsdp(
             f"has {len(units)} FSDP units ({', '.join(u.name for u in units)})"
         )
 
-    offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    )
+    offloaded = unit_offload(cpu_offload, units)
+
+    def policy(offload: bool) -> OffloadPolicy:
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+
     common = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": offload,
         **fully_shard_kwargs,
     }
 
@@ -421,6 +465,7 @@ def apply_fsdp(
             sharded = fully_shard(
                 target,  # type: ignore[arg-type]
                 reshard_after_forward=resolve_reshard_after_forward(mode, unit.role, index),
+                offload_policy=policy(offloaded[index]),
                 **common,  # type: ignore[arg-type]
             )
             if in_place:  # a group of modules shares one FSDP state: set it through the first
@@ -428,7 +473,7 @@ def apply_fsdp(
                 first.set_custom_reduce_scatter(InPlaceReduceScatter())
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
-    root = fully_shard(model, **common)  # type: ignore[arg-type]
+    root = fully_shard(model, offload_policy=policy(all(offloaded)), **common)  # type: ignore[arg-type]
     if in_place and root._get_fsdp_state()._fsdp_param_groups:  # type: ignore[union-attr]
         root.set_custom_reduce_scatter(InPlaceReduceScatter())  # type: ignore[union-attr]
     return model  # type: ignore[return-value]

@@ -22,7 +22,7 @@ from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply
 from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
 from torchtitan_lite.distributed.float8 import Float8Plan
-from torchtitan_lite.distributed.fsdp import FSDPOptions, apply_fsdp
+from torchtitan_lite.distributed.fsdp import FSDPOptions, apply_fsdp, fsdp_units, materialize
 from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.models.spec import ModelSpec
 
@@ -52,8 +52,8 @@ def build_sharded_model(
     settings) or by ``ac_policies`` (one of ``none``/``full``/``op`` per block; see
     :func:`~.activation_checkpoint.block_policies`); compile its blocks when ``compile_model``
     (with ``compile_backend``); shard it with :func:`~.fsdp.apply_fsdp` over the spec's units and
-    ``mesh`` by ``fsdp``; allocate this rank's shards (on CPU under ``fsdp.cpu_offload``, else on
-    ``device``) and fill them with ``init_weights`` from ``seed`` (the adapters too: A
+    ``mesh`` by ``fsdp``; allocate this rank's shards (each offloaded unit's on CPU, see
+    ``fsdp.cpu_offload``, the rest on ``device``) and fill them with ``init_weights`` from ``seed`` (the adapters too: A
     kaiming-uniform, B zeros). No rank ever holds the full model.
 
     ``fsdp=None`` (one process) keeps the model plain, allocated whole on ``device`` (``mesh``
@@ -77,22 +77,8 @@ def build_sharded_model(
                    param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
     elif autocast_dtype is not None:
         apply_autocast(model, dtype=autocast_dtype, device_type=device.type)
-    _to_empty_keeping_ties(model, torch.device("cpu") if fsdp is not None and fsdp.cpu_offload else device)
+    sharded_units = fsdp_units(model, **units) if fsdp is not None else []
+    materialize(model, device, units=sharded_units, cpu_offload=fsdp.cpu_offload if fsdp is not None else False)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     model.init_weights(buffer_device=device)  # type: ignore[operator]
     return model
-
-
-def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device)``, with parameters shared between modules (tied embedding and
-    output) still shared: on a plain module ``to_empty`` gives each name a new parameter of its
-    own (FSDP2's units keep one)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    model.to_empty(device=device)
-    for aliases in names.values():
-        shared = model.get_parameter(aliases[0])
-        for alias in aliases[1:]:
-            owner, _, attr = alias.rpartition(".")
-            setattr(model.get_submodule(owner), attr, shared)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,13 +21,19 @@ from torchtitan_lite.memory.estimate import (
     check_arguments,
     estimate_here,
     in_child_process,
+    job_estimate_kwargs,
     size_text,
     where_text,
 )
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["AUTO_DEVICE_FRACTION", "COMM_FLOPS_PER_BYTE", "MEMORY_FLOPS_PER_BYTE", "AutoReshardPlan",
-           "action_costs", "auto_budget_bytes", "auto_headroom_bytes", "plan_auto_reshard"]
+if TYPE_CHECKING:
+    from torchtitan_lite.config.schema import JobConfig
+    from torchtitan_lite.job import JobPlan
+
+__all__ = ["AUTO_DEVICE_FRACTION", "COMM_FLOPS_PER_BYTE", "DEVICE_FLOPS", "HOST_LINK_FLOPS_PER_BYTE",
+           "HOST_OPTIMIZER_FLOPS_PER_BYTE", "MEMORY_FLOPS_PER_BYTE", "AutoReshardPlan", "action_costs",
+           "auto_budget_bytes", "auto_headroom_bytes", "job_auto_kwargs", "plan_auto_reshard"]
 
 AUTO_DEVICE_FRACTION = 0.9
 """Share of a CUDA device's memory ``auto`` budgets for tensors when no budget is given; the
@@ -42,6 +48,18 @@ recomputing still cheaper relative to resharding."""
 MEMORY_FLOPS_PER_BYTE = 300
 """Cost model: the FLOPs a device runs in the time it reads or writes one byte of its memory
 (H100 SXM: 989 TFLOP/s over 3.35 TB/s, ~295), the time of a memory-bound op per byte."""
+
+HOST_LINK_FLOPS_PER_BYTE = 18_000
+"""Cost model of CPU offload: the FLOPs a device runs in the time one byte crosses between host
+and device memory (PCIe Gen5 x16, ~55 GB/s achieved per direction: 989 TFLOP/s / 55 GB/s)."""
+
+HOST_OPTIMIZER_FLOPS_PER_BYTE = 50_000
+"""Cost model of CPU offload: the FLOPs a device runs in the time the host's optimizer step reads
+or writes one byte (AdamW on CPU at ~20 GB/s of host memory per rank: 989 TFLOP/s / 20 GB/s)."""
+
+DEVICE_FLOPS = 989e12
+"""The device the cost model's FLOPs are counted on (an H100 SXM's dense bf16 FLOP/s): how
+``auto``'s log turns its modelled added FLOPs into milliseconds."""
 
 
 def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> tuple[int, str]:
@@ -96,6 +114,26 @@ class AutoReshardPlan:
     ``"reshard layers.3"``, ``"op layers.0"``, ``"full layers.0"``."""
     added_flops: float = 0.0
     """The modelled added step time of the plan per micro-batch, in device FLOPs."""
+    offload: tuple[bool, ...] = ()
+    """Whether each unit's shards, gradients and optimizer state live on CPU (forward order):
+    chosen per unit with ``parallelism.cpu_offload = "auto"``, else the job's setting for all."""
+    offload_chosen: bool = False
+    """Whether ``auto`` chose the offload per unit (``parallelism.cpu_offload = "auto"``)."""
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """Names of the units whose state lives on CPU."""
+        return tuple(name for name, flag in zip(self.units, self.offload, strict=True) if flag)
+
+    def offloaded_text(self) -> str:
+        """``"2 of 8 units (tok_embeddings, norm+output)"``, or ``none``."""
+        return f"{sum(self.offload)} of {len(self.units)} units ({_ranges(self.offloaded)})" if any(self.offload) \
+            else "none"
+
+    @property
+    def added_ms(self) -> float:
+        """:attr:`added_flops` as milliseconds per micro-batch on the cost model's device."""
+        return self.added_flops / DEVICE_FLOPS * 1e3
 
     @property
     def never_peak(self) -> int:
@@ -139,11 +177,13 @@ class AutoReshardPlan:
         return (f"reshard_after_forward_mode auto: budget {size_text(self.budget)} per rank, of which "
                 f"{size_text(self.headroom)} headroom for a late-freed collective buffer; without "
                 f"resharding or added recomputation the estimated peak is {size_text(self.never_peak)}; resharding "
-                f"{self.resharded_text()}, activation checkpointing added: {self.recomputed_text()} "
-                f"-> estimated peak "
+                f"{self.resharded_text()}, activation checkpointing added: {self.recomputed_text()}"
+                + (f", CPU offload: {self.offloaded_text()}" if self.offload_chosen else "")
+                + " -> estimated peak "
                 f"{size_text(self.peak)} in {where}; {self.all_gathers_per_step} all-gathers per step "
                 f"({len(self.units)} forward + {sum(self.reshard)} backward{per_micro_batch}); "
-                f"modelled added time {self.added_flops / 1e9:.3g} GFLOP per micro-batch; "
+                f"modelled added time {self.added_flops / 1e9:.3g} GFLOP per micro-batch "
+                f"({self.added_ms:.3g} ms at {DEVICE_FLOPS / 1e12:.0f} TFLOP/s); "
                 f"{len(self.tried)} estimates in {self.seconds:.1f} s")
 
 
@@ -161,7 +201,7 @@ def plan_auto_reshard(
     seq_len: int,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    cpu_offload: bool,
+    cpu_offload: bool | str,
     optimizer: str = "AdamW",
     optimizer_implementation: str = "foreach",
     grad_accum_steps: int = 1,
@@ -206,8 +246,13 @@ def plan_auto_reshard(
     library's thread a little after FSDP2 lets go of it, and measured peaks of real steps on
     gloo exceed the estimate by one such buffer in some runs and not in others.
 
+    With ``cpu_offload = "auto"`` a third kind of action joins them: offload unit ``i``'s
+    sharded parameters, gradients and optimizer state to CPU (frees all of them on the device;
+    costs their host↔device copies and the host's optimizer step, see :func:`action_costs`).
+
     The peak compared is the device's (``device_peak``); with ``count_offloaded`` (a CPU-only
-    job, where offloaded state shares the same memory) the total ``peak``. Raises
+    job, where offloaded state shares the same memory) the total ``peak``, except with
+    ``cpu_offload = "auto"``, where the budget is the device's whatever the machine. Raises
     ``ValueError`` naming ``parallelism.memory_budget_gib`` (and ``budget_source``, where the
     budget came from) when even resharding every unit and fully recomputing every block does not
     fit. Runs in a child process when
@@ -234,6 +279,16 @@ def plan_auto_reshard(
         return in_child_process("torchtitan_lite.memory.auto:plan_here", spec, args, kwargs,  # type: ignore[no-any-return]
                                 timeout_s=timeout_s)
     return plan_here(spec, args, **kwargs)
+
+
+def job_auto_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
+    """The keyword arguments of :func:`plan_auto_reshard` (but the budget's) for a job: those of
+    :func:`~torchtitan_lite.memory.estimate.job_estimate_kwargs`, with ``cpu_offload = "auto"``
+    when ``parallelism.cpu_offload`` asks ``auto`` to choose it per unit."""
+    kwargs = job_estimate_kwargs(config, plan)
+    if plan.offload == "auto":
+        kwargs["cpu_offload"] = "auto"
+    return kwargs
 
 
 def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
@@ -344,7 +399,8 @@ def _ranges(names: Any) -> str:
 
 
 def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, param_bytes: int,
-                 reduce_bytes: int, op_bytes_per_block: float) -> dict[tuple[str, int], float]:
+                 reduce_bytes: int, op_bytes_per_block: float, dp_shard: int = 1, grad_accum_steps: int = 1,
+                 trainable: bool = True) -> dict[tuple[str, int], float]:
     """The cost model of ``auto``: the step time each action adds, per micro-batch of
     ``tokens`` tokens per rank, in FLOPs of the device (time × its FLOP/s).
 
@@ -364,6 +420,14 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
     - ``("full", j)``: block ``j`` reruns its whole forward: on top of ``op``'s ops, its
       matmuls and attention, ``2 × parameters + attention forward`` FLOPs per token (the cost
       given is that increment over ``op``).
+    - ``("offload", i)``: unit ``i``'s shards (fp32: 4 bytes a parameter, over ``dp_shard``
+      ranks) cross to the device before its forward and its backward all-gathers, its gradient
+      shard (``reduce_bytes``) back after the reduce-scatter, at
+      ``HOST_LINK_FLOPS_PER_BYTE``; and the host runs its optimizer step, 28 bytes a parameter
+      read or written (parameter, gradient and AdamW's two moments read; the parameter and the
+      moments written) at ``HOST_OPTIMIZER_FLOPS_PER_BYTE``, once per step (so divided over
+      ``grad_accum_steps`` micro-batches). Nothing of it is counted as hidden behind compute.
+      ``trainable=False`` (LoRA's frozen base): the shards' copies only.
 
     A unit's backward is ``4 × parameters`` FLOPs per token (input and weight gradients) plus,
     for a block, two thirds of its attention's training FLOPs.
@@ -387,6 +451,11 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
         forward = (2 * block.numel() + args.attention_flops_per_token(seq_len) / 3) * tokens
         costs[("op", j)] = op
         costs[("full", j)] = forward
+    for i, unit in enumerate(units):
+        shard = unit.numel() / dp_shard
+        crossing = 2 * 4 * shard + (reduce_bytes * shard if trainable else 0.0)
+        host_step = 28 * shard / grad_accum_steps if trainable else 0.0
+        costs[("offload", i)] = crossing * HOST_LINK_FLOPS_PER_BYTE + host_step * HOST_OPTIMIZER_FLOPS_PER_BYTE
     return costs
 
 
@@ -401,16 +470,21 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     base = tuple(block_policies(kwargs.pop("ac_mode"), kwargs.pop("selective_ac_option"), len(block_units)))
     headroom = _headroom(units, kwargs["param_dtype"], kwargs["reduce_dtype"])
     limit = budget_bytes - headroom
-    Plan = tuple[tuple[bool, ...], tuple[str, ...]]
+    offload_setting = kwargs.pop("cpu_offload")
+    choose_offload = offload_setting == "auto"
+    if choose_offload:
+        count_offloaded = False  # the budget is the device's: offloading is what frees it
+    base_offload = (False,) * n if choose_offload else (bool(offload_setting),) * n
+    Plan = tuple[tuple[bool, ...], tuple[str, ...], tuple[bool, ...]]
     estimates: dict[Plan, MemoryEstimate] = {}
 
     def peak(plan: Plan) -> int:
         if plan not in estimates:
             estimates[plan] = estimate_here(spec, args, reshard_after_forward_mode=plan[0], ac_policies=plan[1],
-                                            **kwargs)
+                                            cpu_offload=plan[2], **kwargs)
         return _compared(estimates[plan], count_offloaded)[0]
 
-    never_plan: Plan = ((False,) * n, base)
+    never_plan: Plan = ((False,) * n, base, base_offload)
     never = peak(never_plan)
     _, phase, module = _compared(estimates[never_plan], count_offloaded)
     order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
@@ -423,11 +497,15 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         freed = {"none": 0.0}
         for policy in ("op", "full"):
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
-            freed[policy] = (never - peak(((False,) * n, raised[policy]))) / changed if changed else 0.0
+            freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
+                if changed else 0.0
+        dp_shard = kwargs["world_size"] // kwargs["dp_replicate"]
+        trainable = kwargs.get("lora") is None
         costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                              reduce_bytes=kwargs["reduce_dtype"].itemsize,
-                             op_bytes_per_block=max(freed["op"], 0.0))
+                             op_bytes_per_block=max(freed["op"], 0.0), dp_shard=dp_shard,
+                             grad_accum_steps=kwargs["grad_accum_steps"], trainable=trainable)
         busy = _busy_units(units, phase, module)
         for i in order:
             gathered = 0 if i in busy else units[i].numel() * kwargs["param_dtype"].itemsize
@@ -442,6 +520,11 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
                     actions.append(_Action("full", j, op.cost + full.cost, op.freed + full.freed))
                 else:
                     actions += [op, full]
+        if choose_offload:
+            # Freed: the fp32 shards, and for a trained unit its gradients and AdamW's two moments.
+            for i in sorted(range(n), key=lambda i: -units[i].numel()):
+                state = units[i].numel() / dp_shard * (16 if trainable else 4)
+                actions.append(_Action("offload", i, costs[("offload", i)], state))
         # Least added time per byte freed first (a block's op before its full: its rate is
         # lower, and the sort is stable).
         position = {id(a): k for k, a in enumerate(actions)}
@@ -450,12 +533,15 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     def plan(k: int) -> Plan:
         reshard = [False] * n
         policies = list(base)
+        offload = list(base_offload)
         for action in actions[:k]:
             if action.kind == "reshard":
                 reshard[action.index] = True
+            elif action.kind == "offload":
+                offload[action.index] = True
             elif action.kind == "full" or policies[action.index] == "none":
                 policies[action.index] = action.kind
-        return tuple(reshard), tuple(policies)
+        return tuple(reshard), tuple(policies), tuple(offload)
 
     k = 0
     if never > limit:
@@ -490,10 +576,12 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             source = f" ({budget_source})" if budget_source else ""
             raise ValueError(
                 f"parallelism.memory_budget_gib: the estimated peak is {size_text(peak(plan(k)))} per rank "
-                f"even with every unit resharded after forward and every block fully recomputed, plus "
+                f"even with every unit resharded after forward and every block fully recomputed"
+                + (" and every unit offloaded to CPU" if choose_offload else "") + ", plus "
                 f"{size_text(headroom)} of headroom for a collective buffer: above the budget of "
                 f"{size_text(budget_bytes)}{source}; allow more memory, or need less (smaller "
-                "training.local_batch_size or seq_len, bf16 mixed precision, CPU offload, more ranks)")
+                "training.local_batch_size or seq_len, bf16 mixed precision, "
+                + ("more ranks)" if choose_offload else "parallelism.cpu_offload = 'auto', more ranks)"))
     chosen = plan(k)
     cost = sum(a.cost for a in actions[:k])
     return AutoReshardPlan(
@@ -502,7 +590,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         tried=tuple((sum(p[0]), _compared(e, count_offloaded)[0]) for p, e in estimates.items()),
         count_offloaded=count_offloaded, headroom=headroom, seconds=time.perf_counter() - start,
         blocks=tuple(names), ac_policies=chosen[1], configured_ac=base,
-        actions=tuple((f"{a.kind} {units[a.index].name if a.kind == 'reshard' else names[a.index]}", a.cost, a.freed)
-                      for a in actions[:k]),
-        added_flops=cost,
+        actions=tuple((f"{a.kind} {names[a.index] if a.kind in ('op', 'full') else units[a.index].name}", a.cost,
+                       a.freed) for a in actions[:k]),
+        added_flops=cost, offload=chosen[2], offload_chosen=choose_offload,
     )

@@ -45,6 +45,8 @@ from torchtitan_lite.models import get_model_spec
 
 __all__ = ["build_parser", "main", "plan_without_files"]
 
+_OFFLOAD_TEXT = {"none": "off", "all": "on (every unit)", "auto": "auto (per unit)"}
+
 _DESCRIPTION = """\
 Estimated memory per rank of a training job, by category, for every reshard mode (default,
 never, always, and the configured integer one or auto), with the job's mixed precision, CPU
@@ -202,7 +204,8 @@ def _label(mode: ReshardMode) -> str:
 def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes: float | None,
            unit: tuple[str, int]) -> str:
     name, scale = unit
-    offload = estimates[0].cpu_offload
+    offload = any(bool(e.cpu_offload) and e.cpu_offload != (False,) * len(e.cpu_offload)
+                  if isinstance(e.cpu_offload, tuple) else e.cpu_offload for e in estimates)
     head = (f"{'mode':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
             + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':32} fits")
     lines = [f"estimated memory per rank in {name} (tensor bytes)", head]
@@ -220,7 +223,7 @@ def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
-    from torchtitan_lite.memory.auto import auto_budget_bytes, plan_auto_reshard
+    from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_kwargs, plan_auto_reshard
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -245,15 +248,27 @@ def main(argv: list[str] | None = None) -> int:
         t, p = config.training, config.parallelism
         kwargs = job_estimate_kwargs(config, plan)
         auto = plan.reshard_mode == "auto"
-        budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto else (0, "")
+        # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
+        # chosen per unit too, unless the job offloads everything.
+        would = not auto and device_bytes is not None
+        budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
                      for mode in _modes(configured)]  # type: ignore[arg-type]
         seconds = sum(e.seconds for e in estimates)
-        plan_auto = None
-        if auto:
-            plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
-                                          budget_source=budget_source, **kwargs)
+        plan_auto, auto_error = None, None
+        auto_kwargs = job_auto_kwargs(config, plan)
+        if would and plan.offload == "none":
+            auto_kwargs["cpu_offload"] = "auto"
+        if auto or would:
+            try:
+                plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
+                                              budget_source=budget_source, **auto_kwargs)
+            except ValueError as exc:
+                if auto:
+                    raise
+                auto_error = str(exc)
+        if plan_auto is not None:
             seconds += plan_auto.seconds
             estimates.append(plan_auto.estimate)
     except (UserError, ValueError) as exc:
@@ -269,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(vocab_note)
     print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
-          f"{t.mixed_precision_reduce}; CPU offload {'on' if t.enable_cpu_offload else 'off'}; "
+          f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.offload]}; "
           f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
           f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}")
     if plan.lora is not None:
@@ -278,14 +293,20 @@ def main(argv: list[str] | None = None) -> int:
               "optimizer state for the adapters only, the base weights frozen")
     print(_table(estimates, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"]
-    if t.enable_cpu_offload:
+    if plan.offload != "none":
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
     notes += not_modelled(config, plan)
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
-    if plan_auto is not None:
+    if plan_auto is not None and auto:
         notes.append(f"{plan_auto.summary()} (budget: {budget_source}; the fits column is against the whole device)")
+    elif plan_auto is not None:
+        keys = "parallelism.reshard_after_forward_mode = 'auto'" + (
+            ", parallelism.cpu_offload = 'auto'" if auto_kwargs["cpu_offload"] == "auto" else "")
+        notes.append(f"auto would choose, with {keys}: {plan_auto.summary()} (budget: {budget_source})")
+    elif auto_error is not None:
+        notes.append(f"auto would find no plan: {auto_error}")
     notes.append(f"estimated in {seconds:.1f} s")
     print("\n".join(notes))
     if json_path is not None:
@@ -304,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                 "peak": plan_auto.peak, "never_peak": plan_auto.never_peak, "tried": plan_auto.tried,
                 "all_gathers_per_step": plan_auto.all_gathers_per_step, "blocks": plan_auto.blocks,
                 "ac_policies": plan_auto.ac_policies, "configured_ac": plan_auto.configured_ac,
-                "actions": plan_auto.actions, "added_flops": plan_auto.added_flops},
+                "actions": plan_auto.actions, "added_flops": plan_auto.added_flops, "offload": plan_auto.offload,
+                "offloaded": plan_auto.offloaded, "added_ms": plan_auto.added_ms, "configured": auto},
         }
         try:
             json_path.write_text(json.dumps(record, indent=1))

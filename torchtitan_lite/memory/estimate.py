@@ -43,7 +43,13 @@ import torch
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
-from torchtitan_lite.distributed.fsdp import ReshardMode, apply_fsdp, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.fsdp import (
+    ReshardMode,
+    apply_fsdp,
+    fsdp_units,
+    unit_offload,
+    validate_reshard_after_forward_mode,
+)
 from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.process_group import build_mesh
@@ -93,8 +99,9 @@ class MemoryEstimate:
     """Dtype of gathered parameters and compute."""
     reduce_dtype: str
     """Dtype of gradient reduction."""
-    cpu_offload: bool
-    """Sharded parameters, gradients and optimizer state on CPU."""
+    cpu_offload: bool | tuple[bool, ...]
+    """Sharded parameters, gradients and optimizer state on CPU: every unit's, or per unit (one
+    bool per unit in forward order)."""
     local_batch_size: int
     """Samples per rank per micro-batch."""
     seq_len: int
@@ -149,7 +156,7 @@ def estimate_memory(
     reshard_after_forward_mode: ReshardMode,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    cpu_offload: bool,
+    cpu_offload: bool | tuple[bool, ...],
     optimizer: str = "AdamW",
     optimizer_implementation: str = "foreach",
     grad_accum_steps: int = 1,
@@ -275,13 +282,38 @@ def _fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, cpu_offload: bool) -> Any:
+class _OffloadedBytes:
+    """The bytes of the offloaded units' state at any moment of the step: their sharded
+    parameters and optimizer state (there all along) and their sharded gradients (from their
+    reduce-scatter to ``zero_grad``), read from the tensors themselves."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: _LocalOptimizer) -> None:
+        self.params = params
+        locals_ = {id(param): local for param, local in optimizer.pairs}
+        state = optimizer.optimizer.state
+        self.static = sum(_nbytes(_local(p)) for p in params) + sum(
+            _nbytes(value) for p in params if id(p) in locals_
+            for value in state.get(locals_[id(p)], {}).values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+    def now(self) -> int:
+        """Bytes on CPU now."""
+        return self.static + sum(_nbytes(_local(p.grad)) for p in self.params if p.grad is not None)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """A tensor's own bytes (a gradient shard is a view into its unit's reduce-scatter output:
+    the storage would count the whole unit once per parameter)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  offloaded: _OffloadedBytes | None) -> Any:
     """An ``FSDPMemTracker`` that also records the phase of the peak and, with CPU offload, the
-    device peak (total minus the offloaded categories) and the CPU peak separately."""
+    device peak (total minus the offloaded units' state) and the CPU peak separately."""
     from torch.distributed._tools.fsdp2_mem_tracker import _TOTAL_KEY, FSDPMemTracker, _FSDPRefType
 
-    offloaded = [_FSDPRefType(name) for name, ours in CATEGORIES.items()
-                 if cpu_offload and ours in OFFLOADED_CATEGORIES]
+    grads_key = _FSDPRefType("Sharded Grad")
 
     class _Tracker(FSDPMemTracker):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -289,6 +321,8 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, c
             self.total_peak = (-1, "", "", {})  # bytes, phase, module, categories
             self.device_peak = (-1, "", "", {})
             self.cpu_peak = 0
+            self.grads_seen = -1  # the sharded-gradient total when the offloaded bytes were last read
+            self.on_cpu = 0
 
         def where(self) -> tuple[str, str]:
             # Module names are qualified by the root's class name: "Transformer.layers.3.attention".
@@ -309,7 +343,11 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, c
             # Called after every op: only totals here, the breakdown when a peak is exceeded.
             snapshot = self._curr_mem_snap
             total = sum(per_device[_TOTAL_KEY] for per_device in snapshot.values())
-            on_cpu = sum(per_device.get(ref, 0) for per_device in snapshot.values() for ref in offloaded)
+            if offloaded is not None:
+                grads = sum(per_device.get(grads_key, 0) for per_device in snapshot.values())
+                if grads != self.grads_seen:  # only a gradient's arrival or release changes it
+                    self.grads_seen, self.on_cpu = grads, offloaded.now()
+            on_cpu = self.on_cpu
             if total > self.total_peak[0]:
                 self.total_peak = (total, *self.where(), self.categories())
             if total - on_cpu > self.device_peak[0]:
@@ -404,7 +442,7 @@ def _estimate_uncached(
     reshard_after_forward_mode: ReshardMode,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    cpu_offload: bool,
+    cpu_offload: bool | tuple[bool, ...],
     optimizer: str,
     optimizer_implementation: str,
     grad_accum_steps: int,
@@ -428,6 +466,12 @@ def _estimate_uncached(
         units = spec.fsdp_units(model)
         apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
                                        selective_ac_option=selective_ac_option, policies=ac_policies)
+        unit_list = fsdp_units(model, **units)
+        offload_flags = unit_offload(cpu_offload, unit_list)
+        offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
+                         for module in unit.modules for param in module.parameters()}
+        # By name: FSDP2 registers new parameter objects (DTensors) in place of these.
+        offloaded_names = {name for name, param in model.named_parameters() if id(param) in offloaded_ids}
         apply_fsdp(model, mesh, **units, reshard_after_forward_mode=reshard_after_forward_mode,
                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
@@ -437,7 +481,9 @@ def _estimate_uncached(
             local_opt = _LocalOptimizer(opt)
             micro_batches = min(grad_accum_steps, 2)
             tokens_this_rank = local_batch_size * seq_len * grad_accum_steps
-            tracker = _make_tracker(model, local_opt.optimizer, cpu_offload=cpu_offload)
+            offloaded = _OffloadedBytes([p for name, p in model.named_parameters() if name in offloaded_names],
+                                        local_opt) if offloaded_names else None
+            tracker = _make_tracker(model, local_opt.optimizer, offloaded)
             with no_automatic_gc(), tracker:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for _ in range(micro_batches):
@@ -458,7 +504,7 @@ def _estimate_uncached(
                 del loss_sum
             total, phase, module, categories = tracker.total_peak
             device_total, device_phase, device_module, device_categories = tracker.device_peak
-            cpu_peak = tracker.cpu_peak if cpu_offload else 0
+            cpu_peak = tracker.cpu_peak if offloaded is not None else 0
             del tracker, local_opt, opt, model
     return MemoryEstimate(
         world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
@@ -484,7 +530,7 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
     return {
         "world_size": plan.world_size, "dp_replicate": plan.dims.dp_replicate,
         "local_batch_size": t.local_batch_size, "seq_len": t.seq_len, "param_dtype": plan.param_dtype,
-        "reduce_dtype": plan.reduce_dtype, "cpu_offload": t.enable_cpu_offload,
+        "reduce_dtype": plan.reduce_dtype, "cpu_offload": plan.offload == "all",
         "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
         "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
