@@ -192,11 +192,17 @@ def test_budget_source_and_config_checks(tmp_path):
                               "--parallelism.memory_budget_gib", "2"])
     assert config.parallelism.reshard_after_forward_mode == "auto"
     assert plan_job(config, world_size=4).reshard_mode == "auto"
+    # training.enable_cpu_offload keeps working: it is cpu_offload = all.
+    assert plan_job(load_job_config([*dump, "--training.enable_cpu_offload"]), world_size=2).offload == "all"
     for argv, message in [
         (["--parallelism.memory_budget_gib", "2"], "used only with parallelism.reshard_after_forward_mode = 'auto'"),
         (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "-1"],
          "expected a finite number > 0"),
         (["--parallelism.reshard_after_forward_mode", "sometimes"], "expected one of default, always, never, auto, or an integer group size"),
+        (["--parallelism.cpu_offload", "auto"], r"parallelism.cpu_offload: invalid value 'auto'; auto chooses per unit"),
+        (["--parallelism.cpu_offload", "some"], "parallelism.cpu_offload"),
+        (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.cpu_offload", "auto",
+          "--training.enable_cpu_offload"], "training.enable_cpu_offload: invalid value True; expected false"),
     ]:
         with pytest.raises(ConfigError, match=message):
             plan_job(load_job_config([*dump, *argv]), world_size=2)

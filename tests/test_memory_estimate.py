@@ -1,24 +1,34 @@
-"""Memory estimates (fake tensors, fake process group) against measured real steps.
+"""Memory estimates (fake tensors, fake process group) against an independent measurement.
 
-The measured figures come from :func:`torchtitan_lite.memory.measure.measure_step_memory` on real gloo
-processes running the same model, sharding, optimizer and loss as the estimate; the estimate's
-peak must be within 10% of the measured peak and its sharded state within 2%.
+The measured figure is the allocator's own: :class:`~torchtitan_lite.memory.measure.AllocatorPeak`
+(the CPU allocator's running total of live bytes over every thread, reported to torch.profiler)
+over one real ``Trainer.train_step`` (loss, backward, clipping, optimizer step) after a warm-up
+step, on gloo ranks. The estimate is the memory CLI's for the same job config
+(:func:`~torchtitan_lite.job.plan_job`, :func:`~torchtitan_lite.memory.estimate.job_estimate_kwargs`).
+It must be within -3% / +10% of the measured peak (issue 27's bound: never more than 3% low).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, run_command, run_distributed
+from torchtitan_lite.config import load_job_config
+from torchtitan_lite.job import plan_job
 from torchtitan_lite.memory.cli import main
-from torchtitan_lite.memory.estimate import CATEGORY_NAMES, MemoryEstimate, estimate_memory
+from torchtitan_lite.memory.estimate import (
+    CATEGORY_NAMES,
+    MemoryEstimate,
+    estimate_memory,
+    job_estimate_kwargs,
+)
 from torchtitan_lite.memory.measure import CATEGORIES
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, ModelArgs
@@ -30,137 +40,120 @@ SMALL = ModelArgs(dim=128, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=8192,
                   max_seq_len=512)
 DEBUG = LLAMA3_FLAVORS["debugmodel"]
 
+LOW, HIGH = -0.03, 0.10
+"""The estimate's allowed error against the measured peak."""
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    args: ModelArgs
-    mode: str | int = "default"
-    param_dtype: str = "float32"
-    cpu_offload: bool = False
-    local_batch_size: int = 4
-    seq_len: int = 128
-    optimizer_implementation: str = "foreach"
-    grad_accum_steps: int = 1
-    dp_replicate: int = 1
+AC = {"none": ["--activation_checkpoint.mode", "none"],
+      "full": ["--activation_checkpoint.mode", "full"],
+      "selective op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+      "selective 2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]}
 
 
-CASES: dict[int, list[Case]] = {
-    2: [
-        Case("small fp32", SMALL),
-        Case("small tiny batch", SMALL, local_batch_size=1, seq_len=16),
-        Case("small always bf16", SMALL, mode="always", param_dtype="bfloat16"),
-        Case("small never, CPU offload", SMALL, mode="never", cpu_offload=True),
-        Case("small, 2 micro-batches, for-loop AdamW", SMALL, local_batch_size=2, grad_accum_steps=2,
-             optimizer_implementation="for-loop"),
-        # (debugmodel at the benchmark's shapes: scripts/benchmark.py's ac part prints its
-        # estimate beside the measured peak.)
-    ],
-    4: [
-        Case("small reshard to 2", SMALL, mode=2),
-        Case("small HSDP 2 x 2 bf16", SMALL, param_dtype="bfloat16", dp_replicate=2),
-    ],
+def _job(batch: int, seq: int, dtype: str = "float32", *extra: str) -> list[str]:
+    """debugmodel on the embedded corpus, no validation, as the trainer runs it."""
+    return [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.local_batch_size", str(batch),
+            "--training.seq_len", str(seq), "--training.mixed_precision_param", dtype, "--validation.no-enable",
+            "--metrics.no-enable_tensorboard", *extra]
+
+
+def _grid(batch: int, seq: int, dtype: str, modes: tuple[str, ...], acs: tuple[str, ...]) -> dict[str, list[str]]:
+    return {f"{dtype} {batch}x{seq} {mode} / {ac}": _job(batch, seq, dtype, "--parallelism.reshard_after_forward_mode",
+                                                         mode, *AC[ac]) for mode in modes for ac in acs}
+
+
+MODES = ("default", "always", "never")
+JOBS: dict[int, dict[str, list[str]]] = {
+    2: {
+        # Every reshard mode × AC mode in fp32 where activations make the peak (backward).
+        **_grid(2, 256, "float32", MODES, tuple(AC)),
+        # bf16 (FSDP2 mixed precision) is slow on this CPU: every AC mode at one reshard mode
+        # (the full grid is scripts/benchmark.py --parts peak --param_dtypes bfloat16).
+        **_grid(2, 128, "bfloat16", ("default",), tuple(AC)),
+        # Small batches: the peak is the optimizer step's.
+        "float32 1x16 default / none": _job(1, 16),
+        "float32 1x16 never / full": _job(1, 16, "float32", "--parallelism.reshard_after_forward_mode", "never",
+                                          *AC["full"]),
+        "CPU offload, never": _job(2, 128, "float32", "--training.enable_cpu_offload",
+                                   "--parallelism.reshard_after_forward_mode", "never"),
+        "2 micro-batches, for-loop AdamW": _job(2, 128, "float32", "--training.global_batch_size", "8",
+                                                "--optimizer.implementation", "for-loop"),
+    },
+    4: {
+        "reshard to 2": _job(2, 128, "float32", "--parallelism.reshard_after_forward_mode", "2"),
+        "HSDP 2 x 2": _job(2, 128, "float32", "--parallelism.data_parallel_replicate_degree", "2"),
+    },
 }
 
 
-def _measure(cases: list[Case], estimate_first_here: bool = False) -> dict[str, Any]:
-    """Real steps on this rank for every case, as the trainer runs them (its optimizer, its loss);
-    with ``estimate_first_here`` also the first case's estimate made inside this process group
-    (which ``estimate_memory`` runs in a child process)."""
+def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
+    """The allocator's peak of one ``train_step`` of each job on this rank (after a warm-up step:
+    the optimizer state exists), the trainer built inside the measurement; and rank 0's estimate
+    of the first job made inside this process group (``estimate_memory`` runs it in a child)."""
     import torch.distributed as dist
 
-    from torchtitan_lite.config import Optimizer
-    from torchtitan_lite.distributed import ParallelDims, build_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import FSDPOptions
-    from torchtitan_lite.distributed.parallelize import build_sharded_model
-    from torchtitan_lite.loss import token_loss_sum
-    from torchtitan_lite.memory.measure import measure_step_memory
-    from torchtitan_lite.optim import build_optimizer
+    from torchtitan_lite.memory.measure import AllocatorPeak
+    from torchtitan_lite.trainer import Trainer
 
-    device = torch.device("cpu")
-    init_distributed(device)
-    world = dist.get_world_size()
-    meshes = {replicate: build_mesh(device, ParallelDims.resolve(dp_replicate=replicate, dp_shard=-1,
-                                                                  world_size=world))
-              for replicate in sorted({case.dp_replicate for case in cases})}
-    results = []
-    for case in cases:
-        mesh = meshes[case.dp_replicate]
-        model = build_sharded_model(SPEC, case.args, mesh, device=device, seed=0, fsdp=FSDPOptions(
-            reshard_after_forward_mode=case.mode, param_dtype=getattr(torch, case.param_dtype),
-            reduce_dtype=torch.float32, cpu_offload=case.cpu_offload))
-        optimizer = build_optimizer(model, Optimizer(implementation=case.optimizer_implementation))
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        batches = [torch.randint(0, case.args.vocab_size, (case.local_batch_size, case.seq_len + 1),
-                                 generator=generator) for _ in range(case.grad_accum_steps)]
-        tokens_per_step = case.local_batch_size * case.seq_len * case.grad_accum_steps
-
-        def loss_fn(model: Any = model, batches: list[torch.Tensor] = batches,
-                    tokens: int = tokens_per_step) -> torch.Tensor:
-            # Every micro-batch but the last runs its backward here (gradient accumulation);
-            # measure_step_memory runs the last one's.
-            for batch in batches[:-1]:
-                (token_loss_sum(model(batch[:, :-1]), batch[:, 1:]) / tokens).backward()
-            last = batches[-1]
-            return token_loss_sum(model(last[:, :-1]), last[:, 1:]) / tokens
-
-        results.append(measure_step_memory(model, optimizer, loss_fn))
-        del model, optimizer
-    estimate = _estimate(cases[0], world) if estimate_first_here else None
+    peaks, shards = {}, {}
+    for index, (label, argv) in enumerate(jobs.items()):
+        with AllocatorPeak(torch.device("cpu")) as memory:
+            trainer = Trainer(load_job_config([*argv, "--job.dump_folder", f"{dump}/{index}"]))
+            trainer.train_step()
+            with memory.window():
+                trainer.train_step()
+        peaks[label] = memory.peak
+        shards[label] = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
+        trainer.metrics.close()  # the process group stays: the next trainer uses it
+        del trainer
+    in_group = None
+    if dist.get_rank() == 0:
+        first = next(iter(jobs.values()))
+        in_group = _estimate(first, dist.get_world_size())
     dist.barrier()
-    return {"measured": results, "estimate_in_group": estimate}
+    return {"peaks": peaks, "shards": shards, "estimate_in_group": in_group}
 
 
-def _estimate(case: Case, world_size: int) -> MemoryEstimate:
-    return estimate_memory(
-        SPEC, case.args, world_size=world_size, dp_replicate=case.dp_replicate,
-        local_batch_size=case.local_batch_size, seq_len=case.seq_len,
-        reshard_after_forward_mode=case.mode, param_dtype=getattr(torch, case.param_dtype),
-        reduce_dtype=torch.float32, cpu_offload=case.cpu_offload,
-        optimizer_implementation=case.optimizer_implementation, grad_accum_steps=case.grad_accum_steps,
-    )
+def _estimate(argv: list[str], world_size: int) -> MemoryEstimate:
+    config = load_job_config([*argv, "--job.dump_folder", "/nonexistent/estimate"])
+    plan = plan_job(config, world_size=world_size)
+    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                           **job_estimate_kwargs(config, plan))
 
 
-def _compare(world_size: int) -> None:
-    cases = CASES[world_size]
-    ranks = run_distributed(_measure, world_size, cases, world_size == 2)
-    measured_all = [rank["measured"] for rank in ranks]
-    print(f"\n{'ranks':>5} {'case':42} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  "
-          f"{'peak in':28} {'estimate s':>10}")
+def _compare(world_size: int, tmp_path: Path) -> None:
+    jobs = JOBS[world_size]
+    estimates = {label: _estimate(argv, world_size) for label, argv in jobs.items()}
+    ranks = run_distributed(_measure, world_size, jobs, str(tmp_path), timeout=600)
+    assert ranks[0]["estimate_in_group"].categories == next(iter(estimates.values())).categories
+    print(f"\n{'ranks':>5} {'job':36} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  peak in")
     failures = []
-    for index, case in enumerate(cases):
-        estimate = _estimate(case, world_size)
-        if index == 0 and ranks[0]["estimate_in_group"] is not None:
-            # Made by a process that already had a process group: the same figures.
-            assert ranks[0]["estimate_in_group"].categories == estimate.categories
-        for rank, measured in enumerate(measured_all):
-            got, want = estimate.peak, measured[index]["peak"]["total"]
-            error = (got - want) / want
-            if rank == 0:
-                where = f"{estimate.peak_phase} ({estimate.peak_module})" if estimate.peak_module else estimate.peak_phase
-                print(f"{world_size:>5} {case.name:42} {want / 2**20:12.2f} {got / 2**20:13.2f} "
-                      f"{error:+8.3%}  {where[:28]:28} {estimate.seconds:10.1f}")
-            if abs(error) > 0.10:
-                failures.append(f"{case.name}, rank {rank}: peak {got} vs measured {want} ({error:+.1%})")
-            for key in ("sharded_params", "sharded_grads", "optimizer_state"):
-                got_state, want_state = estimate.state[key], measured[index]["state"][key]
-                if abs(got_state - want_state) > 0.02 * want_state:
-                    failures.append(f"{case.name}, rank {rank}: {key} {got_state} vs measured {want_state}")
+    for label, estimate in estimates.items():
+        measured = max(rank["peaks"][label] for rank in ranks)
+        error = (estimate.peak - measured) / measured
+        where = f"{estimate.peak_phase} ({estimate.peak_module})" if estimate.peak_module else estimate.peak_phase
+        print(f"{world_size:>5} {label:36} {measured / 2**20:12.2f} {estimate.peak / 2**20:13.2f} {error:+8.2%}  {where}")
+        if not LOW <= error <= HIGH:
+            failures.append(f"{label}: estimated {estimate.peak} vs measured {measured} ({error:+.1%})")
+        for rank in ranks:  # the estimate's sharded parameters are the trainer's (padding aside)
+            shards = rank["shards"][label]
+            if abs(estimate.state["sharded_params"] - shards) > 0.02 * shards:
+                failures.append(f"{label}: sharded params {estimate.state['sharded_params']} vs {shards}")
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
-def test_estimate_matches_measured_peak_at_two_ranks() -> None:
-    """Peak within 10% and sharded state within 2% of real steps at 2 ranks: every reshard mode,
-    fp32 and bf16, CPU offload, gradient accumulation, a peak in the optimizer step, the
-    benchmark's shapes; and an estimate made inside a process group (in a child process)."""
-    _compare(2)
+def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
+    """-3% / +10% of the allocator's peak of a real trainer step at 2 ranks: every reshard mode ×
+    AC mode (fp32), every AC mode in bf16, small batches (a peak in the optimizer step), CPU
+    offload, gradient accumulation with the for-loop AdamW; and an estimate made inside a
+    process group (in a child process) equal to one made outside."""
+    _compare(2, tmp_path)
 
 
 @pytest.mark.slow
-def test_estimate_matches_measured_peak_at_four_ranks() -> None:
-    """The same at 4 ranks, with an integer reshard mode and HSDP (2 replicas × 2 shards)."""
-    _compare(4)
+def test_estimate_within_bounds_of_the_allocator_at_four_ranks(tmp_path) -> None:
+    """The same at 4 ranks with an integer reshard mode and HSDP (2 replicas × 2 shards)."""
+    _compare(4, tmp_path)
 
 
 def test_estimate_api() -> None:

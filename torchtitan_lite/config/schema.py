@@ -635,8 +635,6 @@ def validate_config(c: JobConfig) -> None:
                  f"it is used only with parallelism.reshard_after_forward_mode = 'auto' (this job has "
                  f"{mode!r})")
 
-    _require(p.cpu_offload in ("none", "all", "auto"), "parallelism.cpu_offload", p.cpu_offload,
-             "expected none, all or auto")
     _require(p.cpu_offload != "auto" or mode == "auto", "parallelism.cpu_offload", p.cpu_offload,
              f"auto chooses per unit under the memory budget of parallelism.reshard_after_forward_mode = 'auto' "
              f"(this job has {mode!r})")
