@@ -7,8 +7,10 @@ Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 ``<dump_folder>/metrics.jsonl``: the kill then always lands while rank 0 is in step
 ``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. With
 ``KILL_AFTER_COMMIT`` set it also waits (within the same 60 s) until the step before is a
-committed checkpoint folder. Used by
-tests/test_process_group_restarts.py and the integration runner's ``restart_after_kill`` case."""
+committed checkpoint folder. ``KILL_SIGNAL`` names another signal than SIGKILL (e.g. SIGTERM, for
+preemption); with ``SIGNAL_DURING_SAVE`` the rank also sends it to itself again as each
+checkpoint save begins. Used by tests/test_process_group_restarts.py, tests/test_preemption.py
+and the integration runner's ``restart_after_kill`` case."""
 
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.trainer import Trainer
 
 _original_train_step = Trainer.train_step
+_original_save = CheckpointManager.save
 
 
 def _logged(metrics: Path, step: int) -> bool:
@@ -44,11 +49,18 @@ def _train_step_or_die(self: Trainer) -> dict[str, float]:
             committed = Path(self.config.job.dump_folder) / self.config.checkpoint.folder / f"step-{self.step}"
             while not committed.is_dir() and time.monotonic() < deadline:
                 time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
     return _original_train_step(self)
 
 
+def _save_and_signal(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+    if os.environ.get("SIGNAL_DURING_SAVE") and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1"):
+        os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
+    return _original_save(self, *args, **kwargs)
+
+
 Trainer.train_step = _train_step_or_die  # type: ignore[method-assign]
+CheckpointManager.save = _save_and_signal  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     from torchtitan_lite.train import main

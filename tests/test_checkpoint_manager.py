@@ -222,7 +222,7 @@ def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
         assert committed_steps(folder) == [8, 10]
         assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-8"]  # nothing partial left
         files = {step: sorted(p.name for p in (folder / f"step-{step}").iterdir()) for step in (8, 10)}
-        assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"], files
+        assert files[8] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "train_state.json"], files
         # Resume an explicit earlier step: training continues from step 8 with the same losses
         # (once step 10, which it would overwrite, is moved out of the folder).
         shutil.move(str(folder / "step-10"), str(dump / "kept-step-10"))
@@ -416,7 +416,9 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
         error["load_step_disabled"]
     assert "has no model tensor 'tok_embeddings.weight': it was saved from another model (it holds 2 " \
         "model tensors, e.g. 'bias')" in error["foreign"], error["foreign"]
-    assert error["missing_file"].endswith("is incomplete: data file '__0_0.distcp' is missing")
+    # With no earlier checkpoint to fall back on (checkpoint.on_corrupt), the one line says what
+    # is wrong with the newest and that none verifies.
+    assert "is incomplete: data file '__0_0.distcp' is missing; no checkpoint in" in error["missing_file"]
     assert "is corrupt: data file '__0_0.distcp' has 1000 bytes, its metadata needs at least" in error["truncated"]
     for name, damage in [("no_metadata", ".metadata"), ("bad_state", "train_state.json")]:
         line = error[name]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,21 @@ def test_lock_names_its_holder_and_is_released_when_the_holder_dies(tmp_path: Pa
     again.release()
 
 
+def start_torchrun(args: list[str], **popen: Any) -> subprocess.Popen[str]:
+    """``torchrun --nproc_per_node=2 -m torchtitan_lite.train ARGS`` in a session of its own, one
+    thread per rank, without the launcher variables of the calling process (``popen``: where its
+    output goes). The caller ends it (its workers run in sessions of their own)."""
+    from torchtitan_lite.distributed import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "-m", "torchtitan_lite.train", *args],
+        cwd=REPO_ROOT, env=env, text=True, start_new_session=True, **popen)
+
+
 def _job(dump: Path) -> list[str]:
     # Long enough (a second or two) that the first job is caught training and paused.
     return [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", "60", "--checkpoint.enable",
@@ -73,15 +89,7 @@ def _job(dump: Path) -> list[str]:
 @pytest.mark.slow
 def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alone(tmp_path: Path) -> None:
     shared, solo = tmp_path / "shared", tmp_path / "solo"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
-    from torchtitan_lite.distributed import free_port
-
-    first = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "-m", "torchtitan_lite.train", *_job(shared)],
-        cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    first = start_torchrun(_job(shared), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         metrics = shared / "metrics.jsonl"

@@ -366,6 +366,26 @@ def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
             "memory budget without a CUDA device (e.g. 16 for 16 GiB; the estimator also takes --device_memory_gib)"]
 
 
+
+def test_estimate_cli_says_what_auto_would_choose_for_a_job_that_does_not_use_it(tmp_path, capsys):
+    """Given a device size, the memory CLI prints the plan auto would pick for a job configured
+    otherwise (resharding, checkpointing and per-unit CPU offload), with its estimated peak and
+    modelled added time; the JSON has it too, marked not configured."""
+    from torchtitan_lite.memory.cli import main
+
+    out = tmp_path / "estimate.json"
+    # A device of 40 MiB: 90% of it is the budget the offload test plans under (36 MiB).
+    assert main([*OFFLOAD_JOB, "--job.dump_folder", str(tmp_path), "--world_size", "2",
+                 "--device_memory_gib", repr(40 / 1024), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.startswith("auto would choose"))
+    assert ("with parallelism.reshard_after_forward_mode = 'auto', parallelism.cpu_offload = 'auto': "
+            "reshard_after_forward_mode auto: budget 36.0 MiB") in line, line
+    assert "CPU offload: " in line and "-> estimated peak" in line and " ms at 989 TFLOP/s" in line, line
+    record = json.loads(out.read_text())["auto"]
+    assert record["configured"] is False and any(record["offload"]) and record["peak"] <= 36 * 2**20
+
+
 # --------------------------------------------------------------------------------------------
 # parallelism.cpu_offload = "auto": per-unit offload chosen under the budget
 # --------------------------------------------------------------------------------------------

@@ -65,10 +65,11 @@ MODES = ("default", "always", "never")
 JOBS: dict[int, dict[str, list[str]]] = {
     2: {
         # Every reshard mode × AC mode in fp32 where activations make the peak (backward).
-        **_grid(2, 256, "float32", MODES, tuple(AC)),
-        # bf16 (FSDP2 mixed precision) is slow on this CPU: every AC mode at one reshard mode
-        # (the full grid is scripts/benchmark.py --parts peak --param_dtypes bfloat16).
-        **_grid(2, 128, "bfloat16", ("default",), tuple(AC)),
+        **_grid(2, 128, "float32", MODES, tuple(AC)),
+        # bf16 (FSDP2 mixed precision) is slow on this CPU: every AC mode at default and never.
+        # always differs from default only in the last unit (norm + output), which both hold at
+        # these peaks: the fp32 rows above are equal to the byte.
+        **_grid(2, 128, "bfloat16", ("default", "never"), tuple(AC)),
         # Small batches: the peak is the optimizer step's.
         "float32 1x16 default / none": _job(1, 16),
         "float32 1x16 never / full": _job(1, 16, "float32", "--parallelism.reshard_after_forward_mode", "never",
@@ -302,6 +303,13 @@ selective_ac_option = "op"
             device_peak_module="", device_categories=zeros, cpu_peak=0)
 
     monkeypatch.setattr(cli, "estimate_memory", stub_estimate)
+    # What auto would choose (printed given a device size) is not this test's: no real 8B search.
+    import torchtitan_lite.memory.auto as auto
+
+    def no_auto_plan(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("not planned in this test")
+
+    monkeypatch.setattr(auto, "plan_auto_reshard", no_auto_plan)
     monkeypatch.chdir(tmp_path)  # the shipped job's relative paths: nothing there
     assert main(["--job.config_file", str(shipped), "--world_size", "8", "--device_memory_gib", "80"]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,13 @@ class                     exit   meaning
                                  or saving one failed
 :class:`TrainingError`    5      training cannot go on: the loss or gradient norm is not
                                  finite (``training.on_nonfinite``)
+(stopped on a signal)      75     not an error: a signal in ``checkpoint.save_on_signals``
+                                 (preemption) stopped the job after one checkpoint was saved;
+                                 run the job again to resume (``PREEMPTED_EXIT_CODE``; 75 is
+                                 ``EX_TEMPFAIL``, "try again later")
+(launcher gone)           76     the torchrun agent that started this worker died; the worker
+                                 ended itself at once (``distributed.process_group.
+                                 LAUNCHER_GONE_EXIT_CODE``)
 ========================  =====  ===========================================================
 
 This module imports nothing else of the package: every layer may raise these.
@@ -21,7 +28,11 @@ This module imports nothing else of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "TrainingError", "UserError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "TrainingError", "UserError"]
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit code of a job stopped by a signal of ``checkpoint.save_on_signals`` after its checkpoint
+was saved: a launcher script requeues the job on it."""
 
 
 class UserError(ValueError):

@@ -18,7 +18,8 @@ import torch
 
 from torchtitan_lite.config import format_help, load_job_config
 from torchtitan_lite.distributed import destroy_distributed, local_world_size_from_env, world_info_from_env
-from torchtitan_lite.errors import UserError
+from torchtitan_lite.distributed.process_group import exit_with_launcher
+from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, UserError
 from torchtitan_lite.job import plan_job, preflight
 from torchtitan_lite.models import MODEL_SPECS
 from torchtitan_lite.trainer import Trainer
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(format_help(notes=_model_notes()))
         return 0
+    exit_with_launcher()  # a torchrun worker ends when its agent dies, from here on (data loading included)
     rank, local_rank, world_size = world_info_from_env()
     notes: list[str] = []
     try:
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close(clean=False)
         raise
     trainer.close()
+    if trainer.stopped_by is not None:  # preempted: the checkpoint is saved, the job can be run again
+        if local_rank == 0:
+            print(f"stopped by {trainer.stopped_by} at step {trainer.step}: run the job again to resume "
+                  f"(exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

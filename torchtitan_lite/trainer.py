@@ -60,13 +60,14 @@ from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
-from torchtitan_lite.errors import ConfigError, TrainingError
+from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingError
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.profiling import Profiler
+from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
 
 if TYPE_CHECKING:
@@ -141,15 +142,20 @@ def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple
 
 
 def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[DeviceMesh, DumpFolderLock]:
-    """Start the process group (torchrun's, or one process of its own), take the dump folder's
-    lock (global rank 0 holds it for the job's life; a second job into the folder ends on every
-    rank with one :class:`ConfigError` line) and build the data-parallel mesh."""
+    """Start the process group (torchrun's, or one process of its own; a torchrun worker then
+    exits when its launcher dies, :func:`~torchtitan_lite.distributed.process_group.exit_with_launcher`),
+    take the job's locks (global rank 0 holds them for the job's life: the dump folder's and,
+    when the job writes checkpoints, the checkpoint folder's where that lies outside the dump
+    folder; a second job into either ends on every rank with one :class:`ConfigError` line
+    naming the key and the holder) and build the data-parallel mesh."""
     init_distributed(device, cpu_collectives=plan.cpu_offload and device.type == "cuda",
                      timeout_s=config.comm.init_timeout_seconds)
     if dist.get_world_size() != plan.world_size:
         raise ConfigError(f"the job was planned for {plan.world_size} ranks but the process group has "
                           f"{dist.get_world_size()}")
-    lock = DumpFolderLock(config.job.dump_folder)
+    ck = config.checkpoint
+    lock = DumpFolderLock(config.job.dump_folder,
+                          checkpoint_folder=ck.folder if ck.enable or ck.create_seed_checkpoint else None)
     refused: list[ConfigError | None] = [None]
     if dist.get_rank() == 0:
         try:
@@ -341,6 +347,8 @@ class Trainer:
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
         self.step, self.tokens_seen, self._rollbacks = 0, 0, 0
+        self.stopped_by: str | None = None  # the signal that stopped train() early (checkpoint.save_on_signals)
+        self._saved_step = -1  # the step of the last checkpoint saved by this run
         # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
         state = None if self.checkpointer is None or config.checkpoint.create_seed_checkpoint \
             else self.checkpointer.load()
@@ -506,7 +514,12 @@ class Trainer:
         return values
 
     def train(self) -> list[dict[str, float]]:
-        """Run until ``training.steps``; returns every step's metrics (validation included)."""
+        """Run until ``training.steps``; returns every step's metrics (validation included).
+
+        A signal of ``checkpoint.save_on_signals`` (preemption) ends the run after the step in
+        progress on every rank: one checkpoint is saved (synchronously, after any background
+        save in flight) and :attr:`stopped_by` names the signal; ``python -m
+        torchtitan_lite.train`` then exits with :data:`~torchtitan_lite.errors.PREEMPTED_EXIT_CODE`."""
         cfg = self.config
         history: list[dict[str, float]] = []
         if self.step >= cfg.training.steps and self.rank == 0:
@@ -516,7 +529,8 @@ class Trainer:
         gc_handler = GarbageCollection(cfg.training.gc_freq)
         try:
             with Profiler(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
-                          device=self.device, start_step=self.step) as profiler:
+                          device=self.device, start_step=self.step) as profiler, \
+                    StopSignals(list(cfg.checkpoint.save_on_signals), device=self.device) as signals:
                 while self.step < cfg.training.steps:
                     history.append(self._timed_step(gc_handler))
                     profiler.step()
@@ -524,11 +538,35 @@ class Trainer:
                         set_collective_timeout(
                             cfg.comm.train_timeout_seconds, self.mesh,
                             extra_groups=[] if self.checkpointer is None else self.checkpointer.process_groups)
+                    received = signals.requested()
+                    if received is not None and self.step < cfg.training.steps:
+                        self._stop_on_signal(received, signals)
+                        break
             if self.checkpointer is not None:
                 self.checkpointer.wait()  # the last background save is committed before we return
         finally:
             gc_handler.close()
         return history
+
+    def _stop_on_signal(self, received: object, signals: StopSignals) -> None:
+        """Save one checkpoint now (unless this step's is saved already) and mark the run stopped."""
+        name = getattr(received, "name", str(received))
+        self.stopped_by = name
+        if self.checkpointer is None:
+            if self.rank == 0:
+                logger.warning("%s received: stopping after step %d with no checkpoint (checkpoint.enable is "
+                               "false)", name, self.step)
+            return
+        started = time.perf_counter()
+        self.checkpointer.wait()  # a background save in flight is completed (and committed) first
+        if self._saved_step != self.step:
+            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, sync=True)
+            self._saved_step = self.step
+        if self.rank == 0:
+            again = f"; {signals.repeats} more signal(s) during the save were ignored" if signals.repeats else ""
+            logger.warning("%s received: checkpoint step %d saved in %.2f s (size the grace period before "
+                           "SIGKILL above this)%s; stopping (exit code %d: run the job again to resume)",
+                           name, self.step, time.perf_counter() - started, again, PREEMPTED_EXIT_CODE)
 
     def save_seed_checkpoint(self) -> str:
         """Write the initialised weights as ``step-0`` (one process); returns its path."""
@@ -573,6 +611,7 @@ class Trainer:
                 raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
                                     "no checkpoint was written from them; lower optimizer.lr")
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
+            self._saved_step = self.step
 
     def _weights_finite(self) -> bool:
         """Whether every parameter of every rank is finite (before a save: a checkpoint is never

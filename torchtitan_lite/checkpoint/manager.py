@@ -35,6 +35,7 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ from torchtitan_lite.optim import load_lr_scheduler_position
 
 __all__ = [
     "checkpoint_model_args",
+    "CHECKSUMS_FILE",
     "TRAIN_STATE_FILE",
     "CheckpointManager",
     "check_initial_load_path",
@@ -83,6 +85,8 @@ _FIXED_ON_RESUME = ("model.name", "model.tokenizer_path", "lora.enable")
 # Settings that name places and say nothing about training.
 _NOT_SHOWN = ("job.dump_folder", "job.config_file", "checkpoint.load_step")
 TRAIN_STATE_FILE = "train_state.json"
+CHECKSUMS_FILE = "checksums.json"
+"""Each file of a committed DCP checkpoint with its size and CRC-32, written at save."""
 # --------------------------------------------------------------------------------------------
 # Folders
 # --------------------------------------------------------------------------------------------
@@ -190,6 +194,15 @@ def _read_train_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def _file_crc32(path: Path) -> str:
+    """A file's CRC-32 (zlib's, 16 MiB at a time), as 8 hex digits."""
+    crc = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
 def _weights_only(path: Path) -> bool:
     try:
         return bool(json.loads((path / TRAIN_STATE_FILE).read_text(encoding="utf-8")).get("model_only"))
@@ -283,10 +296,11 @@ class CheckpointManager:
     def should_save(self, step: int, *, last: bool) -> bool:
         return self.config.enable and (step % self.config.interval == 0 or last)
 
-    def save(self, step: int, train_state: dict[str, Any], *, last: bool = False) -> Path:
+    def save(self, step: int, train_state: dict[str, Any], *, last: bool = False, sync: bool = False) -> Path:
         """Write ``step-<step>``; returns its path. Synchronous saves return once it is
         committed; asynchronous ones once the state is copied to CPU memory (the commit
         happens in :meth:`wait`, which the next save and the end of training call).
+        ``sync``: synchronous even with ``async_mode = "async"`` (a save before exiting).
 
         Step 0 (the seed checkpoint) and, with ``last_save_model_only``, the last step save
         only the model weights, in ``export_dtype``; ``last_save_in_hf`` writes those as
@@ -344,7 +358,7 @@ class CheckpointManager:
         else:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optimizer": plain_state(optim_sd)}
-        if self._async_group is not None:
+        if self._async_group is not None and not sync:
             response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
             future = getattr(response, "upload_completion", response)
             pending = self._pending = _PendingSave(step, staging, final, future, started)
@@ -364,6 +378,7 @@ class CheckpointManager:
             dcp.save(state, checkpoint_id=str(staging))
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise self._failed(step, staging, exc) from None
+        self._record_checksums(staging)
         self._commit(step, staging, final, started)
         dist.barrier()
         self.last_blocked_s = time.perf_counter() - started
@@ -379,6 +394,11 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:
             raise self._failed(pending.step, pending.staging, exc) from None
         self._commit_once(pending)
+        # Committed from the writer thread, where no collective can run: its checksums now (until
+        # then keep_latest_k keeps the newest checkpoint that has them).
+        self._record_checksums(pending.final)
+        if self.rank == 0:
+            self._prune()
 
     def _failed(self, step: int, staging: Path, exc: BaseException) -> CheckpointError:
         """The one-line error of a save that failed (its cause: e.g. "No space left on device");
@@ -430,12 +450,41 @@ class CheckpointManager:
         os.replace(staging, final)
         _fsync_dir(self.folder)
         shutil.rmtree(replaced, ignore_errors=True)
-        if self.config.keep_latest_k > 0:
-            # Weights-only saves (exports) are not resume points: they neither count nor go.
-            full = [s for s in committed_steps(self.folder) if not _weights_only(self.folder / f"step-{s}")]
-            for old in full[: -self.config.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+        self._prune()
         logger.info("checkpoint step %d saved to %s (%.2f s)", step, final, time.perf_counter() - started)
+
+    def _record_checksums(self, folder: Path) -> None:
+        """Every rank's CRC-32 of the data files it wrote (``__<rank>_*.distcp``), gathered; rank 0
+        adds ``.metadata`` and ``train_state.json`` and writes :data:`CHECKSUMS_FILE` (a
+        collective)."""
+        mine = {p.name: {"size": p.stat().st_size, "crc32": _file_crc32(p)}
+                for p in sorted(folder.glob(f"__{self.rank}_*.distcp"))}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return
+        files: dict[str, Any] = {}
+        for part in gathered:
+            files.update(part)
+        for name in (".metadata", TRAIN_STATE_FILE):
+            if (folder / name).is_file():
+                files[name] = {"size": (folder / name).stat().st_size, "crc32": _file_crc32(folder / name)}
+        _write_json(folder / CHECKSUMS_FILE, {"algorithm": "crc32", "files": files})
+
+    def _prune(self) -> None:
+        """Rank 0: keep the newest ``keep_latest_k`` checkpoints that are resume points (weights-only
+        saves, exports, neither count nor go), and never delete the newest one whose checksums
+        were recorded while a newer one has none yet (an async save not yet waited for)."""
+        if self.config.keep_latest_k <= 0:
+            return
+        full = [s for s in committed_steps(self.folder) if not _weights_only(self.folder / f"step-{s}")]
+        checked = [s for s in full if (self.folder / f"step-{s}" / CHECKSUMS_FILE).is_file()]
+        keep = set(full[-self.config.keep_latest_k:])
+        if checked and checked[-1] != full[-1]:
+            keep.add(checked[-1])
+        for old in full:
+            if old not in keep:
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -456,7 +505,8 @@ class CheckpointManager:
         if self.lora is not None:
             self._load_base()  # the frozen weights: never in this run's own checkpoints
         if steps:
-            step = cfg.load_step if cfg.load_step >= 0 else steps[-1]
+            step = self._newest_that_verifies(steps)
+            steps = committed_steps(self.folder)  # damaged ones were set aside
             start = step if "train_state" in parts else 0
             later = [s for s in steps if s > start]
             if later:  # the run would save over them: never without being asked
@@ -482,6 +532,86 @@ class CheckpointManager:
                 logger.info("model weights loaded from %s", path)
             return {}
         return self._load_from(path, parts)
+
+    def _newest_that_verifies(self, steps: list[int]) -> int:
+        """The step to resume: ``load_step``, else the newest committed one that verifies
+        (:meth:`verify`). A damaged one is logged with the file at fault; with ``on_corrupt =
+        "fallback"`` it is renamed ``step-<N>.corrupt`` (kept, out of the way of this run's
+        saves) and the one before is tried; with ``"stop"``, or an explicit ``load_step``, or
+        none left, it is a :class:`CheckpointError` (exit 4)."""
+        cfg = self.config
+        candidates = [cfg.load_step] if cfg.load_step >= 0 else list(reversed(steps))
+        set_aside: list[int] = []
+        newest: str | None = None
+        for step in candidates:
+            problem = self.verify(self.folder / f"step-{step}")
+            if problem is None:
+                if set_aside and self.rank == 0:
+                    logger.warning("resuming from checkpoint step %d, the newest that verifies (set aside: %s)",
+                                   step, ", ".join(f"step-{s}.corrupt" for s in set_aside))
+                return step
+            newest = newest or problem
+            if self.rank == 0:
+                logger.warning("checkpoint step %d does not verify: %s", step, problem)
+            if cfg.on_corrupt == "stop" or cfg.load_step >= 0:
+                how = ("checkpoint.load_step names it" if cfg.load_step >= 0 else "checkpoint.on_corrupt = 'stop'")
+                raise CheckpointError(f"{problem}; not resuming ({how}): move the folder away, or set "
+                                      "checkpoint.on_corrupt = 'fallback' to resume from the newest earlier "
+                                      "checkpoint that verifies")
+            if self.rank == 0:
+                aside = self.folder / f"step-{step}.corrupt"
+                suffix = 1
+                while aside.exists():
+                    aside, suffix = self.folder / f"step-{step}.corrupt{suffix}", suffix + 1
+                os.replace(self.folder / f"step-{step}", aside)
+                _fsync_dir(self.folder)
+            dist.barrier()
+            set_aside.append(step)
+        raise CheckpointError(f"{newest}; no checkpoint in {str(self.folder)!r} verifies (steps {steps}, now "
+                              "renamed step-<N>.corrupt; each one's reason is logged): not starting afresh over "
+                              "them; move the folder away to start from scratch")
+
+    def verify(self, path: Path) -> str | None:
+        """Whether the checkpoint ``path`` can be resumed, by every rank alike (a collective):
+        ``None``, or one line naming the step's file at fault. Always: ``train_state.json`` and
+        DCP's metadata read, and every data file the metadata points to present and long
+        enough. With :data:`CHECKSUMS_FILE` (written at save): each file's size and CRC-32, the
+        files shared out over the ranks (each reads 1/world of the checkpoint)."""
+        problem: str | None = None
+        try:
+            state = _read_train_state(path)
+            if state.get("format", "dcp") == "dcp":
+                try:
+                    metadata = SafeFileSystemReader(str(path)).read_metadata()
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any unreadable metadata
+                    raise CheckpointError(f"checkpoint {str(path)!r}: its .metadata cannot be read "
+                                          f"({failure_reason(exc)})") from None
+                _check_files(path, metadata.storage_data)
+            sums = path / CHECKSUMS_FILE
+            if sums.is_file():
+                try:
+                    files = json.loads(sums.read_text(encoding="utf-8"))["files"]
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise CheckpointError(f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} cannot be read ({exc})") from None
+                for index, (name, want) in enumerate(sorted(files.items())):
+                    if index % self.world_size != self.rank:
+                        continue
+                    file = path / name
+                    if not file.is_file():
+                        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: file {name!r} is missing")
+                    if file.stat().st_size != want["size"]:
+                        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} has "
+                                              f"{file.stat().st_size} bytes, {want['size']} when saved")
+                    if _file_crc32(file) != want["crc32"]:
+                        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} does not "
+                                              "match the checksum recorded when it was saved")
+        except CheckpointError as exc:
+            problem = str(exc)
+        if not (dist.is_available() and dist.is_initialized()):
+            return problem
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p is not None), None)
 
     def rollback(self) -> dict[str, Any] | None:
         """Reload everything from the latest committed checkpoint of this run that holds the

@@ -154,7 +154,7 @@ class Training:
     gc_freq: int = 50
     """Python's automatic garbage collection is off during training; collect every this many steps (so step times do not jitter)."""
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
-    """When a step's loss or gradient norm is not finite its update is never applied; then: stop (one line naming the step, exit 5), skip (go on to the next batch; the step is logged with skipped = 1), or rollback (reload the last checkpoint of this run and go on from there without the batch that diverged; needs checkpoint.enable)."""
+    """When a step's loss or gradient norm is not finite its update is never applied; then: stop (one line naming the step, exit 5), skip (go on to the next batch; the step still counts: its batch is consumed, the LR schedule advances and it uses up one of training.steps, so step N always reads global batch N; logged with skipped = 1), or rollback (reload the last checkpoint of this run and go on from there without the batch that diverged; needs checkpoint.enable)."""
     max_rollbacks: int = 3
     """With on_nonfinite = "rollback": stop (exit 5) when a run would roll back more often than this."""
     enable_cpu_offload: bool = False
@@ -314,6 +314,10 @@ class Checkpoint:
     """initial_load_path is a Hugging Face safetensors folder of the model's family (names and row layouts mapped by the family's adapter, e.g. Llama's q/k RoPE permutation)."""
     create_seed_checkpoint: bool = False
     """Write the initialised weights as step-0 in checkpoint.folder on one process and exit; runs at any world size can start from it."""
+    save_on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGINT"]] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals (preemption: Slurm, Kubernetes, spot instances send SIGTERM before SIGKILL) on which every rank finishes its step, one checkpoint is saved synchronously (an async save in flight completes first) and the job exits with code 75 (requeue); a second signal during the save is ignored. [] keeps the default actions. Without checkpoint.enable the job still stops after the step, with nothing saved."""
+    on_corrupt: Literal["fallback", "stop"] = "fallback"
+    """A checkpoint to resume that fails verification (a data file missing, short, or whose checksum differs; unreadable metadata): fallback resumes from the newest earlier one that verifies (the damaged ones are renamed step-<N>.corrupt, not deleted); stop ends the job (exit 4). With none that verifies the job stops (exit 4), never starts afresh."""
 
 
 @dataclass

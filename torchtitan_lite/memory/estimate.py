@@ -293,8 +293,7 @@ class _OffloadedBytes:
         state = optimizer.optimizer.state
         self.static = sum(_nbytes(_local(p)) for p in params) + sum(
             _nbytes(value) for p in params if id(p) in locals_
-            for value in state.get(locals_[id(p)], {}).values()
-            if isinstance(value, torch.Tensor) and value.dim() > 0)
+            for value in state.get(locals_[id(p)], {}).values() if isinstance(value, torch.Tensor))
 
     def now(self) -> int:
         """Bytes on CPU now."""
