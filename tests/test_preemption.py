@@ -232,3 +232,26 @@ def test_slurm_script_passes_sigterm_on_and_requeues_the_job(tmp_path: Path) -> 
     logged = [r["step"] for r in read_jsonl(dump / "metrics.jsonl")]
     assert len(steps) == 1 and steps[0] == logged[-1] >= 3, (steps, logged[-5:], out[-4000:])
     assert "SIGTERM received: checkpoint step" in out, out[-4000:]
+
+
+def test_keep_latest_k_keeps_the_newest_checkpoint_with_checksums_until_a_newer_one_has_them(tmp_path: Path) -> None:
+    """An async save is committed before its checksums are recorded (at wait()): until then,
+    pruning to keep_latest_k = 1 keeps the newest checkpoint whose checksums were recorded, and
+    lets it go once the newer one has its own."""
+    import json
+    from types import SimpleNamespace
+
+    from torchtitan_lite.checkpoint.manager import CHECKSUMS_FILE, TRAIN_STATE_FILE, CheckpointManager
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / TRAIN_STATE_FILE).write_text(json.dumps({"step": step}))
+        if step < 6:
+            (folder / f"step-{step}" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
+    manager = SimpleNamespace(config=SimpleNamespace(keep_latest_k=1), folder=folder)
+    CheckpointManager._prune(manager)  # type: ignore[arg-type]
+    assert committed_steps(folder) == [4, 6]
+    (folder / "step-6" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
+    CheckpointManager._prune(manager)  # type: ignore[arg-type]
+    assert committed_steps(folder) == [6]
