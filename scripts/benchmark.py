@@ -442,25 +442,19 @@ def _peak_argv(opts: argparse.Namespace, mode: str, ac: list[str], dump: str) ->
 
 def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
     """Measured peak per rank of each reshard mode × AC setting (see the module docstring)."""
-    import torch
     import torch.distributed as dist
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.memory.measure import AllocatorPeak, measure_step_memory
-    from torchtitan_lite.trainer import Trainer
+    from torchtitan_lite.memory.measure import measure_step_memory
+    from torchtitan_lite.trainer import trainer_step_peak
 
     out = {}
     for mode in MODES:
         for label, ac in AC_RUNS.items():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-                else torch.device("cpu")
-            with AllocatorPeak(device) as memory:  # the allocator's own figures, from before the model exists
-                trainer = Trainer(load_job_config(_peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
-                trainer.train_step()  # warm-up: lazy FSDP init, optimizer state, allocator pools
-                with memory.window():
-                    trainer.train_step()
-            peak = memory.peak
-            how = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+            # The allocator's own figures, from before the model exists, over the second step.
+            peak, trainer = trainer_step_peak(load_job_config(
+                _peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
+            how = ("torch.cuda.max_memory_allocated" if trainer.device.type == "cuda"
                    else "the CPU allocator's total, reported to torch.profiler")
             tracked = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]["total"]
             out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how,

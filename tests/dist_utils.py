@@ -9,22 +9,45 @@ left behind.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from torchtitan_lite.distributed import free_port
 
-__all__ = ["REPO_ROOT", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun",
+__all__ = ["REPO_ROOT", "captured_log", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun",
            "shutdown_pools"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """The messages the ``torchtitan_lite`` logger emits meanwhile, at INFO as ``python -m
+    torchtitan_lite.train`` logs (rank 0's start-up lines included), in a list that fills as they come."""
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log, handler = logging.getLogger("torchtitan_lite"), Lines()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

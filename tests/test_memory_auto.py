@@ -403,29 +403,16 @@ OFFLOAD_RUNS = {
 
 
 def _offload_rank(dump: str) -> dict[str, Any]:
-    import logging
-
     import torch.distributed as dist
 
+    from tests.dist_utils import captured_log
     from tests.fsdp_probes import offload_flags
     from torchtitan_lite.trainer import Trainer
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
-    handler, log = Lines(), logging.getLogger("torchtitan_lite")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)  # as python -m torchtitan_lite.train logs
     results = {}
-    try:
+    with captured_log() as lines:
         for label, extra in OFFLOAD_RUNS.items():
-            handler.lines.clear()
+            lines.clear()
             trainer = Trainer(load_job_config([*OFFLOAD_JOB, *extra, "--job.dump_folder", str(Path(dump) / label)]))
             units = _llama_units(trainer.model)
             plan = trainer.reshard_plan
@@ -436,12 +423,9 @@ def _offload_rank(dump: str) -> dict[str, Any]:
                 # What FSDP2 was told, per unit: every parameter's offload_to_cpu.
                 "fsdp_offload": {name: sorted({flag for flag, _ in offload_flags([module])})
                                  for name, module in units.items()},
-                "logged": [line for line in handler.lines if "CPU offload:" in line],
+                "logged": [line for line in lines if "CPU offload:" in line],
             }
             trainer.metrics.close()  # not trainer.close(): that ends the process group the next one uses
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     dist.barrier()
     return results
 

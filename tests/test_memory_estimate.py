@@ -92,17 +92,11 @@ def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
     of the first job made inside this process group (``estimate_memory`` runs it in a child)."""
     import torch.distributed as dist
 
-    from torchtitan_lite.memory.measure import AllocatorPeak
-    from torchtitan_lite.trainer import Trainer
+    from torchtitan_lite.trainer import trainer_step_peak
 
     peaks, shards = {}, {}
     for index, (label, argv) in enumerate(jobs.items()):
-        with AllocatorPeak(torch.device("cpu")) as memory:
-            trainer = Trainer(load_job_config([*argv, "--job.dump_folder", f"{dump}/{index}"]))
-            trainer.train_step()
-            with memory.window():
-                trainer.train_step()
-        peaks[label] = memory.peak
+        peaks[label], trainer = trainer_step_peak(load_job_config([*argv, "--job.dump_folder", f"{dump}/{index}"]))
         shards[label] = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
         trainer.metrics.close()  # the process group stays: the next trainer uses it
         del trainer

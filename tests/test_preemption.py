@@ -73,25 +73,15 @@ def _damage(step_dir: Path, how: str) -> str:
 
 
 def _corrupt_rank(base: str) -> dict[str, object]:
-    import logging
     import shutil
 
     import torch.distributed as dist
 
+    from tests.dist_utils import captured_log
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
     root = Path(base)
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    log, handler = logging.getLogger("torchtitan_lite"), Lines()
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
 
     def run(dump: Path, steps: int, *extra: str) -> list[float]:
         argv = [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", str(steps), "--validation.no-enable",
@@ -101,7 +91,7 @@ def _corrupt_rank(base: str) -> dict[str, object]:
         trainer.metrics.close()  # the process group stays for the next trainer
         return losses
 
-    try:
+    with captured_log() as lines:
         out: dict[str, object] = {"full": run(root / "full", 12)}
         run(root / "pristine", 8)  # checkpoints at steps 4 and 8
         for how in ("flip", "truncate", "delete"):
@@ -114,9 +104,6 @@ def _corrupt_rank(base: str) -> dict[str, object]:
             out[how] = run(dump, 12)
             out[f"{how}_log"] = [line for line in lines if "does not verify" in line or "resuming from" in line]
             out[f"{how}_folders"] = sorted(p.name for p in (dump / "checkpoint").iterdir())
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     dist.barrier()
     return out
 

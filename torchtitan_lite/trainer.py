@@ -87,6 +87,7 @@ __all__ = [
     "log_startup",
     "plan_auto_reshard",
     "setup_distributed",
+    "trainer_step_peak",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
@@ -216,8 +217,8 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, de
         compile_model=config.compile.enable and "model" in config.compile.components,
         compile_backend=config.compile.backend,
         float8=plan.float8,
-        fsdp=plan.fsdp_options(None if reshard_plan is None else reshard_plan.reshard,
-                               reshard_plan.offload if reshard_plan is not None and plan.offload == "auto" else None),
+        fsdp=plan.fsdp_options() if reshard_plan is None else plan.fsdp_options(reshard_plan.reshard,
+                                                                                 reshard_plan.offload),
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
     )
@@ -348,7 +349,6 @@ class Trainer:
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
         self.step, self.tokens_seen, self._rollbacks = 0, 0, 0
         self.stopped_by: str | None = None  # the signal that stopped train() early (checkpoint.save_on_signals)
-        self._saved_step = -1  # the step of the last checkpoint saved by this run
         # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
         state = None if self.checkpointer is None or config.checkpoint.create_seed_checkpoint \
             else self.checkpointer.load()
@@ -559,9 +559,8 @@ class Trainer:
             return
         started = time.perf_counter()
         self.checkpointer.wait()  # a background save in flight is completed (and committed) first
-        if self._saved_step != self.step:
+        if self.checkpointer.saved_step != self.step:
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, sync=True)
-            self._saved_step = self.step
         if self.rank == 0:
             again = f"; {signals.repeats} more signal(s) during the save were ignored" if signals.repeats else ""
             logger.warning("%s received: checkpoint step %d saved in %.2f s (size the grace period before "
@@ -611,7 +610,6 @@ class Trainer:
                 raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
                                     "no checkpoint was written from them; lower optimizer.lr")
             self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
-            self._saved_step = self.step
 
     def _weights_finite(self) -> bool:
         """Whether every parameter of every rank is finite (before a save: a checkpoint is never
@@ -636,3 +634,19 @@ class Trainer:
             self.checkpointer.close()
         self._lock.release()
         destroy_distributed(barrier=clean)
+
+
+def trainer_step_peak(config: JobConfig) -> tuple[int, Trainer]:
+    """:class:`~torchtitan_lite.memory.measure.AllocatorPeak` of one steady-state
+    ``Trainer.train_step`` of the job ``config``: the trainer is built inside the
+    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
+    Returns the peak in bytes and the trainer (its process group still up). For the tests and
+    benchmarks that hold the memory estimate against it."""
+    from torchtitan_lite.memory.measure import AllocatorPeak
+
+    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
+        trainer = Trainer(config)
+        trainer.train_step()
+        with memory.window():
+            trainer.train_step()
+    return memory.peak, trainer

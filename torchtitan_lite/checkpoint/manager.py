@@ -276,6 +276,7 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._pending: _PendingSave | None = None
+        self.saved_step = -1  # the step of the last save this manager made (committed or in flight)
         self.last_blocked_s = 0.0  # how long the last save held up training
         # Background saves talk over their own gloo group: collectives of the training loop on
         # the default group and those of the save thread must never interleave.
@@ -308,6 +309,7 @@ class CheckpointManager:
         """
         self.wait()
         started = time.perf_counter()
+        self.saved_step = step
         cfg = self.config
         model_only = step == 0 or (last and cfg.last_save_model_only)
         in_hf = model_only and last and cfg.last_save_in_hf

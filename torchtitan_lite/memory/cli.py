@@ -204,8 +204,7 @@ def _label(mode: ReshardMode) -> str:
 def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes: float | None,
            unit: tuple[str, int]) -> str:
     name, scale = unit
-    offload = any(bool(e.cpu_offload) and e.cpu_offload != (False,) * len(e.cpu_offload)
-                  if isinstance(e.cpu_offload, tuple) else e.cpu_offload for e in estimates)
+    offload = any(any(e.cpu_offload) if isinstance(e.cpu_offload, tuple) else e.cpu_offload for e in estimates)
     head = (f"{'mode':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
             + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':32} fits")
     lines = [f"estimated memory per rank in {name} (tensor bytes)", head]

@@ -63,14 +63,11 @@ from torchtitan_lite.optim import build_optimizer
 if TYPE_CHECKING:
     from torchtitan_lite.job import JobPlan
 
-__all__ = ["CATEGORY_NAMES", "OFFLOADED_CATEGORIES", "MemoryEstimate", "estimate_memory", "job_estimate_kwargs",
+__all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "job_estimate_kwargs",
            "not_modelled", "size_text", "where_text"]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
 """Categories of an estimate, the same names as :data:`torchtitan_lite.memory.CATEGORIES`."""
-
-OFFLOADED_CATEGORIES: tuple[str, ...] = ("sharded_params", "sharded_grads", "optimizer_state")
-"""What FSDP2's CPU offload keeps on CPU (the optimizer step, and so its temporaries, runs there)."""
 
 GIB = 2**30
 
