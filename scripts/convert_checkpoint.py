@@ -17,10 +17,12 @@ comes from ``train_state.json``'s ``model_args`` when present, otherwise from ``
 A step folder written by ``from-hf``/``from-file`` holds the model only (``train_state.json``:
 ``{"step": 0, "model_only": true, "model_name": ..., "model_args": ...}``).
 
-Nothing is unpickled: DCP metadata goes through an allow-list, ``.pt`` files are read with
+Nothing from the inputs runs: DCP metadata goes through the allow-list of
+``torchtitan_lite.checkpoint.safe_reading``, ``.pt`` files are read with
 ``torch.load(weights_only=True)``. Outputs are written under ``<name>.partial`` and renamed when
 complete; an existing output is replaced only with ``--overwrite``. Errors are one line on stderr
-naming the path and the problem, with exit status 2.
+naming the path and the problem, with exit status 2; a DCP checkpoint whose metadata names
+something a checkpoint never holds (code to run) exits 4, as training does.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ from torchtitan_lite.checkpoint.hf_storage import (
     state_dict_to_hf,
 )
 from torchtitan_lite.checkpoint.manager import TRAIN_STATE_FILE
-from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+from torchtitan_lite.checkpoint.safe_reading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    failure_reason,
+)
 from torchtitan_lite.config.schema import Model
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import UserError
@@ -166,6 +173,8 @@ def read_step_dir(step_dir: Path, *, model: str | None, flavor: str | None, voca
                                       f"{str(state_file)!r} does not record {MODEL_ARGS_KEY}")
     try:
         metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
+    except UnsafeCheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - unpickling and I/O errors come in many types
         raise ConvertError(f"{source}: DCP metadata cannot be read: {failure_reason(exc)}") from None
     found: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -446,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 vocab_size=args.vocab_size, overwrite=args.overwrite)
     except (ConvertError, UserError, ValueError, OSError) as exc:
         print(f"error: {failure_reason(exc)}", file=sys.stderr)
-        return 2
+        return exc.exit_code if isinstance(exc, UnsafeCheckpointError) else 2
     finally:  # a failed conversion leaves nothing half-written behind
         output = Path(args.output)
         partial = output.with_name(output.name + ".partial")

@@ -23,8 +23,8 @@ from typing import Any
 
 from torchtitan_lite.distributed import free_port
 
-__all__ = ["REPO_ROOT", "captured_log", "free_port", "read_jsonl", "run_command", "run_distributed", "run_torchrun",
-           "shutdown_pools"]
+__all__ = ["REPO_ROOT", "captured_log", "free_port", "one_error_line", "read_jsonl", "run_command", "run_distributed",
+           "run_main", "run_torchrun", "shutdown_pools"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,3 +242,49 @@ def run_command(cmd: list[str], *, timeout: float = 300.0, cwd: Path | None = No
         out, err = proc.communicate()
         raise AssertionError(f"command timed out after {timeout}s: {cmd}\n{out}\n{err}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_main(cases: list[list[str]], standalone: bool = True) -> list[subprocess.CompletedProcess[str]]:
+    """In a rank process of :func:`run_distributed` (torch imported once, not per job): call
+    ``torchtitan_lite.train.main(argv)``, which ``python -m torchtitan_lite.train`` runs, for
+    each case; return its exit code and everything the job wrote to stderr (file descriptor 2,
+    so C++ and logging output too; warnings shown again for each job, as in a new process).
+
+    ``standalone`` drops torchrun's variables, as for a job started without torchrun: each job
+    that gets that far creates its own one-process group on a free port. No job may leave a
+    process group behind."""
+    import tempfile
+    import warnings
+
+    import torch.distributed as dist
+
+    from torchtitan_lite.train import main
+
+    if standalone:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    results = []
+    for argv in cases:
+        with tempfile.TemporaryFile() as captured, warnings.catch_warnings():
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(captured.fileno(), 2)
+            try:
+                code = main(argv)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            captured.seek(0)
+            stderr = captured.read().decode()
+        assert not dist.is_initialized(), f"main({argv}) left its process group initialized"
+        results.append(subprocess.CompletedProcess(argv, code, "", stderr))
+    return results
+
+
+def one_error_line(result: Any, code: int = 2) -> str:
+    """The one ``error:`` line of a job that exited with ``code`` (2: the config, 4: a checkpoint)."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), \
+        (result.returncode, result.stderr)
+    return lines[0]

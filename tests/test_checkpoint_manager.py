@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import run_distributed
+from tests.dist_utils import one_error_line, run_distributed, run_main
 from torchtitan_lite.checkpoint.manager import committed_steps
 
 
@@ -239,12 +238,12 @@ def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
 
 def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
     """Jobs started as `python -m torchtitan_lite.train` (its ``main``, in a rank process with
-    torch already imported, see :func:`_run_main`) write the seed checkpoint once; it starts
+    torch already imported, see :func:`run_main`) write the seed checkpoint once; it starts
     the same run on one and two ranks."""
     seed_dump = tmp_path / "seed"
     create = [*_argv(seed_dump), "--checkpoint.create_seed_checkpoint"]
     # The second run: once written, it is never overwritten by another seed run.
-    ((made, again),) = run_distributed(_run_main, 1, [[*create, "--debug.seed", "7"], create])
+    ((made, again),) = run_distributed(run_main, 1, [[*create, "--debug.seed", "7"], create])
     assert made.returncode == 0, made.stderr
     assert committed_steps(seed_dump / "checkpoint") == [0]
     state = json.loads((seed_dump / "checkpoint" / "step-0" / "train_state.json").read_text())
@@ -252,10 +251,10 @@ def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
     assert again.returncode == 2 and "already holds checkpoints" in again.stderr
     # Both ranks of a 2-process job (torchrun's variables) refuse it; local rank 0 says why.
     on_two = [ranks[0] for ranks in run_distributed(
-        _run_main, 2, [_argv(tmp_path / "seed_two", "--checkpoint.create_seed_checkpoint")], False)]
+        run_main, 2, [_argv(tmp_path / "seed_two", "--checkpoint.create_seed_checkpoint")], False)]
     assert on_two[1].returncode == 2 and on_two[1].stderr == "", on_two[1].stderr
     assert "error: checkpoint.create_seed_checkpoint: invalid value True; expected one process (this job " \
-        "has 2)" in _one_error_line(on_two[0], 2)
+        "has 2)" in one_error_line(on_two[0], 2)
 
     runs = {}
     for world in (1, 2):
@@ -271,54 +270,6 @@ def test_seed_checkpoint_starts_identical_runs_on_one_and_two_ranks(tmp_path):
     # Same data as the seed-42 run from scratch, other weights: they came from the checkpoint.
     assert runs[1]["samples"] == scratch["samples"]
     assert abs(one[0] - _losses(scratch, 1)[0]) > 1e-3
-
-
-def _run_main(cases: list[list[str]], standalone: bool = True) -> list[subprocess.CompletedProcess[str]]:
-    """In a rank process of :func:`run_distributed` (torch imported once, not per job): call
-    ``torchtitan_lite.train.main(argv)``, which ``python -m torchtitan_lite.train`` runs, for
-    each case; return its exit code and everything the job wrote to stderr (file descriptor 2,
-    so C++ and logging output too; warnings shown again for each job, as in a new process).
-
-    ``standalone`` drops torchrun's variables, as for a job started without torchrun: each job
-    that gets that far creates its own one-process group on a free port. No job may leave a
-    process group behind."""
-    import os
-    import sys
-    import tempfile
-    import warnings
-
-    import torch.distributed as dist
-
-    from torchtitan_lite.train import main
-
-    if standalone:
-        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-    results = []
-    for argv in cases:
-        with tempfile.TemporaryFile() as captured, warnings.catch_warnings():
-            sys.stderr.flush()
-            saved = os.dup(2)
-            os.dup2(captured.fileno(), 2)
-            try:
-                code = main(argv)
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                os.close(saved)
-            captured.seek(0)
-            stderr = captured.read().decode()
-        assert not dist.is_initialized(), f"main({argv}) left its process group initialized"
-        results.append(subprocess.CompletedProcess(argv, code, "", stderr))
-    return results
-
-
-def _one_error_line(result: Any, code: int = 2) -> str:
-    """The one ``error:`` line of a job that exited with ``code`` (2: the config, 4: a checkpoint)."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), \
-        (result.returncode, result.stderr)
-    return lines[0]
 
 
 def _foreign_checkpoint(path: Path) -> None:
@@ -337,14 +288,14 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
 
     Two of the jobs run as real processes (`python -m torchtitan_lite.train`: all of their stderr
     is the one line, and the exit code is the process's); the others run the same ``main`` in
-    one rank process (:func:`_run_main`)."""
+    one rank process (:func:`run_main`)."""
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.dist_utils import run_command
 
     dump = tmp_path / "run"
-    ((trained,),) = run_distributed(_run_main, 1, [_argv(dump, "--training.steps", "2")])
+    ((trained,),) = run_distributed(run_main, 1, [_argv(dump, "--training.steps", "2")])
     assert trained.returncode == 0, trained.stderr
     step2 = dump / "checkpoint" / "step-2"
     assert committed_steps(dump / "checkpoint") == [2]
@@ -400,10 +351,10 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     with ThreadPoolExecutor(len(real)) as pool:  # the processes start while the others run
         started = {name: pool.submit(run_command, [sys.executable, "-m", "torchtitan_lite.train", *jobs[name][0]],
                                      timeout=120) for name in real}
-        (results,) = run_distributed(_run_main, 1, [jobs[name][0] for name in in_process])
+        (results,) = run_distributed(run_main, 1, [jobs[name][0] for name in in_process])
         outcome = {**dict(zip(in_process, results, strict=True)),
                    **{name: future.result() for name, future in started.items()}}
-    error = {name: _one_error_line(outcome[name], code) for name, (_, code) in jobs.items()}
+    error = {name: one_error_line(outcome[name], code) for name, (_, code) in jobs.items()}
 
     assert error["shape"] == (f"error: checkpoint {str(step2)!r}: model tensor 'tok_embeddings.weight' has "
                               "shape [258, 64] there but [300, 64] in this model")

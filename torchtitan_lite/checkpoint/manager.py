@@ -18,9 +18,10 @@ on every start, resumes included) or from the seeded initialisation. ``last_save
 writes a PEFT adapter folder (:mod:`.peft_storage`), or with ``lora.merge_on_export`` the merged
 weights as a Hugging Face folder.
 
-Loading never unpickles arbitrary objects: DCP's metadata file is read with an unpickler that
-only builds DCP's own metadata classes, non-tensor values (the optimizer's hyper-parameters)
-are read with ``torch.load(weights_only=True)``, and everything else lives in JSON.
+Loading never runs code from a checkpoint: DCP's metadata file is read by the allow-listed
+unpickler of :mod:`.safe_reading` (one that names anything else stops the job, exit 4, and is not
+set aside as damage), non-tensor values (the optimizer's hyper-parameters) are read with
+``torch.load(weights_only=True)``, and everything else lives in JSON.
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ from torchtitan_lite.checkpoint.hf_storage import (
 )
 from torchtitan_lite.checkpoint.peft_storage import load_peft_adapter, save_peft_adapter
 from torchtitan_lite.checkpoint.plain import plain_state
-from torchtitan_lite.checkpoint.safe_reading import SafeFileSystemReader, SafeLoadPlanner, failure_reason
+from torchtitan_lite.checkpoint.safe_reading import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    failure_reason,
+)
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
 from torchtitan_lite.distributed.lora import LoRAPlan
 from torchtitan_lite.dtypes import DTYPES
@@ -578,13 +584,17 @@ class CheckpointManager:
         ``None``, or one line naming the step's file at fault. Always: ``train_state.json`` and
         DCP's metadata read, and every data file the metadata points to present and long
         enough. With :data:`CHECKSUMS_FILE` (written at save): each file's size and CRC-32, the
-        files shared out over the ranks (each reads 1/world of the checkpoint)."""
+        files shared out over the ranks (each reads 1/world of the checkpoint). Metadata that
+        names something a checkpoint never holds raises :class:`UnsafeCheckpointError` instead
+        (not damage to fall back from: someone wrote it)."""
         problem: str | None = None
         try:
             state = _read_train_state(path)
             if state.get("format", "dcp") == "dcp":
                 try:
                     metadata = SafeFileSystemReader(str(path)).read_metadata()
+                except UnsafeCheckpointError:
+                    raise  # not damage: never set aside for an earlier checkpoint, the job stops
                 except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any unreadable metadata
                     raise CheckpointError(f"checkpoint {str(path)!r}: its .metadata cannot be read "
                                           f"({failure_reason(exc)})") from None
@@ -607,6 +617,8 @@ class CheckpointManager:
                     if _file_crc32(file) != want["crc32"]:
                         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt: file {name!r} does not "
                                               "match the checksum recorded when it was saved")
+        except UnsafeCheckpointError:
+            raise  # every rank reads the same metadata, so every rank stops here alike
         except CheckpointError as exc:
             problem = str(exc)
         if not (dist.is_available() and dist.is_initialized()):

@@ -202,13 +202,18 @@ def estimate_memory(
 def in_child_process(function: str, spec: ModelSpec, args: Any, kwargs: dict[str, Any], *,
                      timeout_s: float | None = None) -> Any:
     """``function(spec, args, **kwargs)`` (``"module:name"``) in a fresh interpreter (the
-    family by name, arguments and result pickled through a temporary file), for callers that
+    family by name, arguments and result pickled through a file in a private temporary folder,
+    mode 0700, that it creates), for callers that
     already hold a process group (the fake one has to be the default group); a plain subprocess,
     so that it also works from daemonic processes."""
     package_root = str(Path(__file__).resolve().parent.parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     code = "import sys; from torchtitan_lite.memory.estimate import _child_main; _child_main(sys.argv[1])"
-    with tempfile.TemporaryDirectory() as folder:
+    # The hand-off files are pickles, read back by both sides: they live only in a folder of
+    # this process's own that no other user can enter (mkdtemp creates it with mode 0700).
+    with tempfile.TemporaryDirectory(prefix="torchtitan_lite_estimate_") as folder:
+        if os.stat(folder).st_mode & 0o077:
+            raise RuntimeError(f"the memory estimate's temporary folder {folder!r} is open to other users")
         path = Path(folder) / "estimate.pickle"
         path.write_bytes(pickle.dumps((function, spec.name, args, kwargs)))
         try:
