@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.test_data_chat import CONVERSATIONS, write_chat_tokenizer
+from tests.dist_utils import captured_log, one_error_line, run_distributed, run_main
+from tests.test_data_chat import CONVERSATIONS, family_rows, write_chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,25 +44,29 @@ def _argv(root: Path, dump: Path, *extra: str) -> list[str]:
             "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", *extra]
 
 
-def _first_loss(argv: list[str]) -> float:
+def _losses(argv: list[str]) -> list[float]:
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
     try:
-        return trainer.train()[0]["loss"]
+        return [h["loss"] for h in trainer.train()]
     finally:
         trainer.close()
 
 
-def _transformers_loss(root: Path) -> float:
+def _first_loss(argv: list[str]) -> float:
+    return _losses(argv)[0]
+
+
+def _transformers_loss(root: Path, *, seq_len: int = SEQ) -> float:
     """The first global batch's conversations, each run alone by transformers with the labels our
     data counts (the assistant turns): the mean over every counted token."""
     from torchtitan_lite.data import HFTokenizer
     from torchtitan_lite.data.chat import packed_windows
 
-    windows = packed_windows([root / "chat.jsonl"], HFTokenizer(root / "tokenizer" / "tokenizer.json"), seq_len=SEQ,
-                             loss_on="assistant", truncate="right", key="k", where="w")
+    windows = packed_windows([root / "chat.jsonl"], HFTokenizer(root / "tokenizer" / "tokenizer.json"),
+                             seq_len=seq_len, loss_on="assistant", truncate="right", key="k", where="w")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(root / "base"), dtype=torch.float32).eval()
     total, count = 0.0, 0
     for index in range(GLOBAL):
@@ -88,6 +93,76 @@ def test_sft_first_step_loss_equals_transformers_on_two_ranks_with_and_without_a
                                                          str(local_bs)))
         assert losses[0] == losses[1]
         assert abs(losses[0] - expected) <= 1e-5 * expected, (local_bs, losses[0], expected)
+
+
+def test_qwen3_multi_turn_reasoning_loss_equals_transformers_on_two_ranks(tmp_path: Path) -> None:
+    """The Qwen3-style template (earlier reasoning stripped, a think block on the last turn, tool
+    calls), multi-turn conversations with reasoning, 2 ranks, fp32: the first-step loss equals
+    transformers' cross-entropy over the counted tokens."""
+    from tests.test_decoder_hf import hf_qwen3
+    from torchtitan_lite.data import HFTokenizer
+
+    path = write_chat_tokenizer(tmp_path / "tokenizer", "qwen3")
+    hf_qwen3(tmp_path / "base", vocab_size=HFTokenizer(path).vocab_size)
+    rows = [r for r in family_rows("qwen3") if len(r["messages"]) > 2]  # multi-turn, reasoning and tool rows
+    assert sum("reasoning_content" in m or "<think>" in (m.get("content") or "") for r in rows for m in r["messages"])
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [a if a != "llama3" else "qwen3" for a in _argv(tmp_path, tmp_path / "run", "--training.local_batch_size", "2",
+                                                           "--training.seq_len", "255")]
+    expected = _transformers_loss(tmp_path, seq_len=255)
+    losses = run_distributed(_first_loss, 2, argv)
+    assert losses[0] == losses[1]
+    assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
+
+
+def test_bfd_packing_resumes_exactly_on_another_world_size(tmp_path: Path, sft: Path) -> None:
+    """Best-fit decreasing packing, 4 steps on 2 ranks with a checkpoint at step 2; the checkpoint
+    resumed on 1 rank (accumulating 2 micro-batches) gives steps 3 and 4 the losses of the 2-rank
+    run."""
+    extra = ["--training.packing", "bfd", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval",
+             "2", "--training.local_batch_size", "2", "--training.shuffle", "--lr_scheduler.warmup_steps", "1"]
+    two = run_distributed(_losses, 2, _argv(sft, tmp_path / "two", *extra))[0]
+    import shutil
+
+    shutil.copytree(tmp_path / "two" / "checkpoint" / "step-2", tmp_path / "one" / "checkpoint" / "step-2")
+    (one,) = run_distributed(_losses, 1, _argv(sft, tmp_path / "one", *extra))
+    assert len(two) == 4 and len(one) == 2
+    for a, b in zip(one, two[2:], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (one, two)
+
+
+def test_template_errors_stop_the_job_or_are_skipped(tmp_path: Path) -> None:
+    """A row the template refuses (a system message for the Gemma 2-style template) ends the job
+    with one line naming the file and the row, exit 3; with training.on_bad_row = "skip" the job
+    trains and its log counts the row."""
+    path = write_chat_tokenizer(tmp_path / "tokenizer", "gemma2")
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    bad = {"messages": [{"role": "system", "content": "S"}, *good["messages"]]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, good, bad, good, good]))
+    argv = ["--model.flavor", "tiny", "--model.tokenizer_path", str(path.parent), "--training.dataset", "chat",
+            "--training.dataset_path", str(data), "--training.seq_len", "63", "--training.local_batch_size", "1",
+            "--training.steps", "1", "--training.mixed_precision_param", "float32", "--metrics.no-enable_tensorboard",
+            "--validation.no-enable"]
+    (stopped, (skipped, log)), = run_distributed(_main_and_log, 1, [*argv, "--job.dump_folder", str(tmp_path / "a")],
+                                                 [*argv, "--job.dump_folder", str(tmp_path / "b"),
+                                                  "--training.on_bad_row", "skip"])
+    line = one_error_line(stopped, 3)
+    assert line == (f"error: training.dataset_path: {str(data)!r} line 3: the chat template "
+                    f"{str(path.parent / 'tokenizer_config.json')!r} fails on it: System role not supported "
+                    "(or set training.on_bad_row = 'skip')"), line
+    assert skipped.returncode == 0, skipped.stderr
+    assert any("1 row(s) skipped (training.on_bad_row = 'skip'): 1 refused by the chat template; the first: "
+               f"{str(data)!r} line 3: " in line for line in log), log
+
+
+def _main_and_log(stopping: list[str], skipping: list[str]) -> tuple[Any, tuple[Any, list[str]]]:
+    """Two jobs through ``train.main`` in this rank process: the first's result, the second's with
+    what it logged."""
+    (stopped,) = run_main([stopping])
+    with captured_log() as lines:
+        (skipped,) = run_main([skipping])
+    return stopped, (skipped, list(lines))
 
 
 @pytest.mark.parametrize("name", ["llama3_sft_lora", "llama3_sft_full"])

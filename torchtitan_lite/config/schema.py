@@ -145,6 +145,12 @@ class Training:
     """For chat data (dataset = "chat"): which tokens the loss counts: the assistant turns only (the rest are ignored), or all; the loss is the mean over the counted tokens of the global batch."""
     truncate: Literal["right", "drop"] = "right"
     """For chat data: a conversation longer than seq_len + 1 tokens is cut at the right, or dropped (counted and logged either way)."""
+    chat_template: str | None = None
+    """For chat data: a .jinja chat template file to render every conversation with, instead of the tokenizer's own (chat_template.jinja beside it, else tokenizer_config.json's chat_template): e.g. a training template that marks the assistant's text with {% generation %} ... {% endgeneration %}."""
+    on_bad_row: Literal["stop", "skip"] = "stop"
+    """For chat data: a row the chat template refuses (its raise_exception or any template error), whose assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one line naming the file and the row (exit 3), or skip it (the skipped rows are counted in the log)."""
+    packing: Literal["greedy", "bfd"] = "greedy"
+    """For chat data: how whole conversations fill the windows of seq_len + 1 tokens: greedy (in order; one that does not fit in what is left of a window starts the next) or bfd (best-fit decreasing: longest first, each into the window it fills most tightly; less padding, order not kept)."""
     shuffle: bool = True
     """Read each epoch in a seeded order (debug.seed): windows of text and token files permuted per epoch; streamed Parquet/Arrow rows by row groups in a permuted order through a buffer of training.shuffle_buffer documents. false: file order."""
     shuffle_buffer: int = 1000

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torchtitan_lite.config.schema import JobConfig
@@ -17,7 +18,7 @@ from torchtitan_lite.data.loader import BatchLoader, LoaderSource
 from torchtitan_lite.data.sources import SourceSpec, check_dataset, open_reader, source_windows
 from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import Documents, PackedWindows, TokenWindows
-from torchtitan_lite.errors import UserError
+from torchtitan_lite.errors import DataError, UserError
 
 __all__ = ["DataPlan", "NamedSource", "build_data", "check_sources", "document_bounds", "training_sources",
            "validation_sources"]
@@ -49,7 +50,8 @@ def _reading(config: JobConfig) -> dict[str, str]:
     """How every source of the job is read (the ``training`` keys that apply to all of them)."""
     t = config.training
     return {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
-            "truncate": t.truncate}
+            "truncate": t.truncate, "chat_template": t.chat_template, "on_bad_row": t.on_bad_row,
+            "packing": t.packing}
 
 
 def training_sources(config: JobConfig) -> list[NamedSource]:
@@ -77,6 +79,11 @@ def validation_sources(config: JobConfig) -> list[NamedSource]:
 def check_sources(config: JobConfig) -> list[UserError]:
     """Every source's cheap checks (kind, path, files, schema); the problems found, one line each."""
     problems: list[UserError] = []
+    template = config.training.chat_template
+    if template is not None and not Path(template).expanduser().is_file():
+        problems.append(DataError(f"training.chat_template: invalid value {template!r}; "
+                                  + ("no such file" if not Path(template).expanduser().exists() else "not a file")
+                                  + " (the path of a .jinja chat template)"))
     for source in [*training_sources(config), *validation_sources(config)]:
         s = source.spec
         try:

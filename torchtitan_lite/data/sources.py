@@ -44,6 +44,12 @@ class SourceSpec:
     """Chat sources: which labels count (``training.loss_on``)."""
     truncate: str = "right"
     """Chat sources: what happens to a conversation longer than a window (``training.truncate``)."""
+    chat_template: str | None = None
+    """Chat sources: a .jinja template file instead of the tokenizer's (``training.chat_template``)."""
+    on_bad_row: str = "stop"
+    """Chat sources: stop on a row that cannot be used, or skip it (``training.on_bad_row``)."""
+    packing: str = "greedy"
+    """Chat sources: how conversations fill the windows (``training.packing``)."""
 
     @property
     def key(self) -> str:
@@ -115,6 +121,7 @@ def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, sour
     if spec.dataset in chat.KINDS:
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
         return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,
-                                   key=spec.key, where=spec.where)
+                                   key=spec.key, where=spec.where, chat_template=spec.chat_template,
+                                   on_bad_row=spec.on_bad_row, packing=spec.packing)
     return TokenWindows(token_stream(spec, tokenizer, max_tokens=max_tokens), seq_len, seq_len_key=seq_len_key,
                         source=source)

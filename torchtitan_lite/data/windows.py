@@ -200,8 +200,10 @@ class PackedWindows:
     and each token's sample number within the window (padding at the end is a sample of its own,
     never counted)."""
 
-    def __init__(self, rows: np.ndarray, *, seq_len: int, samples: int, what: str) -> None:
+    def __init__(self, rows: np.ndarray, *, seq_len: int, samples: int, what: str, padding: int = 0) -> None:
         self.rows, self.seq_len, self.samples, self.what = rows, seq_len, samples, what
+        self.padding = padding
+        """Tokens of the windows that belong to no sample."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -211,8 +213,9 @@ class PackedWindows:
 
     def describe(self) -> str:
         counted = int(self.rows[:, 1].sum())
+        share = self.padding / max(1, self.rows[:, 0].size)
         return (f"{self.samples} {self.what} packed into {len(self)} windows of {self.seq_len + 1} tokens "
-                f"({counted} counted labels)")
+                f"({counted} counted labels, {100 * share:.1f}% padding)")
 
 
 def window_tensors(rows: np.ndarray, documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
