@@ -111,6 +111,7 @@ _WEATHER = {"type": "function", "function": {"name": "get_weather", "description
                                              "parameters": {"type": "object",
                                                             "properties": {"city": {"type": "string"}}}}}
 _CALL = {"type": "function", "id": "call00001", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+_CLOCK = {"type": "function", "id": "call00003", "function": {"name": "get_time", "arguments": {}}}
 _CALL_2 = {"type": "function", "id": "call00002", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
 # Rows beyond plain turns, each with what the family's template must support: (needs, row).
 EXTRA: list[tuple[str, dict[str, Any]]] = [
@@ -130,6 +131,19 @@ EXTRA: list[tuple[str, dict[str, Any]]] = [
         {"role": "assistant", "content": "", "reasoning_content": "need a tool", "tool_calls": [_CALL]},
         {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"},
         {"role": "assistant", "content": "It is sunny.", "reasoning_content": "got it"}]}),
+    # A tool call whose arguments hold no text, after empty content and reasoning, then a new query.
+    ("reasoning", {"messages": [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I need the clock.", "tool_calls": [_CLOCK]},
+        {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "It is noon."},
+        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome!"}]}),
+    ("tools", {"tools": [_WEATHER], "messages": [
+        {"role": "user", "content": "Time?"}, {"role": "assistant", "tool_calls": [_CLOCK]},
+        {"role": "tool", "tool_call_id": "call00003", "content": "12:00"}, {"role": "assistant", "content": "Noon."}]}),
+    # The same question twice (a template that compares messages by value, as Mistral's does for tools).
+    ("tools", {"tools": [_WEATHER], "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "y"}]}),
     ("tools", {"tools": [_WEATHER], "messages": [
         {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [_CALL]},
         {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},

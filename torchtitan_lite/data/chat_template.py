@@ -283,30 +283,31 @@ def _mark(text: str, index: int) -> str:
     return text[:lead] + start + core + end + text[lead + len(core):]
 
 
-def _marked_leaves(value: Any, index: int) -> Any:
-    if isinstance(value, str):
-        return _mark(value, index)
-    if isinstance(value, dict):
-        return {k: _marked_leaves(v, index) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_marked_leaves(v, index) for v in value]
-    return value
+def _marked_message(message: dict[str, Any], index: int, *, empty: bool = True) -> dict[str, Any]:
+    """The message with every string it holds marked (its content, reasoning, tool calls' names
+    and arguments), except what a template branches on (its role, ids, types); ``empty=False``
+    leaves empty strings as they are (a template may test whether a text is empty)."""
 
+    def mark(value: Any) -> Any:
+        if isinstance(value, str):
+            return _mark(value, index) if empty or value else value
+        if isinstance(value, dict):
+            return {k: mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
 
-def _marked_message(message: dict[str, Any], index: int) -> dict[str, Any]:
-    """The message with every string it holds marked, except what a template may branch on (its
-    role, names, ids, types)."""
     out = dict(message)
     content = out.get("content")
     if isinstance(content, str):
-        out["content"] = _mark(content, index)
+        out["content"] = mark(content)
     elif isinstance(content, list):  # content parts: their text
-        out["content"] = [{**part, "text": _mark(part["text"], index)}
+        out["content"] = [{**part, "text": mark(part["text"])}
                           if isinstance(part, dict) and isinstance(part.get("text"), str) else part
                           for part in content]
     for name in _REASONING_FIELDS:
         if isinstance(out.get(name), str):
-            out[name] = _mark(out[name], index)
+            out[name] = mark(out[name])
     calls = out.get("tool_calls")
     if isinstance(calls, list):
         marked_calls = []
@@ -314,10 +315,12 @@ def _marked_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             if isinstance(call, dict):
                 call = dict(call)
                 function = call.get("function")
-                if isinstance(function, dict) and "arguments" in function:
-                    call["function"] = {**function, "arguments": _marked_leaves(function["arguments"], index)}
-                elif "arguments" in call:
-                    call["arguments"] = _marked_leaves(call["arguments"], index)
+                holder = dict(function) if isinstance(function, dict) else call
+                for key in ("name", "arguments"):
+                    if key in holder:
+                        holder[key] = mark(holder[key])
+                if isinstance(function, dict):
+                    call["function"] = holder
             marked_calls.append(call)
         out["tool_calls"] = marked_calls
     return out
@@ -371,6 +374,8 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 Region = tuple[int | None, int | None]
+_WAYS = ("marks", "non-empty marks", "verbatim", "changes")
+"""How a message's text is located in a rendering, in the order tried."""
 
 
 class ChatTemplate:
@@ -460,37 +465,62 @@ class ChatTemplate:
     # ---- assistant turns without generation markers ----------------------------------------
 
     def _regions(self, messages: list[dict[str, Any]], tools: list[Any] | None, indices: list[int], *,
-                 plain: str, add_generation_prompt: bool) -> dict[int, Region]:
+                 plain: str, add_generation_prompt: bool, ways: dict[int, str] | None = None,
+                 ) -> tuple[dict[int, Region], dict[int, str]]:
         """Where the text of each message of ``indices`` lies in ``plain`` (the same conversation
-        rendered without marks): all marked at once where the marks change nothing else, else one
-        message at a time: its marks; where the marks change what the template writes (a template that
-        tests the text, e.g. for a prefix), where its content stands verbatim, once; else where the
-        rendering changes when the message is marked."""
+        rendered without marks), and how each was found (:data:`_WAYS`): all marked at once where the
+        marks change nothing else, else message by message (:meth:`_region_of`). ``ways``: how each
+        was found in another rendering of the conversation, to be found the same way here (so that
+        positions in the two renderings are of the same text)."""
         if not indices:
-            return {}
-        marked = [_marked_message(m, i) if i in indices else m for i, m in enumerate(messages)]
-        text, regions = _strip_marks(self._render(marked, tools, add_generation_prompt=add_generation_prompt))
-        if text == plain:
-            return regions
-        out: dict[int, Region] = {}
-        for i in indices:
-            one = [_marked_message(m, i) if j == i else m for j, m in enumerate(messages)]
-            raw = self._render(one, tools, add_generation_prompt=add_generation_prompt)
-            text, regions = _strip_marks(raw)
+            return {}, {}
+        if ways is None or all(ways.get(i, _WAYS[0]) == _WAYS[0] for i in indices):
+            marked = [_marked_message(m, i) if i in indices else m for i, m in enumerate(messages)]
+            text, regions = _strip_marks(self._render(marked, tools, add_generation_prompt=add_generation_prompt))
             if text == plain:
-                if i in regions:
-                    out[i] = regions[i]
-                continue
-            if raw == plain:
-                continue  # the template writes nothing of the message's text
-            content = messages[i].get("content")
-            if isinstance(content, str) and content.strip() and plain.count(content) == 1:
-                at = plain.index(content)  # the marks change what the template writes (it tests the text):
-                out[i] = (at, at + len(content))  # where the text stands verbatim, once
-                continue
-            start = _common_prefix(plain, 0, raw, 0)
-            out[i] = (start, len(plain) - _common_suffix(plain, raw, min(len(plain), len(raw)) - start))
-        return out
+                return regions, dict.fromkeys(regions, _WAYS[0])
+        out: dict[int, Region] = {}
+        found_by: dict[int, str] = {}
+        for i in indices:
+            after = max([e for k, (_, e) in out.items() if k < i and e is not None], default=0)
+            region, way = self._region_of(messages, tools, i, plain=plain, add_generation_prompt=add_generation_prompt,
+                                          after=after, first=(ways or {}).get(i, _WAYS[0]))
+            if region is not None:
+                out[i], found_by[i] = region, way
+        return out, found_by
+
+    def _region_of(self, messages: list[dict[str, Any]], tools: list[Any] | None, i: int, *, plain: str,
+                   add_generation_prompt: bool, after: int, first: str = "marks") -> tuple[Region | None, str]:
+        """Where message ``i``'s text lies in ``plain`` and how it was found, by the first of
+        :data:`_WAYS` from ``first`` on: its marks (every string, then every non-empty one) where
+        they change nothing else; its content verbatim (the first occurrence from ``after``, the end
+        of the message before it, or the one occurrence); where the rendering changes when it is
+        marked. None: the template writes nothing of its text."""
+        raw = plain
+        for way in _WAYS[_WAYS.index(first):]:
+            if way in _WAYS[:2]:
+                one = [_marked_message(m, i, empty=way == _WAYS[0]) if j == i else m for j, m in enumerate(messages)]
+                raw = self._render(one, tools, add_generation_prompt=add_generation_prompt)
+                text, regions = _strip_marks(raw)
+                if text == plain:
+                    return regions.get(i), way
+            elif way == "verbatim":
+                content = messages[i].get("content")
+                if isinstance(content, str) and content.strip():
+                    at = plain.find(content, after)
+                    if at < 0 and plain.count(content) == 1:
+                        at = plain.index(content)
+                    if at >= 0:  # the template tests the text (a prefix, equality with another message)
+                        return (at, at + len(content)), way
+            else:
+                if raw == plain:
+                    one = [_marked_message(m, i) if j == i else m for j, m in enumerate(messages)]
+                    raw = self._render(one, tools, add_generation_prompt=add_generation_prompt)
+                if raw == plain:
+                    return None, way
+                start = _common_prefix(plain, 0, raw, 0)
+                return (start, len(plain) - _common_suffix(plain, raw, min(len(plain), len(raw)) - start)), way
+        return None, first
 
     def _assistant_spans(self, messages: list[dict[str, Any]], tools: list[Any] | None, text: str,
                          token_ends: np.ndarray) -> tuple[list[tuple[int, int]], dict[int, Region]]:
@@ -499,11 +529,12 @@ class ChatTemplate:
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not turns:
             return [], {}
-        regions = self._regions(messages, tools, list(range(len(messages))), plain=text, add_generation_prompt=False)
+        regions, ways = self._regions(messages, tools, list(range(len(messages))), plain=text,
+                                      add_generation_prompt=False)
         spans = []
         for i in turns:
             try:
-                spans.append(self._turn_span(messages, tools, text, token_ends, regions, i))
+                spans.append(self._turn_span(messages, tools, text, token_ends, regions, ways, i))
             except RowError as exc:
                 if exc.kind == "spans":
                     raise
@@ -512,8 +543,10 @@ class ChatTemplate:
         return spans, regions
 
     def _turn_span(self, messages: list[dict[str, Any]], tools: list[Any] | None, text: str, token_ends: np.ndarray,
-                   regions: dict[int, Region], i: int) -> tuple[int, int]:
-        """The character span of ``text`` that assistant message ``i``'s turn is."""
+                   regions: dict[int, Region], ways: dict[int, str], i: int) -> tuple[int, int]:
+        """The character span of ``text`` that assistant message ``i``'s turn is. Positions in the
+        other renderings (the prompt before it, the conversation up to it) are found the way they
+        were found in ``text`` (``ways``), so that they are those of the same text."""
         region = regions.get(i, (None, None))
         if region[1] is None:
             raise RowError(f"assistant message {i}: the template writes none of its text, so its tokens cannot "
@@ -522,8 +555,11 @@ class ChatTemplate:
         before = [k for k in range(i) if regions.get(k, (None, None))[1] is not None]
         prompt = self._render(messages[:i], tools, add_generation_prompt=True)
         anchor = anchor_in_prompt = 0
+        # Every message before it is located in the prompt too, in order, so that a text that
+        # stands twice (the same question asked again) is found where it is.
+        in_prompt, _ = self._regions(messages[:i], tools, list(range(i)), plain=prompt, add_generation_prompt=True,
+                                     ways=ways)
         for k in reversed(before):
-            in_prompt = self._regions(messages[:i], tools, [k], plain=prompt, add_generation_prompt=True)
             if in_prompt.get(k, (None, None))[1] is not None:
                 anchor, anchor_in_prompt = regions[k][1], in_prompt[k][1]
                 break
@@ -535,8 +571,9 @@ class ChatTemplate:
             last, end_in_last = text, region[1]
         else:
             last = self._render(messages[: i + 1], tools)
-            end_in_last = self._regions(messages[: i + 1], tools, [i], plain=last,
-                                        add_generation_prompt=False).get(i, (None, None))[1]
+            in_last, _ = self._regions(messages[: i + 1], tools, list(range(i + 1)), plain=last,
+                                       add_generation_prompt=False, ways=ways)
+            end_in_last = in_last.get(i, (None, None))[1]
             if end_in_last is None:
                 raise RowError(f"assistant message {i}: the template writes none of its text when it is the "
                                "last message, so where its turn ends cannot be found", kind="spans")
@@ -546,7 +583,18 @@ class ChatTemplate:
         if opens > region[1]:
             raise RowError(f"assistant message {i}: its text starts before the end of the prompt that precedes "
                            "it", kind="spans")
+        if not token_ends[(token_ends > opens) & (token_ends <= closes)].size and _has_text(messages[i]):
+            raise RowError(f"assistant message {i}: no token of its turn could be told apart from the text around "
+                           "it", kind="spans")
         return opens, closes
+
+
+def _has_text(message: dict[str, Any]) -> bool:
+    """Whether a message holds any text of its own (content, reasoning or tool calls)."""
+    content = message.get("content")
+    return bool(message.get("tool_calls")) or any(
+        isinstance(message.get(k), str) and message[k].strip() for k in _REASONING_FIELDS) or (
+        isinstance(content, str) and bool(content.strip())) or (isinstance(content, list) and bool(content))
 
 
 def _check_not_others(messages: list[dict[str, Any]], regions: dict[int, Region], counted: np.ndarray,
