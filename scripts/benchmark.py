@@ -172,7 +172,7 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     from torchtitan_lite.trainer import Trainer, clip_grad_norm_
 
     trainer = Trainer(load_job_config(_job_args(opts)))
-    bare = _bare_model(trainer.plan.spec, trainer.plan.model_args, trainer.mesh, trainer.device)
+    bare = _bare_model(trainer.plan.spec, trainer.plan.model_args, trainer.mesh.fsdp, trainer.device)
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=trainer.config.optimizer.lr, weight_decay=0.1,
                                  foreach=True)
 

@@ -274,7 +274,7 @@ def _rank_sharded_io(cases: list[dict[str, Any]], replicate: int, shard: int) ->
 
     init_distributed(torch.device("cpu"))
     dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=dist.get_world_size())
-    mesh = build_mesh(torch.device("cpu"), dims)
+    mesh = build_mesh(torch.device("cpu"), dims).fsdp
     out: dict[str, Any] = {}
     for case in cases:
         args = case["args"]
@@ -392,7 +392,7 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
     from torchtitan_lite.memory.measure import process_memory, reset_peak_rss
 
     init_distributed(torch.device("cpu"))
-    mesh = build_mesh(torch.device("cpu"), ParallelDims(dp_replicate=1, dp_shard=2, world_size=2))
+    mesh = build_mesh(torch.device("cpu"), ParallelDims(dp_replicate=1, dp_shard=2, world_size=2)).fsdp
     model = _sharded_model(MEASURED, mesh)  # allocated (not yet touched) before measuring
     config = Checkpoint(initial_load_path=folder, initial_load_in_hf=kind == "hf")
     manager = CheckpointManager(config, dump_folder=folder, model=model, model_spec=LLAMA3_SPEC,

@@ -36,7 +36,7 @@ def _one_node_default_mesh(argv: list[str]) -> dict[str, Any]:
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
-    mesh = dict(zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape, strict=True))
+    mesh = trainer.mesh.describe()
     trainer.train()
     trainer.close()
     return mesh

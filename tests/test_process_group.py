@@ -210,7 +210,7 @@ def _two_hsdp_runs_in_one_process() -> list[float]:
         init_distributed(torch.device("cpu"))
         if run == 0:
             dist.new_group(list(range(4)))
-        mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(dp_replicate=2, dp_shard=2, world_size=4))
+        mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(dp_replicate=2, dp_shard=2, world_size=4)).fsdp
         torch.manual_seed(0)
         model = MyModel()
         apply_fsdp(model, mesh, blocks=model.blocks, first_unit=model.embed, last_unit=model.head)

@@ -183,3 +183,51 @@ def test_trainer_names_no_source_kind() -> None:
             assert word not in text, (module, word)
         assert not {t for t in import_graph()[module] if t.startswith(DATA + ".")} - {
             f"{DATA}.windows"}, module  # the package's public names only (and the windows validation pads)
+
+
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+                "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                "all_to_all_single", "gather_object", "scatter_object_list", "barrier", "reduce"}
+
+
+def _unnamed_collectives(path: Path) -> list[str]:
+    """``dist.<collective>(...)`` calls of a file that do not say which group they run on."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _COLLECTIVES
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
+                and not any(k.arg == "group" for k in node.keywords)):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} dist.{node.func.attr}")
+    return found
+
+
+def test_every_collective_of_the_loop_validation_and_data_names_its_group() -> None:
+    """Losses, metrics, validation and data reduce over the data-parallel group; what every rank
+    must agree on (the lock, auto's plan, finite weights) names the world group: none falls back to
+    the default group by omission, which would be wrong once the mesh has another dimension."""
+    files = [PACKAGE / "trainer.py", PACKAGE / "validate.py", *sorted((PACKAGE / "data").rglob("*.py"))]
+    assert [line for f in files for line in _unnamed_collectives(f)] == []
+    # The checker itself sees an unnamed call.
+    probe = PACKAGE.parent / "tests" / "_probe_collective.py"
+    probe.write_text("import torch.distributed as dist\ndist.all_reduce(x)\ndist.all_reduce(x, group=g)\n")
+    try:
+        assert len(_unnamed_collectives(probe)) == 1
+    finally:
+        probe.unlink()
+
+
+def test_the_trainer_and_the_estimator_build_the_model_through_one_function() -> None:
+    """``build_sharded_model`` (the trainer) and the memory estimator both parallelize through
+    ``parallelize`` (the family's steps); nothing else calls ``apply_fsdp`` or a model class on the
+    meta device."""
+    calls: dict[str, set[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                calls.setdefault(called, set()).add(name)
+    assert calls["parallelize"] == {"torchtitan_lite.distributed.parallelize", "torchtitan_lite.memory.estimate"}
+    assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
+    assert calls["build_sharded_model"] == {"torchtitan_lite.trainer"}
+    assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}

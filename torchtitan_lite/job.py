@@ -24,7 +24,7 @@ from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenize
 from torchtitan_lite.distributed.float8 import Float8Plan
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
 from torchtitan_lite.distributed.lora import LoRAPlan
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
 from torchtitan_lite.models import get_model_spec
@@ -226,6 +226,9 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
 
 
+_DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel"}
+
+
 def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None = None) -> JobPlan:
     """Resolve the job for ``world_size`` ranks (``local_world_size`` per node; None: one node).
 
@@ -245,10 +248,15 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     if v.enable:
         _require(v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,
                  f"expected -1 or 1..{max_seq_len} (max_seq_len of {m.name} {m.flavor})")
+    degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree}
+    for name, degree in degrees.items():
+        _require(degree == 1 or name in spec.parallel_dims, DEGREE_KEYS[name], degree,
+                 f"model {m.name!r} does not split over {_DIM_NAMES[name]} ranks (its parallelize handles "
+                 f"{', '.join(_DIM_NAMES[d] for d in sorted(spec.parallel_dims)) or 'data parallel only'}); expected 1")
     try:
         dims = ParallelDims.resolve(dp_replicate=p.data_parallel_replicate_degree,
                                     dp_shard=p.data_parallel_shard_degree, world_size=world_size,
-                                    local_world_size=local_world_size)
+                                    local_world_size=local_world_size, **degrees)
         mode = p.reshard_after_forward_mode
         reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard)
     except ValueError as exc:
@@ -309,8 +317,7 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRAPlan 
     lo = config.lora
     if not lo.enable:
         return None
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
+    model = spec.meta_model(model_args)
     try:
         return LoRAPlan.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                   target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,

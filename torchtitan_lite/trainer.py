@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
@@ -47,6 +46,7 @@ from torchtitan_lite.data import (
     hf_tokenizer_json,
 )
 from torchtitan_lite.distributed import (
+    ParallelMesh,
     build_mesh,
     choose_device,
     destroy_distributed,
@@ -58,7 +58,7 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
-from torchtitan_lite.distributed.parallelize import build_sharded_model
+from torchtitan_lite.distributed.parallelize import ParallelizeOptions, build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingError
 from torchtitan_lite.gc_control import GarbageCollection
@@ -142,13 +142,14 @@ def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple
         raise ConfigError(str(exc)) from None
 
 
-def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[DeviceMesh, DumpFolderLock]:
+def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[ParallelMesh, DumpFolderLock]:
     """Start the process group (torchrun's, or one process of its own; a torchrun worker then
     exits when its launcher dies, :func:`~torchtitan_lite.distributed.process_group.exit_with_launcher`),
     take the job's locks (global rank 0 holds them for the job's life: the dump folder's and,
     when the job writes checkpoints, the checkpoint folder's where that lies outside the dump
     folder; a second job into either ends on every rank with one :class:`ConfigError` line
-    naming the key and the holder) and build the data-parallel mesh."""
+    naming the key and the holder) and build the job's mesh (:class:`ParallelMesh`: its named
+    dimensions, FSDP submesh and data-parallel group)."""
     init_distributed(device, cpu_collectives=plan.cpu_offload and device.type == "cuda",
                      timeout_s=config.comm.init_timeout_seconds)
     if dist.get_world_size() != plan.world_size:
@@ -163,11 +164,11 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
             lock.acquire()
         except ConfigError as exc:
             refused[0] = exc
-    dist.broadcast_object_list(refused, src=0)
+    dist.broadcast_object_list(refused, src=0, group=dist.group.WORLD)  # every rank stops alike
     if refused[0] is not None:
         raise refused[0]
     mesh = build_mesh(device, plan.dims)
-    set_collective_timeout(config.comm.init_timeout_seconds, mesh)  # HSDP's subgroups too
+    set_collective_timeout(config.comm.init_timeout_seconds, mesh.world, extra_groups=[mesh.dp_group])
     return mesh, lock
 
 
@@ -192,7 +193,7 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
             chosen[0] = ConfigError(str(exc))
         except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
             chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
-    dist.broadcast_object_list(chosen, src=0)
+    dist.broadcast_object_list(chosen, src=0, group=dist.group.WORLD)  # one plan for every rank
     if isinstance(chosen[0], Exception):
         raise chosen[0]
     if dist.get_rank() == 0:
@@ -202,16 +203,16 @@ def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, bu
     return chosen[0]  # type: ignore[return-value]
 
 
-def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, device: torch.device,
+def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, device: torch.device,
                 reshard_plan: AutoReshardPlan | None = None) -> nn.Module:
     """The job's model, initialised from ``debug.seed`` and in training mode: built on the meta
     device, adapted (LoRA: the rest frozen), converted (float8), checkpointed, compiled and
-    sharded over ``mesh`` as the plan says (on one process without CPU offload: not sharded,
+    parallelized over ``mesh`` by the family's steps as the plan says (on one process without CPU offload: not sharded,
     under autocast for bf16), then allocated.
     ``reshard_plan``: what ``auto`` chose (its per-unit resharding and checkpointing)."""
     ac = config.activation_checkpoint
-    model = build_sharded_model(
-        plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed,
+    model = build_sharded_model(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed,
+                                options=ParallelizeOptions(
         ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option,
         ac_policies=None if reshard_plan is None else reshard_plan.ac_policies,
         compile_model=config.compile.enable and "model" in config.compile.components,
@@ -221,7 +222,7 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: DeviceMesh | None, de
                                                                                  reshard_plan.offload),
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
-    )
+    ))
     model.train()
     return model
 
@@ -278,7 +279,7 @@ def _describe_data(config: JobConfig, loader: Loader, validators: dict[str | Non
     return text
 
 
-def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: DeviceMesh, loader: Loader,
+def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: ParallelMesh, loader: Loader,
                 validators: dict[str | None, Validator], reshard_plan: AutoReshardPlan | None = None,
                 mfu: str = "") -> None:
     """The start-up lines of the log (rank 0): the job, the model and its parallelism, the data,
@@ -295,7 +296,7 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Dev
     logger.info("model %s %s: %.2fM parameters, vocab %d (%s); mesh %s, %s; global batch %d = %d ranks "
                 "× %d × %d accumulation steps; seq_len %d",
                 config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
-                type(plan.tokenizer).__name__, dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=False)),
+                type(plan.tokenizer).__name__, mesh.describe(),
                 sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
     logger.info("data: %s", _describe_data(config, loader, validators))
     if mfu:
@@ -330,10 +331,11 @@ class Trainer:
             unavailable = float8_unavailable(self.device, emulate=plan.float8.emulate)
             if unavailable:
                 raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
-        # Data first, before any process group or model: the mesh is all data-parallel, so the
-        # data-parallel rank is the global rank.
-        self.loader, validation_sets = build_data(config, plan, dp_rank=rank)
-        self.validators = build_validators(config, plan, validation_sets, dp_rank=rank, device=self.device)
+        # Data first, before any process group or model: the data-parallel rank follows from the
+        # global rank and the degrees (the mesh's layout).
+        dp_rank = plan.dims.dp_rank(rank)
+        self.loader, validation_sets = build_data(config, plan, dp_rank=dp_rank)
+        self.validators = build_validators(config, plan, validation_sets, dp_rank=dp_rank, device=self.device)
         budget = auto_budget(config, plan, self.device)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -341,6 +343,9 @@ class Trainer:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.mesh, self._lock = setup_distributed(config, plan, self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.loader.group = self.mesh.dp_group  # the data's collectives: among the data-parallel ranks
+        for validator in self.validators.values():
+            validator.group = self.mesh.dp_group
         self.reshard_plan = None if budget is None else plan_auto_reshard(config, plan, self.device, budget)
         self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.loss_fn = build_loss(config)
@@ -418,7 +423,7 @@ class Trainer:
             for row, source in enumerate(sources[i] if sources is not None else []):
                 per_source[1 + source] += row_counts[row]
         per_source = per_source.to(self.device)
-        dist.all_reduce(per_source)
+        dist.all_reduce(per_source, group=self.mesh.dp_group)
         return per_source.cpu()
 
     def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
@@ -428,7 +433,7 @@ class Trainer:
         the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
-        dist.all_reduce(loss_sum)
+        dist.all_reduce(loss_sum, group=self.mesh.dp_group)
         loss, norm = float(loss_sum.reshape(-1)[0].item() / global_tokens), float(grad_norm.item())
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
@@ -536,8 +541,8 @@ class Trainer:
                     profiler.step()
                     if len(history) == 1:  # start-up is over: from now on a missing peer is an error soon
                         set_collective_timeout(
-                            cfg.comm.train_timeout_seconds, self.mesh,
-                            extra_groups=[] if self.checkpointer is None else self.checkpointer.process_groups)
+                            cfg.comm.train_timeout_seconds, self.mesh.world, extra_groups=[self.mesh.dp_group, *(
+                                [] if self.checkpointer is None else self.checkpointer.process_groups)])
                     received = signals.requested()
                     if received is not None and self.step < cfg.training.steps:
                         self._stop_on_signal(received, signals)
@@ -619,7 +624,7 @@ class Trainer:
             for p in self.model.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 bad += (~torch.isfinite(local)).sum().to(bad.dtype)
-        dist.all_reduce(bad)
+        dist.all_reduce(bad, group=dist.group.WORLD)  # every rank saves or stops alike
         return bad.item() == 0
 
     def close(self, *, clean: bool = True) -> None:

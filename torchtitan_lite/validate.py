@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,8 @@ class Validator:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.group: Any = None
+        """The data-parallel process group its sums are reduced over (None: the default group)."""
         self.device = device
         wanted = len(windows) if steps == -1 else steps * global_batch_size
         self.num_windows = min(len(windows), wanted)
@@ -81,7 +84,7 @@ class Validator:
             model.train(was_training)
             reshard_all(model)  # forward passes without backward leave some units gathered
         if dist.is_initialized():
-            dist.all_reduce(totals)
+            dist.all_reduce(totals, group=self.group)
         loss = float(totals[0] / totals[1])
         return {
             "validation_loss": loss,

@@ -177,6 +177,12 @@ class Parallelism:
     """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world; 0 (default): one replica per node, i.e. shard within a node and replicate across nodes (plain FSDP on one node; set 1 to shard over every rank of every node)."""
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
+    tensor_parallel_degree: int = 1
+    """Ranks each layer's projections are split over (the mesh's innermost dimension, tp). Above 1 only for a model family whose parallelize splits its layers; the data-parallel degrees fill the rest of the world."""
+    context_parallel_degree: int = 1
+    """Ranks each sequence is split over (the mesh's cp dimension). Above 1 only for a model family whose parallelize handles it."""
+    expert_parallel_degree: int = 1
+    """Ranks a mixture-of-experts layer's experts are spread over, borrowed from data_parallel_shard_degree × context_parallel_degree (which it must divide). Above 1 only for a model family whose parallelize handles it."""
     reshard_after_forward_mode: int | str = "default"
     """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute than activation_checkpoint says, at the least modelled step time whose estimated peak fits parallelism.memory_budget_gib."""
     memory_budget_gib: float | None = None

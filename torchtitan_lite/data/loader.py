@@ -79,14 +79,14 @@ def micro_batches(rows: np.ndarray, local_batch_size: int, documents: Documents 
     return pairs, None if docs is None else list(docs.split(local_batch_size))
 
 
-def _any_rank(flags: list[bool], dp_size: int) -> list[bool]:
-    """``flags`` or-ed over the data-parallel ranks (the default group's ranks)."""
+def _any_rank(flags: list[bool], dp_size: int, group: Any) -> list[bool]:
+    """``flags`` or-ed over the data-parallel ranks (``group``; None: the default group)."""
     if dp_size == 1:
         return flags
     import torch.distributed as dist
 
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, flags)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, flags, group=group)
     return [any(g[i] for g in gathered) for i in range(len(flags))]
 
 
@@ -109,6 +109,9 @@ class BatchLoader:
         self.sources = sources
         self.seq_len, self.global_batch_size, self.local_batch_size = seq_len, global_batch_size, local_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.group: Any = None
+        """The data-parallel process group its collectives run on (None: the default group); the
+        trainer sets it once the mesh exists (the loader is built before any process group)."""
         self.named, self.allow_mixture_change, self.documents = named, allow_mixture_change, documents
         self.masked = any(s.reader.packed for s in sources)  # labels of packed samples may be ignored
         self.batch_documents: list[torch.Tensor] | None = None
@@ -160,7 +163,7 @@ class BatchLoader:
         if not limited:
             return
         done = _any_rank([self.sources[i].reader.epochs_begun() >= self.sources[i].max_epochs  # type: ignore[operator]
-                          for i in limited], self.dp_size)
+                          for i in limited], self.dp_size, self.group)
         for i, finished in zip(limited, done, strict=True):
             if finished:
                 self.schedule.retire(i, f"has read all its rows {self.sources[i].max_epochs} times in some lane "
@@ -194,15 +197,15 @@ class BatchLoader:
     # -- state ---------------------------------------------------------------------------------
 
     def gather_state(self) -> None:
-        """Every rank's lane positions to every rank (a collective over the default group when
+        """Every rank's lane positions to every rank (a collective over the data-parallel group when
         there are several ranks and a streamed source); call on every rank before a save."""
         lanes = [i for i, s in enumerate(self.sources) if s.reader.samples_per_epoch is None]
         mine = {self.sources[i].name: self.sources[i].reader.positions() for i in lanes}
         if lanes and self.dp_size > 1:
             import torch.distributed as dist
 
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (self.step, mine))
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, (self.step, mine), group=self.group)
             if {step for step, _ in gathered} != {self.step}:
                 raise RuntimeError(f"data loader: ranks are at different steps {[s for s, _ in gathered]}")
             for _, part in gathered:

@@ -1,72 +1,119 @@
-"""Data-parallel degrees: ``parallelism.data_parallel_{replicate,shard}_degree`` resolved against
-the world size. Pure logic: no process group needed."""
+"""A job's parallel degrees by name, resolved against the world size. Pure logic: no process
+group needed.
+
+The ranks form a mesh of named dimensions, outermost first (TorchTitan's order):
+``dp_replicate`` (HSDP replicas), ``dp_shard`` (FSDP), ``cp`` (context parallel) and ``tp``
+(tensor parallel), ``tp`` innermost, so that a tensor-parallel group is made of contiguous ranks
+(one node's fast links). The data-parallel dimensions are ``dp_replicate × dp_shard``: every rank of
+one data-parallel coordinate reads the same batch; ``dp_rank`` / ``dp_size`` say which batch and
+of how many. Expert parallelism (``ep``) borrows its ranks from ``dp_shard × cp``, as TorchTitan's
+does, and adds no dimension of its own to the world.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ParallelDims"]
+__all__ = ["DEGREE_KEYS", "MESH_DIMS", "ParallelDims"]
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimensions, outermost first."""
+
+_KEYS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
+         "dp_shard": "parallelism.data_parallel_shard_degree",
+         "cp": "parallelism.context_parallel_degree",
+         "tp": "parallelism.tensor_parallel_degree",
+         "ep": "parallelism.expert_parallel_degree"}
+DEGREE_KEYS = _KEYS
+"""Each degree's config key."""
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Data-parallel degrees resolved against the world size (``-1`` already filled in)."""
+    """Degrees resolved against the world size (``-1`` already filled in)."""
 
     dp_replicate: int
     dp_shard: int
     world_size: int
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
 
     @staticmethod
-    def check_degrees(*, dp_replicate: int, dp_shard: int) -> None:
-        """Each degree is >= 1 or -1 ("the rest of the world"), and not both -1; the replicate
-        degree may also be 0 ("one replica per node")."""
+    def check_degrees(*, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1, ep: int = 1) -> None:
+        """Each data-parallel degree is >= 1 or -1 ("the rest of the world"), and not both -1; the
+        replicate degree may also be 0 ("one replica per node"); the others are >= 1."""
         if dp_replicate < -1:
-            raise ValueError(f"parallelism.data_parallel_replicate_degree={dp_replicate} must be >= 1, "
-                             "-1 (the rest of the world) or 0 (one replica per node)")
+            raise ValueError(f"{_KEYS['dp_replicate']}={dp_replicate} must be >= 1, -1 (the rest of the world) "
+                             "or 0 (one replica per node)")
         if dp_shard == 0 or dp_shard < -1:
-            raise ValueError(f"parallelism.data_parallel_shard_degree={dp_shard} must be >= 1 or -1")
+            raise ValueError(f"{_KEYS['dp_shard']}={dp_shard} must be >= 1 or -1")
         if dp_replicate == -1 and dp_shard == -1:
-            raise ValueError(
-                "parallelism.data_parallel_replicate_degree and data_parallel_shard_degree "
-                "cannot both be -1"
-            )
+            raise ValueError(f"{_KEYS['dp_replicate']} and data_parallel_shard_degree cannot both be -1")
+        for name, value in (("cp", cp), ("tp", tp), ("ep", ep)):
+            if value < 1:
+                raise ValueError(f"{_KEYS[name]}={value} must be >= 1")
 
     @classmethod
-    def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int,
-                local_world_size: int | None = None) -> ParallelDims:
-        """Fill in a ``-1`` degree and check ``dp_replicate × dp_shard == world_size``.
+    def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int, local_world_size: int | None = None,
+                cp: int = 1, tp: int = 1, ep: int = 1) -> ParallelDims:
+        """Fill in a ``-1`` degree and check ``dp_replicate × dp_shard × cp × tp == world_size``.
 
         ``dp_replicate = 0`` means one replica per node: with ``dp_shard = -1``, parameters are
-        sharded over the ``local_world_size`` ranks of a node (its fast links carry the
-        all-gathers and reduce-scatters) and replicated across the ``world_size /
-        local_world_size`` nodes (only gradient all-reduces cross nodes); with a given
-        ``dp_shard`` it is the rest of the world. torchrun numbers the ranks of a node
-        contiguously, and the mesh's inner (shard) dimension is made of contiguous ranks.
+        sharded over the ranks of a node (its fast links carry the all-gathers and
+        reduce-scatters) and replicated across the ``world_size / local_world_size`` nodes (only
+        gradient all-reduces cross nodes); with a given ``dp_shard`` it is the rest of the world.
+        torchrun numbers the ranks of a node contiguously, and the inner dimensions of the mesh are
+        made of contiguous ranks. ``ep`` must divide ``dp_shard × cp``.
 
         Raises ``ValueError`` naming the keys and values when they do not fit.
         """
-        cls.check_degrees(dp_replicate=dp_replicate, dp_shard=dp_shard)
+        cls.check_degrees(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+        inner = cp * tp
+        if world_size % inner:
+            raise ValueError(f"{_KEYS['cp']}={cp} × {_KEYS['tp']}={tp} = {inner} does not divide the world "
+                             f"size {world_size}")
+        dp_world = world_size // inner
         if dp_replicate == 0:
             local = local_world_size or world_size
             nodes = world_size // local if local and world_size % local == 0 else 1
             dp_replicate = -1 if dp_shard != -1 else nodes
         if -1 in (dp_replicate, dp_shard):
-            key, known = ("replicate", dp_replicate) if dp_shard == -1 else ("shard", dp_shard)
-            if world_size % known:
-                raise ValueError(
-                    f"parallelism.data_parallel_{key}_degree={known} does not divide the world "
-                    f"size {world_size}"
-                )
-            rest = world_size // known
-            dp_replicate, dp_shard = (known, rest) if dp_shard == -1 else (rest, known)
-        if dp_replicate * dp_shard != world_size:
+            name, known = ("dp_replicate", dp_replicate) if dp_shard == -1 else ("dp_shard", dp_shard)
+            if dp_world % known:
+                rest = f" / (context × tensor parallel = {inner})" if inner > 1 else ""
+                raise ValueError(f"{_KEYS[name]}={known} does not divide the world size {world_size}{rest}")
+            rest_of_world = dp_world // known
+            dp_replicate, dp_shard = (known, rest_of_world) if dp_shard == -1 else (rest_of_world, known)
+        if dp_replicate * dp_shard * inner != world_size:
+            others = "".join(f" × {_KEYS[n]}={v}" for n, v in (("cp", cp), ("tp", tp)) if v > 1)
             raise ValueError(
-                f"parallelism.data_parallel_shard_degree={dp_shard} × "
-                f"parallelism.data_parallel_replicate_degree={dp_replicate} = "
-                f"{dp_replicate * dp_shard} does not equal the world size {world_size}"
-            )
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size)
+                f"{_KEYS['dp_shard']}={dp_shard} × {_KEYS['dp_replicate']}={dp_replicate}{others} = "
+                f"{dp_replicate * dp_shard * inner} does not equal the world size {world_size}")
+        if (dp_shard * cp) % ep:
+            raise ValueError(f"{_KEYS['ep']}={ep} does not divide data_parallel_shard_degree × "
+                             f"context_parallel_degree = {dp_shard * cp}")
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size, cp=cp, tp=tp, ep=ep)
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks: how many different batches one step reads."""
         return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel coordinate of global ``rank`` (which batch it reads)."""
+        return rank // (self.cp * self.tp)
+
+    def degree(self, name: str) -> int:
+        """The degree of dimension ``name`` (one of :data:`MESH_DIMS`, or ``ep``)."""
+        return int(getattr(self, name))
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The dimensions the mesh is built with, outermost first: ``dp_shard`` always (the
+        FSDP dimension, 1 on one process), the others where their degree is above 1."""
+        return tuple((name, self.degree(name)) for name in MESH_DIMS if name == "dp_shard" or self.degree(name) > 1)
+
+    def beyond_data_parallel(self) -> dict[str, int]:
+        """The degrees above 1 of dimensions other than data parallel (``cp``, ``tp``, ``ep``)."""
+        return {name: self.degree(name) for name in ("cp", "tp", "ep") if self.degree(name) > 1}

@@ -1,4 +1,4 @@
-"""Process group, device choice, collective timeouts and the data-parallel ``DeviceMesh``; a
+"""Process group, device choice and collective timeouts (the mesh: :mod:`.mesh`); a
 torchrun worker's exit when its launcher dies (:func:`exit_with_launcher`)."""
 
 from __future__ import annotations
@@ -21,17 +21,13 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "choose_device",
     "backend_for",
-    "fsdp_mesh",
     "init_distributed",
     "set_collective_timeout",
-    "build_mesh",
     "world_info_from_env",
     "local_world_size_from_env",
     "destroy_distributed",
@@ -341,25 +337,6 @@ def forget_dtensor_plans() -> None:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # C++ fast path's
     if native is not None:
         native()
-
-
-def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
-    """1-D ``("dp_shard",)`` mesh when not replicating, 2-D ``("dp_replicate", "dp_shard")`` (HSDP).
-    Plans DTensor cached for an earlier mesh of the same shape are dropped first
-    (:func:`forget_dtensor_plans`)."""
-    forget_dtensor_plans()
-    if dims.dp_replicate > 1:
-        return init_device_mesh(
-            device.type,
-            (dims.dp_replicate, dims.dp_shard),
-            mesh_dim_names=("dp_replicate", "dp_shard"),
-        )
-    return init_device_mesh(device.type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
-
-
-def fsdp_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D ``("dp_shard",)`` mesh over every rank of the initialised default process group."""
-    return build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=dist.get_world_size()))
 
 
 def destroy_distributed(*, barrier: bool = True) -> None:

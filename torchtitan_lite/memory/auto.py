@@ -299,8 +299,7 @@ def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, re
 
 def _units(spec: ModelSpec, args: Any) -> list[FSDPUnit]:
     """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device)."""
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    model = spec.meta_model(args)
     return fsdp_units(model, **spec.fsdp_units(model))
 
 

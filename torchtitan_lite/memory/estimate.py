@@ -1,7 +1,8 @@
 """Memory per rank before you run: :func:`estimate_memory` (the CLI is :mod:`torchtitan_lite.memory.cli`).
 
 How: the training step itself runs on one process with nothing real behind it. The model is
-built on the meta device and sharded by :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp` over a
+built on the meta device and parallelized by the same function the trainer uses
+(:func:`~torchtitan_lite.distributed.parallelize.parallelize`: the family's steps, FSDP last) over a
 *fake* process group of the target world size (``torch.distributed``'s ``fake`` backend:
 collectives that move no data), every tensor is a ``FakeTensor`` (shape, dtype, device, no
 storage), and PyTorch's ``FSDPMemTracker`` attributes each tensor to a category, as
@@ -42,17 +43,16 @@ import torch
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
-from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_lite.distributed.fsdp import (
+    FSDPOptions,
     ReshardMode,
-    apply_fsdp,
-    fsdp_units,
     unit_offload,
     validate_reshard_after_forward_mode,
 )
 from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.distributed.process_group import build_mesh
+from torchtitan_lite.distributed.parallelize import ParallelizeOptions, parallelize
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import no_automatic_gc
 from torchtitan_lite.loss import token_loss_sum
@@ -459,22 +459,18 @@ def _estimate_uncached(
     device = torch.device("cpu")
     with _fake_world(world_size):
         mesh = build_mesh(device, dims)
-        # Sharding meta parameters needs no fake mode (and is much faster without it).
-        with torch.device("meta"):
-            model = spec.model_cls(args)
-        if lora is not None:
-            lora.apply(model)  # frozen base: only the adapters get gradients and optimizer state
-        units = spec.fsdp_units(model)
-        apply_activation_checkpointing(model, blocks=units["blocks"], mode=ac_mode,
-                                       selective_ac_option=selective_ac_option, policies=ac_policies)
-        unit_list = fsdp_units(model, **units)
+        # Sharding meta parameters needs no fake mode (and is much faster without it). The
+        # family's own parallelize steps, as the trainer runs them (LoRA: a frozen base, only the
+        # adapters get gradients and optimizer state); compile and float8 are not modelled.
+        model = spec.meta_model(args)
+        unit_list = parallelize(spec, model, mesh, ParallelizeOptions(
+            ac_mode=ac_mode, selective_ac_option=selective_ac_option, ac_policies=ac_policies, lora=lora,
+            fsdp=FSDPOptions(reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=param_dtype,
+                             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)), device=device)
         offload_flags = unit_offload(cpu_offload, unit_list)
         offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
                          for module in unit.modules for param in module.parameters()}
-        # By name: FSDP2 registers new parameter objects (DTensors) in place of these.
         offloaded_names = {name for name, param in model.named_parameters() if id(param) in offloaded_ids}
-        apply_fsdp(model, mesh, **units, reshard_after_forward_mode=reshard_after_forward_mode,
-                   param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
             model.to_empty(device=device)  # fake tensors: shapes only, nothing to initialise
             model.train()

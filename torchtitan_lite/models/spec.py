@@ -15,8 +15,9 @@ reaches the model only through it. A model built from a spec:
   load).
 
 Model code never imports FSDP, activation checkpointing or compile: the spec names the modules
-that are sharded together (:meth:`ModelSpec.fsdp_units`), and ``torchtitan_lite.distributed``
-does the rest.
+that are sharded together (:meth:`ModelSpec.fsdp_units`) and, where the family splits its layers
+over other mesh dimensions, its own parallelize steps; ``torchtitan_lite.distributed`` does the
+rest.
 """
 
 from __future__ import annotations
@@ -74,12 +75,25 @@ class ModelSpec:
     """The units :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp` shards, for a built model."""
     hf: HFAdapter | None = None
     """Hugging Face import/export, when the family has it."""
+    parallelize: Callable[..., Any] | None = None
+    """The family's parallelize steps, ``(spec, model, mesh, options, *, device) -> FSDP units``
+    (see :mod:`torchtitan_lite.distributed.parallelize`): e.g. tensor parallel on ``mesh["tp"]``,
+    then the default steps. None: the default steps (LoRA, float8, activation checkpointing,
+    compile, FSDP over the data-parallel dimensions)."""
+    parallel_dims: frozenset[str] = frozenset()
+    """The mesh dimensions beyond data parallel (``"tp"``, ``"cp"``, ``"ep"``) that its
+    ``parallelize`` handles; a job asking for a degree above 1 of any other is refused."""
 
     def model_args(self, flavor: str, *, vocab_size: int | None = None) -> Any:
         """The args of ``flavor``, with ``vocab_size`` when given (``KeyError`` for an unknown
         flavor: :func:`torchtitan_lite.job.plan_job` checks the name first)."""
         args = self.flavors[flavor]
         return args if vocab_size is None else dataclasses.replace(args, vocab_size=vocab_size)
+
+    def meta_model(self, args: Any) -> nn.Module:
+        """The model of ``args`` built on the meta device (shapes only, no memory)."""
+        with torch.device("meta"):
+            return self.model_cls(args)
 
     def args_from_dict(self, values: Mapping[str, Any]) -> Any:
         """Args from a dict of their fields (a checkpoint's ``model_args``); unknown keys are

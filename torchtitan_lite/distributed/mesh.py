@@ -1,0 +1,85 @@
+"""The job's device mesh with named dimensions (:class:`ParallelMesh`): the FSDP submesh, the
+data-parallel group that losses, metrics, validation and data use, and any other dimension by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
+
+__all__ = ["ParallelMesh", "build_mesh", "fsdp_mesh"]
+
+_DATA_PARALLEL = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The world's mesh (``dims.mesh_dims``, outermost first), the submesh FSDP shards over, and the
+    data-parallel group.
+
+    - ``fsdp``: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` for HSDP; the world mesh
+      itself when there is no other dimension.
+    - ``dp_group``: the ranks that read different batches of one step and whose losses, token
+      counts and validation sums add up: the default (world) group when every dimension is data
+      parallel, else the data-parallel dimensions' group (flattened for HSDP).
+    - ``[name]``: the submesh of one dimension (``"tp"`` …) for a family's parallelize step.
+    """
+
+    world: DeviceMesh
+    fsdp: DeviceMesh
+    dims: ParallelDims
+    dp_group: Any
+    dp_rank: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.world.mesh_dim_names or ())
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name not in self.names:
+            raise KeyError(f"the mesh has no dimension {name!r} (it has {', '.join(self.names)})")
+        return self.world[name]
+
+    def groups(self) -> list[Any]:
+        """Every process group of the mesh (each dimension's, the data-parallel one)."""
+        return [self.world.get_group(dim) for dim in range(self.world.ndim)] + [self.dp_group]
+
+    def describe(self) -> dict[str, int]:
+        """Each dimension's size, outermost first (for the log)."""
+        return dict(zip(self.names, self.world.shape, strict=True))
+
+
+def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
+    """The mesh of ``dims`` over the initialised default process group (a collective: every rank
+    calls it). Plans DTensor cached for an earlier mesh of the same shape are dropped first
+    (:func:`~torchtitan_lite.distributed.process_group.forget_dtensor_plans`)."""
+    from torchtitan_lite.distributed.process_group import forget_dtensor_plans
+
+    forget_dtensor_plans()
+    names, shape = zip(*dims.mesh_dims, strict=True)
+    world = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
+    data = tuple(n for n in names if n in _DATA_PARALLEL)
+    if data == names:  # data parallel only: as FSDP always had it, and every collective on the world
+        fsdp, dp_group = world, dist.group.WORLD
+    elif len(data) == 1:
+        fsdp = world[data[0]]
+        dp_group = fsdp.get_group()
+    else:
+        fsdp = world[data]
+        dp_group = fsdp._flatten("dp").get_group()
+    rank = dist.get_rank()
+    return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, dp_rank=dims.dp_rank(rank))
+
+
+def fsdp_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D ``("dp_shard",)`` mesh over every rank of the initialised default process group."""
+    return build_mesh(device, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, world_size=dist.get_world_size())).fsdp
