@@ -88,8 +88,6 @@ def test_features_we_lack_are_one_line_each_and_off_values_load(tmp_path, capsys
 [parallelism]
 pipeline_parallel_degree = 1
 pipeline_parallel_schedule = "Interleaved1F1B"
-[metrics]
-enable_wandb = true
 [model]
 converters = ["mx"]
 [fault_tolerance]
@@ -103,13 +101,13 @@ mode = "memory_budget"
     assert train.main(["--job.config_file", path]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     lines = [x for x in err if not x.startswith("note: ")]
-    assert len(lines) == 4, lines
+    assert len(lines) == 3, lines
     # Keys that change nothing are noted, also when the config is refused.
     assert "note: 'parallelism.pipeline_parallel_schedule' (TorchTitan) has no effect here: used only with " \
            "pipeline parallelism" in err, err
     assert any("activation_checkpoint.mode = 'memory_budget' asks for activation checkpointing under a memory "
                "budget" in x and "reshard_after_forward_mode" in x for x in lines), lines
-    for key, feature in [("metrics.enable_wandb = true", "Weights & Biases"),
+    for key, feature in [
                          ("model.converters = ['mx']", "MX (microscaling)"),
                          ("fault_tolerance.enable = true", "TorchFT")]:
         (line,) = [x for x in lines if key in x]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_lite.callbacks.wandb import check_wandb
 from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
 from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
 from torchtitan_lite.config.schema import JobConfig
@@ -46,6 +47,10 @@ def preflight(config: JobConfig) -> None:
         except UserError as exc:
             problems.append(exc)
     problems += check_sources(config)
+    try:
+        check_wandb(config)
+    except UserError as exc:
+        problems.append(exc)
     if len(problems) == 1:
         raise problems[0]
     if problems:  # a config error among them is the config's exit code

@@ -19,6 +19,8 @@ A step is :meth:`Trainer.forward_backward` (the micro-batches of one global batc
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -26,13 +28,14 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.callbacks import Callback, StepState, default_callbacks
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
 from torchtitan_lite.config.schema import JobConfig
@@ -61,12 +64,10 @@ from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_fl
 from torchtitan_lite.distributed.parallelize import ParallelizeOptions, build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingError
-from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
-from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops, memory_stats, reset_peak_memory
+from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
-from torchtitan_lite.profiling import Profiler
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
 
@@ -311,6 +312,11 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
         logger.info(plan.lora.describe(model))
 
 
+def _end_training(callback: Callback, trainer: Any, kind: Any, error: BaseException | None, tb: Any) -> None:
+    """An ``ExitStack`` exit: the callback's ``on_train_end`` (the error, if any, goes on)."""
+    callback.on_train_end(trainer, error)
+
+
 class Trainer:
     """A job's parts, built by the builders above from a :class:`JobConfig` and its
     :class:`JobPlan`, and the loop that runs them."""
@@ -366,6 +372,8 @@ class Trainer:
                                      enable_tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
                                      disable_color=config.metrics.disable_color_printing)
+        self.callbacks: list[Callback] = default_callbacks(config)
+        """What runs around each step, in order (:mod:`torchtitan_lite.callbacks`); append your own."""
         log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validators=self.validators,
                     reshard_plan=self.reshard_plan,
                     mfu=f"against {self.peak_tflops} TFLOP/s ({peak_source})" if self.peak_tflops
@@ -521,39 +529,40 @@ class Trainer:
     def train(self) -> list[dict[str, float]]:
         """Run until ``training.steps``; returns every step's metrics (validation included).
 
-        A signal of ``checkpoint.save_on_signals`` (preemption) ends the run after the step in
-        progress on every rank: one checkpoint is saved (synchronously, after any background
-        save in flight) and :attr:`stopped_by` names the signal; ``python -m
-        torchtitan_lite.train`` then exits with :data:`~torchtitan_lite.errors.PREEMPTED_EXIT_CODE`."""
+        Each step is :meth:`train_step`, then every callback of :attr:`callbacks` in order
+        (:mod:`torchtitan_lite.callbacks`: validation, the metrics record and its sinks, the
+        checkpoint, gc, the profiler, the training timeout, preemption). A signal of
+        ``checkpoint.save_on_signals`` (preemption) ends the run after the step in progress on
+        every rank: one checkpoint is saved (synchronously, after any background save in flight)
+        and :attr:`stopped_by` names the signal; ``python -m torchtitan_lite.train`` then exits with
+        :data:`~torchtitan_lite.errors.PREEMPTED_EXIT_CODE`."""
         cfg = self.config
         history: list[dict[str, float]] = []
         if self.step >= cfg.training.steps and self.rank == 0:
             logger.warning("nothing to train: the run is at step %d and training.steps = %d (raise "
                            "training.steps to train further)", self.step, cfg.training.steps)
-        reset_peak_memory(self.device)
-        gc_handler = GarbageCollection(cfg.training.gc_freq)
-        try:
-            with Profiler(cfg.profiling, dump_folder=cfg.job.dump_folder, rank=self.rank,
-                          device=self.device, start_step=self.step) as profiler, \
-                    StopSignals(list(cfg.checkpoint.save_on_signals), device=self.device) as signals:
-                while self.step < cfg.training.steps:
-                    history.append(self._timed_step(gc_handler))
-                    profiler.step()
-                    if len(history) == 1:  # start-up is over: from now on a missing peer is an error soon
-                        set_collective_timeout(
-                            cfg.comm.train_timeout_seconds, self.mesh.world, extra_groups=[self.mesh.dp_group, *(
-                                [] if self.checkpointer is None else self.checkpointer.process_groups)])
-                    received = signals.requested()
-                    if received is not None and self.step < cfg.training.steps:
-                        self._stop_on_signal(received, signals)
-                        break
-            if self.checkpointer is not None:
-                self.checkpointer.wait()  # the last background save is committed before we return
-        finally:
-            gc_handler.close()
+        with contextlib.ExitStack() as stack:
+            for callback in self.callbacks:
+                callback.on_train_start(self)
+                stack.push(functools.partial(_end_training, callback, self))
+            while self.step < cfg.training.steps:
+                state = self._timed_step()
+                for callback in self.callbacks:
+                    callback.after_step(self, state)
+                history.append({"step": state.step, **state.values})
+                if state.stop:
+                    break
         return history
 
-    def _stop_on_signal(self, received: object, signals: StopSignals) -> None:
+    def log_metrics(self, step: int, values: dict[str, Any]) -> None:
+        """Write the metrics record of ``step`` (``metrics.jsonl``, TensorBoard, the console; rank
+        0) and hand it to every callback's ``on_metrics`` (W&B …)."""
+        record = self.metrics.log(step, values)
+        if record is not None:
+            for callback in self.callbacks:
+                callback.on_metrics(self, step, record)
+
+    def stop_on_signal(self, received: object, signals: StopSignals) -> None:
         """Save one checkpoint now (unless this step's is saved already) and mark the run stopped."""
         name = getattr(received, "name", str(received))
         self.stopped_by = name
@@ -578,16 +587,17 @@ class Trainer:
             raise RuntimeError("save_seed_checkpoint needs checkpoint.create_seed_checkpoint = true")
         return str(self.checkpointer.save(0, {"tokens_seen": 0}))
 
-    def _timed_step(self, gc_handler: GarbageCollection) -> dict[str, float]:
-        """One step, timed, then what follows it (validation, metrics, checkpoint)."""
+    def _timed_step(self) -> StepState:
+        """One step, timed; a step whose update was not applied is logged at once and handled by
+        ``training.on_nonfinite`` (stop, go on, or roll back: then the state says so)."""
         start = time.perf_counter()
         values = self.train_step()
         if values["skipped"]:
             step = self.step
-            self.metrics.log(step, values)  # the diverged step is on record (loss null in JSON)
+            self.log_metrics(step, values)  # the diverged step is on record (loss null in JSON)
             self._diverged(values)
             if self.step != step:  # rolled back: the steps since the checkpoint run again
-                return {"step": step, **values}
+                return StepState(step=step, values=values, rolled_back=True, logged=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -596,27 +606,10 @@ class Trainer:
                       tflops=tps * self.flops_per_token / 1e12, tokens_seen=float(self.tokens_seen))
         if self.peak_tflops:
             values["mfu_pct"] = 100.0 * values["tflops"] / self.peak_tflops
-        self._after_step(values, logged=bool(values["skipped"]))
-        gc_handler.run(self.step)
-        return {"step": self.step, **values}
+        return StepState(step=self.step, values=values, last=self.step == self.config.training.steps,
+                         logged=bool(values["skipped"]))
 
-    def _after_step(self, values: dict[str, float], *, logged: bool) -> None:
-        """Validation, metrics (unless ``logged`` already) and a checkpoint when they are due."""
-        cfg = self.config
-        last = self.step == cfg.training.steps
-        validated = bool(self.validators) and (self.step % cfg.validation.freq == 0 or last)
-        if validated:
-            values.update(self.validate())
-        if not logged and (self.step == 1 or self.step % cfg.metrics.log_freq == 0 or last or validated):
-            self.metrics.log(self.step, {**values, **memory_stats(self.device)})
-            reset_peak_memory(self.device)
-        if self.checkpointer is not None and self.checkpointer.should_save(self.step, last=last):
-            if not self._weights_finite():
-                raise TrainingError(f"step {self.step}: the weights are not finite (the loss was {values['loss']}); "
-                                    "no checkpoint was written from them; lower optimizer.lr")
-            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, last=last)
-
-    def _weights_finite(self) -> bool:
+    def weights_finite(self) -> bool:
         """Whether every parameter of every rank is finite (before a save: a checkpoint is never
         written from non-finite weights)."""
         bad = torch.zeros((), device=self.device)
@@ -634,6 +627,8 @@ class Trainer:
         blocked in a collective this rank will never join, and waiting for them would only
         hang the job until the process-group timeout.
         """
+        for callback in self.callbacks:
+            callback.close(self)
         self.metrics.close()
         if clean and self.checkpointer is not None:
             self.checkpointer.close()

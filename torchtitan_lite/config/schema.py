@@ -254,6 +254,12 @@ class Metrics:
     """Never colour the console lines (they are coloured only on a terminal, and never when NO_COLOR is set)."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device for MFU; unset: from the table of known GPUs (on CPU and unknown devices MFU is not reported)."""
+    enable_wandb: bool = False
+    """Log every metrics record (as metrics.jsonl has it) to Weights & Biases (rank 0; needs the wandb package: pip install 'torchtitan_lite[wandb]'). W&B's own environment applies: WANDB_MODE=offline writes the run under job.dump_folder/wandb only, for wandb sync later."""
+    wandb_project: str = "torchtitan_lite"
+    """W&B project of the run."""
+    wandb_run_name: str | None = None
+    """W&B name of the run; unset: job.description."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ listed in :data:`TORCHTITAN_KEYS` as one of:
   differs, e.g. ``optimizer.fused = true`` → ``optimizer.implementation = "fused"``);
 - ``off``: a setting of a feature torchtitan_lite does not have, accepted while it asks for the
   feature to be off or for something that changes nothing here (``tensor_parallel_degree = 1``,
-  ``enable_wandb = false``, the pipeline schedule of a job without pipeline stages); any other
+  ``enable_async_tensor_parallel = false``, the pipeline schedule of a job without pipeline stages); any other
   value is one error line saying which feature it asks for;
 - keys spelled as ours with the same meaning are not listed (the schema is the table for those).
 
@@ -142,8 +142,6 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     # [metrics]
     _off("metrics.save_for_all_ranks", bool, VL, _in(False), "metrics files of every rank (rank 0 writes them)"),
     _off("metrics.rank_0_only", bool, (E,), _in(True), "metrics files of every rank (rank 0 writes them)"),
-    _off("metrics.enable_wandb", bool, EVL, _in(False),
-         "Weights & Biases logging (metrics go to metrics.jsonl and TensorBoard)"),
     # [model]
     _alias("model.hf_assets_path", str, (L,), "model.tokenizer_path",
            remark="the folder's tokenizer.json (+ tokenizer_config.json); with checkpoint.initial_load_in_hf "
