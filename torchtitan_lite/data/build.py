@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data.loader import BatchLoader, LoaderSource
+from torchtitan_lite.data.loader import BatchLoader, LoaderSource, rank_samples
 from torchtitan_lite.data.sources import SourceSpec, check_dataset, open_reader, source_windows
 from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import Documents, PackedWindows, TokenWindows
@@ -100,8 +100,7 @@ def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int,
     metadata only), so a bad path, an empty source or a tokenizer that does not fit fails here,
     on every rank alike, before any process group; needs none itself."""
     t, v = config.training, config.validation
-    per_rank = plan.global_batch_size // plan.dp_size
-    lanes = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    lanes = rank_samples(plan.global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size)
     sources = []
     for source in training_sources(config):
         key = () if source.name is None else (zlib.crc32(source.name.encode()),)

@@ -27,7 +27,7 @@ from torchtitan_lite.data.mixture import Schedule
 from torchtitan_lite.data.windows import Documents, as_packed, window_tensors
 from torchtitan_lite.errors import DataError
 
-__all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches"]
+__all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches", "rank_samples"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -79,6 +79,13 @@ def micro_batches(rows: np.ndarray, local_batch_size: int, documents: Documents 
     return pairs, None if docs is None else list(docs.split(local_batch_size))
 
 
+def rank_samples(global_batch_size: int, *, dp_rank: int, dp_size: int) -> range:
+    """The samples (positions in a global batch) data-parallel rank ``dp_rank`` reads: its own
+    contiguous slice, so a global batch is the same samples on any world size."""
+    per_rank = global_batch_size // dp_size
+    return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
 def _any_rank(flags: list[bool], dp_size: int, group: Any) -> list[bool]:
     """``flags`` or-ed over the data-parallel ranks (``group``; None: the default group)."""
     if dp_size == 1:
@@ -120,8 +127,7 @@ class BatchLoader:
                                  max_epochs=[s.max_epochs for s in sources])
         self.step = 0  # global batches consumed
         self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
-        per_rank = global_batch_size // dp_size
-        self._mine = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        self._mine = rank_samples(global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         self.batch_sources: list[list[int]] = []  # the source of each row of each micro-batch
         self.batch_counts = [0] * len(sources)  # samples of each source in the last global batch (all ranks)
         self.trained = [0] * len(sources)  # samples of each source in the batches given out (not the skipped)

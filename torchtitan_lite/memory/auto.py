@@ -15,6 +15,7 @@ import torch
 from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
 from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -498,7 +499,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
-        dp_shard = kwargs["world_size"] // kwargs["dp_replicate"]
+        dp_shard = ParallelDims.data_parallel(world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"]).dp_shard
         trainable = kwargs.get("lora") is None
         costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,

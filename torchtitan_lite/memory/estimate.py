@@ -263,7 +263,8 @@ def check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int
     if seq_len > args.max_seq_len:
         raise ValueError(f"seq_len: invalid value {seq_len}; expected at most the model's max_seq_len "
                          f"{args.max_seq_len}")
-    validate_reshard_after_forward_mode(reshard_after_forward_mode, world_size // dp_replicate)
+    dims = ParallelDims.data_parallel(world_size=world_size, dp_replicate=dp_replicate)
+    validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard)
     if optimizer not in ("AdamW", "Adam"):
         raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
     if optimizer_implementation not in ("foreach", "fused", "for-loop"):
@@ -455,7 +456,7 @@ def _estimate_uncached(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=world_size // dp_replicate, world_size=world_size)
+    dims = ParallelDims.data_parallel(world_size=world_size, dp_replicate=dp_replicate)
     device = torch.device("cpu")
     with _fake_world(world_size):
         mesh = build_mesh(device, dims)
