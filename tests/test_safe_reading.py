@@ -377,3 +377,21 @@ def _save_and_load_sharded(folder: str) -> dict[str, str]:
         paths[layout] = path
     dist.barrier()
     return paths
+
+
+def test_data_files_outside_the_folder_are_refused(tmp_path):
+    """Metadata made of allowed classes only, but placing a data file outside the checkpoint
+    folder (an absolute path, or ``..``): refused before anything is read from there."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_lite.checkpoint.storage import check_files
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    metadata = read_metadata_file(tmp_path / "ck" / ".metadata")
+    check_files(tmp_path / "ck", metadata.storage_data)  # as written: fine
+    for outside in ("../secret.distcp", "/etc/passwd"):
+        moved = {k: dataclasses.replace(v, relative_path=outside) for k, v in metadata.storage_data.items()}
+        with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint folder"):
+            check_files(tmp_path / "ck", moved)
