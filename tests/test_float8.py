@@ -91,7 +91,7 @@ def test_a_researchers_model_by_blocks_and_dimensions_not_multiple_of_16_stay() 
 
 
 def test_bad_combinations_and_devices_are_one_line() -> None:
-    with pytest.raises(ValueError, match="cannot be combined with enable_fsdp_float8_all_gather"):
+    with pytest.raises(ValueError, match="expected unset or tensorwise with float8.enable_fsdp_float8_all_gather"):
         apply_float8(_meta_model(), blocks=[], recipe_name="rowwise", enable_fsdp_float8_all_gather=True)
     # tensorwise is the recipe the float8 all-gather uses: named or not, the same conversion.
     model = _meta_model()

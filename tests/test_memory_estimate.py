@@ -61,13 +61,19 @@ def _grid(batch: int, seq: int, dtype: str, modes: tuple[str, ...], acs: tuple[s
                                                          mode, *AC[ac]) for mode in modes for ac in acs}
 
 
-MODES = ("default", "always", "never")
+# The whole grid of reshard modes × AC modes in fp32 and bf16 (24 jobs, about 4 minutes here) is a
+# benchmark: ``python scripts/benchmark.py --skip overhead,memory,collectives,auto,ac,compile,metainit,startup
+# --parts peak`` (figures in docs/performance.md, "Memory estimate against the allocator"). The
+# suite keeps its two most different corners.
 JOBS: dict[int, dict[str, list[str]]] = {
     2: {
-        # Every reshard mode × AC mode in fp32 where activations make the peak (backward).
-        **_grid(2, 128, "float32", MODES, tuple(AC)),
-        # bf16 (FSDP2 mixed precision: bf16 gathers and compute, fp32 shards and reduction).
-        **_grid(2, 128, "bfloat16", MODES, tuple(AC)),
+        # Nothing resharded or recomputed, fp32: the largest peak, in backward.
+        **_grid(2, 128, "float32", ("never",), ("none",)),
+        # Everything resharded and recomputed, bf16 (FSDP2 mixed precision: bf16 gathers and
+        # compute, fp32 shards and reduction): the smallest.
+        **_grid(2, 128, "bfloat16", ("always",), ("full",)),
+        # The default mode with selective (op) checkpointing: the shipped configs'.
+        **_grid(2, 128, "float32", ("default",), ("selective op",)),
         # Small batches: the peak is the optimizer step's.
         "float32 1x16 default / none": _job(1, 16),
         "float32 1x16 never / full": _job(1, 16, "float32", "--parallelism.reshard_after_forward_mode", "never",
@@ -136,10 +142,11 @@ def _compare(world_size: int, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
-    """-3% / +10% of the allocator's peak of a real trainer step at 2 ranks: every reshard mode ×
-    AC mode in fp32 and in bf16, small batches (a peak in the optimizer step), CPU
-    offload, gradient accumulation with the for-loop AdamW; and an estimate made inside a
-    process group (in a child process) equal to one made outside."""
+    """-3% / +10% of the allocator's peak of a real trainer step at 2 ranks: the grid's corners
+    (never / none in fp32, always / full in bf16) and the default with selective checkpointing,
+    small batches (a peak in the optimizer step), CPU offload, gradient accumulation with the
+    for-loop AdamW; and an estimate made inside a process group (in a child process) equal to
+    one made outside. The whole grid: scripts/benchmark.py --parts peak."""
     _compare(2, tmp_path)
 
 

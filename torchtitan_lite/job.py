@@ -18,9 +18,16 @@ import torch
 
 from torchtitan_lite.callbacks.wandb import check_wandb
 from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
-from torchtitan_lite.checkpoint.manager import check_initial_load_path, checkpoint_model_args, committed_steps
+from torchtitan_lite.checkpoint.manager import (
+    check_initial_load_path,
+    checkpoint_model_args,
+    committed_steps,
+    initial_load_used,
+    resumable_steps,
+)
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.build import check_sources
+from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
 from torchtitan_lite.distributed.float8 import Float8Plan
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
@@ -76,15 +83,8 @@ def _own_folder(config: JobConfig) -> Path:
     return Path(config.job.dump_folder) / config.checkpoint.folder
 
 
-def _resumable_steps(config: JobConfig) -> list[int]:
-    """The committed steps the job resumes from (none when checkpointing is off)."""
-    return committed_steps(_own_folder(config)) if config.checkpoint.enable else []
-
-
 def _initial_load_used(config: JobConfig) -> bool:
-    """``initial_load_path`` is loaded only while the job's own folder holds no checkpoint, or
-    always with LoRA (the frozen base weights are never saved: a resumed run loads them again)."""
-    return config.checkpoint.initial_load_path is not None and (config.lora.enable or not _resumable_steps(config))
+    return initial_load_used(config.checkpoint, _own_folder(config), lora=config.lora.enable)
 
 
 def _check_writable_folder(key: str, folder: str) -> None:
@@ -204,7 +204,7 @@ def _checkpoint_shape(config: JobConfig, spec: ModelSpec) -> Any:
     """The shape for ``from_checkpoint``: of the step a resumed job loads (its own folder's
     ``load_step`` or latest), else of ``initial_load_path``."""
     ck = config.checkpoint
-    own = _resumable_steps(config)
+    own = resumable_steps(config.checkpoint, _own_folder(config))
     if own:
         step = ck.load_step if ck.load_step != -1 else own[-1]
         return checkpoint_model_args(_own_folder(config) / f"step-{step}", in_hf=False, spec=spec,
@@ -268,11 +268,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         message = str(exc)
         raise ConfigError(message if message.startswith("parallelism.") else f"parallelism.{message}") from None
     per_step = t.local_batch_size * dims.dp_size
-    if t.global_batch_size != -1:
-        _require(t.global_batch_size % per_step == 0, "training.global_batch_size", t.global_batch_size,
-                 f"expected a multiple of local_batch_size × data-parallel degree = "
-                 f"{t.local_batch_size} × {dims.dp_size} = {per_step}")
     global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
+    grad_accum_steps = check_batch_split(global_batch, t.local_batch_size, dims.dp_size)
     if config.compile.enable:
         import torch._dynamo
 
@@ -305,7 +302,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec,
         model_args=model_args,
-        tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=global_batch // per_step,
+        tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=grad_accum_steps,
         reshard_mode=reshard_mode, param_dtype=DTYPES[t.mixed_precision_param],
         reduce_dtype=DTYPES[t.mixed_precision_reduce], val_local_batch_size=val_local,
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,

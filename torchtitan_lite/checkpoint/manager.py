@@ -54,7 +54,7 @@ from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.optim import load_lr_scheduler_position
 
 __all__ = ["CHECKSUMS_FILE", "TRAIN_STATE_FILE", "CheckpointManager", "check_initial_load_path",
-           "checkpoint_model_args", "committed_steps"]
+           "checkpoint_model_args", "committed_steps", "initial_load_used", "resumable_steps"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -62,6 +62,19 @@ logger = logging.getLogger("torchtitan_lite")
 _FIXED_ON_RESUME = ("model.name", "model.tokenizer_path", "lora.enable")
 # Settings that name places and say nothing about training.
 _NOT_SHOWN = ("job.dump_folder", "job.config_file", "checkpoint.load_step")
+
+
+def resumable_steps(config: Checkpoint, folder: Path) -> list[int]:
+    """The committed steps of the job's own checkpoint folder it resumes from (none when
+    checkpointing is off)."""
+    return committed_steps(folder) if config.enable else []
+
+
+def initial_load_used(config: Checkpoint, folder: Path, *, lora: bool) -> bool:
+    """Whether ``initial_load_path`` is loaded: only while the job's own folder holds no
+    checkpoint, or always with LoRA (the frozen base weights are never saved: a resumed run loads
+    them again). The one rule, for the preflight's checks and for :meth:`CheckpointManager.load`."""
+    return config.initial_load_path is not None and (lora or not resumable_steps(config, folder))
 
 
 class CheckpointManager:
@@ -214,11 +227,12 @@ class CheckpointManager:
         None when there is nothing to load (a fresh start)."""
         cfg = self.config
         parts = set(LOADABLE_PARTS) - set(cfg.exclude_from_loading)
-        steps = committed_steps(self.folder) if cfg.enable else []
+        steps = resumable_steps(cfg, self.folder)
         if cfg.enable and cfg.load_step >= 0 and cfg.load_step not in steps:
             raise CheckpointError(f"checkpoint.load_step: invalid value {cfg.load_step}; {str(self.folder)!r} "
                                   f"holds committed steps {steps or 'none'}")
-        initial = None if cfg.initial_load_path is None else Path(cfg.initial_load_path)
+        used = initial_load_used(cfg, self.folder, lora=self.lora is not None)
+        initial = Path(cfg.initial_load_path) if used else None  # type: ignore[arg-type]
         if self.lora is not None and initial is not None:  # the frozen weights: never in this run's checkpoints
             self.storage.load_base(initial, in_hf=cfg.initial_load_in_hf)
             self._loaded("base weights loaded from %s (LoRA: frozen, never saved)", initial)

@@ -25,6 +25,9 @@ from torchtitan_lite.errors import ConfigError
 
 __all__ = [
     "RESHARD_MODES",
+    "every_nth_block",
+    "float8_recipe_problem",
+    "lora_settings_problem",
     "DataSource",
     "Float8",
     "JobConfig",
@@ -34,6 +37,41 @@ __all__ = [
 
 RESHARD_MODES = ("default", "always", "never")
 """The named reshard modes (besides an integer group size, a per-unit plan and the config's ``auto``)."""
+
+
+# Rules that the config's validation and the modules that apply the settings (for research code
+# calling them directly) share: each says what is wrong, or None.
+
+def lora_settings_problem(rank: Any, alpha: Any, dropout: Any) -> tuple[str, Any, str] | None:
+    """The first ``[lora]`` number that is not allowed: (key, value, what is allowed)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        return "lora.rank", rank, "expected an integer >= 1"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        return "lora.alpha", alpha, "expected a finite number > 0"
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        return "lora.dropout", dropout, "expected 0 <= dropout < 1"
+    return None
+
+
+def every_nth_block(option: Any) -> int | None:
+    """``activation_checkpoint.selective_ac_option``: None for ``"op"``, N for a positive integer
+    (or its string); ``ValueError`` naming the key for anything else."""
+    if option == "op":
+        return None
+    text = str(option).strip()
+    if isinstance(option, bool) or not text.isdigit() or int(text) < 1:
+        raise ValueError(f"activation_checkpoint.selective_ac_option: invalid value {option!r}; expected 'op' or a "
+                         "positive integer N (full recomputation of every N-th block)")
+    return int(text)
+
+
+def float8_recipe_problem(recipe_name: str | None, all_gather: bool) -> str | None:
+    """What is wrong with a float8 recipe beside the float8 all-gather (which needs tensorwise
+    scales), or None."""
+    if recipe_name not in (None, "tensorwise") and all_gather:
+        return (f"float8.recipe_name: invalid value {recipe_name!r}; expected unset or tensorwise with "
+                "float8.enable_fsdp_float8_all_gather = true (the float8 all-gather needs tensorwise scales)")
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -665,22 +703,22 @@ def validate_config(c: JobConfig) -> None:
              "parallelism.cpu_offload = 'all')")
 
     ac = c.activation_checkpoint
-    option = ac.selective_ac_option
-    _require(option == "op" or (str(option).strip().isdigit() and int(str(option)) >= 1),
-             "activation_checkpoint.selective_ac_option", option,
-             "expected 'op' or a positive integer N (full recomputation of every N-th block)")
+    try:
+        every_nth_block(ac.selective_ac_option)
+    except ValueError as exc:
+        problems.append(str(exc))
     _require(not c.compile.enable or bool(c.compile.components), "compile.components", c.compile.components,
              "expected model, loss or both with compile.enable = true")
     f8 = c.float8
-    _require(f8.recipe_name in (None, "tensorwise") or not f8.enable_fsdp_float8_all_gather, "float8.recipe_name",
-             f8.recipe_name, "expected unset or tensorwise with float8.enable_fsdp_float8_all_gather = true "
-             "(the float8 all-gather needs tensorwise scales)")
+    problem = float8_recipe_problem(f8.recipe_name, f8.enable_fsdp_float8_all_gather)
+    if problem:
+        problems.append(problem)
 
     lo = c.lora
     if lo.enable:
-        _require(lo.rank >= 1, "lora.rank", lo.rank, "expected an integer >= 1")
-        _require(math.isfinite(lo.alpha) and lo.alpha > 0, "lora.alpha", lo.alpha, "expected a finite number > 0")
-        _require(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= dropout < 1")
+        lora_problem = lora_settings_problem(lo.rank, lo.alpha, lo.dropout)
+        if lora_problem:
+            _require(False, *lora_problem)
         _require(bool(lo.target_modules), "lora.target_modules", lo.target_modules,
                  "expected at least one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
 

@@ -25,7 +25,7 @@ import torch
 
 from torchtitan_lite.data.mixture import Schedule
 from torchtitan_lite.data.windows import Documents, as_packed, window_tensors
-from torchtitan_lite.errors import DataError
+from torchtitan_lite.errors import ConfigError, DataError
 
 __all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches", "rank_samples"]
 
@@ -59,14 +59,14 @@ class LoaderSource:
 
 
 def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
-    """Micro-batches per rank per global batch; one :class:`DataError` line when the global batch
-    does not split into ``local_batch_size`` rows on each of ``dp_size`` ranks."""
-    if global_batch_size % (local_batch_size * dp_size):
-        raise DataError(
-            f"training.global_batch_size={global_batch_size} is not a multiple of "
-            f"local_batch_size × dp = {local_batch_size} × {dp_size}"
-        )
-    return global_batch_size // (local_batch_size * dp_size)
+    """Micro-batches per rank per global batch (gradient accumulation steps); one
+    :class:`ConfigError` line when the global batch does not split into ``local_batch_size`` rows
+    on each of ``dp_size`` data-parallel ranks. The one rule, for the job's plan and the loader."""
+    per_step = local_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise ConfigError(f"training.global_batch_size: invalid value {global_batch_size}; expected a multiple of "
+                          f"local_batch_size × data-parallel degree = {local_batch_size} × {dp_size} = {per_step}")
+    return global_batch_size // per_step
 
 
 def micro_batches(rows: np.ndarray, local_batch_size: int, documents: Documents | None = None,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtitan_lite.config.schema import every_nth_block
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
 __all__ = [
@@ -111,14 +112,9 @@ def describe(mode: str, selective_ac_option: str | int = "op") -> str:
 
 
 def _every_nth(option: str | int) -> int | None:
-    """None for ``"op"``, N for a positive integer (or its string), else ``ValueError``."""
-    if option == "op":
-        return None
-    text = str(option).strip()
-    if isinstance(option, bool) or not text.isdigit() or int(text) < 1:
-        raise ValueError(f"activation_checkpoint.selective_ac_option: invalid value {option!r}; expected "
-                         "'op' or a positive integer N (checkpoint every N-th block)")
-    return int(text)
+    """None for ``"op"``, N for a positive integer (or its string), else ``ValueError`` (the
+    config's rule: :func:`~torchtitan_lite.config.schema.every_nth_block`)."""
+    return every_nth_block(option)
 
 
 @functools.cache

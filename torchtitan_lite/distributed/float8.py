@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from torchtitan_lite.config.schema import float8_recipe_problem
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
 __all__ = ["Float8Plan", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
@@ -169,9 +170,9 @@ def apply_float8(
         recipes = [r.value for r in Float8LinearRecipeName]
         if recipe_name not in recipes:
             raise ValueError(f"float8: unknown recipe_name {recipe_name!r}; allowed: {', '.join(recipes)}")
-        if enable_fsdp_float8_all_gather:
-            raise ValueError(f"float8: recipe_name {recipe_name!r} cannot be combined with "
-                             "enable_fsdp_float8_all_gather (which needs tensorwise scales); unset one")
+        problem = float8_recipe_problem(recipe_name, enable_fsdp_float8_all_gather)
+        if problem is not None:
+            raise ValueError(problem)
         config = Float8LinearConfig.from_recipe_name(recipe_name)
         # As TorchTitan does for rowwise scaling: inductor otherwise rounds the casts
         # differently from eager (pytorch/pytorch#150859).

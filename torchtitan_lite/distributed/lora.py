@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import torchtitan_lite.models.init as init
+from torchtitan_lite.config.schema import lora_settings_problem
 
 __all__ = [
     "ADAPTERS",
@@ -60,13 +61,11 @@ ADAPTERS = ("lora_A", "lora_B")
 
 
 def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
-    """``ValueError`` naming the first setting that is not allowed (the ``[lora]`` keys)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora.rank: invalid value {rank!r}; expected an integer >= 1")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"lora.alpha: invalid value {alpha!r}; expected a finite number > 0")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValueError(f"lora.dropout: invalid value {dropout!r}; expected 0 <= dropout < 1")
+    """``ValueError`` naming the first setting that is not allowed (the ``[lora]`` keys' rule)."""
+    problem = lora_settings_problem(rank, alpha, dropout)
+    if problem is not None:
+        key, value, allowed = problem
+        raise ValueError(f"{key}: invalid value {value!r}; {allowed}")
 
 
 class LoRAWeight(nn.Module):
