@@ -247,7 +247,7 @@ def _measure() -> dict[str, Any]:
 
     from torchtitan_lite.config.schema import Optimizer
     from torchtitan_lite.distributed.fsdp import FSDPOptions
-    from torchtitan_lite.distributed.lora import LoRAPlan
+    from torchtitan_lite.distributed.lora import LoRASetup
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.optim import build_optimizer
@@ -260,7 +260,7 @@ def _measure() -> dict[str, Any]:
     if os.environ["RANK"] == "1":
         with torch.device("meta"):
             meta = spec.model_cls(args)
-        plan = LoRAPlan.for_model(meta, rank=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        plan = LoRASetup.for_model(meta, rank=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                   hf_name=spec.hf.to_hf_name)
     model = build_sharded_model(spec, args, init_device_mesh("cpu", (1,)), device=device, seed=0,
                                 fsdp=FSDPOptions(), lora=plan)

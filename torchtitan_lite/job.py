@@ -29,9 +29,9 @@ from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
-from torchtitan_lite.distributed.float8 import Float8Plan
+from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -138,10 +138,10 @@ class JobPlan:
     """``parallelism.cpu_offload``: where shards, gradients and optimizer state live: ``none``
     (the device), ``all`` (CPU, FSDP2's offload; also ``training.enable_cpu_offload``) or
     ``auto`` (per unit, as ``auto`` plans it)."""
-    float8: Float8Plan | None = None
+    float8: Float8Conversion | None = None
     """The float8 conversion when ``model.converters`` names float8, else None. The float8
     all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
-    lora: LoRAPlan | None = None
+    lora: LoRASetup | None = None
     """Low-rank adapters on the linears ``lora.target_modules`` names, the rest of the model
     frozen, when ``lora.enable``; else None."""
 
@@ -293,7 +293,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
     all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
-    float8 = None if not m.converters else Float8Plan(
+    float8 = None if not m.converters else Float8Conversion(
         enable_fsdp_float8_all_gather=all_gather,
         force_recompute_fp8_weight_in_bwd=f8.force_recompute_fp8_weight_in_bwd,
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
@@ -312,7 +312,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     )
 
 
-def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRAPlan | None:
+def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup | None:
     """The job's LoRA (None when ``lora.enable`` is off): the linears its targets name, found
     by their Hugging Face (PEFT) names on the model built on the meta device. A target the
     model lacks is a :class:`ConfigError`."""
@@ -321,7 +321,7 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRAPlan 
         return None
     model = spec.meta_model(model_args)
     try:
-        return LoRAPlan.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
+        return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                   target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,
                                   hf_name=None if spec.hf is None else spec.hf.to_hf_name)
     except ValueError as exc:

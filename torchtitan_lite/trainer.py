@@ -6,7 +6,7 @@ the config, the :class:`~torchtitan_lite.job.JobPlan` and the parts before it):
 - :func:`~torchtitan_lite.data.build_data`: the training loader and the validation sets (files
   read before any process group), and :func:`build_validators` over those sets;
 - :func:`setup_distributed`: the process group, the dump folder's lock and the device mesh;
-- :func:`plan_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan;
+- :func:`agree_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan (rank 0's, every rank's);
 - :func:`build_model`: spec → meta → float8 → activation checkpointing → compile → FSDP2 (or,
   one process, the plain model under autocast) → allocated → initialised;
 - :func:`build_loss`, :func:`build_optimizers` (optimizer and LR schedule),
@@ -86,7 +86,7 @@ __all__ = [
     "build_validators",
     "clip_grad_norm_",
     "log_startup",
-    "plan_auto_reshard",
+    "agree_auto_reshard",
     "setup_distributed",
     "trainer_step_peak",
 ]
@@ -173,7 +173,7 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
     return mesh, lock
 
 
-def plan_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, budget: tuple[int, str]) -> AutoReshardPlan:
+def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, budget: tuple[int, str]) -> AutoReshardPlan:
     """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
     estimates on fake tensors, in a child process) and every rank applies that one plan."""
     from torchtitan_lite.memory.auto import job_auto_kwargs
@@ -352,7 +352,7 @@ class Trainer:
         self.loader.group = self.mesh.dp_group  # the data's collectives: among the data-parallel ranks
         for validator in self.validators.values():
             validator.group = self.mesh.dp_group
-        self.reshard_plan = None if budget is None else plan_auto_reshard(config, plan, self.device, budget)
+        self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.loss_fn = build_loss(config)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)

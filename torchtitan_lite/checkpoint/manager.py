@@ -47,7 +47,7 @@ from torchtitan_lite.checkpoint.storage import (
     write_json,
 )
 from torchtitan_lite.config.schema import LOADABLE_PARTS, Checkpoint
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
@@ -90,7 +90,7 @@ class CheckpointManager:
     def __init__(self, config: Checkpoint, *, dump_folder: str | Path, model: nn.Module,
                  optimizer: torch.optim.Optimizer, lr_scheduler: Any, loader: Any, model_spec: ModelSpec | None = None,
                  timeout_s: float = 1800.0, hf_extras: HFExportExtras | None = None,
-                 run_config: dict[str, Any] | None = None, lora: LoRAPlan | None = None) -> None:
+                 run_config: dict[str, Any] | None = None, lora: LoRASetup | None = None) -> None:
         self.config, self.lora, self.model_spec = config, lora, model_spec
         self.run_config = run_config  # the job's settings ("section.key": value), saved with each checkpoint
         self.folder = Path(dump_folder) / config.folder

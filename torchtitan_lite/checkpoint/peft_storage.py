@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.checkpoint.hf_storage import barrier_if_distributed, copy_full_into, is_distributed
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.distributed.lora import ADAPTERS, LoRAPlan, lora_modules
+from torchtitan_lite.distributed.lora import ADAPTERS, LoRASetup, lora_modules
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
@@ -60,7 +60,7 @@ def peft_adapter_names(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     return names
 
 
-def adapter_config(lora: LoRAPlan, *, base_model_name_or_path: str | None = None) -> dict[str, Any]:
+def adapter_config(lora: LoRASetup, *, base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` of ``lora`` (PEFT's ``LoraConfig`` fields)."""
     alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
     return {
@@ -78,7 +78,7 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def save_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec, lora: LoRAPlan,
+def save_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec, lora: LoRASetup,
                       dtype: torch.dtype | None = None, base_model_name_or_path: str | None = None) -> None:
     """Write ``model``'s LoRA adapters (sharded or not) as a PEFT adapter folder at ``path``, in
     ``dtype`` (default: the adapters' own). Collective when the model is sharded (every rank

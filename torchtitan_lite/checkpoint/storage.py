@@ -48,7 +48,7 @@ from torchtitan_lite.checkpoint.safe_reading import (
     UnsafeCheckpointError,
     failure_reason,
 )
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
 
@@ -204,7 +204,7 @@ class CheckpointStorage:
     and tokenizer files for a Hugging Face export. Methods marked "a collective" run on every rank."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, model_spec: ModelSpec | None,
-                 lora: LoRAPlan | None, hf_extras: HFExportExtras | None) -> None:
+                 lora: LoRASetup | None, hf_extras: HFExportExtras | None) -> None:
         self.model, self.optimizer, self.model_spec = model, optimizer, model_spec
         self.lora, self.hf_extras = lora, hf_extras
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

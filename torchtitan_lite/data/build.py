@@ -20,11 +20,11 @@ from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import Documents, PackedWindows, TokenWindows
 from torchtitan_lite.errors import DataError, UserError
 
-__all__ = ["DataPlan", "NamedSource", "build_data", "check_sources", "document_bounds", "training_sources",
+__all__ = ["DataNeeds", "NamedSource", "build_data", "check_sources", "document_bounds", "training_sources",
            "validation_sources"]
 
 
-class DataPlan(Protocol):
+class DataNeeds(Protocol):
     """What the data needs of a job's plan (:class:`~torchtitan_lite.job.JobPlan` has it)."""
 
     tokenizer: Tokenizer
@@ -93,7 +93,7 @@ def check_sources(config: JobConfig) -> list[UserError]:
     return problems
 
 
-def build_data(config: JobConfig, plan: DataPlan, *, dp_rank: int,
+def build_data(config: JobConfig, plan: DataNeeds, *, dp_rank: int,
                ) -> tuple[BatchLoader, dict[str | None, TokenWindows | PackedWindows]]:
     """The training loader of data-parallel rank ``dp_rank`` and the validation sets by name
     (empty when validation is off). Reads and tokenizes the files (streamed sources: their

@@ -36,7 +36,7 @@ from torch import nn
 from torchtitan_lite.config.schema import float8_recipe_problem
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
-__all__ = ["Float8Plan", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
+__all__ = ["Float8Conversion", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
 
 
 @functools.cache
@@ -109,7 +109,7 @@ def _filter(filter_fqns: Sequence[str], recipe_name: str | None) -> Callable[[nn
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8Plan:
+class Float8Conversion:
     """A job's float8 conversion (``model.converters = ["float8"]`` and its ``[float8]`` options),
     resolved once by :func:`~torchtitan_lite.job.plan_job`; the arguments of :func:`apply_float8`."""
 

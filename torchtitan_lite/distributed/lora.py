@@ -23,7 +23,7 @@ adapters in high precision (it converts exact ``nn.Linear`` layers only).
 Which linears: :func:`lora_linears` finds them by PEFT's names (``q_proj`` …), which a model
 family's Hugging Face names give (``spec.hf.to_hf_name``: ``layers.0.attention.wq`` ↔
 ``model.layers.0.self_attn.q_proj``); a model without them is matched by its own module names.
-:class:`LoRAPlan` is a job's choice, resolved once by :func:`torchtitan_lite.job.plan_job`.
+:class:`LoRASetup` is a job's choice, resolved once by :func:`torchtitan_lite.job.plan_job`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torchtitan_lite.config.schema import lora_settings_problem
 
 __all__ = [
     "ADAPTERS",
-    "LoRAPlan",
+    "LoRASetup",
     "LoRAWeight",
     "adapter_parameter_names",
     "apply_lora",
@@ -210,7 +210,7 @@ def lora_linears(model: nn.Module, target_modules: Sequence[str], *,
 
 
 @dataclass(frozen=True)
-class LoRAPlan:
+class LoRASetup:
     """A job's LoRA (``[lora]`` with ``enable = true``), resolved once by
     :func:`~torchtitan_lite.job.plan_job`: the settings and the linears they name."""
 
@@ -233,7 +233,7 @@ class LoRAPlan:
     @classmethod
     def for_model(cls, model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
                   target_modules: Sequence[str], merge_on_export: bool = False,
-                  hf_name: Callable[[str], str] | None = None) -> LoRAPlan:
+                  hf_name: Callable[[str], str] | None = None) -> LoRASetup:
         """The plan for ``model`` (e.g. built on the meta device): ``target_modules`` resolved by
         :func:`lora_linears` (``ValueError``, one line, for a target the model lacks)."""
         linears = lora_linears(model, target_modules, hf_name=hf_name)

@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply_activation_checkpointing
 from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
-from torchtitan_lite.distributed.float8 import Float8Plan
+from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, FSDPUnit, apply_fsdp, fsdp_units, materialize
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.mesh import ParallelMesh
 from torchtitan_lite.models.spec import ModelSpec
 
@@ -45,12 +45,12 @@ class ParallelizeOptions:
     """One of ``none``/``full``/``op`` per block (``auto``'s choice), instead of the two above."""
     compile_model: bool = False
     compile_backend: str = "inductor"
-    float8: Float8Plan | None = None
+    float8: Float8Conversion | None = None
     fsdp: FSDPOptions | None = FSDPOptions()  # noqa: RUF009 - frozen
     """How to shard; None: one process, the model kept plain (allocated whole)."""
     autocast_dtype: torch.dtype | None = None
     """Without FSDP: run the forward under autocast in this dtype (bf16 on one process)."""
-    lora: LoRAPlan | None = None
+    lora: LoRASetup | None = None
 
 
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,

@@ -14,7 +14,7 @@ import torch
 
 from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.memory.estimate import (
     GIB,
@@ -208,7 +208,7 @@ def plan_auto_reshard(
     grad_accum_steps: int = 1,
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
-    lora: LoRAPlan | None = None,
+    lora: LoRASetup | None = None,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
     that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
@@ -475,16 +475,16 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     if choose_offload:
         count_offloaded = False  # the budget is the device's: offloading is what frees it
     base_offload = (False,) * n if choose_offload else (bool(offload_setting),) * n
-    Plan = tuple[tuple[bool, ...], tuple[str, ...], tuple[bool, ...]]
-    estimates: dict[Plan, MemoryEstimate] = {}
+    Choice = tuple[tuple[bool, ...], tuple[str, ...], tuple[bool, ...]]
+    estimates: dict[Choice, MemoryEstimate] = {}
 
-    def peak(plan: Plan) -> int:
+    def peak(plan: Choice) -> int:
         if plan not in estimates:
             estimates[plan] = estimate_here(spec, args, reshard_after_forward_mode=plan[0], ac_policies=plan[1],
                                             cpu_offload=plan[2], **kwargs)
         return _compared(estimates[plan], count_offloaded)[0]
 
-    never_plan: Plan = ((False,) * n, base, base_offload)
+    never_plan: Choice = ((False,) * n, base, base_offload)
     never = peak(never_plan)
     _, phase, module = _compared(estimates[never_plan], count_offloaded)
     order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
@@ -530,7 +530,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         position = {id(a): k for k, a in enumerate(actions)}
         actions.sort(key=lambda a: (a.rate, position[id(a)]))
 
-    def plan(k: int) -> Plan:
+    def plan(k: int) -> Choice:
         reshard = [False] * n
         policies = list(base)
         offload = list(base_offload)

@@ -49,7 +49,7 @@ from torchtitan_lite.distributed.fsdp import (
     unit_offload,
     validate_reshard_after_forward_mode,
 )
-from torchtitan_lite.distributed.lora import LoRAPlan
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import ParallelizeOptions, parallelize
@@ -160,7 +160,7 @@ def estimate_memory(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
-    lora: LoRAPlan | None = None,
+    lora: LoRASetup | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
@@ -451,7 +451,7 @@ def _estimate_uncached(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
-    lora: LoRAPlan | None = None,
+    lora: LoRASetup | None = None,
 ) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
