@@ -1,0 +1,99 @@
+"""The mixture-of-experts feed-forward (``torchtitan_lite/models/moe.py``): the same outputs and
+gradients as ``transformers``' Qwen3-MoE block, grouped matrix products equal to the loop, no
+token dropped, and the load-balancing loss as ``transformers`` computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan_lite.models.moe import MoE, grouped_mm_available, load_balancing_loss
+
+transformers = pytest.importorskip("transformers")
+
+DIM, HIDDEN, EXPERTS, TOP_K = 32, 48, 6, 2
+
+
+def _pair(seed: int = 0, norm_topk_prob: bool = True) -> tuple[MoE, torch.nn.Module]:
+    """Our MoE and transformers' Qwen3MoeSparseMoeBlock with the same random weights."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(hidden_size=DIM, moe_intermediate_size=HIDDEN, num_experts=EXPERTS,
+                                         num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(seed)
+    theirs = Qwen3MoeSparseMoeBlock(config)
+    for p in theirs.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ours = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        ours.router.gate.weight.copy_(theirs.gate.weight)
+        ours.experts.w1.copy_(theirs.experts.gate_up_proj[:, :HIDDEN])
+        ours.experts.w3.copy_(theirs.experts.gate_up_proj[:, HIDDEN:])
+        ours.experts.w2.copy_(theirs.experts.down_proj)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_outputs_and_gradients_equal_transformers(norm_topk_prob: bool) -> None:
+    ours, theirs = _pair(norm_topk_prob=norm_topk_prob)
+    x = torch.randn(3, 7, DIM)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = ours(x1)
+    ref = theirs(x2)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.router.gate.weight.grad, theirs.gate.weight.grad, atol=1e-6, rtol=1e-5)
+    theirs_w1 = theirs.experts.gate_up_proj.grad[:, :HIDDEN]
+    torch.testing.assert_close(ours.experts.w1.grad, theirs_w1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.experts.w2.grad, theirs.experts.down_proj.grad, atol=1e-6, rtol=1e-5)
+    # Every token went to top_k experts: nothing dropped.
+    assert float(ours.tokens_per_expert.sum()) == 3 * 7 * TOP_K
+
+
+@pytest.mark.skipif(not grouped_mm_available("cpu"), reason="torch._grouped_mm does not run on this CPU build")
+def test_grouped_experts_equal_the_loop() -> None:
+    """Grouped matrix products against the loop over experts: outputs and gradients within 1e-6,
+    also with an expert that gets no token."""
+    ours, _ = _pair(seed=1)
+    looped, _ = _pair(seed=1)
+    looped.experts.use_grouped_mm = False
+    x = torch.randn(4, 9, DIM)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_a, out_b = ours(a), looped(b)
+    torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-6)
+    grad = torch.randn_like(out_a)
+    out_a.backward(grad)
+    out_b.backward(grad)
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+    for name in ("w1", "w2", "w3"):
+        torch.testing.assert_close(getattr(ours.experts, name).grad, getattr(looped.experts, name).grad, atol=1e-6,
+                                   rtol=1e-6)
+    # Experts that get no row (the first and the fourth) at the grouped products' edges.
+    counts = torch.tensor([0, 5, 3, 0, 4, 2])
+    rows = torch.randn(int(counts.sum()), DIM)
+    torch.testing.assert_close(ours.experts(rows, counts), looped.experts(rows, counts), atol=1e-6, rtol=1e-6)
+
+
+def test_load_balancing_loss_equals_transformers() -> None:
+    """Over two MoE layers' router outputs: the auxiliary loss of ``load_balancing_loss_func``."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    layers = [_pair(seed=s)[0] for s in (2, 3)]
+    x = torch.randn(2, 5, DIM)
+    logits = []
+    for layer in layers:
+        layer(x)
+        logits.append(layer.router.gate(x.reshape(-1, DIM)))
+    ours = load_balancing_loss([layer.last_probs for layer in layers], [layer.last_indices for layer in layers],
+                               EXPERTS)
+    theirs = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_top_k_larger_than_the_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match="top_k 5 must be between 1 and the number of experts 4"):
+        MoE(DIM, HIDDEN, 4, 5)
