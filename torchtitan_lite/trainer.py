@@ -169,7 +169,7 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
     if refused[0] is not None:
         raise refused[0]
     mesh = build_mesh(device, plan.dims)
-    set_collective_timeout(config.comm.init_timeout_seconds, mesh.world, extra_groups=[mesh.dp_group])
+    set_collective_timeout(config.comm.init_timeout_seconds, mesh.groups())
     return mesh, lock
 
 
@@ -372,8 +372,8 @@ class Trainer:
                                      enable_tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
                                      disable_color=config.metrics.disable_color_printing)
+        # What runs around each step, in order (torchtitan_lite.callbacks); append your own.
         self.callbacks: list[Callback] = default_callbacks(config)
-        """What runs around each step, in order (:mod:`torchtitan_lite.callbacks`); append your own."""
         log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validators=self.validators,
                     reshard_plan=self.reshard_plan,
                     mfu=f"against {self.peak_tflops} TFLOP/s ({peak_source})" if self.peak_tflops

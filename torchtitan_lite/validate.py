@@ -52,8 +52,7 @@ class Validator:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.group: Any = None
-        """The data-parallel process group its sums are reduced over (None: the default group)."""
+        self.group: Any = None  # the data-parallel group its sums are reduced over (None: the default)
         self.device = device
         wanted = len(windows) if steps == -1 else steps * global_batch_size
         self.num_windows = min(len(windows), wanted)

@@ -3,10 +3,15 @@ sees of a step (:class:`StepState`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Callback", "StepState"]
+__all__ = ["Callback", "StepState", "exit_arguments"]
+
+
+def exit_arguments(error: BaseException | None) -> tuple[Any, BaseException | None, Any]:
+    """``__exit__``'s arguments for ``error`` (a context manager a callback holds across training)."""
+    return (None, None, None) if error is None else (type(error), error, error.__traceback__)
 
 
 @dataclass
@@ -27,8 +32,6 @@ class StepState:
     """Validation ran after it."""
     stop: bool = False
     """End the run after this step (a preemption signal)."""
-    notes: dict[str, Any] = field(default_factory=dict)
-    """Anything one callback leaves for the ones after it."""
 
 
 class Callback:

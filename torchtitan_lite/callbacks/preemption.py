@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan_lite.callbacks.base import Callback, StepState
+from torchtitan_lite.callbacks.base import Callback, StepState, exit_arguments
 from torchtitan_lite.stop_signals import StopSignals
 
 
@@ -28,5 +28,4 @@ class PreemptionCallback(Callback):
     def on_train_end(self, trainer: Any, error: BaseException | None) -> None:
         if self.signals is not None:
             signals, self.signals = self.signals, None
-            signals.__exit__(type(error) if error is not None else None, error,
-                             error.__traceback__ if error is not None else None)
+            signals.__exit__(*exit_arguments(error))

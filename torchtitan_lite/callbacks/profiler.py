@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan_lite.callbacks.base import Callback, StepState
+from torchtitan_lite.callbacks.base import Callback, StepState, exit_arguments
 from torchtitan_lite.config.schema import Profiling
 from torchtitan_lite.profiling import Profiler
 
@@ -26,5 +26,4 @@ class ProfilerCallback(Callback):
     def on_train_end(self, trainer: Any, error: BaseException | None) -> None:
         if self.profiler is not None:
             profiler, self.profiler = self.profiler, None
-            profiler.__exit__(type(error) if error is not None else None, error,
-                              error.__traceback__ if error is not None else None)
+            profiler.__exit__(*exit_arguments(error))

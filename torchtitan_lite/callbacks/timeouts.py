@@ -21,6 +21,5 @@ class TrainTimeoutCallback(Callback):
         if self.done:
             return
         self.done = True
-        mesh = trainer.mesh
         extra = [] if trainer.checkpointer is None else trainer.checkpointer.process_groups
-        set_collective_timeout(self.seconds, mesh.world, extra_groups=[mesh.dp_group, *extra])
+        set_collective_timeout(self.seconds, [*trainer.mesh.groups(), *extra])

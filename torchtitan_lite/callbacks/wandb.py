@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from pathlib import Path
 from typing import Any
 
 from torchtitan_lite.callbacks.base import Callback
@@ -37,10 +36,8 @@ class WandbCallback(Callback):
             return
         import wandb
 
-        m, job = self.config.metrics, self.config.job
-        folder = Path(job.dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=m.wandb_project, name=m.wandb_run_name or job.description, dir=str(folder),
+        m, job = self.config.metrics, self.config.job  # (rank 0's metrics logger made the dump folder)
+        self.run = wandb.init(project=m.wandb_project, name=m.wandb_run_name or job.description, dir=job.dump_folder,
                               config=self.config.to_dict())
 
     def on_metrics(self, trainer: Any, step: int, record: dict[str, Any]) -> None:

@@ -233,8 +233,9 @@ class CheckpointManager:
                                   f"holds committed steps {steps or 'none'}")
         used = initial_load_used(cfg, self.folder, lora=self.lora is not None)
         initial = Path(cfg.initial_load_path) if used else None  # type: ignore[arg-type]
+        initial_format = "hf" if cfg.initial_load_in_hf else "dcp"
         if self.lora is not None and initial is not None:  # the frozen weights: never in this run's checkpoints
-            self.storage.load_base(initial, in_hf=cfg.initial_load_in_hf)
+            self.storage.load_weights(initial, initial_format, {"model"}, base=True)
             self._loaded("base weights loaded from %s (LoRA: frozen, never saved)", initial)
         if steps:
             step = self._newest_that_verifies(steps)
@@ -250,11 +251,9 @@ class CheckpointManager:
         if self.lora is not None:
             return {}  # loaded above: the base weights (a LoRA run's adapters start at their init)
         if cfg.initial_load_in_hf or cfg.initial_load_model_only:
-            if cfg.initial_load_in_hf:
-                self.storage.load_weights(initial, {"format": "hf"}, {"model"})
-            else:
-                self.storage.load_dcp(initial, {"model"})
-            self._loaded("model weights loaded from %s%s", "Hugging Face checkpoint " * cfg.initial_load_in_hf, initial)
+            self.storage.load_weights(initial, initial_format, {"model"})
+            self._loaded("model weights loaded from %s%s", "Hugging Face checkpoint " if cfg.initial_load_in_hf else "",
+                         initial)
             return {}
         return self._load_from(initial, parts)
 
@@ -310,7 +309,7 @@ class CheckpointManager:
             if state["step"] > 0 and self.rank == 0:
                 logger.warning("checkpoint %s holds model weights only (%s): the optimizer state "
                                "starts fresh", path, state.get("export_dtype"))
-        self.storage.load_weights(path, state, parts)
+        self.storage.load_weights(path, state.get("format", "dcp"), parts)
         if "lr_scheduler" in parts and "lr_scheduler" in state:
             # The schedule's position comes from the checkpoint; its settings (peak lr, and the
             # warmup/decay/steps that shape it) from this run's config, from this step on.

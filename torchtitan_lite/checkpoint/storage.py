@@ -302,16 +302,14 @@ class CheckpointStorage:
         dist.all_gather_object(problems, problem)
         return next((p for p in problems if p is not None), None)
 
-    def load_weights(self, path: Path, state: dict[str, Any], parts: set[str]) -> None:
-        """The model (and optimizer) parts of the checkpoint ``path`` whose train state is ``state``."""
-        if state.get("format", "dcp") == "hf":
-            if "model" in parts:
-                load_hf_weights(self.model, path, spec=self.spec())
-        elif state.get("format") == "peft":
-            if "model" in parts:
-                load_peft_adapter(self.model, path, spec=self.spec())
-        else:
-            self.load_dcp(path, parts)
+    def load_weights(self, path: Path, format: str, parts: set[str], *, base: bool = False) -> None:
+        """The model (and optimizer) parts of the checkpoint ``path`` written in ``format``
+        (``dcp``, ``hf`` or ``peft``: its train state's). ``base``: only the frozen weights of a
+        LoRA model (a Hugging Face folder's load leaves the adapters as they are anyway)."""
+        if format == "dcp":
+            self.load_dcp(path, parts, base=base)
+        elif "model" in parts:
+            (load_peft_adapter if format == "peft" else load_hf_weights)(self.model, path, spec=self.spec())
 
     def model_state(self, *, base: bool = False) -> dict[str, Any]:
         """The model's state that its checkpoints hold: all of it, or with LoRA all but the
@@ -322,14 +320,6 @@ class CheckpointStorage:
         frozen = {name for name, param in self.model.named_parameters(remove_duplicate=False)
                   if not param.requires_grad}
         return {k: v for k, v in state.items() if (k in frozen) == base}
-
-    def load_base(self, path: Path, *, in_hf: bool) -> None:
-        """A LoRA model's frozen weights from ``path`` (Hugging Face or DCP; the adapters keep
-        their init)."""
-        if in_hf:
-            load_hf_weights(self.model, path, spec=self.spec())  # every weight but the adapters
-        else:
-            self.load_dcp(path, {"model"}, base=True)
 
     def load_dcp(self, path: Path, parts: set[str], *, base: bool = False) -> None:
         """Load the model and/or optimizer from DCP files, each rank reading only its shards

@@ -27,7 +27,6 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import PackedWindows
 from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "ChatTemplate", "Conversation", "find_files", "pack", "packed_windows", "read_conversations"]
+__all__ = ["KINDS", "ChatTemplate", "conversation", "find_files", "pack", "packed_windows", "read_rows"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -61,24 +60,15 @@ def find_files(dataset: str, dataset_path: str | None, *, section: str, key: str
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """One row: its messages, its tools (None: the row has none) and where it is (``'f.jsonl' line 3``)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[Any] | None
-    where: str
-
-
 def _content_ok(content: Any) -> bool:
     """A message's content: text, null, or a list of content parts (tables)."""
     return content is None or isinstance(content, str) or (
         isinstance(content, list) and all(isinstance(part, dict) for part in content))
 
 
-def _conversation(record: Any, where: str) -> Conversation:
-    """A row's conversation: its ``messages`` (and ``tools``), or its ``prompt`` and ``completion``
-    as two turns; :class:`RowError` (kind ``"row"``) for anything else."""
+def conversation(record: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """A row's messages and tools (None: the row has none): its ``messages`` (and ``tools``), or its
+    ``prompt`` and ``completion`` as two turns; :class:`RowError` (kind ``"row"``) for anything else."""
     if isinstance(record, dict) and record.get("messages") is not None:
         messages = record["messages"]
         if not (isinstance(messages, list) and messages and all(
@@ -89,18 +79,17 @@ def _conversation(record: Any, where: str) -> Conversation:
         tools = record.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise RowError(f"'tools' is not a list of tables (JSON schemas): {str(tools)[:80]!r}", kind="row")
-        return Conversation([dict(m) for m in messages], tools, where)  # [] is not None, as transformers passes it
+        return [dict(m) for m in messages], tools  # [] is not None, as transformers passes it
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return Conversation([{"role": "user", "content": record["prompt"]},
-                             {"role": "assistant", "content": record["completion"]}], None, where)
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}], None
     raise RowError(f"expected a 'messages' list of {{role, content}} tables, or 'prompt' and 'completion' strings; "
                    f"got {str(record)[:80]!r}", kind="row")
 
 
-def read_conversations(files: list[Path], key: str) -> Iterator[Conversation | RowError]:
-    """Every row of the files, in order: its conversation, or the :class:`RowError` that says why
-    it is not one (its message starts with where the row is). A file that cannot be read, or a
-    line that is not JSON, is a :class:`DataError` naming the file and the line."""
+def read_rows(files: list[Path], key: str) -> Iterator[tuple[str, Any]]:
+    """Every row of the files, in order, with where it is (``'f.jsonl' line 3``, ``'f.parquet' row
+    2``). A file that cannot be read, or a line that is not JSON, is a :class:`DataError` naming
+    the file and the line."""
     for file in files:
         if file.suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -111,7 +100,7 @@ def read_conversations(files: list[Path], key: str) -> Iterator[Conversation | R
                 raise unreadable_error(key, file, exc) from None
             columns = [c for c in ("messages", "tools", "prompt", "completion") if c in table.column_names]
             for row, record in enumerate(table.select(columns).to_pylist()):
-                yield _row(record, f"{str(file)!r} row {row}")
+                yield f"{str(file)!r} row {row}", record
             continue
         try:
             raw = file.read_bytes()
@@ -126,14 +115,7 @@ def read_conversations(files: list[Path], key: str) -> Iterator[Conversation | R
                 record = json.loads(line)
             except ValueError:
                 raise DataError(f"{key}: {str(file)!r} line {lineno} is not JSON") from None
-            yield _row(record, f"{str(file)!r} line {lineno}")
-
-
-def _row(record: Any, where: str) -> Conversation | RowError:
-    try:
-        return _conversation(record, where)
-    except RowError as exc:
-        return RowError(f"{where}: {exc}", kind=exc.kind)
+            yield f"{str(file)!r} line {lineno}", record
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,20 +203,16 @@ def packed_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, los
     cut = dropped = 0
     skipped: Counter[str] = Counter()
     first_skipped = ""
-    for row in read_conversations(files, key):
+    for row, record in read_rows(files, key):
         try:
-            if isinstance(row, RowError):
-                raise row
-            try:
-                ids, counted = template.encode(row.messages, loss_on=loss_on, tools=row.tools)
-            except RowError as exc:
-                raise RowError(f"{row.where}: {exc}", kind=exc.kind) from None
+            messages, tools = conversation(record)
+            ids, counted = template.encode(messages, loss_on=loss_on, tools=tools)
         except RowError as exc:
             if on_bad_row != "skip":
                 fix = f"; {_SPANS_FIX}" if exc.kind == "spans" else " (or set training.on_bad_row = 'skip')"
-                raise DataError(f"{key}: {exc}{fix}") from None
+                raise DataError(f"{key}: {row}: {exc}{fix}") from None
             skipped[exc.kind] += 1
-            first_skipped = first_skipped or str(exc)
+            first_skipped = first_skipped or f"{row}: {exc}"
             continue
         if len(ids) > size:
             if truncate == "drop":

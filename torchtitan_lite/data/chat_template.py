@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -89,10 +89,10 @@ class Templates:
     sources: dict[str, str]
     files: dict[str, str]
 
-    def name_for(self, *, has_tools: bool) -> str:
+    def name_for(self, tools: list[Any] | None) -> str:
         """The template a row uses, as transformers picks it: ``tool_use`` for a row with tools
         where there is one, else ``default``."""
-        return "tool_use" if has_tools and "tool_use" in self.sources else "default"
+        return "tool_use" if tools is not None and "tool_use" in self.sources else "default"
 
 
 def load_templates(tokenizer: HFTokenizer, *, override: str | None = None, key: str = "model.tokenizer_path",
@@ -344,29 +344,24 @@ def _strip_marks(text: str) -> tuple[str, dict[int, tuple[int | None, int | None
     return _MARKS.sub("", text), regions
 
 
-def _common_prefix(a: str, a_at: int, b: str, b_at: int) -> int:
-    """How many characters ``a[a_at:]`` and ``b[b_at:]`` share at their start."""
-    n = min(len(a) - a_at, len(b) - b_at)
-    lo, hi = 0, n
-    while lo < hi:  # binary search on slices: C speed for long texts
-        mid = (lo + hi + 1) // 2
-        if a[a_at : a_at + mid] == b[b_at : b_at + mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_suffix(a: str, b: str, limit: int) -> int:
-    n = min(limit, len(a), len(b))
+def _longest(n: int, same: Callable[[int], bool]) -> int:
+    """The largest ``k <= n`` with ``same(k)`` (``same`` holds up to some length, then never):
+    a binary search on slices, at C speed for long texts."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[len(a) - mid :] == b[len(b) - mid :]:
-            lo = mid
-        else:
-            hi = mid - 1
+        lo, hi = (mid, hi) if same(mid) else (lo, mid - 1)
     return lo
+
+
+def _common_prefix(a: str, a_at: int, b: str, b_at: int) -> int:
+    """How many characters ``a[a_at:]`` and ``b[b_at:]`` share at their start."""
+    return _longest(min(len(a) - a_at, len(b) - b_at), lambda k: a[a_at : a_at + k] == b[b_at : b_at + k])
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """How many characters (at most ``limit``) ``a`` and ``b`` share at their end."""
+    return _longest(min(limit, len(a), len(b)), lambda k: a[len(a) - k :] == b[len(b) - k :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,22 +391,17 @@ class ChatTemplate:
         if isinstance(extra, dict):  # model-specific named tokens (transformers 5 passes them too)
             self.special.update({k: v for k, v in special_tokens(extra, tuple(extra)).items() if v is not None})
 
-    @property
-    def template(self) -> str:
-        """The default template's source."""
-        return self.templates.sources["default"]
-
     def where(self, *, tools: list[Any] | None = None) -> str:
         """The file the template a row uses came from (for errors)."""
-        return self.templates.files[self.templates.name_for(has_tools=tools is not None)]
+        return self.templates.files[self.templates.name_for(tools)]
 
     def marks_generation(self, *, tools: list[Any] | None = None) -> bool:
         """Whether the template a row uses marks the assistant's text with ``{% generation %}``."""
-        return bool(_GENERATION_TAG.search(self.templates.sources[self.templates.name_for(has_tools=tools is not None)]))
+        return bool(_GENERATION_TAG.search(self.templates.sources[self.templates.name_for(tools)]))
 
     def _render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, add_generation_prompt: bool = False,
                 spans: list[tuple[int, int]] | None = None) -> str:
-        compiled = _compile(self.templates.sources[self.templates.name_for(has_tools=tools is not None)])
+        compiled = _compile(self.templates.sources[self.templates.name_for(tools)])
         kwargs = {"messages": template_messages(messages), "tools": tools, "documents": None,
                   "add_generation_prompt": add_generation_prompt, **self.special}
         try:
@@ -440,10 +430,9 @@ class ChatTemplate:
         marked = loss_on == "assistant" and self.marks_generation(tools=tools)
         text = self._render(messages, tools, spans=generation if marked else None)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
-        counted = np.ones(len(ids), dtype=bool)
         if loss_on != "assistant":
-            return np.asarray(ids, dtype=np.int64), counted
-        counted[:] = False
+            return np.asarray(ids, dtype=np.int64), np.ones(len(ids), dtype=bool)
+        counted = np.zeros(len(ids), dtype=bool)
         if marked:  # transformers' return_assistant_tokens_mask: every token overlapping a span
             span = 0
             for t, (start, end) in enumerate(offsets):

@@ -116,9 +116,9 @@ class BatchLoader:
         self.sources = sources
         self.seq_len, self.global_batch_size, self.local_batch_size = seq_len, global_batch_size, local_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        # The data-parallel process group its collectives run on (None: the default group); the
+        # trainer sets it once the mesh exists (the loader is built before any process group).
         self.group: Any = None
-        """The data-parallel process group its collectives run on (None: the default group); the
-        trainer sets it once the mesh exists (the loader is built before any process group)."""
         self.named, self.allow_mixture_change, self.documents = named, allow_mixture_change, documents
         self.masked = any(s.reader.packed for s in sources)  # labels of packed samples may be ignored
         self.batch_documents: list[torch.Tensor] | None = None

@@ -202,8 +202,7 @@ class PackedWindows:
 
     def __init__(self, rows: np.ndarray, *, seq_len: int, samples: int, what: str, padding: int = 0) -> None:
         self.rows, self.seq_len, self.samples, self.what = rows, seq_len, samples, what
-        self.padding = padding
-        """Tokens of the windows that belong to no sample."""
+        self.padding = padding  # tokens of the windows that belong to no sample
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -34,7 +34,11 @@ class ParallelMesh:
     fsdp: DeviceMesh
     dims: ParallelDims
     dp_group: Any
-    dp_rank: int
+
+    @property
+    def dp_rank(self) -> int:
+        """Which batch this rank reads (its data-parallel coordinate)."""
+        return self.dims.dp_rank(dist.get_rank())
 
     @property
     def dp_size(self) -> int:
@@ -76,8 +80,7 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
     else:
         fsdp = world[data]
         dp_group = fsdp._flatten("dp").get_group()
-    rank = dist.get_rank()
-    return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, dp_rank=dims.dp_rank(rank))
+    return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group)
 
 
 def fsdp_mesh(device: torch.device) -> DeviceMesh:

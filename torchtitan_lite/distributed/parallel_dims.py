@@ -19,12 +19,11 @@ __all__ = ["DEGREE_KEYS", "MESH_DIMS", "ParallelDims"]
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
 
-_KEYS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
+DEGREE_KEYS = {"dp_replicate": "parallelism.data_parallel_replicate_degree",
          "dp_shard": "parallelism.data_parallel_shard_degree",
          "cp": "parallelism.context_parallel_degree",
          "tp": "parallelism.tensor_parallel_degree",
          "ep": "parallelism.expert_parallel_degree"}
-DEGREE_KEYS = _KEYS
 """Each degree's config key."""
 
 
@@ -44,15 +43,15 @@ class ParallelDims:
         """Each data-parallel degree is >= 1 or -1 ("the rest of the world"), and not both -1; the
         replicate degree may also be 0 ("one replica per node"); the others are >= 1."""
         if dp_replicate < -1:
-            raise ValueError(f"{_KEYS['dp_replicate']}={dp_replicate} must be >= 1, -1 (the rest of the world) "
+            raise ValueError(f"{DEGREE_KEYS['dp_replicate']}={dp_replicate} must be >= 1, -1 (the rest of the world) "
                              "or 0 (one replica per node)")
         if dp_shard == 0 or dp_shard < -1:
-            raise ValueError(f"{_KEYS['dp_shard']}={dp_shard} must be >= 1 or -1")
+            raise ValueError(f"{DEGREE_KEYS['dp_shard']}={dp_shard} must be >= 1 or -1")
         if dp_replicate == -1 and dp_shard == -1:
-            raise ValueError(f"{_KEYS['dp_replicate']} and data_parallel_shard_degree cannot both be -1")
+            raise ValueError(f"{DEGREE_KEYS['dp_replicate']} and data_parallel_shard_degree cannot both be -1")
         for name, value in (("cp", cp), ("tp", tp), ("ep", ep)):
             if value < 1:
-                raise ValueError(f"{_KEYS[name]}={value} must be >= 1")
+                raise ValueError(f"{DEGREE_KEYS[name]}={value} must be >= 1")
 
     @classmethod
     def resolve(cls, *, dp_replicate: int, dp_shard: int, world_size: int, local_world_size: int | None = None,
@@ -71,7 +70,7 @@ class ParallelDims:
         cls.check_degrees(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         inner = cp * tp
         if world_size % inner:
-            raise ValueError(f"{_KEYS['cp']}={cp} × {_KEYS['tp']}={tp} = {inner} does not divide the world "
+            raise ValueError(f"{DEGREE_KEYS['cp']}={cp} × {DEGREE_KEYS['tp']}={tp} = {inner} does not divide the world "
                              f"size {world_size}")
         dp_world = world_size // inner
         if dp_replicate == 0:
@@ -82,16 +81,16 @@ class ParallelDims:
             name, known = ("dp_replicate", dp_replicate) if dp_shard == -1 else ("dp_shard", dp_shard)
             if dp_world % known:
                 rest = f" / (context × tensor parallel = {inner})" if inner > 1 else ""
-                raise ValueError(f"{_KEYS[name]}={known} does not divide the world size {world_size}{rest}")
+                raise ValueError(f"{DEGREE_KEYS[name]}={known} does not divide the world size {world_size}{rest}")
             rest_of_world = dp_world // known
             dp_replicate, dp_shard = (known, rest_of_world) if dp_shard == -1 else (rest_of_world, known)
         if dp_replicate * dp_shard * inner != world_size:
-            others = "".join(f" × {_KEYS[n]}={v}" for n, v in (("cp", cp), ("tp", tp)) if v > 1)
+            others = "".join(f" × {DEGREE_KEYS[n]}={v}" for n, v in (("cp", cp), ("tp", tp)) if v > 1)
             raise ValueError(
-                f"{_KEYS['dp_shard']}={dp_shard} × {_KEYS['dp_replicate']}={dp_replicate}{others} = "
+                f"{DEGREE_KEYS['dp_shard']}={dp_shard} × {DEGREE_KEYS['dp_replicate']}={dp_replicate}{others} = "
                 f"{dp_replicate * dp_shard * inner} does not equal the world size {world_size}")
         if (dp_shard * cp) % ep:
-            raise ValueError(f"{_KEYS['ep']}={ep} does not divide data_parallel_shard_degree × "
+            raise ValueError(f"{DEGREE_KEYS['ep']}={ep} does not divide data_parallel_shard_degree × "
                              f"context_parallel_degree = {dp_shard * cp}")
         return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size, cp=cp, tp=tp, ep=ep)
 

@@ -295,21 +295,16 @@ def attempt_store(store: dist.Store, *, rank: int, world_size: int, timeout_s: f
     return dist.PrefixStore(f"{_ATTEMPT_KEY}/{token}", store)
 
 
-def set_collective_timeout(seconds: float, mesh: DeviceMesh | None = None,
-                           extra_groups: Sequence[Any] = ()) -> None:
-    """Set the timeout of the default process group, of every group of ``mesh`` (FSDP's
-    collectives run on the mesh's groups) and of ``extra_groups`` (e.g. a background save's): a
-    collective that a dead or hung peer never joins then fails with an error after ``seconds``
-    instead of waiting for the creation timeout."""
+def set_collective_timeout(seconds: float, groups: Sequence[Any] = ()) -> None:
+    """Set the timeout of the default process group and of ``groups`` (the mesh's: FSDP's and the
+    data-parallel collectives run on them; a background save's): a collective that a dead or hung
+    peer never joins then fails with an error after ``seconds`` instead of waiting for the
+    creation timeout."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     timeout = datetime.timedelta(seconds=seconds)
-    groups = [dist.group.WORLD]
-    if mesh is not None:
-        groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
-    groups += list(extra_groups)
     seen: set[int] = set()
-    for group in groups:
+    for group in [dist.group.WORLD, *groups]:
         if group is not None and id(group) not in seen:
             seen.add(id(group))
             _set_pg_timeout(timeout, group)

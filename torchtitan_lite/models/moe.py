@@ -20,7 +20,6 @@ the routed token counts until read) and the router's per-token probabilities.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,7 @@ from torch import nn
 
 import torchtitan_lite.models.init as init
 
-__all__ = ["GroupedExperts", "MoE", "TopKRouter", "expert_load", "grouped_mm_available", "load_balancing_loss"]
+__all__ = ["GroupedExperts", "MoE", "TopKRouter", "grouped_mm_available", "load_balancing_loss"]
 
 
 @functools.cache
@@ -49,7 +48,7 @@ def grouped_mm_available(device_type: str) -> bool:
 
 class TopKRouter(nn.Module):
     """Softmax router: ``(tokens, dim)`` → scores ``(tokens, top_k)``, expert indices
-    ``(tokens, top_k)`` and the logits ``(tokens, experts)`` (fp32 probabilities)."""
+    ``(tokens, top_k)`` and the probabilities over every expert ``(tokens, experts)`` (fp32)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
         super().__init__()
@@ -64,7 +63,7 @@ class TopKRouter(nn.Module):
         scores, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        return scores.to(x.dtype), indices, logits
+        return scores.to(x.dtype), indices, probs
 
     def init_weights(self, std: float) -> None:
         init.trunc_normal_(self.gate.weight, std=std)
@@ -115,15 +114,14 @@ class MoE(nn.Module):
 
             self.shared = FeedForward(dim, shared_hidden_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        # The router's probabilities (tokens, experts) and choices of the last forward (for balancing losses).
         self.last_probs: torch.Tensor | None = None
-        """The router's probabilities ``(tokens, experts)`` of the last forward (for balancing losses)."""
         self.last_indices: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores, indices, logits = self.router(tokens)
-        self.last_probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        scores, indices, self.last_probs = self.router(tokens)
         self.last_indices = indices
         top_k = indices.shape[1]
         flat = indices.reshape(-1)
@@ -162,9 +160,3 @@ def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], 
     tokens_per_expert = mask.mean(dim=0)
     router_prob_per_expert = all_probs.mean(dim=0)
     return (tokens_per_expert * router_prob_per_expert.unsqueeze(0)).sum() * num_experts
-
-
-def expert_load(tokens_per_expert: torch.Tensor) -> float:
-    """max / mean tokens per expert (1.0: perfectly balanced)."""
-    mean = float(tokens_per_expert.mean())
-    return float(tokens_per_expert.max()) / mean if mean > 0 else math.nan
