@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_lite.models.moe import MoE, grouped_mm_available, load_balancing_loss
+from torchtitan_lite.models.moe import MoE, expert_counts, grouped_mm_available, load_balancing_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def test_outputs_and_gradients_equal_transformers(norm_topk_prob: bool) -> None:
     torch.testing.assert_close(ours.experts.w1.grad, theirs_w1, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(ours.experts.w2.grad, theirs.experts.down_proj.grad, atol=1e-6, rtol=1e-5)
     # Every token went to top_k experts: nothing dropped.
-    assert float(ours.tokens_per_expert.sum()) == 3 * 7 * TOP_K
+    assert float(expert_counts(ours.last_routing, EXPERTS).sum()) == 3 * 7 * TOP_K
 
 
 @pytest.mark.skipif(not grouped_mm_available("cpu"), reason="torch._grouped_mm does not run on this CPU build")
@@ -88,8 +88,8 @@ def test_load_balancing_loss_equals_transformers() -> None:
     for layer in layers:
         layer(x)
         logits.append(layer.router.gate(x.reshape(-1, DIM)))
-    ours = load_balancing_loss([layer.last_probs for layer in layers], [layer.last_indices for layer in layers],
-                               EXPERTS)
+    ours = load_balancing_loss([layer.last_routing.probs for layer in layers],
+                               [layer.last_routing.indices for layer in layers], EXPERTS)
     theirs = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 

@@ -9,6 +9,7 @@ of deriving its values again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from torchtitan_lite.checkpoint.manager import (
     initial_load_used,
     resumable_steps,
 )
-from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.config.schema import JobConfig, MoE
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
@@ -290,6 +291,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
+    model_args = _moe_settings(config, spec, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
     all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
@@ -310,6 +312,34 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
         offload="all" if t.enable_cpu_offload else p.cpu_offload, float8=float8, lora=lora,
     )
+
+
+MOE_DEFAULTS = MoE()
+"""``[moe]`` as it is when unset (a dense model takes nothing else)."""
+
+
+def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
+    """The model's shape with the ``[moe]`` router overrides (``top_k``, ``score_func``);
+    :class:`ConfigError`, one line, for an ``[moe]`` setting on a dense model, a top-k the
+    experts cannot give, or bias balancing without a router bias."""
+    e = config.moe
+    if not getattr(model_args, "num_experts", 0):
+        for f in dataclasses.fields(e):
+            value, default = getattr(e, f.name), getattr(MOE_DEFAULTS, f.name)
+            _require(value == default, f"moe.{f.name}", value,
+                     f"model {spec.name!r} ({config.model.flavor}) has no mixture-of-experts layers; expected "
+                     f"the default ({default!r})")
+        return model_args
+    overrides = {k: v for k, v in (("top_k", e.top_k), ("score_func", e.score_func)) if v}
+    try:
+        model_args = dataclasses.replace(model_args, **overrides)
+    except ValueError as exc:
+        key = "moe.top_k" if "top_k" in str(exc) else "moe.score_func"
+        raise ConfigError(f"{key}: invalid value {overrides.get(key[4:])!r}; {exc}") from None
+    _require(e.bias_update_rate == 0 or model_args.score_func == "sigmoid", "moe.bias_update_rate",
+             e.bias_update_rate, f"the {model_args.score_func} router of model {spec.name!r} has no expert bias to "
+             "balance; expected 0, or moe.score_func = 'sigmoid'")
+    return model_args
 
 
 def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup | None:

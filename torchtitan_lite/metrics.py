@@ -216,6 +216,9 @@ class MetricsLogger:
         if r["step_time_s"]:
             data_pct = 100.0 * (r["data_time_s"] or 0.0) / r["step_time_s"]
             parts.append(f"data {data_pct:4.1f}%")
+        if r.get("moe/load_max_over_mean") is not None:  # a mixture of experts: the worst layer's load, the aux loss
+            aux = r.get("moe/aux_loss")
+            parts.append(f"moe_load {r['moe/load_max_over_mean']:.2f}" + ("" if aux is None else f" aux {aux:.4f}"))
         if r["validation_loss"] is not None:
             ppl = r["validation_perplexity"]
             parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))

@@ -67,6 +67,7 @@ from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingErr
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
+from torchtitan_lite.moe_balance import RouterBalance
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
@@ -81,6 +82,7 @@ __all__ = [
     "build_checkpointer",
     "build_data",
     "build_loss",
+    "build_router_balance",
     "build_model",
     "build_optimizers",
     "build_validators",
@@ -236,6 +238,18 @@ def build_loss(config: JobConfig) -> LossFn:
     return token_loss_sum
 
 
+def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module, mesh: ParallelMesh) -> RouterBalance | None:
+    """The router losses, load metrics and bias balancing of a mixture-of-experts model
+    (``[moe]``; the load-balancing loss's weight defaults to the model's
+    ``router_aux_loss_coef``); None for a dense model."""
+    if not getattr(plan.model_args, "num_experts", 0):
+        return None
+    e = config.moe
+    aux = e.aux_loss_coef if e.aux_loss_coef is not None else float(getattr(plan.model_args, "router_aux_loss_coef", 0.0))
+    return RouterBalance(model, aux_loss_coef=aux, z_loss_coef=e.z_loss_coef, bias_update_rate=e.bias_update_rate,
+                         group=mesh.dp_group, dp_size=plan.dp_size)
+
+
 def build_optimizers(config: JobConfig, plan: JobPlan, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer over ``model``'s trainable parameters (``requires_grad``: with LoRA the
     adapters only, so the frozen base has no optimizer state) and its learning-rate schedule
@@ -355,6 +369,7 @@ class Trainer:
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.loss_fn = build_loss(config)
+        self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
@@ -416,7 +431,9 @@ class Trainer:
                             part = self.loss_fn(logits[start : start + count], labels[start : start + count])
                             loss_sum[1 + group] += part.double()
                             start += count
-            (token_loss * scale).backward()
+            loss = token_loss * scale
+            router_loss = None if self.router_balance is None else self.router_balance.micro_batch_loss(len(micro_batches))
+            (loss if router_loss is None else loss + router_loss).backward()
             loss_sum[0] += token_loss.detach().double()
         return loss_sum if sources is not None else loss_sum[0], tokens_this_rank
 
@@ -455,6 +472,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch; returns its metrics (same on every rank)."""
         data_start = time.perf_counter()
+        if self.router_balance is not None:
+            self.router_balance.start_step()
         micro_batches = self.loader.next_batch()
         data_time = time.perf_counter() - data_start
         sources = self.loader.batch_sources if self.loader.named else None
@@ -464,6 +483,8 @@ class Trainer:
             counted=None if counted is None else int(counted[0]))
         global_tokens = tokens_this_rank * self.plan.dp_size
         values = self.optimizer_step(loss_sum, global_tokens if counted is None else max(int(counted[0]), 1))
+        if self.router_balance is not None:
+            values.update(self.router_balance.finish_step(update_bias=not values["skipped"]))
         self.step += 1
         self.tokens_seen += global_tokens
         if sources is not None:  # per source: its tokens so far, and this step's mean loss over its samples

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.futures import Future
 
 from torchtitan_lite.checkpoint.plain import plain_tensor
@@ -87,11 +88,12 @@ def state_dict_to_hf(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args: Any)
     written = adapter.expected_shapes(args)  # a tied output projection is not written
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
-        hf_name = adapter.to_hf_name(name)
-        if hf_name not in written:
+        hf_names = adapter.hf_names(name, args)
+        if hf_names[0] not in written:
             continue
         index = adapter.row_permutation(name, args, to_hf=True)
-        out[hf_name] = tensor if index is None else tensor[index]
+        tensor = tensor if index is None else tensor[index]
+        out.update(zip(hf_names, tensor, strict=True) if len(hf_names) > 1 else {hf_names[0]: tensor})
     return out
 
 
@@ -101,14 +103,23 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args: An
     adapter = _adapter(spec)
     needed = adapter.expected_shapes(args)
     out: dict[str, torch.Tensor] = {}
+    slices: dict[str, dict[int, torch.Tensor]] = {}  # stacked expert weights, per expert
     for hf_name, tensor in sd.items():
         if adapter.ignored(hf_name):
             continue
-        name = adapter.from_hf_name(hf_name)
+        name, expert = adapter.from_hf_part(hf_name)
         if hf_name not in needed:  # a tied model's copy of its output projection
+            continue
+        if expert is not None:
+            slices.setdefault(name, {})[expert] = tensor
             continue
         index = adapter.row_permutation(name, args, to_hf=False)
         out[name] = tensor if index is None else tensor[index]
+    for name, parts in slices.items():
+        if sorted(parts) != list(range(len(parts))):
+            missing = sorted(set(range(max(parts) + 1)) - set(parts))
+            raise ValueError(f"{name}: the Hugging Face state dict lacks expert(s) {missing}")
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
     if adapter.to_hf_name(adapter.output_name) not in needed and adapter.embedding_name in out:
         out[adapter.output_name] = out[adapter.embedding_name]  # tied: one tensor under both names
     return out
@@ -337,10 +348,42 @@ def _named_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters as they are stored: sharded DTensors under FSDP2 (a unit left
     unsharded after a forward pass would expose full tensors), as plain tensors (see
     :func:`~.plain.plain_tensor`); LoRA adapters left out (no Hugging Face model tensor: see
-    :mod:`.peft_storage`)."""
+    :mod:`.peft_storage`); then its persistent buffers (a router's expert bias), which every rank
+    holds whole."""
     reshard_all(model)
     adapters = set(adapter_parameter_names(model))
-    return {name: plain_tensor(param) for name, param in model.named_parameters() if name not in adapters}
+    tensors = {name: plain_tensor(param) for name, param in model.named_parameters() if name not in adapters}
+    return {**tensors, **_persistent_buffers(model)}
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{module_name}.{name}" if module_name else name: buffer
+            for module_name, module in model.named_modules() for name, buffer in module.named_buffers(recurse=False)
+            if buffer is not None and name not in module._non_persistent_buffers_set}
+
+
+def _hf_parts(hf_names: list[str], tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``tensor`` under its Hugging Face name, or for stacked expert weights (``hf_names``: one
+    per expert) each expert's slice under its name, as views of this rank's storage: on an
+    FSDP-sharded tensor only the experts this rank holds (sharded along the experts), or every
+    expert's rows this rank holds (sharded along the next dimension), as DTensors of the expert's
+    shape so that DCP reads and writes each rank's part."""
+    if len(hf_names) == 1:
+        return {hf_names[0]: tensor}
+    if not isinstance(tensor, DTensor):
+        return dict(zip(hf_names, tensor, strict=True))
+    mesh, placements = tensor.device_mesh, tensor.placements
+    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    inner = [Replicate() if isinstance(p, Shard) and p.dim == 0 else Shard(p.dim - 1) if isinstance(p, Shard) else p
+             for p in placements]
+    shape = tensor.shape[1:]
+    local = tensor.to_local()
+    parts: dict[str, torch.Tensor] = {}
+    for e in range(offset[0], offset[0] + local_shape[0]):
+        piece = local[e - offset[0]]
+        parts[hf_names[e]] = piece if all(isinstance(p, Replicate) for p in inner) else DTensor.from_local(
+            piece, mesh, inner, run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+    return parts
 
 
 def _local_rows(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -425,7 +468,9 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
     args = model.args
     check_hf_checkpoint(path, spec, args)
     params = _named_params(model)  # a tied parameter once, under its first name
-    to_load = {adapter.to_hf_name(name): param.detach() for name, param in params.items()}
+    to_load: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        to_load.update(_hf_parts(adapter.hf_names(name, args), param.detach()))
     with torch.no_grad(), quiet_without_process_group():
         # Each rank reads its own rows of every tensor straight into its shard.
         try:
@@ -514,6 +559,7 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
     adapter = _adapter(spec)
     args = model.args
     params = _named_params(model)
+    buffers = _persistent_buffers(model)
     for name, module in lora_modules(model).items():
         params[f"{name}.weight"] = plain_tensor(merged_weight(module))
     export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
@@ -528,7 +574,8 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
                 permuted = torch.empty_like(tensor)
                 _permute_into(permuted, tensor, index)
                 tensor = permuted
-            to_save[adapter.to_hf_name(name)] = tensor.to(export_dtype)
+            # (Buffers keep their dtype: a router's fp32 bias.)
+            to_save.update(_hf_parts(adapter.hf_names(name, args), tensor if name in buffers else tensor.to(export_dtype)))
     mapping = _file_index_mapping(adapter.expected_shapes(args), export_dtype.itemsize, max_file_bytes)
     rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:

@@ -281,6 +281,20 @@ class Lora:
 
 
 @dataclass
+class MoE:
+    aux_loss_coef: float | None = None
+    """Weight of the load-balancing auxiliary loss in the training loss (transformers' router_aux_loss_coef, computed as its load_balancing_loss_func over every MoE layer's tokens of the global batch); unset: the model's (its config.json's router_aux_loss_coef, 0.001 for Qwen3-MoE, 0 for DeepSeek-V3); 0: off. Mixture-of-experts models only."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (the mean squared log-sum-exp of the router logits, summed over the MoE layers); 0: off."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's router bias moves by this much toward balance (up for experts that got fewer tokens than the mean, down for those that got more); needs a sigmoid router; 0: off. The bias is saved in checkpoints and exported."""
+    top_k: int = 0
+    """Experts per token; 0: the model's."""
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    """The router's scores: softmax (Qwen3-MoE) or sigmoid with a per-expert bias (DeepSeek-V3); unset: the model's."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log metrics every this many steps (and at the first and last step)."""
@@ -404,6 +418,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    moe: MoE = field(default_factory=MoE)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
@@ -642,6 +657,13 @@ def validate_config(c: JobConfig) -> None:
              "expected a number in [0, 1]")
     _require(s.total_steps is None or s.total_steps >= c.training.steps, "lr_scheduler.total_steps", s.total_steps,
              f"expected at least training.steps = {c.training.steps} (the schedule of a longer run), or unset")
+
+    e = c.moe
+    for key, value in (("aux_loss_coef", e.aux_loss_coef), ("z_loss_coef", e.z_loss_coef),
+                       ("bias_update_rate", e.bias_update_rate)):
+        _require(value is None or (math.isfinite(value) and value >= 0), f"moe.{key}", value,
+                 "expected a finite number >= 0" + (" or unset" if key == "aux_loss_coef" else ""))
+    _require(e.top_k >= 0, "moe.top_k", e.top_k, "expected 0 (the model's) or an integer >= 1")
 
     t = c.training
     _require(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "expected an integer >= 1")

@@ -12,6 +12,7 @@ from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.models.llama3 import LLAMA3_SPEC
 from torchtitan_lite.models.qwen2 import QWEN2_SPEC
 from torchtitan_lite.models.qwen3 import QWEN3_SPEC
+from torchtitan_lite.models.qwen3_moe import QWEN3_MOE_SPEC
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["MODEL_SPECS", "ModelSpec", "family_hint", "family_of", "get_model_spec", "register_model_spec"]
@@ -64,7 +65,7 @@ def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:
     MODEL_SPECS[spec.name] = spec
 
 
-for _spec in (LLAMA3_SPEC, QWEN3_SPEC, QWEN2_SPEC):
+for _spec in (LLAMA3_SPEC, QWEN3_SPEC, QWEN2_SPEC, QWEN3_MOE_SPEC):
     register_model_spec(_spec)
 
 

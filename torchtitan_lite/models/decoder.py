@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
+from torchtitan_lite.models.moe import MoE
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions",
+__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions", "is_moe_layer",
            "precompute_freqs_cis", "rope_bits"]
 
 def precompute_freqs_cis(
@@ -161,8 +162,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: Any) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # A family's own attention (args.attention_cls, e.g. DeepSeek-V3's latent attention) or ours.
+        self.attention = (getattr(args, "attention_cls", None) or Attention)(args)
+        # A mixture of experts in place of the dense feed-forward where the args say so.
+        self.moe = MoE.from_args(args) if is_moe_layer(args, layer_id) else None
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim) if self.moe is None else None
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -170,13 +174,20 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Any = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))  # type: ignore[misc]
 
     def init_weights(self) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
         self.attention.init_weights(self.out_std)
-        self.feed_forward.init_weights(self.out_std)
+        (self.moe if self.moe is not None else self.feed_forward).init_weights(self.out_std)  # type: ignore[union-attr]
+
+
+def is_moe_layer(args: Any, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` of a model with ``args`` is a mixture of experts: args with
+    ``num_experts`` > 0 say which layers with ``moe_layer(layer_id)``."""
+    return bool(getattr(args, "num_experts", 0)) and bool(args.moe_layer(layer_id))
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

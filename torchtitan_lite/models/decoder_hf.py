@@ -31,8 +31,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CONFIG_FILE", "OFF_FIELDS", "DecoderHFAdapter", "RopeField", "merged_rope_parameters",
-           "permute_for_hf", "row_permutation", "unpermute_from_hf"]
+from torchtitan_lite.models.decoder import is_moe_layer
+
+__all__ = ["CONFIG_FILE", "OFF_FIELDS", "ConfigField", "DecoderHFAdapter", "RopeField", "merged_rope_parameters",
+           "permute_for_hf", "row_permutation", "tuple_of_ints", "unpermute_from_hf"]
 
 CONFIG_FILE = "config.json"
 
@@ -117,6 +119,14 @@ _PER_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_MOE_PER_LAYER = {"moe.router.gate.weight": "mlp.gate.weight"}
+_EXPERT_BIAS = {"moe.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+_SHARED_EXPERTS = {f"moe.shared.{ours}.weight": f"mlp.shared_experts.{theirs}.weight"
+                   for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
+_EXPERTS = {"moe.experts.w1": "gate_proj.weight", "moe.experts.w2": "down_proj.weight", "moe.experts.w3": "up_proj.weight"}
+"""Stacked expert weights ``(experts, out, in)`` → the name of each expert's slice in a Hugging Face
+file (``mlp.experts.{e}.<name>``; the slices are in ``nn.Linear``'s layout, as ours)."""
+_EXPERT_PART = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 _QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
 _QKV_BIASES = {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
 _RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -165,6 +175,27 @@ class RopeField(NamedTuple):
     cast: Callable[[Any], Any] = float
 
 
+class ConfigField(NamedTuple):
+    """One setting of ``config.json`` beyond the decoder's (mixture of experts, latent attention):
+    its keys (the first is written; any is
+    read, e.g. transformers 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``; none:
+    the family's files never carry it and it must equal ``default``), the args field, how a
+    file's value is read, and ``transformers``' default where a file leaves it out."""
+
+    hf: tuple[str, ...]
+    ours: str
+    cast: Callable[[Any], Any]
+    default: Any
+
+
+def tuple_of_ints(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value or ())
+
+
+def _written(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 @dataclass(frozen=True, eq=False)
 class DecoderHFAdapter:
     """A decoder family's Hugging Face adapter (the :class:`~torchtitan_lite.models.spec.HFAdapter`
@@ -195,6 +226,20 @@ class DecoderHFAdapter:
     """RoPE scaling types the family implements (``rope_type`` → its settings), held in the args
     as ``rope_scaling`` (the type's name, ``"none"`` unscaled) and the settings' fields. Empty:
     unscaled RoPE only (and no ``rope_scaling`` field)."""
+    extra_fields: tuple[ConfigField, ...] = ()
+    """The family's settings in ``config.json`` beyond the decoder's: its mixture of experts (the
+    args then have ``num_experts`` and ``moe_layer(layer_id)``, see
+    :func:`~torchtitan_lite.models.decoder.is_moe_layer`, and the MoE layers' tensors are named as
+    Hugging Face's MoE decoders name them: ``mlp.gate``, ``mlp.experts.{e}.*``,
+    ``mlp.shared_experts.*``, ``mlp.gate.e_score_correction_bias``), its attention's."""
+    attention_names: Mapping[str, str] | None = None
+    """Our per-layer attention names → Hugging Face's, for a family with an attention of its own
+    (``args.attention_cls``); None: the decoder's (q/k/v/o projections, whose query and key rows
+    are permuted between the RoPE layouts)."""
+    attention_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    """With :attr:`attention_names`: per-layer Hugging Face attention suffix → shape for args."""
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    """Fixed entries the family's ``config.json`` carries (written, not checked)."""
     build_args: Callable[[dict[str, Any]], Any] | None = None
     """Args from a file's fields in the args' names (``ffn_hidden_dim`` and ``n_kv_heads`` among
     them; ``ValueError`` when the shape cannot be expressed); default ``args_cls(**fields)``."""
@@ -215,9 +260,19 @@ class DecoderHFAdapter:
         if not needed <= set(self.config_defaults):
             raise ValueError(f"config_defaults lacks {sorted(needed - set(self.config_defaults))}")
         object.__setattr__(self, "architectures", (self.architecture,))
-        per_layer = {**_PER_LAYER, **(_QK_NORMS if self.args_cls.qk_norm else {}),
-                     **(_QKV_BIASES if self.args_cls.qkv_bias else {})}
+        attention = {k: v for k, v in _PER_LAYER.items() if k.startswith("attention.")}
+        if self.attention_names is not None:
+            attention = dict(self.attention_names)
+        per_layer = {**attention, **{k: v for k, v in _PER_LAYER.items() if not k.startswith("attention.")},
+                     **(_QK_NORMS if self.args_cls.qk_norm else {}),
+                     **(_QKV_BIASES if self.args_cls.qkv_bias else {}),
+                     **({**_MOE_PER_LAYER, **_EXPERT_BIAS, **_SHARED_EXPERTS} if self._moe else {})}
         object.__setattr__(self, "_per_layer", per_layer)
+
+    @property
+    def _moe(self) -> bool:
+        """Whether the family's models have mixture-of-experts layers."""
+        return "num_experts" in {f.name for f in dataclasses.fields(self.args_cls)}
 
     @property
     def _label(self) -> str:
@@ -244,6 +299,24 @@ class DecoderHFAdapter:
             raise ValueError(f"{hf_name!r} is not a Hugging Face {self._label} parameter name")
         return found
 
+    def hf_names(self, name: str, args: Any) -> list[str]:
+        """The Hugging Face names our tensor ``name`` is stored under: one, or for stacked expert
+        weights one per expert (slice ``e`` of dim 0 is the ``e``-th name)."""
+        match = _OURS.match(name)
+        if self._moe and match and match.group(2) in _EXPERTS:
+            part = _EXPERTS[match.group(2)]
+            return [f"model.layers.{match.group(1)}.mlp.experts.{e}.{part}" for e in range(args.num_experts)]
+        return [self.to_hf_name(name)]
+
+    def from_hf_part(self, hf_name: str) -> tuple[str, int | None]:
+        """A Hugging Face name → our tensor's name and, for one expert's slice of stacked expert
+        weights, the expert (else None); ``ValueError`` for an unknown name."""
+        match = _EXPERT_PART.match(hf_name) if self._moe else None
+        if match:
+            ours = {part: name for name, part in _EXPERTS.items()}[f"{match.group(3)}.weight"]
+            return f"layers.{match.group(1)}.{ours}", int(match.group(2))
+        return self.from_hf_name(hf_name), None
+
     @staticmethod
     def ignored(hf_name: str) -> bool:
         """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)."""
@@ -260,23 +333,45 @@ class DecoderHFAdapter:
             per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                               "self_attn.v_proj.bias": (kv,)})
         per_layer["self_attn.o_proj.weight"] = (d, q)
+        if self.attention_shapes is not None:
+            per_layer = self.attention_shapes(args)
         if self.args_cls.qk_norm:
             per_layer.update({"self_attn.q_norm.weight": (args.head_dim,), "self_attn.k_norm.weight": (args.head_dim,)})
-        per_layer.update({"mlp.gate_proj.weight": (h, d), "mlp.down_proj.weight": (d, h), "mlp.up_proj.weight": (h, d),
-                          "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)})
+        dense = {"mlp.gate_proj.weight": (h, d), "mlp.down_proj.weight": (d, h), "mlp.up_proj.weight": (h, d)}
+        norms = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, d)}
         for i in range(args.n_layers):
-            for suffix, shape in per_layer.items():
+            ffn = self._moe_shapes(args) if is_moe_layer(args, i) else dense
+            for suffix, shape in {**per_layer, **ffn, **norms}.items():
                 shapes[f"model.layers.{i}.{suffix}"] = shape
         shapes["model.norm.weight"] = (d,)
         if not args.tie_word_embeddings:
             shapes["lm_head.weight"] = (args.vocab_size, d)
         return shapes
 
+    @staticmethod
+    def _moe_shapes(args: Any) -> dict[str, tuple[int, ...]]:
+        """Per-layer Hugging Face suffix → shape of an MoE layer's tensors."""
+        d, h, experts = args.dim, args.moe_hidden_dim, args.num_experts
+        shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (experts, d)}
+        if args.score_func == "sigmoid":
+            shapes["mlp.gate.e_score_correction_bias"] = (experts,)
+        for e in range(experts):
+            shapes.update({f"mlp.experts.{e}.gate_proj.weight": (h, d), f"mlp.experts.{e}.up_proj.weight": (h, d),
+                           f"mlp.experts.{e}.down_proj.weight": (d, h)})
+        if args.shared_hidden_dim:
+            s = args.shared_hidden_dim
+            shapes.update({"mlp.shared_experts.gate_proj.weight": (s, d), "mlp.shared_experts.up_proj.weight": (s, d),
+                           "mlp.shared_experts.down_proj.weight": (d, s)})
+        return shapes
+
     def row_permutation(self, name: str, args: Any, *, to_hf: bool) -> torch.Tensor | None:
         """Row indices ``idx`` with ``converted = w[idx]`` for our parameter ``name`` (``to_hf``:
         ours → Hugging Face, else back), or None when its rows stay in place: query/key rows (and
-        biases) within each head, and the q/k norm weights (one head)."""
+        biases) within each head, and the q/k norm weights (one head). A family's own attention
+        (:attr:`attention_names`) keeps its rows in place."""
+        if self.attention_names is not None and ".attention." in f".{name}":
+            return None
         if name.endswith(("attention.wq.weight", "attention.wq.bias")):
             heads = args.n_heads
         elif name.endswith(("attention.wk.weight", "attention.wk.bias")):
@@ -317,6 +412,8 @@ class DecoderHFAdapter:
             "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, **self.off_fields,
             "tie_word_embeddings": args.tie_word_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
         })
+        config.update({f.hf[0]: _written(getattr(args, f.ours)) for f in self.extra_fields if f.hf})
+        config.update(self.extra_config)
         return config
 
     def _unsupported(self, config: Mapping[str, Any]) -> str | None:
@@ -378,6 +475,16 @@ class DecoderHFAdapter:
         for name, value, want in exact:
             if value is not None and value != want:
                 return f"{CONFIG_FILE} has {name}={value!r} but this model has {name}={want!r}"
+        try:
+            moe = self._moe_settings(config)
+        except ValueError as exc:
+            return str(exc)
+        for f in self.extra_fields:
+            value, want = moe[f.ours], getattr(args, f.ours)
+            if value != want and not (isinstance(want, float) and math.isclose(value, want, rel_tol=1e-6)):
+                key = next((k for k in f.hf if config.get(k) is not None), None)
+                where = f"{CONFIG_FILE} has {key}={config[key]!r}" if key else f"{self.architecture} has {f.ours}={value!r}"
+                return f"{where} but this model has {f.ours}={want!r}"
         numbers = [("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps),
                    ("rope_theta", rope.get("rope_theta"), args.rope_theta)]
         if self.rope_scalings:
@@ -392,6 +499,19 @@ class DecoderHFAdapter:
             if not isinstance(value, (int, float)) or not math.isclose(value, want, rel_tol=1e-6):
                 return f"{CONFIG_FILE} has {name}={value!r} but this model has {name}={want!r}"
         return None
+
+    def _moe_settings(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The mixture-of-experts settings of a ``config.json`` in the args' names (defaults for
+        keys it leaves out); ``ValueError`` for a value that cannot be read."""
+        settings = {}
+        for f in self.extra_fields:
+            key = next((k for k in f.hf if config.get(k) is not None), None)
+            try:
+                settings[f.ours] = f.default if key is None else f.cast(config[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"{CONFIG_FILE} has {key}={config[key]!r}, which is not a usable "
+                                 f"{f.ours}") from None
+        return settings
 
     def args_from_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
         """The family's args for a ``config.json`` of any size (``ValueError``, one line, for
@@ -417,6 +537,7 @@ class DecoderHFAdapter:
             }
             if self._head_dim_field:  # a head size of the family's own
                 fields["head_dim"] = int(config.get("head_dim") or defaults["head_dim"])
+            fields.update(self._moe_settings(config))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{CONFIG_FILE} lacks a usable {self.architecture} field: {exc}") from None
         fields.update(overrides)

@@ -1,9 +1,13 @@
 """A mixture-of-experts feed-forward any family can use: a router, experts held as stacked weights,
 tokens sorted by expert and run as grouped matrix products, optional shared experts.
 
-- :class:`TopKRouter`: softmax scores over the experts, the ``top_k`` best per token, optionally
-  renormalised to sum to 1 (Qwen3-MoE's router; its scores and choices are those of
-  ``transformers``' ``Qwen3MoeTopKRouter``).
+- :class:`TopKRouter`: scores over the experts and the ``top_k`` best per token.
+  ``score_func = "softmax"`` is Qwen3-MoE's router (its scores and choices are those of
+  ``transformers``' ``Qwen3MoeTopKRouter``; optional renormalisation of the chosen scores).
+  ``"sigmoid"`` is DeepSeek-V3's: sigmoid scores, a per-expert bias (``expert_bias``, Hugging Face's
+  ``e_score_correction_bias``) added for the choice only, the choice limited to the ``topk_group``
+  best of ``n_group`` expert groups (a group's score: the sum of its two best), the chosen scores
+  renormalised and multiplied by ``route_scale``.
 - :class:`GroupedExperts`: ``num_experts`` SwiGLU experts as three stacked weights in ``nn.Linear``'s
   (out, in) layout: ``w1`` (gate) and ``w3`` (up) ``(experts, hidden, dim)``, ``w2`` (down)
   ``(experts, dim, hidden)``. The tokens routed to the experts arrive sorted by expert with each
@@ -13,13 +17,17 @@ tokens sorted by expert and run as grouped matrix products, optional shared expe
   contributions of each token back in place; no token is dropped (no capacity limit). Shared
   experts (a dense SwiGLU every token goes through) add their output.
 
-Each forward also leaves what balancing needs: ``tokens_per_expert`` (a buffer that accumulates
-the routed token counts until read) and the router's per-token probabilities.
+Each forward leaves its :class:`Routing` (router logits, probabilities, choices) on the module as
+``last_routing``: what the balancing losses (:func:`load_balancing_loss`,
+:func:`torchtitan_lite.loss.router_losses`), the load metrics and bias balancing
+(:func:`update_expert_bias`) read after the forward. Nothing is counted inside the forward, so a
+forward recomputed by activation checkpointing changes nothing.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +35,12 @@ from torch import nn
 
 import torchtitan_lite.models.init as init
 
-__all__ = ["GroupedExperts", "MoE", "TopKRouter", "grouped_mm_available", "load_balancing_loss"]
+__all__ = ["SCORE_FUNCS", "GroupedExperts", "MoE", "MoEShape", "Routing", "TopKRouter", "grouped_mm_available",
+           "expert_counts", "load_balancing_loss", "moe_layers", "router_problem",
+           "update_expert_bias"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+"""The router kinds (``score_func``)."""
 
 
 @functools.cache
@@ -46,27 +59,83 @@ def grouped_mm_available(device_type: str) -> bool:
         return False
 
 
+class Routing(NamedTuple):
+    """One forward's routing: ``logits`` and ``probs`` ``(tokens, experts)`` in fp32 (``probs``:
+    the softmax, or the sigmoid scores normalised per token; what the load-balancing loss
+    averages) and the chosen experts ``indices`` ``(tokens, top_k)``."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    indices: torch.Tensor
+
+
+def router_problem(num_experts: int, top_k: int, score_func: str, n_group: int, topk_group: int) -> str | None:
+    """What is wrong with a router's settings, as a phrase naming the setting, or None."""
+    if score_func not in SCORE_FUNCS:
+        return f"score_func {score_func!r} is not one of {', '.join(map(repr, SCORE_FUNCS))}"
+    if not 1 <= top_k <= num_experts:
+        return f"top_k {top_k} must be between 1 and the number of experts {num_experts}"
+    if n_group < 1 or num_experts % n_group:
+        return f"n_group {n_group} must divide the number of experts {num_experts}"
+    if n_group > 1 and num_experts // n_group < 2:
+        return f"n_group {n_group} leaves fewer than 2 experts per group (a group's score sums its best two)"
+    if not 1 <= topk_group <= n_group:
+        return f"topk_group {topk_group} must be between 1 and n_group {n_group}"
+    if topk_group * (num_experts // n_group) < top_k:
+        return f"top_k {top_k} is more than the {topk_group} chosen group(s) of {num_experts // n_group} experts hold"
+    return None
+
+
 class TopKRouter(nn.Module):
-    """Softmax router: ``(tokens, dim)`` → scores ``(tokens, top_k)``, expert indices
-    ``(tokens, top_k)`` and the probabilities over every expert ``(tokens, experts)`` (fp32)."""
+    """``(tokens, dim)`` → the chosen experts' weights ``(tokens, top_k)`` (in ``x``'s dtype) and
+    the :class:`Routing` (see the module's docstring for the two kinds)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, route_scale: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {num_experts}")
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        problem = router_problem(num_experts, top_k, score_func, n_group, topk_group)
+        if problem is not None:
+            raise ValueError(problem)
+        self.num_experts, self.top_k, self.score_func = num_experts, top_k, score_func
+        self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
+        self.n_group, self.topk_group = n_group, topk_group
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        # The sigmoid router's balancing bias (used for the choice only; updated by
+        # update_expert_bias, saved with the model).
+        self.expert_bias: torch.Tensor | None
+        if score_func == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.gate(x)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        scores, indices = torch.topk(probs, self.top_k, dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        logits = self.gate(x).float()
+        if self.score_func == "softmax":
+            scores = probs = F.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        # (The bias may live on CPU under CPU offload: it is a few numbers.)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.to(scores.device)
+        if self.n_group > 1:
+            grouped = choice.detach().view(-1, self.n_group, self.num_experts // self.n_group)
+            best_groups = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best_groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                                        float("-inf"))
+        indices = torch.topk(choice.detach(), self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
         if self.norm_topk_prob:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
-        return scores.to(x.dtype), indices, probs
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
+        return weights.to(x.dtype), Routing(logits, probs, indices)
 
     def init_weights(self, std: float) -> None:
         init.trunc_normal_(self.gate.weight, std=std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
 
 
 class GroupedExperts(nn.Module):
@@ -101,37 +170,45 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts (and optional shared experts) in place of a dense feed-forward:
-    ``(bs, seq, dim)`` → ``(bs, seq, dim)``."""
+    ``(bs, seq, dim)`` → ``(bs, seq, dim)``. The router's settings are :class:`TopKRouter`'s."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool = True,
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, route_scale: float = 1.0, n_group: int = 1, topk_group: int = 1,
                  shared_hidden_dim: int = 0, use_grouped_mm: bool = True) -> None:
         super().__init__()
-        self.router = TopKRouter(dim, num_experts, top_k, norm_topk_prob=norm_topk_prob)
+        self.router = TopKRouter(dim, num_experts, top_k, score_func=score_func, norm_topk_prob=norm_topk_prob,
+                                 route_scale=route_scale, n_group=n_group, topk_group=topk_group)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, use_grouped_mm=use_grouped_mm)
         self.shared = None
         if shared_hidden_dim:
             from torchtitan_lite.models.decoder import FeedForward
 
             self.shared = FeedForward(dim, shared_hidden_dim)
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
-        # The router's probabilities (tokens, experts) and choices of the last forward (for balancing losses).
-        self.last_probs: torch.Tensor | None = None
-        self.last_indices: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+
+    @classmethod
+    def from_args(cls, args: object) -> MoE:
+        """The MoE layer of a family's args: ``dim``, ``moe_hidden_dim``, ``num_experts``,
+        ``top_k``, ``score_func``, ``norm_topk_prob``, ``route_scale``, ``n_group``,
+        ``topk_group`` and ``shared_hidden_dim``."""
+        a: Any = args
+        return cls(a.dim, a.moe_hidden_dim, a.num_experts, a.top_k, score_func=a.score_func,
+                   norm_topk_prob=a.norm_topk_prob, route_scale=a.route_scale, n_group=a.n_group,
+                   topk_group=a.topk_group, shared_hidden_dim=a.shared_hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores, indices, self.last_probs = self.router(tokens)
-        self.last_indices = indices
+        weights, self.last_routing = self.router(tokens)
+        indices = self.last_routing.indices
         top_k = indices.shape[1]
         flat = indices.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.router.num_experts)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        counts = torch.zeros(self.router.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # (a static shape, unlike bincount's, for torch.compile)
         order = torch.argsort(flat, stable=True)  # each expert's rows together, in token order
         rows = tokens[order // top_k]
         routed = self.experts(rows, counts)
-        routed = routed * scores.reshape(-1, 1)[order]
+        routed = routed * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(tokens).index_add_(0, order // top_k, routed.to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -143,11 +220,61 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.init_weights(out_std)
 
-    def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
-        device = torch.device(buffer_device) if buffer_device is not None else self.tokens_per_expert.device
-        if device.type == "meta":
-            device = torch.device("cpu")
-        self.tokens_per_expert = torch.zeros(self.router.num_experts, dtype=torch.float32, device=device)
+
+class MoEShape:
+    """Parameter counts of a decoder whose args have MoE layers (mixed into a family's args):
+    ``num_params`` counts every expert, ``active_params`` the ``top_k`` routed experts a token
+    goes through (what its FLOPs follow)."""
+
+    def _moe_block_params(self, *, active: bool) -> int:
+        a = self  # type: ignore[assignment]
+        experts = a.top_k if active else a.num_experts  # type: ignore[attr-defined]
+        routed = 3 * a.dim * a.moe_hidden_dim * experts  # type: ignore[attr-defined]
+        shared = 3 * a.dim * a.shared_hidden_dim  # type: ignore[attr-defined]
+        return a.dim * a.num_experts + routed + shared  # type: ignore[attr-defined]
+
+    def moe_layers(self) -> int:
+        """How many layers are mixtures of experts."""
+        return sum(bool(self.moe_layer(i)) for i in range(self.n_layers))  # type: ignore[attr-defined]
+
+    def _with_moe(self, dense_total: int, *, active: bool) -> int:
+        dense_ffn = 3 * self.dim * self.ffn_hidden_dim  # type: ignore[attr-defined]
+        return dense_total + self.moe_layers() * (self._moe_block_params(active=active) - dense_ffn)
+
+    def active_params(self, *, include_embedding: bool = True) -> int:
+        """Parameters a token's forward uses (the ``top_k`` routed experts of each MoE layer)."""
+        return self._with_moe(super().num_params(include_embedding=include_embedding), active=True)  # type: ignore[misc]
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Every parameter, each expert's included."""
+        return self._with_moe(super().num_params(include_embedding=include_embedding), active=False)  # type: ignore[misc]
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 × the non-embedding parameters a token uses (the active
+        experts only) plus the attention matmuls."""
+        return 6 * self.active_params(include_embedding=False) + self.n_layers * self.attention_flops_per_token(seq_len)  # type: ignore[attr-defined]
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The model's MoE layers by qualified name, in forward order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
+
+
+def expert_counts(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert in one forward (fp32, ``(experts,)``)."""
+    flat = routing.indices.reshape(-1)
+    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+
+
+@torch.no_grad()
+def update_expert_bias(router: TopKRouter, counts: torch.Tensor, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after an optimizer step, raise the bias of
+    each expert that got fewer tokens than the mean and lower it for each that got more, by
+    ``rate`` (``counts``: the step's tokens per expert over every rank)."""
+    if router.expert_bias is None:
+        raise ValueError(f"a {router.score_func} router has no expert bias to balance")
+    counts = counts.to(router.expert_bias.device, torch.float32)
+    router.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
 
 
 def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
