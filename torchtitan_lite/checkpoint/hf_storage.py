@@ -105,7 +105,7 @@ def state_dict_from_hf(sd: Mapping[str, torch.Tensor], spec: ModelSpec, args: An
     out: dict[str, torch.Tensor] = {}
     slices: dict[str, dict[int, torch.Tensor]] = {}  # stacked expert weights, per expert
     for hf_name, tensor in sd.items():
-        if adapter.ignored(hf_name):
+        if adapter.ignored(hf_name, args):
             continue
         name, expert = adapter.from_hf_part(hf_name)
         if hf_name not in needed:  # a tied model's copy of its output projection
@@ -250,7 +250,7 @@ def _check_tensors(path: Path, entries: Mapping[str, _TensorEntry], adapter: HFA
             raise _error(path, f"tensor {name!r} has dtype {entry.dtype}, expected one of "
                                f"{', '.join(_FLOATING)}")
     tied_copy = adapter.to_hf_name(adapter.output_name) if config.get("tie_word_embeddings") else None
-    unused = [n for n in entries if n not in expected and not adapter.ignored(n) and n != tied_copy]
+    unused = [n for n in entries if n not in expected and not adapter.ignored(n, args) and n != tied_copy]
     if unused:
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
         raise _error(path, f"tensor {unused[0]!r}{more} belong to no parameter of this model (a model "

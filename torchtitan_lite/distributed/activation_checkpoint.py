@@ -6,7 +6,8 @@ rest during backward:
 - ``full``: only the block's inputs; the whole block runs again in backward (about one more
   forward of the block: +~33% of the block's FLOPs, the least memory).
 - ``op`` (selective by operator): the outputs of the matrix multiplications (``mm``, ``addmm``,
-  ``bmm``, ``_scaled_mm``) and of the fused attention kernels (every
+  ``bmm``, ``_scaled_mm``, and a mixture of experts' ``_grouped_mm``, so its experts do not run
+  twice; the routing, a few cheap ops, is recomputed) and of the fused attention kernels (every
   ``_scaled_dot_product_*_attention`` variant), which are the expensive ops; everything else
   (norms, RoPE, activations, element-wise products, reshapes) is recomputed. Those cheap ops
   are a few percent of the FLOPs, but their outputs (and the matmul inputs they produce) are
@@ -55,7 +56,7 @@ BlockPolicy = Literal["none", "full", "op"]
 _POLICIES = ("none", "full", "op")
 
 _SAVED_OP_NAMES = (
-    "mm", "addmm", "bmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",

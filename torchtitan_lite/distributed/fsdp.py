@@ -21,6 +21,7 @@ see :mod:`torchtitan_lite.memory.auto`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
 from torchtitan_lite.config.schema import RESHARD_MODES
 
@@ -56,6 +58,7 @@ __all__ = [
     "materialize",
     "reshard_all",
     "resolve_reshard_after_forward",
+    "stacked_shard_placement",
     "unit_offload",
     "validate_reshard_after_forward_mode",
 ]
@@ -389,6 +392,16 @@ def materialize(model: nn.Module, device: torch.device, *, units: Sequence[FSDPU
             setattr(model.get_submodule(owner), attr, shared)
 
 
+def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard | None:
+    """Where FSDP shards a parameter: a stacked weight (3-D, e.g. a mixture of experts'
+    ``(experts, out, in)``) along its first dimension, the experts, while there are at least as
+    many of them as shard ranks, else along the next (every rank holds part of every expert
+    rather than some ranks nothing); anything else along dim 0 (None: FSDP's default)."""
+    if param.dim() == 3 and param.shape[0] < shard_degree:
+        return Shard(1)
+    return None
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -426,8 +439,8 @@ def apply_fsdp(
             order; the root's own parameters, if any, are offloaded only when every unit is).
             The process group then needs a CPU backend for clipping. Materialise with
             :func:`materialize` so that each unit's shards land where they live.
-        fully_shard_kwargs: any other ``fully_shard`` option (e.g. ``shard_placement_fn``),
-            given to every unit and the root.
+        fully_shard_kwargs: any other ``fully_shard`` option, given to every unit and the
+            root (``shard_placement_fn`` replaces :func:`stacked_shard_placement`).
 
     Raises ``ValueError`` (one line) for units that overlap or share parameters (see
     :func:`fsdp_units`), a reshard mode that is not allowed, or a per-unit plan of the wrong
@@ -454,6 +467,7 @@ def apply_fsdp(
 
     common = {
         "mesh": mesh,
+        "shard_placement_fn": functools.partial(stacked_shard_placement, shard_degree=mesh.shape[-1]),
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         **fully_shard_kwargs,
     }

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.models.deepseek_v3 import DEEPSEEK_V3_SPEC
 from torchtitan_lite.models.llama3 import LLAMA3_SPEC
 from torchtitan_lite.models.qwen2 import QWEN2_SPEC
 from torchtitan_lite.models.qwen3 import QWEN3_SPEC
@@ -65,7 +66,7 @@ def register_model_spec(spec: ModelSpec, *, replace: bool = False) -> None:
     MODEL_SPECS[spec.name] = spec
 
 
-for _spec in (LLAMA3_SPEC, QWEN3_SPEC, QWEN2_SPEC, QWEN3_MOE_SPEC):
+for _spec in (LLAMA3_SPEC, QWEN3_SPEC, QWEN2_SPEC, QWEN3_MOE_SPEC, DEEPSEEK_V3_SPEC):
     register_model_spec(_spec)
 
 

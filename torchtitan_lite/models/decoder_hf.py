@@ -240,6 +240,9 @@ class DecoderHFAdapter:
     """With :attr:`attention_names`: per-layer Hugging Face attention suffix → shape for args."""
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     """Fixed entries the family's ``config.json`` carries (written, not checked)."""
+    layers_beyond_ignored: bool = False
+    """A file's layers past ``num_hidden_layers`` are not the model's and are skipped (DeepSeek-V3's
+    multi-token-prediction layer, ``model.layers.<num_hidden_layers>.*``)."""
     build_args: Callable[[dict[str, Any]], Any] | None = None
     """Args from a file's fields in the args' names (``ffn_hidden_dim`` and ``n_kv_heads`` among
     them; ``ValueError`` when the shape cannot be expressed); default ``args_cls(**fields)``."""
@@ -317,10 +320,14 @@ class DecoderHFAdapter:
             return f"layers.{match.group(1)}.{ours}", int(match.group(2))
         return self.from_hf_name(hf_name), None
 
-    @staticmethod
-    def ignored(hf_name: str) -> bool:
-        """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)."""
-        return bool(_RECOMPUTED.search(hf_name))
+    def ignored(self, hf_name: str, args: Any = None) -> bool:
+        """Tensors some Hugging Face files carry that our decoders recompute (``rotary_emb.inv_freq``)
+        and, with :attr:`layers_beyond_ignored` and ``args``, those of layers past the model's
+        (DeepSeek-V3's multi-token-prediction layer, which transformers drops too)."""
+        if _RECOMPUTED.search(hf_name):
+            return True
+        match = _THEIRS.match(hf_name) if self.layers_beyond_ignored and args is not None else None
+        return bool(match) and int(match.group(1)) >= args.n_layers  # type: ignore[union-attr]
 
     def expected_shapes(self, args: Any) -> dict[str, tuple[int, ...]]:
         """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order

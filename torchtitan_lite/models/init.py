@@ -4,7 +4,8 @@ The values a parameter receives depend only on the global RNG state when its ini
 called, never on how the parameter is sharded: each parameter is filled block by block along
 dim 0 (blocks of a fixed size), every block from its own generator seeded from one draw of the
 global generator. A rank that holds rows ``[a, b)`` of a sharded parameter generates only the
-blocks overlapping those rows, so the full parameter is never materialised and the result is
+blocks overlapping those rows (and keeps its part of each row when the parameter is sharded along
+a later dimension), so the full parameter is never materialised and the result is
 the same on 1, 2 or 4 ranks, and on CPU or GPU (values are always drawn on the CPU and copied).
 
 This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP.
@@ -25,36 +26,32 @@ _BLOCK_ELEMENTS = 1 << 18
 _SEED_MODULUS = 1 << 62
 
 
-def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Return the local tensor and the global row (dim 0) offset of its first row."""
+def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The local tensor and the global offset of its first element in every dimension."""
     if isinstance(tensor, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local = tensor.to_local()
-        for placement in tensor.placements:
-            if placement.is_shard() and placement.dim != 0:  # type: ignore[attr-defined]
-                raise ValueError(
-                    f"seeded init supports parameters sharded on dim 0 only, got {tensor.placements}"
-                )
-        _, offset = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
-        return local, int(offset[0]) if len(offset) else 0
-    return tensor, 0
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(int(o) for o in offset)
+    return tensor, (0,) * tensor.dim()
 
 
 @torch.no_grad()
 def _fill_blockwise(
     tensor: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator], None]
 ) -> torch.Tensor:
-    local, row_offset = _local_rows(tensor)
+    local, offset = _local_part(tensor)
     # One draw from the global generator per parameter: identical on every rank.
     base_seed = int(torch.randint(0, _SEED_MODULUS, (1,), dtype=torch.int64).item())
     if local.numel() == 0:
         return tensor
     full_shape = tuple(tensor.shape)
     if not full_shape:  # a scalar is one row of one element (never sharded)
-        local, full_shape = local.view(1), (1,)
+        local, full_shape, offset = local.view(1), (1,), (0,)
+    row_offset = offset[0]
+    # A shard along a later dimension (a stacked weight with fewer experts than ranks) keeps
+    # its part of each generated row.
+    within = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:], strict=True))
     row_numel = math.prod(full_shape[1:]) or 1
     rows_per_block = max(1, _BLOCK_ELEMENTS // row_numel)
     n_local = local.shape[0]
@@ -72,7 +69,7 @@ def _fill_blockwise(
         fill(values, generator)
         lo = max(row_offset, block_start)
         hi = min(row_offset + n_local, block_start + block_rows)
-        local[lo - row_offset : hi - row_offset].copy_(values[lo - block_start : hi - block_start])
+        local[lo - row_offset : hi - row_offset].copy_(values[(slice(lo - block_start, hi - block_start), *within)])
     return tensor
 
 
@@ -108,7 +105,7 @@ def uniform_(tensor: torch.Tensor, *, a: float = 0.0, b: float = 1.0) -> torch.T
 @torch.no_grad()
 def ones_(tensor: torch.Tensor) -> torch.Tensor:
     """Fill with ones (plain or sharded)."""
-    local, _ = _local_rows(tensor)
+    local, _ = _local_part(tensor)
     local.fill_(1.0)
     return tensor
 
@@ -116,6 +113,6 @@ def ones_(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def zeros_(tensor: torch.Tensor) -> torch.Tensor:
     """Fill with zeros (plain or sharded)."""
-    local, _ = _local_rows(tensor)
+    local, _ = _local_part(tensor)
     local.zero_()
     return tensor

@@ -49,11 +49,19 @@ def grouped_mm_available(device_type: str) -> bool:
     on CPU; CUDA with its own alignment rules)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    # The forward and the two products of its backward, without autograd and outside any dispatch
+    # mode: the first call may come inside a checkpointed forward, whose saved tensors (and a
+    # selective policy's record of saved outputs) must not change.
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:
-        x = torch.randn(8, 16, device=device_type, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device_type, requires_grad=True)
-        out = torch._grouped_mm(x, w, offs=torch.tensor([3, 8], dtype=torch.int32, device=device_type))
-        out.backward(torch.ones_like(out).contiguous())
+        with torch.no_grad(), _disable_current_modes():
+            x = torch.randn(8, 16, device=device_type)
+            w = torch.randn(2, 16, 16, device=device_type)
+            offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
+            out = torch._grouped_mm(x, w, offs=offs)
+            torch._grouped_mm(out, w.transpose(-2, -1), offs=offs)  # the input's gradient
+            torch._grouped_mm(x.t(), out, offs=offs)  # the weights' gradient
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -110,7 +118,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        logits = self.gate(x).float()
+        logits = F.linear(x.float(), self.gate.weight.float())  # in fp32, as transformers' routers
         if self.score_func == "softmax":
             scores = probs = F.softmax(logits, dim=-1)
         else:

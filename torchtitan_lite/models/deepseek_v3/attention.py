@@ -53,8 +53,14 @@ from torch import nn
 import torchtitan_lite.models.init as init
 from torchtitan_lite.models.decoder import RMSNorm, _flex_attention, apply_rotary_emb, precompute_freqs_cis
 
-__all__ = ["MLAArgs", "MLAttention", "MLA_HF_NAMES", "YarnParameters", "mla_freqs_cis", "mla_hf_shapes",
-           "yarn_attention_factor", "yarn_get_mscale", "yarn_inv_freq", "yarn_parameters", "yarn_softmax_scale"]
+__all__ = ["LATENT_NORM_EPS", "MLAArgs", "MLAttention", "MLA_HF_NAMES", "YarnParameters", "mla_freqs_cis",
+           "mla_hf_shapes", "yarn_attention_factor", "yarn_get_mscale", "yarn_inv_freq", "yarn_parameters",
+           "yarn_softmax_scale"]
+
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of the RMSNorms over the query and key/value latents (``q_norm``, ``kv_norm``):
+DeepSeek's reference code and transformers' ``DeepseekV3Attention`` build them with the RMSNorm's
+default 1e-6 whatever ``rms_norm_eps`` says (Moonlight's is 1e-5)."""
 
 MLA_HF_NAMES: dict[str, str] = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -200,6 +206,7 @@ class MLAArgs:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     norm_eps: float = 1e-6
+    """The blocks' RMSNorms' epsilon (the latent norms use :data:`LATENT_NORM_EPS`)."""
     max_seq_len: int = 163840
     rope_theta: float = 10000.0
     rope_scaling: str = "yarn"
@@ -253,10 +260,10 @@ class MLAttention(nn.Module):
             self.wq = nn.Linear(args.dim, self.n_heads * self.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(self.q_lora_rank, args.norm_eps)
+            self.q_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(self.q_lora_rank, self.n_heads * self.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(self.n_heads * self.v_head_dim, args.dim, bias=False)
         yarn = yarn_parameters(args)

@@ -1,0 +1,199 @@
+"""Mixture-of-experts models through the trainer: the first step's cross-entropy and auxiliary
+loss equal transformers' on the global batch, losses agree over ranks, reshard and AC modes, the
+expert weights are sharded as stated, the router bias balances the load and travels through
+checkpoints and exports, and bad [moe] settings are one line before any process group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+BYTE_VOCAB = 258  # the built-in byte tokenizer's ids (the model's vocabulary follows it)
+
+
+def hf_qwen3_moe(folder: Path, *, seed: int = 0, **config: Any) -> Path:
+    """A random ``Qwen3MoeForCausalLM`` (8 experts, top-2, a dense second layer) saved by
+    transformers, weights large enough that the router's choices differ between tokens."""
+    fields = {"vocab_size": BYTE_VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1],
+              "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "router_aux_loss_coef": 0.01, **config}
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.08)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def _argv(folder: Path, dump: Path, *extra: str, name: str = "qwen3_moe") -> list[str]:
+    return ["--model.name", name, "--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path", str(folder),
+            "--checkpoint.initial_load_in_hf", "--training.seq_len", "32", "--training.global_batch_size", "4",
+            "--training.local_batch_size", "2", "--training.steps", "1", "--training.no-shuffle",
+            "--training.mixed_precision_param", "float32", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+            "--metrics.no-enable_tensorboard", "--validation.no-enable", *extra]
+
+
+def _first_step(argv: list[str], tokens: torch.Tensor) -> tuple[dict[str, Any], list[Any], dict[str, Any], torch.Tensor]:
+    """Train one step (and export it); its metrics, this rank's micro-batches, one expert
+    weight's placement, and the trained model's logits on ``tokens``."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    next_batch = trainer.loader.next_batch
+
+    def recording() -> Any:
+        batch = next_batch()
+        seen.extend((inputs.clone(), labels.clone()) for inputs, labels in batch)
+        return batch
+
+    trainer.loader.next_batch = recording  # type: ignore[method-assign]
+    try:
+        metrics = trainer.train()[0]
+        with torch.no_grad():
+            logits = trainer.model(tokens)
+        return metrics, seen, _placement(trainer.model), logits
+    finally:
+        trainer.close()
+
+
+def _placement(model: torch.nn.Module) -> dict[str, Any]:
+    """The placements and this rank's shape of the first MoE layer's stacked ``w1``."""
+    from torch.distributed.tensor import DTensor
+
+    name = next(n for n, _ in model.named_parameters() if n.endswith("moe.experts.w1"))
+    w1 = model.get_parameter(name)
+    if isinstance(w1, DTensor):
+        return {"placements": [str(p) for p in w1.placements], "local": list(w1.to_local().shape)}
+    return {"placements": None, "local": list(w1.shape)}
+
+
+def _deepseek_folder(folder: Path) -> Path:
+    from tests.test_deepseek_v3 import _hf_model
+
+    return _hf_model(folder, q_lora_rank=32)
+
+
+# family, ranks, how its folder is made, the expert weights' placements and local shape on each rank
+_FIRST_STEP = {
+    "qwen3_moe-2-ranks": ("qwen3_moe", 2, lambda f: hf_qwen3_moe(f), ["S(0)"], [4, 32, 64]),
+    # 2 experts over 4 ranks: each rank holds a quarter of every expert's rows.
+    "qwen3_moe-2-experts-4-ranks": ("qwen3_moe", 4, lambda f: hf_qwen3_moe(f, num_experts=2, num_experts_per_tok=1),
+                                    ["S(1)"], [2, 8, 64]),
+    "deepseek_v3-2-ranks": ("deepseek_v3", 2, _deepseek_folder, ["S(0)"], [4, 32, 64]),
+}
+
+
+@pytest.mark.parametrize("case", list(_FIRST_STEP))
+def test_first_step_equals_transformers_and_the_export_loads_in_transformers(tmp_path: Path, case: str) -> None:
+    """fp32, a folder made by transformers, a global batch of 4 over the ranks: the first step's
+    loss equals transformers' cross-entropy on the global batch and the gradient norm that of its
+    training loss; for Qwen3-MoE ``moe/aux_loss`` equals its ``aux_loss`` (load_balancing_loss_func
+    over every layer's tokens of every rank, in the training loss with router_aux_loss_coef), all
+    within 1e-5 (DeepSeek-V3 trains without an auxiliary loss: transformers computes none). The
+    experts are sharded as stated, and the export after the step loads in transformers with the
+    trained model's logits within 1e-5."""
+    family, world, make, placements, local = _FIRST_STEP[case]
+    folder = make(tmp_path / "hf")
+    tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    argv = _argv(folder, tmp_path / "run", "--training.local_batch_size", str(4 // world), "--checkpoint.enable",
+                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", name=family)
+    results = run_distributed(_first_step, world, argv, tokens)
+    inputs = torch.cat([torch.cat([i for i, _ in seen]) for _, seen, _, _ in results])
+    labels = torch.cat([torch.cat([lab for _, lab in seen]) for _, seen, _, _ in results])
+    assert inputs.shape == (4, 32)
+    for _, _, placed, _ in results:
+        assert placed == {"placements": placements, "local": local}, placed
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    qwen = family == "qwen3_moe"
+    out = model(inputs, output_router_logits=True) if qwen else model(inputs)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+    (ce + 0.01 * out.aux_loss if qwen else ce).backward()
+    grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                             if p.grad is not None])))
+    expected = float(ce.detach())
+    metrics = [m for m, _, _, _ in results]
+    assert all(m["loss"] == metrics[0]["loss"] for m in metrics)
+    assert abs(metrics[0]["loss"] - expected) <= 1e-5 * expected, (metrics[0]["loss"], expected)
+    assert abs(metrics[0]["grad_norm"] - grad_norm) <= 1e-5 * grad_norm, (metrics[0]["grad_norm"], grad_norm)
+    if qwen:
+        aux = float(out.aux_loss)
+        assert abs(metrics[0]["moe/aux_loss"] - aux) <= 1e-5 * aux, (metrics[0]["moe/aux_loss"], aux)
+    else:
+        assert "moe/aux_loss" not in metrics[0]  # router_aux_loss_coef 0: off
+    # Every MoE layer's load (Qwen3-MoE's second layer and DeepSeek-V3's first are dense).
+    moe_layers = ["1", "2"] if family == "deepseek_v3" else ["0", "2"]
+    assert sorted(k for k in metrics[0] if k.startswith("moe/load_max_over_mean/")) == [
+        f"moe/load_max_over_mean/layers.{i}.moe" for i in moe_layers]
+    assert metrics[0]["moe/load_max_over_mean"] >= 1.0
+    export = tmp_path / "run" / "checkpoint" / "step-1"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, results[0][3], atol=1e-5, rtol=1e-5)
+
+
+def _tiny_argv(dump: Path, local_batch_size: int, *extra: str) -> list[str]:
+    return ["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--training.seq_len", "32",
+            "--training.global_batch_size", "4", "--training.local_batch_size", str(local_batch_size),
+            "--training.steps", "10", "--training.no-shuffle", "--training.mixed_precision_param", "float32",
+            "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump), "--metrics.log_freq", "1",
+            "--metrics.no-enable_tensorboard", "--validation.no-enable", *extra]
+
+
+def _losses_and_expert_placements(*runs: list[str]) -> list[tuple[list[float], dict[str, Any]]]:
+    """Each job's losses and, for one expert weight, its placements and this rank's shape."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    out = []
+    for argv in runs:
+        trainer = Trainer(load_job_config(argv))
+        try:
+            losses = [h["loss"] for h in trainer.train()]
+            w1 = trainer.model.get_parameter("layers.0.moe.experts.w1")
+            placed = {"placements": [str(p) for p in w1.placements], "local": list(w1.to_local().shape)} \
+                if isinstance(w1, DTensor) else {"placements": None, "local": list(w1.shape)}
+            out.append((losses, placed))
+        finally:
+            trainer.close()
+    return out
+
+
+# (reshard_after_forward_mode, activation_checkpoint.mode, selective_ac_option) per run.
+_MODES = {2: [("default", "none", "op"), ("never", "full", "op"), ("always", "selective", "op")],
+          4: [("default", "selective", "op"), ("never", "none", "op"), ("always", "full", "op"), ("2", "selective", "1")]}
+
+
+def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path) -> None:
+    """Tiny Qwen3-MoE (8 experts, top-2), fp32, 10 steps of a global batch of 4: one process,
+    2 and 4 ranks in every reshard mode and AC mode give the same losses within 1e-5 (the
+    load-balancing loss is one over each global micro-batch, whatever the ranks); the experts'
+    stacked weights are sharded along the experts (2 ranks: 4 experts each; 4 ranks: 2 each)."""
+    ((reference, plain),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4))
+    assert plain == {"placements": None, "local": [8, 32, 64]}
+    assert len(reference) == 10
+    for world, modes in _MODES.items():
+        runs = [_tiny_argv(tmp_path / f"{world}-{i}", 4 // world, "--parallelism.reshard_after_forward_mode", mode,
+                           "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option)
+                for i, (mode, ac, option) in enumerate(modes)]
+        for argv, run in zip(runs, modes, strict=True):  # (one job per process group)
+            for ((losses, placed),) in run_distributed(_losses_and_expert_placements, world, argv):
+                assert placed == {"placements": ["S(0)"], "local": [8 // world, 32, 64]}, (world, run, placed)
+                for a, b in zip(losses, reference, strict=True):
+                    assert abs(a - b) <= 1e-5 * abs(b), (world, run, losses, reference)
