@@ -175,14 +175,17 @@ def _losses_and_expert_placements(*runs: list[str]) -> list[tuple[list[float], d
     return out
 
 
-# (reshard_after_forward_mode, activation_checkpoint.mode, selective_ac_option) per run.
-_MODES = {2: [("default", "none", "op"), ("never", "full", "op"), ("always", "selective", "op")],
-          4: [("default", "selective", "op"), ("never", "none", "op"), ("always", "full", "op"), ("2", "selective", "1")]}
+# (reshard_after_forward_mode, activation_checkpoint.mode, selective_ac_option, more) per run.
+_MODES = {2: [("default", "none", "op", ["--compile.enable"]), ("never", "full", "op", []),
+              ("always", "selective", "op", ["--parallelism.cpu_offload", "all"])],
+          4: [("default", "selective", "op", []), ("never", "none", "op", []), ("always", "full", "op", []),
+              ("2", "selective", "1", [])]}
 
 
 def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path) -> None:
     """Tiny Qwen3-MoE (8 experts, top-2), fp32, 10 steps of a global batch of 4: one process,
-    2 and 4 ranks in every reshard mode and AC mode give the same losses within 1e-5 (the
+    2 and 4 ranks in every reshard mode and AC mode (with per-block compile and CPU offload on two
+    of the runs) give the same losses within 1e-5 (the
     load-balancing loss is one over each global micro-batch, whatever the ranks); the experts'
     stacked weights are sharded along the experts (2 ranks: 4 experts each; 4 ranks: 2 each)."""
     ((reference, plain),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4))
@@ -190,8 +193,9 @@ def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_th
     assert len(reference) == 10
     for world, modes in _MODES.items():
         runs = [_tiny_argv(tmp_path / f"{world}-{i}", 4 // world, "--parallelism.reshard_after_forward_mode", mode,
-                           "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option)
-                for i, (mode, ac, option) in enumerate(modes)]
+                           "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option,
+                           *more)
+                for i, (mode, ac, option, more) in enumerate(modes)]
         for argv, run in zip(runs, modes, strict=True):  # (one job per process group)
             for ((losses, placed),) in run_distributed(_losses_and_expert_placements, world, argv):
                 assert placed == {"placements": ["S(0)"], "local": [8 // world, 32, 64]}, (world, run, placed)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
-from torchtitan_lite.models.moe import MoE
+from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
 __all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions", "is_moe_layer",
@@ -290,6 +290,9 @@ class Decoder(nn.Module):
         self.freqs_cis = precompute_freqs_cis(
             self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device, args=self.args
         )
+        if getattr(self.args, "num_experts", 0):  # whether grouped products run here (read under compile)
+            for dtype in (torch.float32, torch.bfloat16):
+                grouped_mm_available(device.type, dtype)
 
 
 def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:

@@ -26,7 +26,6 @@ forward recomputed by activation checkpointing changes nothing.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -43,28 +42,35 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 """The router kinds (``score_func``)."""
 
 
-@functools.cache
-def grouped_mm_available(device_type: str) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward on this device type (torch >= 2.9
-    on CPU; CUDA with its own alignment rules)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    # The forward and the two products of its backward, without autograd and outside any dispatch
-    # mode: the first call may come inside a checkpointed forward, whose saved tensors (and a
-    # selective policy's record of saved outputs) must not change.
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
+"""Whether ``torch._grouped_mm`` runs, per (device type, dtype): probed once, eagerly."""
+
+
+def grouped_mm_available(device_type: str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward on this device type and dtype
+    (torch >= 2.9 on CPU; CUDA with its own rules). Probed on first use, outside autograd and any
+    dispatch mode (the first call may come inside a checkpointed forward, whose saved tensors must
+    not change); under ``torch.compile`` only the probed answer is read (the decoder probes its
+    device when it builds its buffers), unprobed is no."""
+    key = (device_type, dtype)
+    if key in _GROUPED_MM or torch.compiler.is_compiling():
+        return _GROUPED_MM.get(key, False)
     from torch.utils._python_dispatch import _disable_current_modes
 
-    try:
-        with torch.no_grad(), _disable_current_modes():
-            x = torch.randn(8, 16, device=device_type)
-            w = torch.randn(2, 16, 16, device=device_type)
-            offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
-            out = torch._grouped_mm(x, w, offs=offs)
-            torch._grouped_mm(out, w.transpose(-2, -1), offs=offs)  # the input's gradient
-            torch._grouped_mm(x.t(), out, offs=offs)  # the weights' gradient
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
+    available = hasattr(torch, "_grouped_mm")
+    if available:
+        try:  # the forward and the two products of its backward
+            with torch.no_grad(), _disable_current_modes():
+                x = torch.ones(8, 16, device=device_type, dtype=dtype)  # (no random draw: the RNG is the init's)
+                w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
+                offs = torch.tensor([3, 8], dtype=torch.int32, device=device_type)
+                out = torch._grouped_mm(x, w, offs=offs)
+                torch._grouped_mm(out, w.transpose(-2, -1), offs=offs)  # the input's gradient
+                torch._grouped_mm(x.t(), out, offs=offs)  # the weights' gradient
+        except (RuntimeError, NotImplementedError):
+            available = False
+    _GROUPED_MM[key] = available
+    return available
 
 
 class Routing(NamedTuple):
@@ -146,6 +152,75 @@ class TopKRouter(nn.Module):
             self.expert_bias.zero_()
 
 
+def _looped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a`` ``(rows, k)`` in groups ending at ``offs``, group ``g`` times ``b[g]`` ``(k, n)``."""
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        torch.mm(a[start:end], b[group], out=out[start:end])
+        start = end
+    return out
+
+
+@torch.library.custom_op("torchtitan_lite::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped products as one operator torch.compile does not look into: what the experts run
+    where ``torch._grouped_mm`` cannot be compiled (its compiled form takes bf16 only) or does
+    not run."""
+    if grouped_mm_available(a.device.type, a.dtype):
+        return torch._grouped_mm(a, b, offs=offs)
+    return _looped_mm(a, b, offs)
+
+
+@_grouped_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("torchtitan_lite::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, groups: int) -> torch.Tensor:
+    """``out[g] = a_gᵀ · grad_g`` ``(groups, k, n)``: the gradient of :func:`_grouped_mm_op`'s ``b``."""
+    if grouped_mm_available(a.device.type, a.dtype):
+        return torch._grouped_mm(a.t(), grad, offs=offs)
+    out = a.new_zeros(groups, a.shape[1], grad.shape[1])
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        torch.mm(a[start:end].t(), grad[start:end], out=out[group])
+        start = end
+    return out
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, groups: int) -> torch.Tensor:
+    return a.new_empty(groups, a.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_a = _grouped_mm_op(grad, b.transpose(-2, -1), offs)
+    grad_b = _grouped_mm_weight_grad(a, grad, offs, b.shape[0])
+    return grad_a, grad_b, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` where it runs (eagerly, or compiled in bf16), else
+    the same products as one custom operator (compiled: opaque to torch.compile; eagerly: a loop
+    over the groups where ``torch._grouped_mm`` does not run), with its own backward."""
+    native = grouped_mm_available(a.device.type, a.dtype)
+    if native and (not torch.compiler.is_compiling() or a.dtype == torch.bfloat16):
+        return torch._grouped_mm(a, b, offs=offs)
+    return _grouped_mm_op(a, b, offs)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forwards as stacked weights (see the module's docstring)."""
 
@@ -158,13 +233,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``(rows, dim)``: the routed rows sorted by expert, ``counts[e]`` of them for expert
-        ``e``. Returns each row through its expert, ``(rows, dim)``."""
+        ``e``. Returns each row through its expert, ``(rows, dim)``: grouped products
+        (:func:`grouped_mm`), or with ``use_grouped_mm`` off a loop over the experts (eagerly;
+        compiled, the grouped operator)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if self.use_grouped_mm and grouped_mm_available(x.device.type):
+        if self.use_grouped_mm or torch.compiler.is_compiling():
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offsets)
+            gate = grouped_mm(x, w1.transpose(-2, -1), offsets)
+            up = grouped_mm(x, w3.transpose(-2, -1), offsets)
+            return grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offsets)
         out = []
         for expert, rows in enumerate(x.split(counts.tolist())):
             out.append(F.linear(F.silu(F.linear(rows, w1[expert])) * F.linear(rows, w3[expert]), w2[expert]))
