@@ -201,3 +201,108 @@ def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_th
                 assert placed == {"placements": ["S(0)"], "local": [8 // world, 32, 64]}, (world, run, placed)
                 for a, b in zip(losses, reference, strict=True):
                     assert abs(a - b) <= 1e-5 * abs(b), (world, run, losses, reference)
+
+
+def _unbalanced_deepseek(folder: Path) -> Path:
+    """A random tiny ``DeepseekV3ForCausalLM`` whose routers' bias sends every token to experts 0
+    and 1 (their group wins, and they win within it): max / mean load 4 of 8 experts."""
+    from tests.test_deepseek_v3 import _hf_config
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(_hf_config(q_lora_rank=32)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(std=0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+                b[:2] = 1.0
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def _history_and_biases(argv: list[str]) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """Train; every step's metrics and each MoE layer's router bias at the end."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.models.moe import moe_layers
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        history = trainer.train()
+        return history, [layer.router.expert_bias.clone() for layer in moe_layers(trainer.model).values()]
+    finally:
+        trainer.close()
+
+
+def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path: Path) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing on routers started unbalanced (every token to
+    2 of 8 experts): with moe.bias_update_rate 0.05 the worst layer's max / mean load falls from 4
+    to about 2 over 20 steps (without it, it stays 4); the bias is in the checkpoint (a resume from
+    step 10 on one process repeats steps 11-20 and ends with the same bias) and in the export
+    (the Hugging Face file's e_score_correction_bias is the trained bias)."""
+    from safetensors.torch import load_file
+
+    folder = _unbalanced_deepseek(tmp_path / "hf")
+    common = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10",
+              "--lr_scheduler.warmup_steps", "2"]
+    balanced = _argv(folder, tmp_path / "run", *common, "--moe.bias_update_rate", "0.05", "--checkpoint.last_save_in_hf",
+                     "--checkpoint.last_save_model_only", name="deepseek_v3")
+    (history, biases), _ = run_distributed(_history_and_biases, 2, balanced)
+    loads = [h["moe/load_max_over_mean"] for h in history]
+    assert loads[0] == pytest.approx(4.0), loads
+    assert sum(loads[-5:]) / 5 < 2.4, loads  # (4.0 for 8 steps, then 2.1 on average over the last 5)
+    ((fixed, _),) = run_distributed(_history_and_biases, 1, _argv(folder, tmp_path / "fixed", *common, "--training.local_batch_size", "4", name="deepseek_v3"))
+    assert all(h["moe/load_max_over_mean"] == pytest.approx(4.0) for h in fixed)
+    # The export holds the trained bias (fp32, as transformers keeps it).
+    exported = {}
+    for file in (tmp_path / "run" / "checkpoint" / "step-20").glob("*.safetensors"):
+        exported.update(load_file(str(file)))
+    for layer, bias in zip((1, 2), biases, strict=True):
+        torch.testing.assert_close(exported[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"], bias,
+                                   atol=0, rtol=0)
+    # The checkpoint at step 10 holds the bias: resumed on one process, steps 11-20 repeat.
+    import shutil
+
+    shutil.copytree(tmp_path / "run" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10")
+    resumed_argv = _argv(folder, tmp_path / "resumed", *common, "--moe.bias_update_rate", "0.05",
+                         "--training.local_batch_size", "4", name="deepseek_v3")
+    ((resumed, resumed_biases),) = run_distributed(_history_and_biases, 1, resumed_argv)
+    assert len(resumed) == 10
+    for a, b in zip(resumed, history[10:], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
+        assert a["moe/load_max_over_mean"] == pytest.approx(b["moe/load_max_over_mean"])
+    for a, b in zip(resumed_biases, biases, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.top_k", "9"],
+     "error: moe.top_k: invalid value 9; top_k 9 must be between 1 and the number of experts 8"),
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.score_func", "sparsemax"],
+     "error: moe.score_func: invalid value 'sparsemax'; expected one of 'softmax', 'sigmoid'"),
+    (["--model.name", "llama3", "--moe.z_loss_coef", "0.001"],
+     "error: moe.z_loss_coef: invalid value 0.001; model 'llama3' (debugmodel) has no mixture-of-experts layers; "
+     "expected the default (0.0)"),
+    (["--model.name", "qwen3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"],
+     "error: parallelism.expert_parallel_degree: invalid value 2; model 'qwen3' does not split over expert parallel "
+     "ranks (its parallelize handles data parallel only); expected 1"),
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.bias_update_rate", "0.01"],
+     "error: moe.bias_update_rate: invalid value 0.01; the softmax router of model 'qwen3_moe' has no expert bias "
+     "to balance; expected 0, or moe.score_func = 'sigmoid'"),
+    (["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--moe.top_k", "5"],
+     "error: moe.top_k: invalid value 5; top_k 5 is more than the 1 chosen group(s) of 4 experts hold"),
+])
+def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str], line: str,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """top-k above the experts (or the chosen groups), an unknown router kind, an [moe] setting or
+    expert parallel on a dense model, bias balancing without a bias: exit 2, one line."""
+    import torch.distributed as dist
+
+    from torchtitan_lite import train
+
+    assert train.main([*argv, "--training.steps", "1", "--training.seq_len", "64", "--validation.no-enable"]) == 2
+    assert not dist.is_initialized()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert lines == [line], lines
