@@ -74,8 +74,14 @@ def _saved_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
+_SAVED_CUSTOM_OPS = ("torchtitan_lite::grouped_mm",)
+"""Our own operators ``op`` keeps: the experts' grouped products where ``torch._grouped_mm`` is not
+used (compiled in fp32; the memory estimator's fake tensors), as ``_grouped_mm`` is kept."""
+
+
 def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in _saved_ops() or op.name() in _SAVED_CUSTOM_OPS
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _op_context() -> Any:

@@ -26,6 +26,8 @@ forward recomputed by activation checkpointing changes nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -203,22 +205,41 @@ def _grouped_mm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -
 def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     a, b, offs = ctx.saved_tensors
     grad = grad.contiguous()
-    grad_a = _grouped_mm_op(grad, b.transpose(-2, -1), offs)
-    grad_b = _grouped_mm_weight_grad(a, grad, offs, b.shape[0])
+    with _cpu_kernel_copies(grad, b):
+        grad_a = _grouped_mm_op(grad, b.transpose(-2, -1), offs)
+    with _cpu_kernel_copies(a, grad):
+        grad_b = _grouped_mm_weight_grad(a, grad, offs, b.shape[0])
     return grad_a, grad_b, None
+
+
+@contextlib.contextmanager
+def _cpu_kernel_copies(*operands: torch.Tensor) -> Iterator[None]:
+    """On the memory estimator's fake tensors, the copies of both operands that
+    ``torch._grouped_mm``'s CPU kernel makes, alive while the product runs (measured: its extra
+    bytes are the operands' own); nothing on real tensors."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    copies = [t.clone() for t in operands] if is_fake(operands[0]) else []
+    yield
+    del copies
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs=offs)`` where it runs (eagerly, or compiled in bf16), else
-    the same products as one custom operator (compiled: opaque to torch.compile; eagerly: a loop
-    over the groups where ``torch._grouped_mm`` does not run), with its own backward."""
+    """``torch._grouped_mm(a, b, offs=offs)`` where it runs (eagerly, or compiled or on fake
+    tensors in bf16), else the same products as one custom operator (compiled: opaque to
+    torch.compile; eagerly: a loop over the groups where ``torch._grouped_mm`` does not run), with
+    its own backward."""
+    from torch._subclasses.fake_tensor import is_fake
+
     native = grouped_mm_available(a.device.type, a.dtype)
-    if native and (not torch.compiler.is_compiling() or a.dtype == torch.bfloat16):
+    # (Compiled, or on the memory estimator's fake tensors, torch._grouped_mm takes bf16 only.)
+    if native and not is_fake(a) and (a.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
         return torch._grouped_mm(a, b, offs=offs)
-    return _grouped_mm_op(a, b, offs)
+    with _cpu_kernel_copies(a, b):
+        return _grouped_mm_op(a, b, offs)
 
 
 class GroupedExperts(nn.Module):
@@ -284,17 +305,23 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, self.last_routing = self.router(tokens)
-        indices = self.last_routing.indices
+        weights, routing = self.router(tokens)
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+            # (Not from a forward that activation checkpointing recomputes during backward: that
+            # routing is read by nobody and would keep the recomputed router's graph alive.)
+            self.last_routing = routing
+        indices = routing.indices
         top_k = indices.shape[1]
         flat = indices.reshape(-1)
         counts = torch.zeros(self.router.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # (a static shape, unlike bincount's, for torch.compile)
         order = torch.argsort(flat, stable=True)  # each expert's rows together, in token order
-        rows = tokens[order // top_k]
+        token_of_row = order // top_k
+        # (index_select and index_add_: each other's backward, with no sorting or copies inside.)
+        rows = tokens.index_select(0, token_of_row)
         routed = self.experts(rows, counts)
-        routed = routed * weights.reshape(-1, 1)[order]
-        out = torch.zeros_like(tokens).index_add_(0, order // top_k, routed.to(tokens.dtype))
+        routed = routed * weights.reshape(-1, 1).index_select(0, order)
+        out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed.to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.reshape(shape)
