@@ -320,10 +320,29 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
              if reshard_plan is not None and reshard_plan.recomputed else "")
     logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
                 added, ", ".join(config.compile.components) if config.compile.enable else "off")
+    if getattr(plan.model_args, "num_experts", 0):
+        logger.info(_describe_moe(config, plan))
     if plan.float8 is not None:
         logger.info(plan.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
+        if getattr(plan.model_args, "num_experts", 0):
+            logger.info("float8: the experts' grouped products stay in %s (torchao's float8 grouped products are "
+                        "not applied here); float8 covers the attention and dense linears",
+                        str(plan.param_dtype).removeprefix("torch."))
     if plan.lora is not None:
         logger.info(plan.lora.describe(model))
+
+
+def _describe_moe(config: JobConfig, plan: JobPlan) -> str:
+    """The mixture of experts in one line: layers, experts, routing, balancing, active parameters."""
+    a, e = plan.model_args, config.moe
+    aux = e.aux_loss_coef if e.aux_loss_coef is not None else float(getattr(a, "router_aux_loss_coef", 0.0))
+    balance = [f"load-balancing loss × {aux:g}" if aux else "", f"z-loss × {e.z_loss_coef:g}" if e.z_loss_coef else "",
+               f"bias balancing at {e.bias_update_rate:g} per step" if e.bias_update_rate else ""]
+    shared = f", a shared expert of width {a.shared_hidden_dim}" if a.shared_hidden_dim else ""
+    return (f"mixture of experts: {a.moe_layers()} of {a.n_layers} layers, {a.num_experts} experts of width "
+            f"{a.moe_hidden_dim}{shared}, top-{a.top_k} by {a.score_func}; {a.active_params() / 1e6:.2f}M of "
+            f"{a.num_params() / 1e6:.2f}M parameters active per token (MFU counts those); "
+            f"{', '.join(b for b in balance if b) or 'no balancing'}")
 
 
 def _end_training(callback: Callback, trainer: Any, kind: Any, error: BaseException | None, tb: Any) -> None:

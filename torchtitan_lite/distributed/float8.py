@@ -8,7 +8,8 @@ input, weight and output gradient to float8 with a dynamic scale and runs ``torc
 token embedding and the output projection are never converted (the output's logits are where
 float8's range hurts most and its matmul is small next to the blocks'), nor is a linear whose
 dimensions are not multiples of 16 (a requirement of the float8 matmul) or whose name contains
-one of ``filter_fqns``.
+one of ``filter_fqns``, nor a mixture of experts' router (``router.gate``: its logits are computed
+in fp32); the experts' stacked weights are not linears and stay in high precision.
 
 ``enable_fsdp_float8_all_gather`` makes FSDP all-gather the blocks' weights as float8 (half the
 bytes of bf16) with tensorwise scales; ``precompute_float8_dynamic_scale_for_fsdp`` then
@@ -102,7 +103,7 @@ def _filter(filter_fqns: Sequence[str], recipe_name: str | None) -> Callable[[nn
         if type(module) is not nn.Linear:
             return False
         out_features, in_features = module.weight.shape
-        if out_features % 16 or in_features % 16 or any(f in fqn for f in names):
+        if out_features % 16 or in_features % 16 or any(f in fqn for f in names) or fqn.endswith("router.gate"):
             return False
         return auto is None or auto(module, fqn)
     return convert

@@ -5,7 +5,9 @@ rotations live in a non-persistent complex buffer and reach the blocks as :func:
 with the frequencies scaled as the args say (``args.scale_rope_frequencies``); grouped-query attention through
 ``scaled_dot_product_attention``, optionally with an RMSNorm over each head's queries and keys
 before RoPE (``qk_norm``, Qwen3) or biases on the query, key and value projections
-(``qkv_bias``, Qwen2); a SwiGLU feed-forward; an output projection optionally tied to the
+(``qkv_bias``, Qwen2), or a family's own attention (``args.attention_cls``: DeepSeek-V3's latent
+attention); a SwiGLU feed-forward, or a mixture of experts (:class:`~torchtitan_lite.models.moe.MoE`)
+in the layers the args name (:func:`is_moe_layer`); an output projection optionally tied to the
 token embedding. A family (``models/<family>/``) supplies the args: a frozen dataclass with
 ``dim``, ``n_layers``, ``n_heads``, ``kv_heads``, ``head_dim``, ``ffn_hidden_dim``,
 ``vocab_size``, ``norm_eps``, ``rope_theta``, ``max_seq_len``, ``depth_init``,
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
+from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
@@ -140,22 +143,6 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, out_std: float) -> None:
-        init.trunc_normal_(self.w1.weight, std=0.02)
-        init.trunc_normal_(self.w2.weight, std=out_std)
-        init.trunc_normal_(self.w3.weight, std=out_std)
 
 
 class TransformerBlock(nn.Module):

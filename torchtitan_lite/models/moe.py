@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
+from torchtitan_lite.models.feed_forward import FeedForward
 
 __all__ = ["SCORE_FUNCS", "GroupedExperts", "MoE", "MoEShape", "Routing", "TopKRouter", "grouped_mm_available",
            "expert_counts", "load_balancing_loss", "moe_layers", "router_problem",
@@ -287,8 +288,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden_dim, num_experts, use_grouped_mm=use_grouped_mm)
         self.shared = None
         if shared_hidden_dim:
-            from torchtitan_lite.models.decoder import FeedForward
-
             self.shared = FeedForward(dim, shared_hidden_dim)
         self.last_routing: Routing | None = None
 
