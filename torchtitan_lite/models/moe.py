@@ -220,7 +220,8 @@ def _cpu_kernel_copies(*operands: torch.Tensor) -> Iterator[None]:
     bytes are the operands' own); nothing on real tensors."""
     from torch._subclasses.fake_tensor import is_fake
 
-    copies = [t.clone() for t in operands] if is_fake(operands[0]) else []
+    estimating = not torch.compiler.is_compiling() and is_fake(operands[0])
+    copies = [t.clone() for t in operands] if estimating else []
     yield
     del copies
 
@@ -235,9 +236,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     its own backward."""
     from torch._subclasses.fake_tensor import is_fake
 
-    native = grouped_mm_available(a.device.type, a.dtype)
-    # (Compiled, or on the memory estimator's fake tensors, torch._grouped_mm takes bf16 only.)
-    if native and not is_fake(a) and (a.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
+    # (Compiled, torch._grouped_mm takes bf16 only; on the memory estimator's fake tensors the
+    # operator, whose backward shows the CPU kernel's copies, stands for it.)
+    if torch.compiler.is_compiling():
+        if a.dtype == torch.bfloat16 and grouped_mm_available(a.device.type, a.dtype):
+            return torch._grouped_mm(a, b, offs=offs)
+        return _grouped_mm_op(a, b, offs)
+    if not is_fake(a) and grouped_mm_available(a.device.type, a.dtype):
         return torch._grouped_mm(a, b, offs=offs)
     with _cpu_kernel_copies(a, b):
         return _grouped_mm_op(a, b, offs)
