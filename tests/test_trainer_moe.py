@@ -5,6 +5,7 @@ checkpoints and exports, and bad [moe] settings are one line before any process 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -292,11 +293,21 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
      "to balance; expected 0, or moe.score_func = 'sigmoid'"),
     (["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--moe.top_k", "5"],
      "error: moe.top_k: invalid value 5; top_k 5 is more than the 1 chosen group(s) of 4 experts hold"),
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "--lora.target_modules", "experts",
+      "--lora.dropout", "0.1"],
+     "error: lora.dropout: invalid value 0.1; LoRA on the experts adapts their stacked weights, which has no "
+     "dropout (as PEFT's target_parameters); expected 0"),
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "--lora.target_modules", "q_proj,down_proj",
+      "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"],
+     "error: lora.target_modules: invalid value ['q_proj', 'down_proj']; on a mixture-of-experts model PEFT reads "
+     "'down_proj' as the experts' parameters, so adapters on the dense feed-forward linears cannot be exported as a "
+     "PEFT folder (checkpoint.last_save_in_hf); expected 'experts' for the experts, or lora.merge_on_export = true"),
 ])
 def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str], line: str,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """top-k above the experts (or the chosen groups), an unknown router kind, an [moe] setting or
-    expert parallel on a dense model, bias balancing without a bias: exit 2, one line."""
+    expert parallel on a dense model, bias balancing without a bias, LoRA dropout on the experts, a
+    PEFT export of adapters PEFT would put on the experts: exit 2, one line."""
     import torch.distributed as dist
 
     from torchtitan_lite import train
@@ -305,3 +316,33 @@ def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str],
     assert not dist.is_initialized()
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert lines == [line], lines
+
+
+def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path) -> None:
+    """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 2 ranks,
+    3 steps: only the adapters train, and the PEFT export (the experts' gate and up adapters as
+    one of twice the rank on transformers' fused gate_up_proj, through target_parameters) loads
+    with ``peft.PeftModel.from_pretrained`` onto the transformers model with the trained model's
+    logits within 1e-5."""
+    peft = pytest.importorskip("peft")
+    folder = hf_qwen3_moe(tmp_path / "hf")
+    tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    argv = _argv(folder, tmp_path / "run", "--training.steps", "3", "--lora.enable", "--lora.rank", "4",
+                 "--lora.alpha", "8", "--lora.target_modules", "q_proj,v_proj,experts", "--checkpoint.enable",
+                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
+    results = run_distributed(_first_step, 2, argv, tokens)
+    export = tmp_path / "run" / "checkpoint" / "step-3"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["rank_pattern"] == {"mlp.experts.gate_up_proj": 8}
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        untrained = base(tokens).logits
+    model = peft.PeftModel.from_pretrained(base, str(export)).eval()
+    adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert any(n.endswith("layers.0.mlp.experts.base_layer") for n in adapted), sorted(adapted)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    torch.testing.assert_close(logits, results[0][3], atol=1e-5, rtol=1e-5)
+    assert (logits - untrained).abs().max() > 1e-3  # the adapters trained

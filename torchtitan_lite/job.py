@@ -349,6 +349,13 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup
     lo = config.lora
     if not lo.enable:
         return None
+    ck = config.checkpoint
+    mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lo.target_modules))
+    if getattr(model_args, "num_experts", 0) and mlp and ck.last_save_in_hf and not lo.merge_on_export:
+        raise ConfigError(f"lora.target_modules: invalid value {list(lo.target_modules)!r}; on a mixture-of-experts "
+                          f"model PEFT reads {', '.join(map(repr, mlp))} as the experts' parameters, so adapters on the "
+                          "dense feed-forward linears cannot be exported as a PEFT folder (checkpoint.last_save_in_hf); "
+                          "expected 'experts' for the experts, or lora.merge_on_export = true")
     model = spec.meta_model(model_args)
     try:
         return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,

@@ -42,7 +42,13 @@ from torch.futures import Future
 from torchtitan_lite.checkpoint.plain import plain_tensor
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.distributed.lora import adapter_parameter_names, lora_modules, merged_weight
+from torchtitan_lite.distributed.lora import (
+    adapter_parameter_names,
+    lora_expert_modules,
+    lora_modules,
+    merged_stacked_weight,
+    merged_weight,
+)
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
@@ -562,6 +568,9 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
     buffers = _persistent_buffers(model)
     for name, module in lora_modules(model).items():
         params[f"{name}.weight"] = plain_tensor(merged_weight(module))
+    for name, module in lora_expert_modules(model).items():
+        for weight in module.stacked_weights:
+            params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
     export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
     if not export_dtype.is_floating_point:
         raise ValueError(f"dtype={export_dtype} is not a floating-point dtype")

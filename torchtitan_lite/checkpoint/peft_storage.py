@@ -28,7 +28,13 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.checkpoint.hf_storage import barrier_if_distributed, copy_full_into, is_distributed
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.distributed.lora import ADAPTERS, LoRASetup, lora_modules
+from torchtitan_lite.distributed.lora import (
+    ADAPTERS,
+    EXPERTS_TARGET,
+    LoRASetup,
+    lora_expert_modules,
+    lora_modules,
+)
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 
@@ -60,17 +66,78 @@ def peft_adapter_names(model: nn.Module, spec: ModelSpec) -> dict[str, str]:
     return names
 
 
+_GATE_UP, _DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+"""The experts' parameters PEFT adapts in a transformers 5 MoE model (``target_parameters``): the
+gate and up projections fused as ``gate_up_proj`` ``(experts, 2 × hidden, dim)`` (gate first), and
+``down_proj`` ``(experts, dim, hidden)``. PEFT nests its wrappers in that order: the gate/up
+adapters sit under ``mlp.experts.base_layer``, the down adapters under ``mlp.experts``."""
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
 def adapter_config(lora: LoRASetup, *, base_model_name_or_path: str | None = None) -> dict[str, Any]:
-    """The ``adapter_config.json`` of ``lora`` (PEFT's ``LoraConfig`` fields)."""
-    alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
-    return {
+    """The ``adapter_config.json`` of ``lora`` (PEFT's ``LoraConfig`` fields). With the experts
+    adapted: ``target_parameters`` names their fused gate/up and down parameters, and the fused
+    gate/up adapter has twice the rank (our gate and up adapters side by side) and twice alpha
+    (the same scale)."""
+    linears = sorted(t for t in lora.target_modules if t != EXPERTS_TARGET)
+    config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "revision": None, "inference_mode": True, "r": lora.rank, "lora_alpha": alpha,
-        "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
+        "revision": None, "inference_mode": True, "r": lora.rank, "lora_alpha": _number(lora.alpha),
+        "lora_dropout": lora.dropout, "target_modules": linears or None, "bias": "none",
         "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
+    if lora.experts:
+        config.update(target_parameters=[_GATE_UP, _DOWN], rank_pattern={_GATE_UP: 2 * lora.rank},
+                      alpha_pattern={_GATE_UP: _number(2 * lora.alpha)})
+    return config
+
+
+def _expert_keys(model: nn.Module, spec: ModelSpec) -> dict[str, tuple[str, str]]:
+    """Adapted expert module → the PEFT key prefixes of its fused gate/up and its down adapters."""
+    adapter, args = _adapter(spec), model.args  # type: ignore[union-attr]
+    keys = {}
+    for name in lora_expert_modules(model):
+        path = adapter.hf_names(f"{name}.w1", args)[0].rsplit(".", 3)[0]  # model.layers.N.mlp.experts
+        keys[name] = (f"{PEFT_PREFIX}{path}.base_layer", f"{PEFT_PREFIX}{path}")
+    return keys
+
+
+def _experts_to_peft(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our per-expert adapters (``a[w]`` ``(E, r, in)``, ``b[w]`` ``(E, out, r)`` for w1 gate, w3
+    up, w2 down) → PEFT's ``lora_A`` ``(r·E, in)`` and ``lora_B`` ``(out, r·E)`` (its expert e's
+    factors: ``A.view(E, r, in)[e]`` and ``B.view(out, r, E)[..., e]``), the gate and up adapters
+    as one of rank 2r on the fused gate/up weight (A stacked, B block-diagonal)."""
+    experts, hidden, rank = b["w1"].shape
+    fused_b = b["w1"].new_zeros(experts, 2 * hidden, 2 * rank)
+    fused_b[:, :hidden, :rank], fused_b[:, hidden:, rank:] = b["w1"], b["w3"]
+    fused_a = torch.cat([a["w1"], a["w3"]], dim=1)
+    return {"gate_up.lora_A": fused_a.reshape(-1, fused_a.shape[-1]),
+            "gate_up.lora_B": fused_b.permute(1, 2, 0).reshape(2 * hidden, -1),
+            "down.lora_A": a["w2"].reshape(-1, a["w2"].shape[-1]),
+            "down.lora_B": b["w2"].permute(1, 2, 0).reshape(b["w2"].shape[1], -1)}
+
+
+def _experts_from_peft(tensors: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_experts_to_peft`: ``w1.lora_A`` … ``w2.lora_B`` in our layout (the
+    off-diagonal blocks of the fused gate/up B, zero in what we write, are not read)."""
+    fused_a = tensors["gate_up.lora_A"].reshape(experts, -1, tensors["gate_up.lora_A"].shape[-1])
+    fused_b = tensors["gate_up.lora_B"].reshape(tensors["gate_up.lora_B"].shape[0], -1, experts).permute(2, 0, 1)
+    rank, hidden = fused_a.shape[1] // 2, fused_b.shape[1] // 2
+    down_b = tensors["down.lora_B"]
+    return {"w1.lora_A": fused_a[:, :rank], "w3.lora_A": fused_a[:, rank:],
+            "w1.lora_B": fused_b[:, :hidden, :rank], "w3.lora_B": fused_b[:, hidden:, rank:],
+            "w2.lora_A": tensors["down.lora_A"].reshape(experts, -1, tensors["down.lora_A"].shape[-1]),
+            "w2.lora_B": down_b.reshape(down_b.shape[0], -1, experts).permute(2, 0, 1)}
+
+
+_PEFT_PARTS = {"gate_up.lora_A": (0, "lora_A"), "gate_up.lora_B": (0, "lora_B"),
+               "down.lora_A": (1, "lora_A"), "down.lora_B": (1, "lora_B")}
+"""Our part name → (which key prefix of :func:`_expert_keys`, PEFT's adapter name)."""
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -99,6 +166,13 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec, lo
             if index is not None:
                 full = full.index_select(0, index.to(full.device))
         tensors[key] = full.to(dtype or full.dtype).cpu().contiguous()
+    for name, prefixes in _expert_keys(model, spec).items():
+        module = dict(model.named_modules())[name]
+        a = {w: _full(getattr(module, f"lora_{w}").lora_A) for w in module.stacked_weights}
+        b = {w: _full(getattr(module, f"lora_{w}").lora_B) for w in module.stacked_weights}
+        for part, full in _experts_to_peft(a, b).items():
+            which, adapter_name = _PEFT_PARTS[part]
+            tensors[f"{prefixes[which]}.{adapter_name}.weight"] = full.to(dtype or full.dtype).cpu().contiguous()
     if not is_distributed() or dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
@@ -120,21 +194,36 @@ def load_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec) ->
     args = model.args
     file = path / ADAPTER_WEIGHTS_FILE
     names = peft_adapter_names(model, spec)
+    expert_keys = {f"{prefixes[which]}.{adapter_name}.weight": (name, part)
+                   for name, prefixes in _expert_keys(model, spec).items()
+                   for part, (which, adapter_name) in _PEFT_PARTS.items()}
     try:
         with safe_open(str(file), framework="pt") as fh:
             keys = set(fh.keys())
-            missing = [key for key in names.values() if key not in keys]
-            extra = sorted(keys - set(names.values()))
+            wanted = [*names.values(), *expert_keys]
+            missing = [key for key in wanted if key not in keys]
+            extra = sorted(keys - set(wanted))
             if missing or extra:
                 what = f"has no tensor {missing[0]!r}" if missing else f"has tensor {extra[0]!r}, which no adapter here has"
                 raise CheckpointError(f"PEFT adapter {str(path)!r} {what} (written for other linears or another model)")
             loaded = {name: fh.get_tensor(key) for name, key in names.items()}
+            expert_parts: dict[str, dict[str, torch.Tensor]] = {}
+            for key, (name, part) in expert_keys.items():
+                expert_parts.setdefault(name, {})[part] = fh.get_tensor(key)
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - a missing or unreadable file, whatever the library raises
         raise CheckpointError(f"PEFT adapter {str(path)!r} cannot be read: {failure_reason(exc)}") from None
     reshard_all(model)
     params = dict(model.named_parameters())
+    for name, parts in expert_parts.items():
+        experts = params[f"{name}.lora_w1.lora_A"].shape[0]
+        try:
+            ours = _experts_from_peft(parts, experts)
+        except RuntimeError as exc:  # a reshape that does not fit: written for another shape or rank
+            raise CheckpointError(f"PEFT adapter {str(path)!r}: the experts' adapters of {name!r} do not fit this "
+                                  f"model ({failure_reason(exc)})") from None
+        loaded.update({f"{name}.lora_{key}": value for key, value in ours.items()})
     for name, full in loaded.items():
         param = params[name]
         if tuple(full.shape) != tuple(param.shape):

@@ -273,9 +273,10 @@ class Lora:
     """Scale numerator: the adapters' output is multiplied by alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
-    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = field(
+    target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                 "experts"]] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """The linears that get adapters, by PEFT's (Hugging Face's) names."""
+    """The linears that get adapters, by PEFT's (Hugging Face's) names; "experts": a mixture of experts' routed experts (their stacked weights, as PEFT's target_parameters; lora.dropout must be 0)."""
     merge_on_export: bool = False
     """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model folder) instead of a PEFT adapter folder."""
 

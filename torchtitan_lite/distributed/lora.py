@@ -44,20 +44,29 @@ from torchtitan_lite.config.schema import lora_settings_problem
 
 __all__ = [
     "ADAPTERS",
+    "EXPERTS_TARGET",
     "LoRASetup",
     "LoRAWeight",
     "adapter_parameter_names",
+    "StackedLoRA",
     "apply_lora",
+    "expert_stacks",
     "init_lora_weights",
+    "is_lora_experts",
     "is_lora_linear",
+    "lora_expert_modules",
     "lora_linears",
     "lora_modules",
+    "merged_stacked_weight",
     "merged_weight",
     "peft_name",
 ]
 
 ADAPTERS = ("lora_A", "lora_B")
 """The adapter submodules of an adapted linear (PEFT's names)."""
+
+EXPERTS_TARGET = "experts"
+"""The ``lora.target_modules`` entry that adapts a mixture of experts' stacked expert weights."""
 
 
 def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
@@ -82,6 +91,51 @@ class LoRAWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_features={self.weight.shape[0]}, in_features={self.weight.shape[1]}"
+
+
+class StackedLoRA(nn.Module):
+    """The adapters of one stacked weight ``(experts, out, in)``: ``lora_A`` ``(experts, rank, in)``
+    and ``lora_B`` ``(experts, out, rank)``, each expert's update ``B_e A_e`` (PEFT's LoRA on a 3-D
+    parameter, ``target_parameters``)."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, rank: int, *,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(experts, rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(experts, out_features, rank, device=device, dtype=dtype))
+
+    def delta(self, scaling: float) -> torch.Tensor:
+        """``scaling · B_e A_e`` for every expert, ``(experts, out, in)``."""
+        return torch.bmm(self.lora_B, self.lora_A) * scaling
+
+
+def is_lora_experts(module: nn.Module) -> bool:
+    """Whether :func:`apply_lora` adapted ``module``'s stacked expert weights."""
+    return bool(getattr(type(module), "_lora_experts", False))
+
+
+@functools.cache
+def _lora_experts_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def expert_weights(self: Any) -> tuple[torch.Tensor, ...]:
+        base = super(subclass, self).expert_weights()
+        return tuple(w + getattr(self, f"lora_{name}").delta(self.lora_scaling).to(w.dtype)
+                     for name, w in zip(self.stacked_weights, base, strict=True))
+
+    subclass = type(f"LoRA{cls.__name__}", (cls,), {
+        "expert_weights": expert_weights, "__module__": cls.__module__, "_lora_experts": True})
+    return subclass
+
+
+def lora_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → module whose stacked expert weights are adapted, in model order."""
+    return {name: module for name, module in model.named_modules() if is_lora_experts(module)}
+
+
+def expert_stacks(model: nn.Module) -> tuple[str, ...]:
+    """The modules holding stacked expert weights (those with ``stacked_weights`` and
+    ``expert_weights()``: a mixture of experts' experts), in model order."""
+    return tuple(name for name, module in model.named_modules()
+                 if getattr(module, "stacked_weights", None) and callable(getattr(module, "expert_weights", None)))
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -120,8 +174,11 @@ def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def adapter_parameter_names(model: nn.Module) -> list[str]:
-    """The names of the adapter parameters (``layers.0.attention.wq.lora_A.weight`` …)."""
-    return [f"{name}.{adapter}.weight" for name in lora_modules(model) for adapter in ADAPTERS]
+    """The names of the adapter parameters (``layers.0.attention.wq.lora_A.weight`` …, and for
+    adapted experts ``layers.0.moe.experts.lora_w1.lora_A`` …)."""
+    names = [f"{name}.{adapter}.weight" for name in lora_modules(model) for adapter in ADAPTERS]
+    return names + [f"{name}.lora_{weight}.{adapter}" for name, module in lora_expert_modules(model).items()
+                    for weight in module.stacked_weights for adapter in ADAPTERS]
 
 
 @torch.no_grad()
@@ -134,13 +191,21 @@ def init_lora_weights(model: nn.Module) -> None:
         bound = 1.0 / math.sqrt(module.lora_A.weight.shape[1])
         init.uniform_(module.lora_A.weight, a=-bound, b=bound)
         init.zeros_(module.lora_B.weight)
+    for module in lora_expert_modules(model).values():
+        for weight in module.stacked_weights:
+            stack = getattr(module, f"lora_{weight}")
+            bound = 1.0 / math.sqrt(stack.lora_A.shape[-1])
+            init.uniform_(stack.lora_A, a=-bound, b=bound)
+            init.zeros_(stack.lora_B)
 
 
 def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: float,
-               dropout: float = 0.0) -> list[str]:
+               dropout: float = 0.0, experts: Sequence[str] = ()) -> list[str]:
     """Adapt the ``nn.Linear`` layers of ``model`` named in ``linears`` (qualified names, e.g.
-    ``layers.0.attention.wq``) in place, freeze every other parameter, and return the names of
-    the adapter parameters.
+    ``layers.0.attention.wq``) and the stacked expert weights of the modules named in
+    ``experts`` (:func:`expert_stacks`: each weight ``W`` computes as ``W + (alpha/rank) · B A``
+    per expert; no dropout, as PEFT's LoRA on parameters has none) in place, freeze every other
+    parameter, and return the names of the adapter parameters.
 
     The model may be on the meta device (then ``init_weights``, or :func:`init_lora_weights`,
     fills the adapters after ``to_empty``) or on a real one (the adapters are initialised here,
@@ -149,9 +214,18 @@ def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: fl
     layer that is adapted already.
     """
     _check_settings(rank, alpha, dropout)
-    if not linears:
+    if not linears and not experts:
         raise ValueError("lora: no linears to adapt")
+    if experts and dropout:
+        raise ValueError(f"lora.dropout: invalid value {dropout!r}; LoRA on the experts adapts their stacked "
+                         "weights, which has no dropout (as PEFT's target_parameters); expected 0")
     modules = dict(model.named_modules())
+    stacks = set(expert_stacks(model))
+    for name in experts:
+        if name not in stacks:
+            raise ValueError(f"lora: {name!r} is not a module of stacked expert weights")
+        if is_lora_experts(modules[name]):
+            raise ValueError(f"lora: {name!r} is adapted already")
     for name in linears:
         module = modules.get(name)
         if module is None:
@@ -174,6 +248,16 @@ def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: fl
         module.lora_A = LoRAWeight(rank, module.in_features, device=weight.device, dtype=weight.dtype)
         module.lora_B = LoRAWeight(module.out_features, rank, device=weight.device, dtype=weight.dtype)
         materialised = materialised or weight.device.type != "meta"
+    for name in experts:
+        module = modules[name]
+        module.__class__ = _lora_experts_class(type(module))
+        module.lora_scaling = alpha / rank
+        for weight_name in module.stacked_weights:
+            weight = getattr(module, weight_name)
+            experts_, out_features, in_features = weight.shape
+            setattr(module, f"lora_{weight_name}", StackedLoRA(experts_, out_features, in_features, rank,
+                                                                device=weight.device, dtype=weight.dtype))
+            materialised = materialised or weight.device.type != "meta"
     if callable(getattr(model, "init_weights", None)) and not getattr(type(model), "_lora_root", False):
         model.__class__ = _initialising_class(type(model))
     if materialised:
@@ -224,6 +308,8 @@ class LoRASetup:
     """The targets by PEFT's names (written to a PEFT adapter folder)."""
     linears: tuple[str, ...]
     """The adapted linears, our qualified names (``layers.0.attention.wq`` …)."""
+    experts: tuple[str, ...] = ()
+    """The modules whose stacked expert weights are adapted (target ``experts``)."""
     merge_on_export: bool = False
     """A Hugging Face export holds the merged weights instead of a PEFT adapter folder."""
 
@@ -236,9 +322,16 @@ class LoRASetup:
                   hf_name: Callable[[str], str] | None = None) -> LoRASetup:
         """The plan for ``model`` (e.g. built on the meta device): ``target_modules`` resolved by
         :func:`lora_linears` (``ValueError``, one line, for a target the model lacks)."""
-        linears = lora_linears(model, target_modules, hf_name=hf_name)
+        linear_targets = [t for t in target_modules if t != EXPERTS_TARGET]
+        linears = lora_linears(model, linear_targets, hf_name=hf_name) if linear_targets else ()
+        experts = expert_stacks(model) if EXPERTS_TARGET in target_modules else ()
+        if EXPERTS_TARGET in target_modules and not experts:
+            raise ValueError(f"{EXPERTS_TARGET!r} names no mixture-of-experts layer of the model")
+        if experts and dropout:
+            raise ValueError(f"lora.dropout: invalid value {dropout!r}; LoRA on the experts adapts their stacked "
+                             "weights, which has no dropout (as PEFT's target_parameters); expected 0")
         return cls(rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(target_modules),
-                   linears=linears, merge_on_export=merge_on_export)
+                   linears=linears, experts=experts, merge_on_export=merge_on_export)
 
     @property
     def scaling(self) -> float:
@@ -247,16 +340,42 @@ class LoRASetup:
 
     def apply(self, model: nn.Module) -> list[str]:
         """:func:`apply_lora` with this plan's settings and linears."""
-        return apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout)
+        return apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                          experts=self.experts)
 
     def describe(self, model: nn.Module) -> str:
         """One log line: what is adapted and how many parameters train."""
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return (f"LoRA rank {self.rank}, alpha {self.alpha:g} (scale {self.scaling:g}), dropout {self.dropout:g} on "
-                f"{len(self.linears)} linears ({', '.join(self.target_modules)}): {trainable / 1e6:.3f}M trainable "
+                f"{len(self.linears)} linears"
+                f"{f' and the experts of {len(self.experts)} layers' if self.experts else ''} "
+                f"({', '.join(self.target_modules)}): {trainable / 1e6:.3f}M trainable "
                 f"parameters of {total / 1e6:.2f}M ({100 * trainable / max(total, 1):.2f}%), the rest frozen; "
                 f"Hugging Face export: {'merged weights' if self.merge_on_export else 'PEFT adapter folder'}")
+
+
+@torch.no_grad()
+def merged_stacked_weight(module: nn.Module, weight: str) -> torch.Tensor:
+    """``W + (alpha/rank) · B_e A_e`` of an adapted stacked expert weight, laid out (and under
+    FSDP sharded) as ``W``: each rank computes its own part (``B`` is sharded as ``W``; ``A`` is
+    gathered)."""
+    if not is_lora_experts(module):
+        raise ValueError(f"merged_stacked_weight: {type(module).__name__} has no adapted experts")
+    w = getattr(module, weight)
+    stack = getattr(module, f"lora_{weight}")
+    a, b, scaling = stack.lora_A, stack.lora_B, module.lora_scaling
+    if not isinstance(w, DTensor):
+        return w.detach() + (torch.bmm(b.detach(), a.detach()) * scaling).to(w.dtype)
+    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
+        raise ValueError("merged_stacked_weight: lora_B is not sharded as the base weight")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    a_local = a_full[offset[0]:offset[0] + shape[0]]  # this rank's experts (all of them when sharded on rows)
+    local = w.to_local() + (torch.bmm(b.to_local(), a_local.to(b.dtype)) * scaling).to(w.dtype)
+    return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
 
 
 @torch.no_grad()

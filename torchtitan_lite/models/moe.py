@@ -251,6 +251,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU feed-forwards as stacked weights (see the module's docstring)."""
 
+    stacked_weights = ("w1", "w2", "w3")
+    """The stacked ``(experts, out, in)`` weights (what LoRA on experts adapts)."""
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, use_grouped_mm: bool = True) -> None:
         super().__init__()
         self.num_experts, self.use_grouped_mm = num_experts, use_grouped_mm
@@ -263,7 +266,7 @@ class GroupedExperts(nn.Module):
         ``e``. Returns each row through its expert, ``(rows, dim)``: grouped products
         (:func:`grouped_mm`), or with ``use_grouped_mm`` off a loop over the experts (eagerly;
         compiled, the grouped operator)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        w1, w2, w3 = self.expert_weights()
         if self.use_grouped_mm or torch.compiler.is_compiling():
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
             gate = grouped_mm(x, w1.transpose(-2, -1), offsets)
@@ -273,6 +276,10 @@ class GroupedExperts(nn.Module):
         for expert, rows in enumerate(x.split(counts.tolist())):
             out.append(F.linear(F.silu(F.linear(rows, w1[expert])) * F.linear(rows, w3[expert]), w2[expert]))
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights the experts compute with: ``w1``, ``w2``, ``w3`` (LoRA adds its updates)."""
+        return self.w1, self.w2, self.w3
 
     def init_weights(self, out_std: float) -> None:
         init.trunc_normal_(self.w1, std=0.02)
