@@ -297,7 +297,7 @@ def test_measured_lora_peak_is_below_full_fine_tune_by_the_frozen_state() -> Non
     (["--lora.alpha", "-2"], "error: lora.alpha: invalid value -2.0; expected a finite number > 0"),
     (["--lora.target_modules", "q_proj,w_proj"], "error: lora.target_modules: invalid value 'w_proj'; expected one "
                                                  "of 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
-                                                 "'down_proj'"),
+                                                 "'down_proj', 'experts'"),
     (["--model.name", "lora_test_own_names"], "error: lora.target_modules: invalid value ['q_proj', 'k_proj', "
                                               "'v_proj', 'o_proj']; 'q_proj', 'k_proj', 'v_proj', 'o_proj' name no "
                                               "linear of model 'lora_test_own_names' (its linears: wq, wk, wv, wo, "
