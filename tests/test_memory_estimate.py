@@ -169,11 +169,13 @@ def test_moe_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> N
     """A mixture of experts (routing, dispatch buffers, grouped expert products and the CPU
     kernels' operand copies, the router losses): -3% / +10% of the allocator's peak of a real
     trainer step at 2 ranks, nothing resharded or recomputed in fp32 (peak in backward at the
-    loss) and everything resharded and recomputed in bf16 (peak in an MoE layer's backward)."""
+    loss), everything resharded and recomputed in bf16, and the shipped selective checkpointing
+    (peaks in an MoE layer's backward)."""
     _compare(2, tmp_path, {
         "moe fp32 never / none": _moe_job("float32", "--parallelism.reshard_after_forward_mode", "never"),
         "moe bf16 always / full": _moe_job("bfloat16", "--parallelism.reshard_after_forward_mode", "always",
                                            *AC["full"]),
+        "moe fp32 default / selective op": _moe_job("float32", *AC["selective op"]),
     })
 
 

@@ -450,6 +450,7 @@ class Trainer:
                             part = self.loss_fn(logits[start : start + count], labels[start : start + count])
                             loss_sum[1 + group] += part.double()
                             start += count
+            del logits  # (the loss's backward frees them once it has run: nothing else holds them)
             loss = token_loss * scale
             router_loss = None if self.router_balance is None else self.router_balance.micro_batch_loss(len(micro_batches))
             (loss if router_loss is None else loss + router_loss).backward()
