@@ -122,3 +122,49 @@ def test_grouped_operator_equals_torch_grouped_mm() -> None:
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ga, ra, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(gb, rb, atol=1e-6, rtol=1e-6)
+
+
+def test_router_balance_losses_counts_and_bias_update_in_one_process() -> None:
+    """RouterBalance on two MoE layers, one process, two micro-batches: the z-loss is the mean over
+    the tokens of the squared log-sum-exp of each layer's router logits, summed over the layers,
+    and the load-balancing loss transformers' over both layers' tokens, each averaged over the
+    micro-batches; the load metric is each layer's max / mean count over the step; the bias moves
+    by the rate against each expert's load error."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from torchtitan_lite.moe_balance import RouterBalance
+
+    layers = torch.nn.ModuleDict({str(s): _pair(seed=s)[0] for s in (2, 3)})
+    balance = RouterBalance(layers, aux_loss_coef=0.5, z_loss_coef=0.25)
+    expected_z, expected_aux, counts = 0.0, 0.0, torch.zeros(2, EXPERTS)
+    for _ in range(2):
+        x = torch.randn(2, 5, DIM)
+        logits = []
+        for i, layer in enumerate(layers.values()):
+            layer(x)
+            logits.append(layer.router.gate(x.reshape(-1, DIM)))
+            counts[i] += expert_counts(layer.last_routing, EXPERTS)
+        z = sum(float(torch.logsumexp(lg, dim=-1).square().mean()) for lg in logits)
+        aux = float(load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K))
+        expected_z += z / 2
+        expected_aux += aux / 2
+        loss = balance.micro_batch_loss(2)
+        assert loss is not None
+        assert abs(float(loss) - (0.5 * aux + 0.25 * z) / 2) <= 1e-5 * float(loss)
+    metrics = balance.finish_step(update_bias=True)
+    assert metrics["moe/z_loss"] == pytest.approx(expected_z, rel=1e-5)
+    assert metrics["moe/aux_loss"] == pytest.approx(expected_aux, rel=1e-5)
+    ratios = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
+    assert metrics["moe/load_max_over_mean/2"] == pytest.approx(ratios[0])
+    assert metrics["moe/load_max_over_mean"] == pytest.approx(max(ratios))
+
+
+def test_bias_update_moves_toward_balance() -> None:
+    from torchtitan_lite.models.moe import TopKRouter, update_expert_bias
+
+    router = TopKRouter(DIM, 4, 2, score_func="sigmoid")
+    router.expert_bias.zero_()
+    update_expert_bias(router, torch.tensor([10.0, 2.0, 4.0, 4.0]), 0.1)
+    torch.testing.assert_close(router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))  # mean 5
+    with pytest.raises(ValueError, match="a softmax router has no expert bias"):
+        update_expert_bias(TopKRouter(DIM, 4, 2), torch.ones(4), 0.1)
