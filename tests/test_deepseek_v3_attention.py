@@ -14,12 +14,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from torchtitan_lite.models.decoder import block_causal_mask, document_positions, rope_bits
+from torchtitan_lite.models.decoder import (
+    block_causal_mask,
+    document_positions,
+    precompute_freqs_cis,
+    rope_bits,
+)
+from torchtitan_lite.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3Args
 from torchtitan_lite.models.deepseek_v3.attention import (
     MLA_HF_NAMES,
-    MLAArgs,
     MLAttention,
-    mla_freqs_cis,
     mla_hf_shapes,
     yarn_get_mscale,
     yarn_parameters,
@@ -64,11 +68,11 @@ def _config(q_lora_rank: int | None, rope: dict[str, object], *, rope_dim: int =
     return config
 
 
-def _args(config: DeepseekV3Config) -> MLAArgs:
+def _args(config: DeepseekV3Config) -> DeepseekV3Args:
     """Our args for a transformers config (the mapping a DeepSeek family's converter makes)."""
     rope = config.rope_parameters
     yarn = rope["rope_type"] == "yarn"
-    return MLAArgs(
+    return DeepseekV3Args(
         dim=config.hidden_size, n_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank or 0,
         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
@@ -78,11 +82,16 @@ def _args(config: DeepseekV3Config) -> MLAArgs:
         original_max_seq_len=rope.get("original_max_position_embeddings", config.max_position_embeddings),
         beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
         mscale=rope.get("mscale") or 0.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
-        rope_truncate=rope.get("truncate", True), attention_factor=rope.get("attention_factor"),
+        rope_truncate=rope.get("truncate", True),
     )
 
 
-def _pair(config: DeepseekV3Config, seed: int = 0) -> tuple[DeepseekV3Attention, MLAttention, MLAArgs]:
+def _freqs_cis(args: DeepseekV3Args) -> torch.Tensor:
+    """The RoPE table the decoder builds for MLA's rotary dims (``head_dim`` = ``qk_rope_head_dim``)."""
+    return precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta, args=args)
+
+
+def _pair(config: DeepseekV3Config, seed: int = 0) -> tuple[DeepseekV3Attention, MLAttention, DeepseekV3Args]:
     """transformers' attention with random weights (norm weights near 1) and ours, loaded from it."""
     torch.manual_seed(seed)
     hf = DeepseekV3Attention(config, layer_idx=0)
@@ -133,7 +142,7 @@ def test_causal_matches_transformers(case: str) -> None:
     q_lora_rank, rope = CASES[case]
     hf, ours, args = _pair(_config(q_lora_rank, rope))
     x = torch.randn(2, SEQ, 64)
-    freqs_cis = mla_freqs_cis(args)
+    freqs_cis = _freqs_cis(args)
     _compare(hf, ours, x, {"position_ids": torch.arange(SEQ)[None]}, rope_bits(freqs_cis, SEQ))
 
 
@@ -147,7 +156,7 @@ def test_packed_documents_match_transformers(case: str) -> None:
     positions = document_positions(document_ids)
     mask = block_causal_mask(document_ids, flex=False)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    freqs_cis = mla_freqs_cis(args)
+    freqs_cis = _freqs_cis(args)
     table = rope_bits(freqs_cis, freqs_cis.shape[0])[positions]  # (bs, seq, rope_dim // 2, 2)
     x = torch.randn(2, SEQ, 64)
     _compare(hf, ours, x, {"position_ids": positions, "mask": additive}, table, mask)
@@ -169,7 +178,7 @@ def test_rope_table_and_scales_match_transformers(case: str) -> None:
     # the table: unit rotations by the same angles as transformers' cos/sin (which carry the factor)
     x = torch.zeros(1, 64, 64)
     cos, sin = rotary(x, torch.arange(64)[None])
-    table = torch.view_as_real(mla_freqs_cis(args))
+    table = torch.view_as_real(_freqs_cis(args))
     torch.testing.assert_close(table[..., 0] * scales.attention_factor, cos[0, :, :4], atol=1e-5, rtol=0)
     torch.testing.assert_close(table[..., 1] * scales.attention_factor, sin[0, :, :4], atol=1e-5, rtol=0)
     if case == "yarn-attention-factor":
@@ -180,9 +189,9 @@ def test_rope_table_and_scales_match_transformers(case: str) -> None:
 
 
 def test_deepseek_v3_671b_rope_matches_transformers() -> None:
-    """MLAArgs' defaults are DeepSeek-V3's published attention and YaRN settings (config.json's
-    ``rope_scaling``): same frequencies, cos/sin magnitude and softmax scale as transformers."""
-    args = MLAArgs()
+    """The 671B flavor's attention and YaRN settings (DeepSeek-V3's config.json ``rope_scaling``):
+    the same frequencies, cos/sin magnitude and softmax scale as transformers."""
+    args = DEEPSEEK_V3_FLAVORS["671B"]
     config = DeepseekV3Config(
         max_position_embeddings=163840,
         rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -206,7 +215,7 @@ def test_non_interleaved_checkpoints_need_a_permutation() -> None:
     config = _config(24, CASES["yarn-attention-factor"][1], rope_interleave=False)
     hf, ours, args = _pair(config, seed=2)
     x = torch.randn(2, SEQ, 64)
-    rope = rope_bits(mla_freqs_cis(args), SEQ)
+    rope = rope_bits(_freqs_cis(args), SEQ)
     with torch.no_grad():
         assert not torch.allclose(ours(x, rope), _hf_forward(hf, x, torch.arange(SEQ)[None]), atol=1e-3)
     r, nope = args.qk_rope_head_dim, args.qk_nope_head_dim
@@ -231,7 +240,7 @@ def test_names_and_shapes_match_transformers(q_lora_rank: int | None) -> None:
 
 
 def test_meta_build_and_init_weights() -> None:
-    args = replace(MLAArgs(), dim=64, n_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+    args = replace(DEEPSEEK_V3_FLAVORS["671B"], dim=64, n_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                    qk_rope_head_dim=8, v_head_dim=12, max_seq_len=64, original_max_seq_len=16, rope_factor=4.0)
     with torch.device("meta"):
         module = MLAttention(args)
@@ -242,7 +251,7 @@ def test_meta_build_and_init_weights() -> None:
     assert torch.equal(module.q_norm.weight, torch.ones(24)) and torch.equal(module.kv_norm.weight, torch.ones(16))
     assert module.wkv_b.weight.std().item() == pytest.approx(0.02, rel=0.15)
     assert module.wo.weight.std().item() == pytest.approx(0.005, rel=0.15)
-    out = module(torch.randn(2, SEQ, 64), rope_bits(mla_freqs_cis(args), SEQ))
+    out = module(torch.randn(2, SEQ, 64), rope_bits(_freqs_cis(args), SEQ))
     assert out.shape == (2, SEQ, 64)
 
 
@@ -261,7 +270,7 @@ def test_block_mask_path_matches_dense_mask(monkeypatch: pytest.MonkeyPatch) -> 
     module = MLAttention(args)
     module.init_weights(out_std=0.02)
     document_ids = torch.tensor([[0] * 50 + [1] * 14, [0] * 64])
-    table = rope_bits(mla_freqs_cis(args), args.max_seq_len)[document_positions(document_ids)]
+    table = rope_bits(_freqs_cis(args), args.max_seq_len)[document_positions(document_ids)]
     x = torch.randn(2, 64, 64)
     with torch.no_grad():
         dense = module(x, table, block_causal_mask(document_ids, flex=False))
@@ -271,4 +280,4 @@ def test_block_mask_path_matches_dense_mask(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_rejects_unknown_rope_scaling() -> None:
     with pytest.raises(ValueError, match="rope_scaling"):
-        MLAArgs(rope_scaling="llama3")
+        DeepseekV3Args(rope_scaling="llama3")

@@ -10,8 +10,8 @@ head's non-rotary key (``qk_nope_head_dim``) and value (``v_head_dim``). Each he
 non-rotary part followed by the shared rotary part, its query likewise, so the query/key head
 dim (``qk_nope_head_dim + qk_rope_head_dim``) differs from the value head dim, which
 ``scaled_dot_product_attention`` and FlexAttention accept. Only the ``qk_rope_head_dim`` parts
-are rotated: the RoPE table the blocks receive is built for that head dim
-(:func:`mla_freqs_cis`).
+are rotated: the RoPE table the blocks receive is built for that head dim (the family's args
+give ``head_dim`` = ``qk_rope_head_dim``, what the decoder builds its table for).
 
 RoPE layout: :func:`~torchtitan_lite.models.decoder.apply_rotary_emb` rotates interleaved pairs
 ``(x[2i], x[2i+1])``. DeepSeek's checkpoints store the rotary dims that way too (transformers'
@@ -43,7 +43,6 @@ filled by :meth:`MLAttention.init_weights`, as in :mod:`torchtitan_lite.models.d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -51,9 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
-from torchtitan_lite.models.decoder import RMSNorm, _flex_attention, apply_rotary_emb, precompute_freqs_cis
+from torchtitan_lite.models.decoder import RMSNorm, _flex_attention, apply_rotary_emb
 
-__all__ = ["LATENT_NORM_EPS", "MLAArgs", "MLAttention", "MLA_HF_NAMES", "YarnParameters", "mla_freqs_cis",
+__all__ = ["LATENT_NORM_EPS", "MLAttention", "MLA_HF_NAMES", "YarnParameters",
            "mla_hf_shapes", "yarn_attention_factor", "yarn_get_mscale", "yarn_inv_freq", "yarn_parameters",
            "yarn_softmax_scale"]
 
@@ -185,67 +184,10 @@ def yarn_parameters(args: Any) -> YarnParameters:
     )
 
 
-def mla_freqs_cis(args: Any, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """The RoPE table for MLA's rotary dims: the decoder's ``precompute_freqs_cis`` for
-    ``qk_rope_head_dim`` (frequencies scaled by ``args.scale_rope_frequencies``, unit magnitude;
-    the YaRN attention factor is applied by :class:`MLAttention`)."""
-    return precompute_freqs_cis(args.qk_rope_head_dim, args.max_seq_len, args.rope_theta, device=device, args=args)
-
-
-@dataclass(frozen=True)
-class MLAArgs:
-    """An example of the args MLA reads (a family's args class provides the same attributes).
-    The defaults are DeepSeek-V3 671B's attention."""
-
-    dim: int = 7168
-    n_heads: int = 128
-    q_lora_rank: int = 1536
-    """0: one plain query projection ``wq`` (no low-rank bottleneck)."""
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    norm_eps: float = 1e-6
-    """The blocks' RMSNorms' epsilon (the latent norms use :data:`LATENT_NORM_EPS`)."""
-    max_seq_len: int = 163840
-    rope_theta: float = 10000.0
-    rope_scaling: str = "yarn"
-    """``"none"`` or ``"yarn"``."""
-    rope_factor: float = 40.0
-    original_max_seq_len: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
-    rope_truncate: bool = True
-    """Floor/ceil YaRN's ramp bounds (transformers' ``rope_parameters["truncate"]``, default True)."""
-    attention_factor: float | None = None
-    """An explicit YaRN attention factor; ``None``: from ``mscale``/``mscale_all_dim``."""
-
-    def __post_init__(self) -> None:
-        if self.rope_scaling not in ("none", "yarn"):
-            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not 'none' or 'yarn'")
-        if self.qk_rope_head_dim % 2 != 0:
-            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even for RoPE")
-
-    def scale_rope_frequencies(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """``inv_freq`` after YaRN's blend (:func:`yarn_inv_freq`); unchanged without scaling."""
-        if self.rope_scaling == "none":
-            return inv_freq
-        return yarn_inv_freq(
-            inv_freq, theta=self.rope_theta, factor=self.rope_factor,
-            original_max_seq_len=self.original_max_seq_len, beta_fast=self.beta_fast,
-            beta_slow=self.beta_slow, truncate=self.rope_truncate,
-        )
-
-
-# --- the module --------------------------------------------------------------------------------
-
-
 class MLAttention(nn.Module):
     """Multi-head latent attention; ``forward(x, freqs_cis, mask)`` as the decoder's ``Attention``
-    (``freqs_cis``: the table for ``qk_rope_head_dim``, as :func:`mla_freqs_cis` builds it, in
-    ``rope_bits`` form or per sample and position)."""
+    (``freqs_cis``: the decoder's table for ``qk_rope_head_dim``, in ``rope_bits`` form or per
+    sample and position)."""
 
     def __init__(self, args: Any) -> None:
         super().__init__()
