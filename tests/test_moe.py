@@ -168,3 +168,17 @@ def test_bias_update_moves_toward_balance() -> None:
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))  # mean 5
     with pytest.raises(ValueError, match="a softmax router has no expert bias"):
         update_expert_bias(TopKRouter(DIM, 4, 2), torch.ones(4), 0.1)
+
+
+def test_stacked_weights_shard_along_the_experts_or_evenly_along_the_next_dimension() -> None:
+    """FSDP's placement of a stacked expert weight: along the experts while they are at least the
+    shard ranks, else along the next dimension when the ranks divide it (FSDP2 shards a later
+    dimension only evenly), else along the experts anyway (some ranks then hold none)."""
+    from torch.distributed.tensor import Shard
+
+    from torchtitan_lite.distributed.fsdp import stacked_shard_placement
+
+    assert stacked_shard_placement(torch.nn.Parameter(torch.empty(8, 32, 64)), shard_degree=4) is None
+    assert stacked_shard_placement(torch.nn.Parameter(torch.empty(2, 32, 64)), shard_degree=4) == Shard(1)
+    assert stacked_shard_placement(torch.nn.Parameter(torch.empty(2, 8, 64)), shard_degree=16) is None
+    assert stacked_shard_placement(torch.nn.Parameter(torch.empty(64, 32)), shard_degree=128) is None

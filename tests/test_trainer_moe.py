@@ -177,7 +177,7 @@ def _losses_and_expert_placements(*runs: list[str]) -> list[tuple[list[float], d
 
 
 # (reshard_after_forward_mode, activation_checkpoint.mode, selective_ac_option, more) per run.
-_MODES = {2: [("default", "none", "op", ["--compile.enable"]), ("never", "full", "op", []),
+_MODES = {2: [("default", "full", "op", ["--compile.enable"]), ("never", "none", "op", []),
               ("always", "selective", "op", ["--parallelism.cpu_offload", "all"])],
           4: [("2", "selective", "1", []), ("default", "selective", "op", [])]}
 
@@ -293,6 +293,11 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
      "to balance; expected 0, or moe.score_func = 'sigmoid'"),
     (["--model.name", "deepseek_v3", "--model.flavor", "tiny", "--moe.top_k", "5"],
      "error: moe.top_k: invalid value 5; top_k 5 is more than the 1 chosen group(s) of 4 experts hold"),
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.score_func", "sigmoid", "--checkpoint.enable",
+      "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"],
+     "error: moe.score_func: invalid value 'sigmoid'; Qwen3MoeForCausalLM routes with 'softmax', so a Hugging Face "
+     "export (checkpoint.last_save_in_hf) of another router would compute differently there; expected unset or "
+     "'softmax'"),
     (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "--lora.target_modules", "experts",
       "--lora.dropout", "0.1"],
      "error: lora.dropout: invalid value 0.1; LoRA on the experts adapts their stacked weights, which has no "

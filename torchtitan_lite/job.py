@@ -331,6 +331,11 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
                      f"the default ({default!r})")
         return model_args
     overrides = {k: v for k, v in (("top_k", e.top_k), ("score_func", e.score_func)) if v}
+    if config.checkpoint.last_save_in_hf and spec.hf is not None:
+        _require(overrides.get("score_func", model_args.score_func) == model_args.score_func, "moe.score_func",
+                 e.score_func, f"{spec.hf.architectures[0]} routes with {model_args.score_func!r}, so a Hugging Face "
+                 f"export (checkpoint.last_save_in_hf) of another router would compute differently there; expected "
+                 f"unset or {model_args.score_func!r}")
     try:
         model_args = dataclasses.replace(model_args, **overrides)
     except ValueError as exc:

@@ -52,10 +52,15 @@ class RouterBalance:
         self.start_step()
 
     def start_step(self) -> None:
-        """Forget the counts and losses of the previous step."""
+        """Forget the counts and losses of the previous step, and any routing a forward outside
+        training (validation) left on the layers."""
         self._counts: torch.Tensor | None = None  # (layers, experts), this rank's, summed over micro-batches
-        self._aux = 0.0  # this rank's share of each micro-batch's loss, averaged over micro-batches
-        self._z = 0.0
+        # This rank's share of each micro-batch's losses, averaged over micro-batches (tensors:
+        # read once, at the step's end, not between each forward and its backward).
+        self._aux: torch.Tensor | float = 0.0
+        self._z: torch.Tensor | float = 0.0
+        for layer in self.layers.values():
+            layer.last_routing = None
 
     def _routings(self) -> list[Any]:
         routings = [layer.last_routing for layer in self.layers.values()]
@@ -83,11 +88,11 @@ class RouterBalance:
             rows = tokens * len(routings)  # over the layers, as transformers concatenates them
             probs = torch.stack([r.probs.sum(dim=0) for r in routings]).sum(dim=0)
             aux = self.num_experts * (total / rows * probs / rows).sum()
-            self._aux += float(aux.detach()) / micro_batches
+            self._aux = self._aux + aux.detach() / micro_batches
             loss = self.aux_loss_coef * aux
         if self.z_loss_coef:
             z = sum(torch.logsumexp(r.logits, dim=-1).square().sum() for r in routings) / tokens
-            self._z += float(z.detach()) / micro_batches  # type: ignore[arg-type]
+            self._z = self._z + z.detach() / micro_batches  # type: ignore[operator]
             loss = self.z_loss_coef * z if loss is None else loss + self.z_loss_coef * z
         return None if loss is None else loss * (self.dp_size / micro_batches)
 
@@ -99,8 +104,9 @@ class RouterBalance:
         ``moe/load_max_over_mean/<layer>``."""
         if self._counts is None:
             return {}
-        stats = torch.cat([self._counts.flatten(),
-                           torch.tensor([self._aux, self._z], dtype=torch.float32, device=self._counts.device)])
+        losses = [torch.as_tensor(v, dtype=torch.float32, device=self._counts.device).reshape(1)
+                  for v in (self._aux, self._z)]
+        stats = torch.cat([self._counts.flatten(), *losses])
         if self.group is not None:
             dist.all_reduce(stats, group=self.group)
         counts = stats[:-2].view(len(self.layers), self.num_experts)

@@ -123,11 +123,14 @@ def _experts_to_peft(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 
 def _experts_from_peft(tensors: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`_experts_to_peft`: ``w1.lora_A`` … ``w2.lora_B`` in our layout (the
-    off-diagonal blocks of the fused gate/up B, zero in what we write, are not read)."""
+    """The inverse of :func:`_experts_to_peft`: ``w1.lora_A`` … ``w2.lora_B`` in our layout;
+    ``ValueError`` when the fused gate/up B's off-diagonal blocks (zero in what we write) are not."""
     fused_a = tensors["gate_up.lora_A"].reshape(experts, -1, tensors["gate_up.lora_A"].shape[-1])
     fused_b = tensors["gate_up.lora_B"].reshape(tensors["gate_up.lora_B"].shape[0], -1, experts).permute(2, 0, 1)
     rank, hidden = fused_a.shape[1] // 2, fused_b.shape[1] // 2
+    if fused_b[:, :hidden, rank:].any() or fused_b[:, hidden:, :rank].any():
+        raise ValueError("its fused gate/up adapter mixes the gate and up projections (not one we wrote), which "
+                         "separate gate and up adapters cannot express")
     down_b = tensors["down.lora_B"]
     return {"w1.lora_A": fused_a[:, :rank], "w3.lora_A": fused_a[:, rank:],
             "w1.lora_B": fused_b[:, :hidden, :rank], "w3.lora_B": fused_b[:, hidden:, rank:],
@@ -220,7 +223,7 @@ def load_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec) ->
         experts = params[f"{name}.lora_w1.lora_A"].shape[0]
         try:
             ours = _experts_from_peft(parts, experts)
-        except RuntimeError as exc:  # a reshape that does not fit: written for another shape or rank
+        except (RuntimeError, ValueError) as exc:  # written for another shape or rank, or by PEFT itself
             raise CheckpointError(f"PEFT adapter {str(path)!r}: the experts' adapters of {name!r} do not fit this "
                                   f"model ({failure_reason(exc)})") from None
         loaded.update({f"{name}.lora_{key}": value for key, value in ours.items()})

@@ -313,13 +313,14 @@ class CheckpointStorage:
 
     def model_state(self, *, base: bool = False) -> dict[str, Any]:
         """The model's state that its checkpoints hold: all of it, or with LoRA all but the
-        frozen parameters; ``base``: only those (what ``initial_load_path`` gives a LoRA run)."""
+        frozen parameters; ``base``: only those (what ``initial_load_path`` gives a LoRA run).
+        Persistent buffers (a router's expert bias, which balancing moves in a LoRA run too) are
+        in both."""
         state = get_model_state_dict(self.model)
         if self.lora is None:
             return state
-        frozen = {name for name, param in self.model.named_parameters(remove_duplicate=False)
-                  if not param.requires_grad}
-        return {k: v for k, v in state.items() if (k in frozen) == base}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return {k: v for k, v in state.items() if k not in params or params[k].requires_grad != base}
 
     def load_dcp(self, path: Path, parts: set[str], *, base: bool = False) -> None:
         """Load the model and/or optimizer from DCP files, each rank reading only its shards

@@ -73,7 +73,11 @@ def _compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
     compiled_forward = torch.compile(traced, backend=backend, fullgraph=True)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return compiled_forward(self, *args, **kwargs)
+        # A block may leave a record of its forward on a module (a mixture of experts' routing,
+        # read by the router losses); inside activation checkpointing dynamo keeps it from the
+        # forward and leaves it out of the recomputation.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled_forward(self, *args, **kwargs)
 
     return type(f"Compiled{cls.__name__}", (cls,), {
         "forward": forward,

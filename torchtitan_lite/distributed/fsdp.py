@@ -395,10 +395,11 @@ def materialize(model: nn.Module, device: torch.device, *, units: Sequence[FSDPU
 def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard | None:
     """Where FSDP shards a parameter: a stacked weight (3-D, e.g. a mixture of experts'
     ``(experts, out, in)``) along its first dimension, the experts, while there are at least as
-    many of them as shard ranks, else along the next (every rank holds part of every expert
-    rather than some ranks nothing); anything else along dim 0 (None: FSDP's default)."""
-    if param.dim() == 3 and param.shape[0] < shard_degree:
-        return Shard(1)
+    many of them as shard ranks, else along the next when the ranks divide it (every rank holds
+    part of every expert rather than some ranks nothing; FSDP2 shards a later dimension only
+    evenly); anything else along dim 0 (None: FSDP's default)."""
+    if param.dim() == 3 and param.shape[0] < shard_degree and param.shape[1] % shard_degree == 0:
+        return Shard(1)  # (FSDP2 shards a later dimension only evenly)
     return None
 
 
