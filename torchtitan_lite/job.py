@@ -36,7 +36,7 @@ from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
-from torchtitan_lite.models import get_model_spec
+from torchtitan_lite.models import MODEL_SPECS, get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["FROM_CHECKPOINT", "JobPlan", "check_initial_load", "model_vocab_size", "plan_job", "preflight"]
@@ -245,8 +245,10 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     """
     m, t, v, p = config.model, config.training, config.validation, config.parallelism
     spec = get_model_spec(m.name)
+    elsewhere = [name for name, other in MODEL_SPECS.items() if m.flavor in other.flavors and name != m.name]
+    hint = f" (model.name = {elsewhere[0]!r} has a flavor of that name)" if elsewhere else ""
     _require(m.flavor in spec.flavors or m.flavor == FROM_CHECKPOINT, "model.flavor", m.flavor,
-             f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}")
+             f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}{hint}")
     checkpoint_args = _checkpoint_shape(config, spec) if m.flavor == FROM_CHECKPOINT else None
     max_seq_len = (checkpoint_args or spec.flavors[m.flavor]).max_seq_len
     _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
