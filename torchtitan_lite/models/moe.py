@@ -302,6 +302,9 @@ class MoE(nn.Module):
         if shared_hidden_dim:
             self.shared = FeedForward(dim, shared_hidden_dim)
         self.last_routing: Routing | None = None
+        # Expert parallel: what moves the routed rows to the ranks holding their experts and back
+        # (torchtitan_lite.distributed.expert_parallel); None: every expert is here.
+        self.dispatcher: Any = None
 
     @classmethod
     def from_args(cls, args: object) -> MoE:
@@ -330,7 +333,11 @@ class MoE(nn.Module):
         token_of_row = order // top_k
         # (index_select and index_add_: each other's backward, with no sorting or copies inside.)
         rows = tokens.index_select(0, token_of_row)
-        routed = self.experts(rows, counts)
+        if self.dispatcher is None:
+            routed = self.experts(rows, counts)
+        else:
+            local_rows, local_counts, state = self.dispatcher.dispatch(rows, counts)
+            routed = self.dispatcher.combine(self.experts(local_rows, local_counts), state)
         routed = routed * weights.reshape(-1, 1).index_select(0, order)
         out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed.to(tokens.dtype))
         if self.shared is not None:

@@ -1,0 +1,119 @@
+"""Expert parallelism: a mixture of experts' experts split over ranks, tokens moved to them.
+
+With ``ep`` expert-parallel ranks, rank ``r`` of the group holds experts ``[r·E/ep, (r+1)·E/ep)`` of
+each MoE layer. An MoE layer routes its own tokens as before; :class:`AllToAllDispatcher` then
+sends each routed row to the rank that holds its expert and brings the experts' outputs back:
+
+1. every rank tells every other how many rows it sends to each of that rank's experts (one
+   ``all_to_all_single`` of ``E`` counts);
+2. the rows go out with per-rank split sizes (``all_to_all_single``, differentiable: its backward
+   is the reverse exchange), arriving grouped by source rank, each source's rows sorted by expert;
+3. they are regrouped by local expert (the order the grouped products need), run, put back in
+   arrival order and
+4. returned by the reverse exchange.
+
+No row is dropped and nothing is padded: the split sizes are the routed counts. gloo runs
+``all_to_all_single`` on CPU, NCCL on GPUs.
+
+The MoE layer calls the dispatcher it is given (``MoE.dispatcher``); model code holds no process
+group. :func:`apply_expert_parallel` gives every MoE layer of a model one, over a process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts"]
+
+
+def local_experts(num_experts: int, ep: int, rank: int) -> range:
+    """The experts rank ``rank`` of ``ep`` expert-parallel ranks holds (``ValueError`` when ``ep``
+    does not divide the experts)."""
+    if num_experts % ep:
+        raise ValueError(f"expert parallel degree {ep} does not divide the {num_experts} experts")
+    per_rank = num_experts // ep
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+class AllToAllDispatcher:
+    """Moves an MoE layer's routed rows to the ranks of ``group`` that hold their experts and the
+    experts' outputs back (see the module's docstring). ``all_to_all_calls`` counts the exchanges
+    (for tests and metrics)."""
+
+    def __init__(self, group: Any, num_experts: int) -> None:
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_experts = num_experts
+        self.local = local_experts(num_experts, self.ep, self.rank)
+        self.all_to_all_calls = 0
+        self.bytes_sent = 0
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``rows`` sorted by expert with ``counts[e]`` rows for expert ``e`` (every expert of the
+        layer) → the rows this rank's experts run, sorted by local expert, their counts per
+        local expert, and what :meth:`combine` needs."""
+        ep, per_rank = self.ep, len(self.local)
+        counts = counts.to(torch.int64)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # (source rank, local expert) counts
+        self.all_to_all_calls += 1
+        send = counts.view(ep, per_rank).sum(dim=1).tolist()
+        received_by_source = received.view(ep, per_rank)
+        recv = received_by_source.sum(dim=1).tolist()
+        out = rows.new_empty(sum(recv), rows.shape[-1])
+        arrived = dist_fn.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        self.all_to_all_calls += 1
+        self.bytes_sent += rows.numel() * rows.element_size()
+        # Arrival order: source rank, then local expert. The experts need local expert, then source.
+        order = _regroup(received_by_source.to(rows.device))
+        local_rows = arrived.index_select(0, order)
+        return local_rows, received_by_source.sum(dim=0), (order, send, recv, rows.shape[0])
+
+    def combine(self, out: torch.Tensor, state: Any) -> torch.Tensor:
+        """The experts' outputs (in :meth:`dispatch`'s local order) back to the ranks whose rows
+        they were, in those ranks' sorted order."""
+        order, send, recv, rows = state
+        arrival = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
+        back = out.new_empty(rows, out.shape[-1])
+        result = dist_fn.all_to_all_single(back, arrival.contiguous(), send, recv, group=self.group)
+        self.all_to_all_calls += 1
+        self.bytes_sent += out.numel() * out.element_size()
+        return result
+
+
+def _regroup(sizes: torch.Tensor) -> torch.Tensor:
+    """Row order that takes rows arriving in blocks ``sizes[s, e]`` (source ``s`` major) to
+    local expert major: for each expert, its rows from every source in source order."""
+    starts = (torch.cumsum(sizes.flatten(), 0) - sizes.flatten()).view_as(sizes)  # each block's first row
+    sizes_t, starts_t = sizes.t().flatten(), starts.t().flatten()  # blocks in (expert, source) order
+    total = int(sizes.sum())
+    block = torch.repeat_interleave(torch.arange(sizes_t.numel(), device=sizes.device), sizes_t, output_size=total)
+    first = torch.cumsum(sizes_t, 0) - sizes_t  # each block's first position in the new order
+    return starts_t[block] + torch.arange(total, device=sizes.device) - first[block]
+
+
+def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatcher]:
+    """Give every MoE layer of ``model`` an :class:`AllToAllDispatcher` over ``group`` and keep
+    only this rank's experts' weights (on a model built on the meta device or holding every
+    expert's weights: each stacked weight is cut to this rank's slice). Returns the dispatchers."""
+    from torchtitan_lite.models.moe import MoE
+
+    dispatchers = []
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        dispatcher = AllToAllDispatcher(group, experts.num_experts)
+        rows = slice(dispatcher.local.start, dispatcher.local.stop)
+        for name in experts.stacked_weights:
+            weight = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(weight.detach()[rows].clone(), requires_grad=weight.requires_grad))
+        module.dispatcher = dispatcher
+        dispatchers.append(dispatcher)
+    return dispatchers
