@@ -351,3 +351,48 @@ def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: 
         logits = model(tokens).logits
     torch.testing.assert_close(logits, results[0][3], atol=1e-5, rtol=1e-5)
     assert (logits - untrained).abs().max() > 1e-3  # the adapters trained
+
+
+def _ep_losses_and_experts(argv: list[str]) -> tuple[list[float], dict[str, Any]]:
+    """Train; the losses, and one stacked expert weight's mesh, placements and this rank's
+    experts (their global rows)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        losses = [h["loss"] for h in trainer.train()]
+        w1 = trainer.model.get_parameter("layers.0.moe.experts.w1")
+        assert isinstance(w1, DTensor)
+        shape, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+        return losses, {"mesh": tuple(w1.device_mesh.mesh_dim_names), "placements": [str(p) for p in w1.placements],
+                        "experts": list(range(offset[0], offset[0] + shape[0])), "local": list(w1.to_local().shape),
+                        "calls": trainer.model.get_submodule("layers.0.moe").dispatcher.all_to_all_calls
+                        if trainer.model.get_submodule("layers.0.moe").dispatcher is not None else 0}
+    finally:
+        trainer.close()
+
+
+def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path) -> None:
+    """Tiny Qwen3-MoE (8 experts), 4 ranks, fp32, 10 steps: expert parallel 2 and 4 give the
+    losses of expert parallel 1 and of one process within 1e-5; each rank holds only its experts
+    (ep 2: the experts split over the 2 expert-parallel ranks, each half FSDP-sharded over the 2
+    expert-data ranks, 2 experts per rank; ep 4: 2 experts per rank, whole), and the all-to-all
+    ran (3 exchanges per forward per MoE layer)."""
+    ((reference, _),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4))
+    results = {}
+    for ep in (1, 2, 4):
+        argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep))
+        results[ep] = run_distributed(_ep_losses_and_experts if ep > 1 else _losses_and_expert_placements, 4, argv)
+    for ep, ranks in results.items():
+        for losses, _ in (ranks if ep > 1 else [r[0] for r in ranks]):
+            for a, b in zip(losses, reference, strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (ep, losses, reference)
+    held = [experts["experts"] for _, experts in results[2]]
+    assert held == [[0, 1], [4, 5], [2, 3], [6, 7]], held  # rank = 2 × (expert-data rank) + (expert-parallel rank)
+    assert all(e["mesh"] == ("dp_shard_mod_ep", "ep") and e["local"] == [2, 32, 64] for _, e in results[2])
+    assert [e["experts"] for _, e in results[4]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(e["calls"] == 3 * 10 for _, e in results[4])  # 10 steps, one micro-batch each

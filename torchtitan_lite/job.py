@@ -343,6 +343,18 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
     except ValueError as exc:
         key = "moe.top_k" if "top_k" in str(exc) else "moe.score_func"
         raise ConfigError(f"{key}: invalid value {overrides.get(key[4:])!r}; {exc}") from None
+    ep, p = config.parallelism.expert_parallel_degree, config.parallelism
+    if ep > 1:
+        _require(model_args.num_experts % ep == 0, "parallelism.expert_parallel_degree", ep,
+                 f"it must divide the {model_args.num_experts} experts of model {spec.name!r}")
+        for ok, key, value, why in (
+                (not config.compile.enable, "compile.enable", True, "not with expert parallel yet (the token exchange "
+                                                                    "is outside what a compiled block can hold)"),
+                (not (config.lora.enable and "experts" in config.lora.target_modules), "lora.target_modules",
+                 list(config.lora.target_modules), "LoRA on the experts is not with expert parallel yet"),
+                (p.reshard_after_forward_mode != "auto" and p.cpu_offload != "auto", "parallelism.reshard_after_forward_mode",
+                 p.reshard_after_forward_mode, "auto's per-unit plans are not with expert parallel yet")):
+            _require(ok, key, value, why + "; expected parallelism.expert_parallel_degree = 1 for it")
     _require(e.bias_update_rate == 0 or model_args.score_func == "sigmoid", "moe.bias_update_rate",
              e.bias_update_rate, f"the {model_args.score_func} router of model {spec.name!r} has no expert bias to "
              "balance; expected 0, or moe.score_func = 'sigmoid'")

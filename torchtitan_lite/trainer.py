@@ -111,12 +111,19 @@ def clip_grad_norm_(
     gets the same global norm; with CPU offload that reduction runs on CPU tensors, which is
     why the process group then carries a CPU backend.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}  # DTensors of one mesh are normed and scaled together
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    # (Every parameter's norm once: expert-parallel experts live on a mesh of their own.)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
 
 

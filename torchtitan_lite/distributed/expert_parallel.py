@@ -117,3 +117,54 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatch
         module.dispatcher = dispatcher
         dispatchers.append(dispatcher)
     return dispatchers
+
+
+def expert_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, device: torch.device) -> Any:
+    """A mixture-of-experts family's parallelize steps (``ModelSpec.parallelize``): with an
+    ``ep`` dimension in the mesh, each MoE layer's stacked expert weights become DTensors split
+    along the experts over ``mesh["ep"]`` (on the meta device: each rank will hold only its
+    experts), the layer gets an :class:`AllToAllDispatcher` over that group, and FSDP shards the
+    experts over the expert-data ranks (``mesh.experts``) with their gradients divided by every
+    data-parallel rank (each expert's gradient already sums the tokens of its expert-parallel
+    group); then the default steps. Without ``ep``: the default steps."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan_lite.distributed.parallelize import default_parallelize
+    from torchtitan_lite.models.moe import MoE
+
+    if mesh is None or "ep" not in getattr(mesh, "names", ()):
+        return default_parallelize(spec, model, mesh, options, device=device)
+    ep_mesh = mesh["ep"]
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        experts = layer.experts
+        ep = ep_mesh.size()
+        local_experts(experts.num_experts, ep, 0)  # (ValueError when ep does not divide them)
+        for name in experts.stacked_weights:
+            weight = getattr(experts, name)
+            local = torch.empty((weight.shape[0] // ep, *weight.shape[1:]), device=weight.device, dtype=weight.dtype)
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=weight.shape,
+                                         stride=weight.stride())
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), experts.num_experts)
+
+    def shard_experts(fsdp: Any) -> None:
+        mode = fsdp.reshard_after_forward_mode
+        offload = fsdp.cpu_offload
+        if not isinstance(offload, bool) or not isinstance(mode, (str, int)):
+            raise ValueError("expert parallel takes one reshard mode and one CPU offload setting for every unit, "
+                             "not auto's per-unit plan")
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+        for layer in layers:
+            sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=mode != "never",
+                                  mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype,
+                                                                 reduce_dtype=fsdp.reduce_dtype),
+                                  offload_policy=policy)
+            sharded.set_gradient_divide_factor(float(mesh.dp_size))
+            # Sum, then divide: gloo has no pre-multiplied sum (what FSDP otherwise asks for).
+            group = sharded._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
+            if group is not None:
+                group.force_sum_reduction_for_comms = True
+
+    return default_parallelize(spec, model, mesh, options, device=device, before_fsdp=shard_experts)

@@ -14,7 +14,7 @@ from torchtitan_lite.distributed.parallel_dims import ParallelDims
 
 __all__ = ["ParallelMesh", "build_mesh", "fsdp_mesh"]
 
-_DATA_PARALLEL = ("dp_replicate", "dp_shard")
+_DATA_PARALLEL = ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class ParallelMesh:
     fsdp: DeviceMesh
     dims: ParallelDims
     dp_group: Any
+    experts: DeviceMesh | None = None
+    """With expert parallel: the mesh the experts' weights are FSDP-sharded over (``dp_shard_mod_ep``,
+    with ``dp_replicate`` for HSDP); the experts themselves split over ``self["ep"]``."""
 
     @property
     def dp_rank(self) -> int:
@@ -72,6 +75,15 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
     names, shape = zip(*dims.mesh_dims, strict=True)
     world = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
     data = tuple(n for n in names if n in _DATA_PARALLEL)
+    if "ep" in names:  # the rest of the model is FSDP-sharded over dp_shard = dp_shard_mod_ep × ep
+        replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+        experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
+        outer = {n: s for n, s in zip(names, shape, strict=True) if n not in ("dp_shard_mod_ep", "ep")}
+        if set(outer) - {"dp_replicate"}:
+            raise ValueError(f"expert parallel beside {', '.join(sorted(set(outer) - {'dp_replicate'}))} is not "
+                             "supported yet")
+        fsdp = init_device_mesh(device.type, (*outer.values(), dims.dp_shard), mesh_dim_names=(*outer, "dp_shard"))
+        return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dist.group.WORLD, experts=experts)
     if data == names:  # data parallel only: as FSDP always had it, and every collective on the world
         fsdp, dp_group = world, dist.group.WORLD
     elif len(data) == 1:

@@ -6,8 +6,8 @@ The ranks form a mesh of named dimensions, outermost first (TorchTitan's order):
 (tensor parallel), ``tp`` innermost, so that a tensor-parallel group is made of contiguous ranks
 (one node's fast links). The data-parallel dimensions are ``dp_replicate × dp_shard``: every rank of
 one data-parallel coordinate reads the same batch; ``dp_rank`` / ``dp_size`` say which batch and
-of how many. Expert parallelism (``ep``) borrows its ranks from ``dp_shard × cp``, as TorchTitan's
-does, and adds no dimension of its own to the world.
+of how many. Expert parallelism (``ep``) borrows its ranks from ``dp_shard``, as TorchTitan's
+does: the mesh splits ``dp_shard`` into ``dp_shard_mod_ep × ep`` (:attr:`ParallelDims.mesh_dims`).
 """
 
 from __future__ import annotations
@@ -116,8 +116,16 @@ class ParallelDims:
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         """The dimensions the mesh is built with, outermost first: ``dp_shard`` always (the
-        FSDP dimension, 1 on one process), the others where their degree is above 1."""
-        return tuple((name, self.degree(name)) for name in MESH_DIMS if name == "dp_shard" or self.degree(name) > 1)
+        FSDP dimension, 1 on one process), the others where their degree is above 1. With expert
+        parallel (and no context parallel) ``dp_shard`` is built as ``dp_shard_mod_ep × ep``: the
+        expert-parallel ranks are the inner, contiguous part of the FSDP ranks, and the experts'
+        weights are FSDP-sharded over ``dp_shard_mod_ep`` (with ``dp_replicate``)."""
+        dims = tuple((name, self.degree(name)) for name in MESH_DIMS if name == "dp_shard" or self.degree(name) > 1)
+        if self.ep > 1 and self.cp == 1:
+            dims = tuple(part for name, size in dims
+                         for part in ((("dp_shard_mod_ep", size // self.ep), ("ep", self.ep)) if name == "dp_shard"
+                                      else ((name, size),)))
+        return dims
 
     def beyond_data_parallel(self) -> dict[str, int]:
         """The degrees above 1 of dimensions other than data parallel (``cp``, ``tp``, ``ep``)."""

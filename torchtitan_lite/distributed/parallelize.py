@@ -14,7 +14,7 @@ traces the checkpoint as part of the block's graph), compile comes next, and ``f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,9 +54,12 @@ class ParallelizeOptions:
 
 
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
-                        options: ParallelizeOptions, *, device: torch.device) -> list[FSDPUnit]:
+                        options: ParallelizeOptions, *, device: torch.device,
+                        before_fsdp: Callable[[FSDPOptions], None] | None = None) -> list[FSDPUnit]:
     """LoRA → float8 → activation checkpointing → compile → FSDP over the mesh's data-parallel
-    dimensions (or autocast on one process); returns the FSDP units (empty without FSDP)."""
+    dimensions (or autocast on one process); returns the FSDP units (empty without FSDP).
+    ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
+    run just before the units are sharded."""
     if options.lora is not None:
         options.lora.apply(model)
     units = spec.fsdp_units(model)
@@ -74,6 +77,8 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     if mesh is None:
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
+    if before_fsdp is not None:
+        before_fsdp(fsdp)
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
     return fsdp_units(model, **units)

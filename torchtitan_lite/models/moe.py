@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import torchtitan_lite.models.init as init
 from torchtitan_lite.models.feed_forward import FeedForward
@@ -278,8 +279,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights the experts compute with: ``w1``, ``w2``, ``w3`` (LoRA adds its updates)."""
-        return self.w1, self.w2, self.w3
+        """The weights the experts compute with: ``w1``, ``w2``, ``w3`` (LoRA adds its updates);
+        split over expert-parallel ranks (DTensors), this rank's experts."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))  # type: ignore[return-value]
 
     def init_weights(self, out_std: float) -> None:
         init.trunc_normal_(self.w1, std=0.02)
