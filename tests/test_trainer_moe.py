@@ -94,6 +94,8 @@ _FIRST_STEP = {
     "qwen3_moe-2-experts-4-ranks": ("qwen3_moe", 4, lambda f: hf_qwen3_moe(f, num_experts=2, num_experts_per_tok=1),
                                     ["S(1)"], [2, 8, 64]),
     "deepseek_v3-2-ranks": ("deepseek_v3", 2, _deepseek_folder, ["S(0)"], [4, 32, 64]),
+    # Expert parallel 2 on 4 ranks: loaded into and exported from experts split over the ranks.
+    "qwen3_moe-ep2-4-ranks": ("qwen3_moe", 4, lambda f: hf_qwen3_moe(f), ["_S(0, 2)", "S(0)"], [2, 32, 64]),
 }
 
 
@@ -109,8 +111,9 @@ def test_first_step_equals_transformers_and_the_export_loads_in_transformers(tmp
     family, world, make, placements, local = _FIRST_STEP[case]
     folder = make(tmp_path / "hf")
     tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    ep = ["--parallelism.expert_parallel_degree", "2"] if "ep2" in case else []
     argv = _argv(folder, tmp_path / "run", "--training.local_batch_size", str(4 // world), "--checkpoint.enable",
-                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", name=family)
+                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *ep, name=family)
     results = run_distributed(_first_step, world, argv, tokens)
     inputs = torch.cat([torch.cat([i for i, _ in seen]) for _, seen, _, _ in results])
     labels = torch.cat([torch.cat([lab for _, lab in seen]) for _, seen, _, _ in results])
@@ -396,3 +399,24 @@ def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_pat
     assert all(e["mesh"] == ("dp_shard_mod_ep", "ep") and e["local"] == [2, 32, 64] for _, e in results[2])
     assert [e["experts"] for _, e in results[4]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(e["calls"] == 3 * 10 for _, e in results[4])  # 10 steps, one micro-batch each
+
+
+def test_a_checkpoint_at_expert_parallel_2_resumes_at_1_and_4(tmp_path: Path) -> None:
+    """4 ranks, fp32: a job at expert parallel 2 saves at step 3 of 6; resumed from that step at
+    expert parallel 1 and at 4 (DCP reshards the experts), steps 4-6 repeat the uninterrupted
+    losses within 1e-5."""
+    import shutil
+
+    common = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    whole = run_distributed(_ep_losses_and_experts, 4, _tiny_argv(tmp_path / "ep2", 1, *common,
+                                                                  "--parallelism.expert_parallel_degree", "2"))
+    losses = whole[0][0]
+    for ep in (1, 4):
+        dump = tmp_path / f"resumed-ep{ep}"
+        shutil.copytree(tmp_path / "ep2" / "checkpoint" / "step-3", dump / "checkpoint" / "step-3")
+        argv = _tiny_argv(dump, 1, *common, "--parallelism.expert_parallel_degree", str(ep))
+        ranks = run_distributed(_ep_losses_and_experts if ep > 1 else _losses_and_expert_placements, 4, argv)
+        resumed = ranks[0][0] if ep > 1 else ranks[0][0][0]
+        assert len(resumed) == 3
+        for a, b in zip(resumed, losses[3:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (ep, resumed, losses)

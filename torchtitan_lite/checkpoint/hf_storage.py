@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.futures import Future
 
 from torchtitan_lite.checkpoint.plain import plain_tensor
@@ -380,8 +381,12 @@ def _hf_parts(hf_names: list[str], tensor: torch.Tensor) -> dict[str, torch.Tens
         return dict(zip(hf_names, tensor, strict=True))
     mesh, placements = tensor.device_mesh, tensor.placements
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    inner = [Replicate() if isinstance(p, Shard) and p.dim == 0 else Shard(p.dim - 1) if isinstance(p, Shard) else p
-             for p in placements]
+    # Along the experts (plainly, or strided: FSDP over expert-parallel experts): this rank's
+    # experts, whole; along a later dimension: that dimension of each expert.
+    along = [getattr(p, "dim", None) if isinstance(p, (Shard, _StridedShard)) else None for p in placements]
+    if any(d not in (None, 0) for d in along) and any(d == 0 for d in along):
+        raise ValueError(f"stacked weights sharded as {placements} (along the experts and another dimension)")
+    inner = [Replicate() if d in (None, 0) else Shard(d - 1) for d in along]
     shape = tensor.shape[1:]
     local = tensor.to_local()
     parts: dict[str, torch.Tensor] = {}
