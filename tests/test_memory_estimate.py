@@ -179,6 +179,20 @@ def test_moe_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> N
     })
 
 
+@pytest.mark.slow
+def test_moe_estimate_at_expert_parallel_2_within_bounds_at_four_ranks(tmp_path) -> None:
+    """Expert parallel 2 on 4 ranks (each rank holding 4 of the 8 experts' weights, FSDP-sharded
+    over 2 ranks; the token exchange's buffers): -3% / +10% of the allocator's peak of a real
+    trainer step (the estimate assumes each rank receives as many rows as it sends)."""
+    _compare(4, tmp_path, {
+        "moe ep 2 fp32 default / none": _moe_job("float32", "--parallelism.expert_parallel_degree", "2",
+                                                 "--training.local_batch_size", "1"),
+        "moe ep 2 bf16 always / full": _moe_job("bfloat16", "--parallelism.expert_parallel_degree", "2",
+                                                "--training.local_batch_size", "1",
+                                                "--parallelism.reshard_after_forward_mode", "always", *AC["full"]),
+    })
+
+
 def test_estimate_api() -> None:
     """Categories are memory.measure.CATEGORIES's; device/CPU split under offload; fits(); errors."""
     assert set(CATEGORY_NAMES) == set(CATEGORIES.values())

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts"]
 
@@ -60,14 +60,17 @@ class AllToAllDispatcher:
         local expert, and what :meth:`combine` needs."""
         ep, per_rank = self.ep, len(self.local)
         counts = counts.to(torch.int64)
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(rows):
+            return self._balanced(rows)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (source rank, local expert) counts
         self.all_to_all_calls += 1
         send = counts.view(ep, per_rank).sum(dim=1).tolist()
         received_by_source = received.view(ep, per_rank)
         recv = received_by_source.sum(dim=1).tolist()
-        out = rows.new_empty(sum(recv), rows.shape[-1])
-        arrived = dist_fn.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        arrived = _exchange(rows, recv, send, self.group)
         self.all_to_all_calls += 1
         self.bytes_sent += rows.numel() * rows.element_size()
         # Arrival order: source rank, then local expert. The experts need local expert, then source.
@@ -75,16 +78,37 @@ class AllToAllDispatcher:
         local_rows = arrived.index_select(0, order)
         return local_rows, received_by_source.sum(dim=0), (order, send, recv, rows.shape[0])
 
+    def _balanced(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The memory estimator's exchange (fake tensors, a fake process group, no counts to
+        read): every rank sends each other rank an equal share of its rows and receives as many,
+        spread evenly over its experts (routing balanced, which balancing losses aim at)."""
+        ep, per_rank = self.ep, len(self.local)
+        share = [rows.shape[0] // ep + (1 if r < rows.shape[0] % ep else 0) for r in range(ep)]
+        arrived = _exchange(rows, share, share, self.group)
+        order = torch.arange(rows.shape[0], device=rows.device)
+        local_rows = arrived.index_select(0, order)
+        even = rows.shape[0] // per_rank
+        local_counts = torch.full((per_rank,), even, dtype=torch.int64, device=rows.device)
+        local_counts[-1] += rows.shape[0] - even * per_rank
+        return local_rows, local_counts, (order, share, share, rows.shape[0])
+
     def combine(self, out: torch.Tensor, state: Any) -> torch.Tensor:
         """The experts' outputs (in :meth:`dispatch`'s local order) back to the ranks whose rows
         they were, in those ranks' sorted order."""
         order, send, recv, rows = state
         arrival = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
-        back = out.new_empty(rows, out.shape[-1])
-        result = dist_fn.all_to_all_single(back, arrival.contiguous(), send, recv, group=self.group)
+        result = _exchange(arrival, send, recv, self.group)
         self.all_to_all_calls += 1
         self.bytes_sent += out.numel() * out.element_size()
         return result
+
+
+def _exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    """``all_to_all_single`` of ``rows`` with split sizes, differentiable (its backward: the
+    reverse exchange)."""
+    from torch.distributed._functional_collectives import wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))
 
 
 def _regroup(sizes: torch.Tensor) -> torch.Tensor:

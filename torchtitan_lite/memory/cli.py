@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = plan.reshard_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
-        would = not auto and device_bytes is not None
+        would = not auto and device_bytes is not None and plan.dims.ep == 1  # (auto: not with expert parallel yet)
         budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
@@ -278,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     unit = ("GiB", GIB) if max(e.device_peak for e in estimates) >= GIB else ("MiB", 2**20)
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
-          f"{first.dp_replicate} × dp_shard {first.dp_shard}")
+          f"{first.dp_replicate} × dp_shard {first.dp_shard}"
+          + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
+             f"weights per layer, FSDP-sharded over {plan.dims.dp_size // plan.dims.ep} ranks)"
+             if plan.dims.ep > 1 else ""))
     if vocab_note is not None:
         print(vocab_note)
     print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"

@@ -161,6 +161,7 @@ def estimate_memory(
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
     lora: LoRASetup | None = None,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
@@ -190,6 +191,7 @@ def estimate_memory(
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
         "ac_policies": None if ac_policies is None else tuple(ac_policies), "lora": lora,
+        "expert_parallel": expert_parallel,
     }
     import torch.distributed as dist
 
@@ -452,11 +454,12 @@ def _estimate_uncached(
     selective_ac_option: str | int = "op",
     ac_policies: Sequence[str] | None = None,
     lora: LoRASetup | None = None,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    dims = ParallelDims.data_parallel(world_size=world_size, dp_replicate=dp_replicate)
+    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel)
     device = torch.device("cpu")
     with _fake_world(world_size):
         mesh = build_mesh(device, dims)
@@ -532,6 +535,7 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
         "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
+        "expert_parallel": plan.dims.ep,
     }
 
 
