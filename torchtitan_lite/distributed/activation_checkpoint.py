@@ -74,9 +74,11 @@ def _saved_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
-_SAVED_CUSTOM_OPS = ("torchtitan_lite::grouped_mm",)
-"""Our own operators ``op`` keeps: the experts' grouped products where ``torch._grouped_mm`` is not
-used (compiled in fp32; the memory estimator's fake tensors), as ``_grouped_mm`` is kept."""
+_SAVED_CUSTOM_OPS = ("torchtitan_lite::grouped_mm", "_c10d_functional::all_to_all_single",
+                     "_c10d_functional::wait_tensor")
+"""Other operators ``op`` keeps: the experts' grouped products where ``torch._grouped_mm`` is not
+used (compiled in fp32; the memory estimator's fake tensors), as ``_grouped_mm`` is kept, and
+expert parallel's token exchange (recomputing it would move the tokens again)."""
 
 
 def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

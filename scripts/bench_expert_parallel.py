@@ -1,0 +1,141 @@
+"""Expert parallel against FSDP alone: bytes each rank moves per step and step time, in one run.
+
+    python scripts/bench_expert_parallel.py [--ranks 4] [--steps 6] [--json PATH]
+
+A Qwen3-MoE shape (``--dim``, ``--layers``, ``--experts`` of width ``--hidden``, top ``--top_k``)
+trains on the embedded corpus on ``--ranks`` gloo CPU processes (torchrun), fp32, once with the
+experts FSDP-sharded over every rank (expert parallel 1) and once per degree in ``--degrees``.
+Each rank counts the collectives of its steps after a warm-up step (a dispatch mode over the
+``c10d`` and functional-collective ops) with their unsharded bytes: what each all-gather delivers
+to the rank, what each reduce-scatter or all-reduce takes in, the rows each all-to-all sends
+(forward and backward); and times them; rank 0's
+figures and the medians of the step times are printed, with the ratios to expert parallel 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+         "allreduce": "all_reduce", "all_reduce": "all_reduce", "all_to_all": "all_to_all", "alltoall": "all_to_all"}
+
+
+class Collectives(TorchDispatchMode):
+    """The collectives that ran and the bytes this rank put in (each op's input tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter
+
+        name = func._schema.name.split("::")[-1]
+        kind = next((k for key, k in KINDS.items() if key in name), None) \
+            if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind == "all_reduce" and InPlaceReduceScatter.running:
+            kind = "reduce_scatter"  # (FSDP's reduce-scatter on gloo: an in-place all-reduce)
+        if kind is not None:
+            self.calls[kind] += 1
+            # The unsharded side: what an all-gather delivers, what a reduce-scatter or an
+            # all-reduce takes in, the rows an all-to-all sends.
+            if func.namespace == "_c10d_functional" or kind in ("all_reduce", "reduce_scatter"):
+                source = args[0]
+            else:
+                source = args[0] if kind == "all_gather" else args[1]
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(source)
+                                    if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def _worker(opts: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.models import MODEL_SPECS, register_model_spec
+    from torchtitan_lite.trainer import Trainer
+
+    spec = MODEL_SPECS["qwen3_moe"]
+    shape = dataclasses.replace(spec.flavors["tiny"], dim=opts.dim, n_layers=opts.layers, n_heads=8, n_kv_heads=4,
+                                head_dim=opts.dim // 8, moe_hidden_dim=opts.hidden, num_experts=opts.experts,
+                                top_k=opts.top_k)
+    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, "bench": shape}), replace=True)
+    argv = ["--model.name", "qwen3_moe", "--model.flavor", "bench", "--training.seq_len", str(opts.seq_len),
+            "--training.local_batch_size", str(opts.local_batch_size), "--training.steps", "1000",
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000", "--validation.no-enable",
+            "--metrics.no-enable_tensorboard", "--job.dump_folder", opts.dump,
+            "--parallelism.expert_parallel_degree", str(opts.ep)]
+    trainer = Trainer(load_job_config(argv))
+    try:
+        trainer.train_step()  # warm-up
+        counter, times = Collectives(), []
+        with counter:
+            for _ in range(opts.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                trainer.train_step()
+                times.append(time.perf_counter() - start)
+        if dist.get_rank() == 0:
+            result = {"ep": opts.ep, "step_s": statistics.median(times),
+                      "mib_per_step": {k: v / opts.steps / 2**20 for k, v in counter.bytes.items()},
+                      "calls_per_step": {k: v / opts.steps for k, v in counter.calls.items()},
+                      "params": shape.num_params(), "active": shape.active_params()}
+            Path(opts.out).write_text(json.dumps(result))
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("ranks", 4), ("steps", 6), ("dim", 256), ("layers", 4), ("experts", 16), ("hidden", 512),
+                          ("top_k", 2), ("seq_len", 256), ("local_batch_size", 2), ("ep", 1)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--degrees", default="2,4")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--dump", default="/tmp/bench_expert_parallel")
+    opts = parser.parse_args()
+    if opts.worker:
+        _worker(opts)
+        return
+    rows = []
+    for ep in [1, *(int(d) for d in opts.degrees.split(","))]:
+        out = Path(opts.dump) / f"ep{ep}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        forwarded = [f"--{k}={getattr(opts, k)}" for k in ("steps", "dim", "layers", "experts", "hidden", "top_k",
+                                                             "seq_len", "local_batch_size")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.ranks}",
+               __file__, "--worker", f"--ep={ep}", f"--out={out}", f"--dump={opts.dump}/run{ep}", *forwarded]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rows.append(json.loads(out.read_text()))
+    base = rows[0]
+    print(f"{opts.ranks} ranks, {base['params'] / 1e6:.1f}M parameters ({base['active'] / 1e6:.1f}M active), "
+          f"{opts.experts} experts top-{opts.top_k}, local batch {opts.local_batch_size} x seq {opts.seq_len}, fp32")
+    kinds = sorted({k for r in rows for k in r["mib_per_step"]})
+    print(f"{'ep':>3} {'step s':>8} {'vs ep 1':>8} " + " ".join(f"{k + ' MiB':>18}" for k in kinds) + f" {'total MiB':>10}")
+    for r in rows:
+        total = sum(r["mib_per_step"].values())
+        print(f"{r['ep']:>3} {r['step_s']:8.3f} {base['step_s'] / r['step_s']:8.2f} "
+              + " ".join(f"{r['mib_per_step'].get(k, 0.0):18.2f}" for k in kinds) + f" {total:10.2f}")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"config": vars(opts), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
