@@ -170,7 +170,8 @@ def _losses_and_expert_placements(*runs: list[str]) -> list[tuple[list[float], d
         trainer = Trainer(load_job_config(argv))
         try:
             losses = [h["loss"] for h in trainer.train()]
-            w1 = trainer.model.get_parameter("layers.0.moe.experts.w1")
+            w1 = trainer.model.get_parameter(next(n for n, _ in trainer.model.named_parameters()
+                                                  if n.endswith("moe.experts.w1")))
             placed = {"placements": [str(p) for p in w1.placements], "local": list(w1.to_local().shape)} \
                 if isinstance(w1, DTensor) else {"placements": None, "local": list(w1.shape)}
             out.append((losses, placed))
@@ -368,27 +369,32 @@ def _ep_losses_and_experts(argv: list[str]) -> tuple[list[float], dict[str, Any]
     trainer = Trainer(load_job_config(argv))
     try:
         losses = [h["loss"] for h in trainer.train()]
-        w1 = trainer.model.get_parameter("layers.0.moe.experts.w1")
+        layer = next(n for n, _ in trainer.model.named_parameters() if n.endswith("moe.experts.w1")).removesuffix(
+            ".experts.w1")
+        w1 = trainer.model.get_parameter(f"{layer}.experts.w1")
         assert isinstance(w1, DTensor)
         shape, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
+        dispatcher = trainer.model.get_submodule(layer).dispatcher
         return losses, {"mesh": tuple(w1.device_mesh.mesh_dim_names), "placements": [str(p) for p in w1.placements],
                         "experts": list(range(offset[0], offset[0] + shape[0])), "local": list(w1.to_local().shape),
-                        "calls": trainer.model.get_submodule("layers.0.moe").dispatcher.all_to_all_calls
-                        if trainer.model.get_submodule("layers.0.moe").dispatcher is not None else 0}
+                        "calls": dispatcher.all_to_all_calls if dispatcher is not None else 0}
     finally:
         trainer.close()
 
 
-def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path) -> None:
-    """Tiny Qwen3-MoE (8 experts), 4 ranks, fp32, 10 steps: expert parallel 2 and 4 give the
-    losses of expert parallel 1 and of one process within 1e-5; each rank holds only its experts
-    (ep 2: the experts split over the 2 expert-parallel ranks, each half FSDP-sharded over the 2
-    expert-data ranks, 2 experts per rank; ep 4: 2 experts per rank, whole), and the all-to-all
-    ran (3 exchanges per forward per MoE layer)."""
-    ((reference, _),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4))
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path, family: str) -> None:
+    """Tiny Qwen3-MoE and DeepSeek-V3 (8 experts; DeepSeek's in 2 groups, a shared expert and a
+    dense first layer), 4 ranks, fp32, 10 steps (clipped at norm 1): expert parallel 2 and 4 give
+    the losses of expert parallel 1 and of one process within 1e-5; each rank holds only its
+    experts (ep 2: the experts split over the 2 expert-parallel ranks, each half FSDP-sharded over
+    the 2 expert-data ranks, 2 experts per rank; ep 4: 2 experts per rank, whole), and the
+    all-to-all ran (3 exchanges per forward per MoE layer)."""
+    name = ["--model.name", family]
+    ((reference, _),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4, *name))
     results = {}
     for ep in (1, 2, 4):
-        argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep))
+        argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep), *name)
         results[ep] = run_distributed(_ep_losses_and_experts if ep > 1 else _losses_and_expert_placements, 4, argv)
     for ep, ranks in results.items():
         for losses, _ in (ranks if ep > 1 else [r[0] for r in ranks]):
