@@ -21,6 +21,7 @@ group. :func:`apply_expert_parallel` gives every MoE layer of a model one, over 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts"]
+__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts", "shard_experts"]
 
 
 def local_experts(num_experts: int, ep: int, rank: int) -> range:
@@ -143,27 +144,25 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatch
     return dispatchers
 
 
-def expert_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, device: torch.device) -> Any:
-    """A mixture-of-experts family's parallelize steps (``ModelSpec.parallelize``): with an
-    ``ep`` dimension in the mesh, each MoE layer's stacked expert weights become DTensors split
-    along the experts over ``mesh["ep"]`` (on the meta device: each rank will hold only its
-    experts), the layer gets an :class:`AllToAllDispatcher` over that group, and FSDP shards the
-    experts over the expert-data ranks (``mesh.experts``) with their gradients divided by every
-    data-parallel rank (each expert's gradient already sums the tokens of its expert-parallel
-    group); then the default steps. Without ``ep``: the default steps."""
+def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any], None]:
+    """Expert parallel over ``mesh["ep"]`` (a :class:`~torchtitan_lite.distributed.mesh.ParallelMesh`
+    with an ``ep`` dimension), on a model built on the meta device: each MoE layer's stacked
+    expert weights become DTensors split along the experts over ``mesh["ep"]`` (each rank will
+    hold only its experts) and the layer gets an :class:`AllToAllDispatcher` over that group.
+    Returns the step that FSDP-shards the experts over the expert-data ranks (``mesh.experts``),
+    their gradients divided by every data-parallel rank (each expert's gradient already sums the
+    tokens of its expert-parallel group), to run before the model's own FSDP units
+    (``default_parallelize``'s ``before_fsdp``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from torchtitan_lite.distributed.parallelize import default_parallelize
     from torchtitan_lite.models.moe import MoE
 
-    if mesh is None or "ep" not in getattr(mesh, "names", ()):
-        return default_parallelize(spec, model, mesh, options, device=device)
     ep_mesh = mesh["ep"]
+    ep = ep_mesh.size()
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for layer in layers:
         experts = layer.experts
-        ep = ep_mesh.size()
         local_experts(experts.num_experts, ep, 0)  # (ValueError when ep does not divide them)
         for name in experts.stacked_weights:
             weight = getattr(experts, name)
@@ -173,9 +172,8 @@ def expert_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, 
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
         layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), experts.num_experts)
 
-    def shard_experts(fsdp: Any) -> None:
-        mode = fsdp.reshard_after_forward_mode
-        offload = fsdp.cpu_offload
+    def shard(fsdp: Any) -> None:
+        mode, offload = fsdp.reshard_after_forward_mode, fsdp.cpu_offload
         if not isinstance(offload, bool) or not isinstance(mode, (str, int)):
             raise ValueError("expert parallel takes one reshard mode and one CPU offload setting for every unit, "
                              "not auto's per-unit plan")
@@ -191,4 +189,4 @@ def expert_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, 
             if group is not None:
                 group.force_sum_reduction_for_comms = True
 
-    return default_parallelize(spec, model, mesh, options, device=device, before_fsdp=shard_experts)
+    return shard

@@ -56,12 +56,19 @@ class ParallelizeOptions:
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
                         options: ParallelizeOptions, *, device: torch.device,
                         before_fsdp: Callable[[FSDPOptions], None] | None = None) -> list[FSDPUnit]:
-    """LoRA → float8 → activation checkpointing → compile → FSDP over the mesh's data-parallel
-    dimensions (or autocast on one process); returns the FSDP units (empty without FSDP).
+    """LoRA → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it, see
+    :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → float8 → activation
+    checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
+    process); returns the FSDP units (empty without FSDP).
     ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
     run just before the units are sharded."""
     if options.lora is not None:
         options.lora.apply(model)
+    if isinstance(mesh, ParallelMesh) and "ep" in mesh.names:  # a mixture of experts' experts over mesh["ep"]
+        from torchtitan_lite.distributed.expert_parallel import shard_experts
+
+        experts_step = shard_experts(model, mesh)
+        before_fsdp = experts_step if before_fsdp is None else _both(experts_step, before_fsdp)
     units = spec.fsdp_units(model)
     if options.float8 is not None:
         options.float8.apply(model, blocks=units["blocks"])
@@ -82,6 +89,13 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
     return fsdp_units(model, **units)
+
+
+def _both(first: Callable[[FSDPOptions], None], second: Callable[[FSDPOptions], None]) -> Callable[[FSDPOptions], None]:
+    def run(fsdp: FSDPOptions) -> None:
+        first(fsdp)
+        second(fsdp)
+    return run
 
 
 def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,

@@ -209,6 +209,7 @@ def plan_auto_reshard(
     ac_mode: str = "none",
     selective_ac_option: str | int = "op",
     lora: LoRASetup | None = None,
+    expert_parallel: int = 1,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
     that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
@@ -258,8 +259,11 @@ def plan_auto_reshard(
     budget came from) when even resharding every unit and fully recomputing every block does not
     fit. Runs in a child process when
     this one already holds a process group, for at most ``timeout_s`` seconds (``RuntimeError``
-    after that).
+    after that). ``expert_parallel`` above 1 is not planned yet (``ValueError``).
     """
+    if expert_parallel > 1:
+        raise ValueError("parallelism.reshard_after_forward_mode: auto does not plan expert parallel jobs yet; "
+                         "expected parallelism.expert_parallel_degree = 1 with auto")
     kwargs: dict[str, Any] = {
         "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "budget_source": budget_source,
         "world_size": world_size,

@@ -83,8 +83,10 @@ class ModelSpec:
     then the default steps. None: the default steps (LoRA, float8, activation checkpointing,
     compile, FSDP over the data-parallel dimensions)."""
     parallel_dims: frozenset[str] = frozenset()
-    """The mesh dimensions beyond data parallel (``"tp"``, ``"cp"``, ``"ep"``) that its
-    ``parallelize`` handles; a job asking for a degree above 1 of any other is refused."""
+    """The mesh dimensions beyond data parallel (``"tp"``, ``"cp"``, ``"ep"``) the family's models
+    can be split over: by its ``parallelize``, or for ``"ep"`` by the default steps (which split
+    the experts of any MoE layer over ``mesh["ep"]``); a job asking for a degree above 1 of any
+    other is refused."""
 
     def model_args(self, flavor: str, *, vocab_size: int | None = None) -> Any:
         """The args of ``flavor``, with ``vocab_size`` when given (``KeyError`` for an unknown
