@@ -181,9 +181,9 @@ def _losses_and_expert_placements(*runs: list[str]) -> list[tuple[list[float], d
 
 
 # (reshard_after_forward_mode, activation_checkpoint.mode, selective_ac_option, more) per run.
-_MODES = {2: [("default", "full", "op", ["--compile.enable"]), ("never", "none", "op", []),
+_MODES = {2: [("default", "full", "op", ["--compile.enable"]),
               ("always", "selective", "op", ["--parallelism.cpu_offload", "all"])],
-          4: [("2", "selective", "1", []), ("default", "selective", "op", [])]}
+          4: [("2", "selective", "1", []), ("never", "none", "op", [])]}
 
 
 def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
     loads = [h["moe/load_max_over_mean"] for h in history]
     assert loads[0] == pytest.approx(4.0), loads
     assert sum(loads[-5:]) / 5 < 2.4, loads  # (4.0 for 8 steps, then 2.1 on average over the last 5)
-    ((fixed, _),) = run_distributed(_history_and_biases, 1, _argv(folder, tmp_path / "fixed", *common, "--training.local_batch_size", "4", name="deepseek_v3"))
+    ((fixed, _),) = run_distributed(_history_and_biases, 1, _argv(folder, tmp_path / "fixed", *common, "--training.local_batch_size", "4", "--training.steps", "10", name="deepseek_v3"))
     assert all(h["moe/load_max_over_mean"] == pytest.approx(4.0) for h in fixed)
     # The export holds the trained bias (fp32, as transformers keeps it).
     exported = {}
@@ -382,18 +382,20 @@ def _ep_losses_and_experts(argv: list[str]) -> tuple[list[float], dict[str, Any]
         trainer.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize(("family", "degrees"), [("qwen3_moe", (1, 2, 4)), ("deepseek_v3", (2,))])
+def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path, family: str,
+                                                                          degrees: tuple[int, ...]) -> None:
     """Tiny Qwen3-MoE and DeepSeek-V3 (8 experts; DeepSeek's in 2 groups, a shared expert and a
     dense first layer), 4 ranks, fp32, 10 steps (clipped at norm 1): expert parallel 2 and 4 give
     the losses of expert parallel 1 and of one process within 1e-5; each rank holds only its
     experts (ep 2: the experts split over the 2 expert-parallel ranks, each half FSDP-sharded over
     the 2 expert-data ranks, 2 experts per rank; ep 4: 2 experts per rank, whole), and the
-    all-to-all ran (3 exchanges per forward per MoE layer)."""
+    all-to-all ran (3 exchanges per forward per MoE layer). (DeepSeek-V3 at expert parallel 2
+    only: the suite's time.)"""
     name = ["--model.name", family]
     ((reference, _),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4, *name))
     results = {}
-    for ep in (1, 2, 4):
+    for ep in degrees:
         argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep), *name)
         results[ep] = run_distributed(_ep_losses_and_experts if ep > 1 else _losses_and_expert_placements, 4, argv)
     for ep, ranks in results.items():
@@ -403,8 +405,9 @@ def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_pat
     held = [experts["experts"] for _, experts in results[2]]
     assert held == [[0, 1], [4, 5], [2, 3], [6, 7]], held  # rank = 2 × (expert-data rank) + (expert-parallel rank)
     assert all(e["mesh"] == ("dp_shard_mod_ep", "ep") and e["local"] == [2, 32, 64] for _, e in results[2])
-    assert [e["experts"] for _, e in results[4]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert all(e["calls"] == 3 * 10 for _, e in results[4])  # 10 steps, one micro-batch each
+    if 4 in results:
+        assert [e["experts"] for _, e in results[4]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert all(e["calls"] == 3 * 10 for _, e in results[4])  # 10 steps, one micro-batch each
 
 
 def test_a_checkpoint_at_expert_parallel_2_resumes_at_1_and_4(tmp_path: Path) -> None:
