@@ -5,8 +5,8 @@
 A Qwen3-MoE shape (``--dim``, ``--layers``, ``--experts`` of width ``--hidden``, top ``--top_k``)
 trains on the embedded corpus on ``--ranks`` gloo CPU processes (torchrun), fp32, once with the
 experts FSDP-sharded over every rank (expert parallel 1) and once per degree in ``--degrees``.
-Each rank counts the collectives of its steps after a warm-up step (a dispatch mode over the
-``c10d`` and functional-collective ops) with their unsharded bytes: what each all-gather delivers
+Each rank counts the collectives of its steps after a warm-up step (``scripts/benchmark.py``'s
+``CollectiveCounter`` over the ``c10d`` and functional-collective ops) with their unsharded bytes: what each all-gather delivers
 to the rank, what each reduce-scatter or all-reduce takes in, the rows each all-to-all sends
 (forward and backward); and times them; rank 0's
 figures and the medians of the step times are printed, with the ratios to expert parallel 1.
@@ -22,44 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-KINDS = {"all_gather": "all_gather", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-         "allreduce": "all_reduce", "all_reduce": "all_reduce", "all_to_all": "all_to_all", "alltoall": "all_to_all"}
-
-
-class Collectives(TorchDispatchMode):
-    """The collectives that ran and the bytes this rank put in (each op's input tensors)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter
-
-        name = func._schema.name.split("::")[-1]
-        kind = next((k for key, k in KINDS.items() if key in name), None) \
-            if func.namespace in ("c10d", "_c10d_functional") else None
-        if kind == "all_reduce" and InPlaceReduceScatter.running:
-            kind = "reduce_scatter"  # (FSDP's reduce-scatter on gloo: an in-place all-reduce)
-        if kind is not None:
-            self.calls[kind] += 1
-            # The unsharded side: what an all-gather delivers, what a reduce-scatter or an
-            # all-reduce takes in, the rows an all-to-all sends.
-            if func.namespace == "_c10d_functional" or kind in ("all_reduce", "reduce_scatter"):
-                source = args[0]
-            else:
-                source = args[0] if kind == "all_gather" else args[1]
-            self.bytes[kind] += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(source)
-                                    if isinstance(t, torch.Tensor))
-        return func(*args, **(kwargs or {}))
 
 
 def _worker(opts: argparse.Namespace) -> None:
@@ -82,7 +45,9 @@ def _worker(opts: argparse.Namespace) -> None:
     trainer = Trainer(load_job_config(argv))
     try:
         trainer.train_step()  # warm-up
-        counter, times = Collectives(), []
+        from benchmark import CollectiveCounter  # (scripts/benchmark.py, beside this script)
+
+        counter, times = CollectiveCounter(unsharded=True), []
         with counter:
             for _ in range(opts.steps):
                 dist.barrier()

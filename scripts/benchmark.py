@@ -99,6 +99,8 @@ def _kind(op_name: str) -> str | None:
         return "reduce_scatter"
     if "allreduce" in op_name or "all_reduce" in op_name:
         return "all_reduce"
+    if "all_to_all" in op_name or "alltoall" in op_name:
+        return "all_to_all"
     return None
 
 
@@ -111,10 +113,13 @@ class CollectiveCounter(TorchDispatchMode):
     are not counted: the all_reduce column is the loss reduction.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, unsharded: bool = False) -> None:
         super().__init__()
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
+        self.unsharded = unsharded
+        """Count the unsharded side instead: what an all-gather delivers to the rank (and what a
+        reduce-scatter or all-reduce takes in, the rows an all-to-all sends)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torchtitan_lite.distributed.fsdp import InPlaceReduceScatter
@@ -124,8 +129,13 @@ class CollectiveCounter(TorchDispatchMode):
             kind = "reduce_scatter"  # on gloo apply_fsdp reduce-scatters as an in-place all-reduce
         if kind is not None:
             self.calls[kind] += 1
-            # all-gather / reduce-scatter: (output, input, ...); all-reduce: (tensors, ...)
-            source = args[0] if kind == "all_reduce" else args[1]
+            # c10d all-gather / reduce-scatter / all-to-all: (output, input, ...); all-reduce (also
+            # the in-place reduce-scatter): (tensors, ...); functional collectives: (input, ...)
+            name = func._schema.name
+            if func.namespace == "_c10d_functional" or "allreduce" in name or "all_reduce" in name:
+                source = args[0]
+            else:
+                source = args[0] if kind == "all_gather" and self.unsharded else args[1]
             tensors = [t for t in torch.utils._pytree.tree_leaves(source)
                        if isinstance(t, torch.Tensor)]
             self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)

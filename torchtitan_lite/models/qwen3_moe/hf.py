@@ -9,17 +9,19 @@ Qwen3's names plus the MoE layers': ``mlp.gate.weight`` (the router) and each ex
 
 from __future__ import annotations
 
-from torchtitan_lite.models.decoder_hf import ConfigField, DecoderHFAdapter, tuple_of_ints
+import dataclasses
+
+from torchtitan_lite.models.decoder_hf import ConfigField, tuple_of_ints
+from torchtitan_lite.models.qwen3.hf import ADAPTER as QWEN3_ADAPTER
 from torchtitan_lite.models.qwen3_moe.model import Qwen3MoeArgs
 
 __all__ = ["ADAPTER"]
 
-ADAPTER = DecoderHFAdapter(
+ADAPTER = dataclasses.replace(
+    QWEN3_ADAPTER,  # Qwen3's attention, defaults and off fields, with its experts
     model_type="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
     args_cls=Qwen3MoeArgs,
-    config_defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
-    off_fields={"attention_dropout": 0.0, "use_sliding_window": False, "attention_bias": False},
     extra_fields=(
         ConfigField(("num_experts", "num_local_experts"), "num_experts", int, 128),
         ConfigField(("num_experts_per_tok",), "top_k", int, 8),
