@@ -30,9 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_lite.models.moe import MoE, expert_counts, moe_layers, update_expert_bias
+from torchtitan_lite.models.moe import MoE, balancing_loss, expert_counts, moe_layers, update_expert_bias
 
-__all__ = ["RouterBalance"]
+__all__ = ["RouterBalance", "aux_loss_weight"]
+
+
+def aux_loss_weight(aux_loss_coef: float | None, model_args: Any) -> float:
+    """The load-balancing loss's weight: ``moe.aux_loss_coef``, else the model's
+    ``router_aux_loss_coef`` (0 where it has none)."""
+    return aux_loss_coef if aux_loss_coef is not None else float(getattr(model_args, "router_aux_loss_coef", 0.0))
 
 
 class RouterBalance:
@@ -48,7 +54,6 @@ class RouterBalance:
         self.num_experts = next(iter(self.layers.values())).router.num_experts
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.group, self.dp_size = group, dp_size
-        self._device: torch.device | None = None
         self.start_step()
 
     def start_step(self) -> None:
@@ -77,7 +82,6 @@ class RouterBalance:
         for layer in self.layers.values():
             layer.last_routing = None  # (a recomputing backward sets it again; it is read from here only)
         counts = torch.stack([expert_counts(r, self.num_experts) for r in routings])
-        self._device = counts.device
         self._counts = counts if self._counts is None else self._counts + counts
         loss: torch.Tensor | None = None
         tokens = routings[0].indices.shape[0] * self.dp_size  # every rank's micro-batch has as many tokens
@@ -87,7 +91,7 @@ class RouterBalance:
                 dist.all_reduce(total, group=self.group)
             rows = tokens * len(routings)  # over the layers, as transformers concatenates them
             probs = torch.stack([r.probs.sum(dim=0) for r in routings]).sum(dim=0)
-            aux = self.num_experts * (total / rows * probs / rows).sum()
+            aux = balancing_loss(total, probs, rows, self.num_experts)
             self._aux = self._aux + aux.detach() / micro_batches
             loss = self.aux_loss_coef * aux
         if self.z_loss_coef:

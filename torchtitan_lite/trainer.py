@@ -67,7 +67,7 @@ from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingErr
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
-from torchtitan_lite.moe_balance import RouterBalance
+from torchtitan_lite.moe_balance import RouterBalance, aux_loss_weight
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
@@ -252,8 +252,7 @@ def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module, mes
     if not getattr(plan.model_args, "num_experts", 0):
         return None
     e = config.moe
-    aux = e.aux_loss_coef if e.aux_loss_coef is not None else float(getattr(plan.model_args, "router_aux_loss_coef", 0.0))
-    return RouterBalance(model, aux_loss_coef=aux, z_loss_coef=e.z_loss_coef, bias_update_rate=e.bias_update_rate,
+    return RouterBalance(model, aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args), z_loss_coef=e.z_loss_coef, bias_update_rate=e.bias_update_rate,
                          group=mesh.dp_group, dp_size=plan.dp_size)
 
 
@@ -342,7 +341,7 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
 def _describe_moe(config: JobConfig, plan: JobPlan) -> str:
     """The mixture of experts in one line: layers, experts, routing, balancing, active parameters."""
     a, e = plan.model_args, config.moe
-    aux = e.aux_loss_coef if e.aux_loss_coef is not None else float(getattr(a, "router_aux_loss_coef", 0.0))
+    aux = aux_loss_weight(e.aux_loss_coef, a)
     balance = [f"load-balancing loss × {aux:g}" if aux else "", f"z-loss × {e.z_loss_coef:g}" if e.z_loss_coef else "",
                f"bias balancing at {e.bias_update_rate:g} per step" if e.bias_update_rate else ""]
     shared = f", a shared expert of width {a.shared_hidden_dim}" if a.shared_hidden_dim else ""

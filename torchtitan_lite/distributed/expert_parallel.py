@@ -53,7 +53,6 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.local = local_experts(num_experts, self.ep, self.rank)
         self.all_to_all_calls = 0
-        self.bytes_sent = 0
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``rows`` sorted by expert with ``counts[e]`` rows for expert ``e`` (every expert of the
@@ -73,7 +72,6 @@ class AllToAllDispatcher:
         recv = received_by_source.sum(dim=1).tolist()
         arrived = _exchange(rows, recv, send, self.group)
         self.all_to_all_calls += 1
-        self.bytes_sent += rows.numel() * rows.element_size()
         # Arrival order: source rank, then local expert. The experts need local expert, then source.
         order = _regroup(received_by_source.to(rows.device))
         local_rows = arrived.index_select(0, order)
@@ -100,7 +98,6 @@ class AllToAllDispatcher:
         arrival = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
         result = _exchange(arrival, send, recv, self.group)
         self.all_to_all_calls += 1
-        self.bytes_sent += out.numel() * out.element_size()
         return result
 
 
@@ -123,25 +120,29 @@ def _regroup(sizes: torch.Tensor) -> torch.Tensor:
     return starts_t[block] + torch.arange(total, device=sizes.device) - first[block]
 
 
-def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatcher]:
-    """Give every MoE layer of ``model`` an :class:`AllToAllDispatcher` over ``group`` and keep
-    only this rank's experts' weights (on a model built on the meta device or holding every
-    expert's weights: each stacked weight is cut to this rank's slice). Returns the dispatchers."""
+def _split_experts(model: nn.Module, group: Any,
+                   local_weight: Callable[[torch.Tensor, range], torch.Tensor]) -> list[Any]:
+    """Give every MoE layer of ``model`` an :class:`AllToAllDispatcher` over ``group`` and replace
+    each stacked expert weight by ``local_weight(weight, this rank's experts)``; the layers."""
     from torchtitan_lite.models.moe import MoE
 
-    dispatchers = []
-    for module in model.modules():
-        if not isinstance(module, MoE):
-            continue
-        experts = module.experts
-        dispatcher = AllToAllDispatcher(group, experts.num_experts)
-        rows = slice(dispatcher.local.start, dispatcher.local.stop)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        experts = layer.experts
+        layer.dispatcher = AllToAllDispatcher(group, experts.num_experts)
         for name in experts.stacked_weights:
             weight = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(weight.detach()[rows].clone(), requires_grad=weight.requires_grad))
-        module.dispatcher = dispatcher
-        dispatchers.append(dispatcher)
-    return dispatchers
+            setattr(experts, name, nn.Parameter(local_weight(weight, layer.dispatcher.local),
+                                                requires_grad=weight.requires_grad))
+    return layers
+
+
+def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatcher]:
+    """Give every MoE layer of ``model`` (holding every expert's weights) an
+    :class:`AllToAllDispatcher` over ``group`` and keep only this rank's experts' weights (plain
+    tensors, cut from the whole). Returns the dispatchers."""
+    layers = _split_experts(model, group, lambda weight, local: weight.detach()[local.start:local.stop].clone())
+    return [layer.dispatcher for layer in layers]
 
 
 def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any], None]:
@@ -156,21 +157,14 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any], None]:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from torchtitan_lite.models.moe import MoE
-
     ep_mesh = mesh["ep"]
-    ep = ep_mesh.size()
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for layer in layers:
-        experts = layer.experts
-        local_experts(experts.num_experts, ep, 0)  # (ValueError when ep does not divide them)
-        for name in experts.stacked_weights:
-            weight = getattr(experts, name)
-            local = torch.empty((weight.shape[0] // ep, *weight.shape[1:]), device=weight.device, dtype=weight.dtype)
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=weight.shape,
-                                         stride=weight.stride())
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), experts.num_experts)
+
+    def split(weight: torch.Tensor, local: range) -> torch.Tensor:
+        shard = torch.empty((len(local), *weight.shape[1:]), device=weight.device, dtype=weight.dtype)
+        return DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+
+    layers = _split_experts(model, ep_mesh.get_group(), split)
 
     def shard(fsdp: Any) -> None:
         mode, offload = fsdp.reshard_after_forward_mode, fsdp.cpu_offload

@@ -39,7 +39,7 @@ import torchtitan_lite.models.init as init
 from torchtitan_lite.models.feed_forward import FeedForward
 
 __all__ = ["SCORE_FUNCS", "GroupedExperts", "MoE", "MoEShape", "Routing", "TopKRouter", "grouped_mm_available",
-           "expert_counts", "load_balancing_loss", "moe_layers", "router_problem",
+           "balancing_loss", "expert_counts", "load_balancing_loss", "moe_layers", "router_problem",
            "update_expert_bias"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -329,8 +329,7 @@ class MoE(nn.Module):
         indices = routing.indices
         top_k = indices.shape[1]
         flat = indices.reshape(-1)
-        counts = torch.zeros(self.router.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))  # (a static shape, unlike bincount's, for torch.compile)
+        counts = expert_counts(routing, self.router.num_experts, dtype=torch.int64)
         order = torch.argsort(flat, stable=True)  # each expert's rows together, in token order
         token_of_row = order // top_k
         # (index_select and index_add_: each other's backward, with no sorting or copies inside.)
@@ -392,10 +391,12 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
 
 
-def expert_counts(routing: Routing, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert in one forward (fp32, ``(experts,)``)."""
+def expert_counts(routing: Routing, num_experts: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tokens routed to each expert in one forward, ``(experts,)`` (by ``scatter_add``: a static
+    shape, unlike ``bincount``'s, for torch.compile)."""
     flat = routing.indices.reshape(-1)
-    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    return torch.zeros(num_experts, dtype=dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=dtype))
 
 
 @torch.no_grad()
@@ -409,13 +410,20 @@ def update_expert_bias(router: TopKRouter, counts: torch.Tensor, rate: float) ->
     router.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
 
 
+def balancing_loss(counts: torch.Tensor, probs_sum: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """``num_experts × Σ_e (counts[e] / rows) · (probs_sum[e] / rows)``: transformers'
+    ``load_balancing_loss_func`` over ``rows`` router rows (tokens × layers) whose choices count
+    ``counts[e]`` for expert e (over every top-k slot) and whose probabilities sum to
+    ``probs_sum[e]``. Given the counts of every rank and one rank's probabilities, that rank's
+    share of the loss over all of them (:mod:`torchtitan_lite.moe_balance`)."""
+    return num_experts * (counts / rows * probs_sum / rows).sum()
+
+
 def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
     """The load-balancing auxiliary loss as ``transformers`` computes it for Qwen3-MoE
-    (``load_balancing_loss_func`` without an attention mask): over every MoE layer's tokens at
-    once, ``num_experts × Σ_k Σ_e f[k, e] · P[e]`` with ``f[k, e]`` the share of tokens whose k-th
-    choice is expert e and ``P[e]`` the mean router probability of e."""
-    all_probs = torch.cat(probs)
-    mask = F.one_hot(torch.cat(indices), num_experts).float()  # (tokens, top_k, experts)
-    tokens_per_expert = mask.mean(dim=0)
-    router_prob_per_expert = all_probs.mean(dim=0)
-    return (tokens_per_expert * router_prob_per_expert.unsqueeze(0)).sum() * num_experts
+    (``load_balancing_loss_func`` without an attention mask) over every MoE layer's tokens at
+    once (:func:`balancing_loss`)."""
+    all_indices = torch.cat(indices)
+    counts = torch.zeros(num_experts, device=all_indices.device).scatter_add_(
+        0, all_indices.reshape(-1), torch.ones(all_indices.numel(), device=all_indices.device))
+    return balancing_loss(counts, torch.cat(probs).sum(dim=0), all_indices.shape[0], num_experts)
