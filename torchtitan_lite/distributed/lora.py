@@ -355,42 +355,38 @@ class LoRASetup:
                 f"Hugging Face export: {'merged weights' if self.merge_on_export else 'PEFT adapter folder'}")
 
 
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``W + scaling · B A`` (per expert for stacked weights) laid out as ``W``: under FSDP a
+    DTensor sharded as ``W`` is, each rank computing only its own part (``B`` is sharded as ``W``;
+    ``A`` is gathered, and for stacked weights cut to the experts this rank's ``W`` holds)."""
+    if not isinstance(w, DTensor):
+        return w.detach() + (torch.matmul(b.detach(), a.detach()) * scaling).to(w.dtype)
+    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
+        raise ValueError("lora: lora_B is not sharded as the base weight")
+    a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
+    if a_full.dim() == 3:  # stacked: this rank's experts (all of them when W is sharded on rows)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+        a_full = a_full[offset[0]:offset[0] + shape[0]]
+    local = w.to_local() + (torch.matmul(b.to_local(), a_full.to(b.dtype)) * scaling).to(w.dtype)
+    return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+
+
 @torch.no_grad()
 def merged_stacked_weight(module: nn.Module, weight: str) -> torch.Tensor:
     """``W + (alpha/rank) · B_e A_e`` of an adapted stacked expert weight, laid out (and under
-    FSDP sharded) as ``W``: each rank computes its own part (``B`` is sharded as ``W``; ``A`` is
-    gathered)."""
+    FSDP sharded) as ``W`` (:func:`_merged`)."""
     if not is_lora_experts(module):
         raise ValueError(f"merged_stacked_weight: {type(module).__name__} has no adapted experts")
-    w = getattr(module, weight)
     stack = getattr(module, f"lora_{weight}")
-    a, b, scaling = stack.lora_A, stack.lora_B, module.lora_scaling
-    if not isinstance(w, DTensor):
-        return w.detach() + (torch.bmm(b.detach(), a.detach()) * scaling).to(w.dtype)
-    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
-        raise ValueError("merged_stacked_weight: lora_B is not sharded as the base weight")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
-    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
-    a_local = a_full[offset[0]:offset[0] + shape[0]]  # this rank's experts (all of them when sharded on rows)
-    local = w.to_local() + (torch.bmm(b.to_local(), a_local.to(b.dtype)) * scaling).to(w.dtype)
-    return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+    return _merged(getattr(module, weight), stack.lora_A, stack.lora_B, module.lora_scaling)
 
 
 @torch.no_grad()
 def merged_weight(module: nn.Module) -> torch.Tensor:
     """``W + (alpha/rank) · B A`` of an adapted linear, laid out as ``W``: under FSDP a DTensor
-    sharded as ``W`` is, each rank computing only its own rows (``B``'s rows are sharded as
-    ``W``'s; ``A``, rank × in, is gathered)."""
+    sharded as ``W`` is, each rank computing only its own rows (:func:`_merged`)."""
     if not is_lora_linear(module):
         raise ValueError(f"merged_weight: {type(module).__name__} is not an adapted linear")
-    w, a, b = module.weight, module.lora_A.weight, module.lora_B.weight
-    scaling = module.lora_scaling
-    if not isinstance(w, DTensor):
-        return w.detach() + scaling * (b.detach() @ a.detach()).to(w.dtype)
-    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
-        raise ValueError("merged_weight: lora_B is not sharded as the base weight")
-    a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
-    local = w.to_local() + scaling * (b.to_local() @ a_full.to(b.dtype)).to(w.dtype)
-    return DTensor.from_local(local, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+    return _merged(module.weight, module.lora_A.weight, module.lora_B.weight, module.lora_scaling)
