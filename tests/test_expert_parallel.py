@@ -49,7 +49,7 @@ def _ranks(world: int) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_experts_split_over_ranks_equal_the_whole_layer(world: int) -> None:
     for errors in run_distributed(_ranks, world, world):
         assert errors.pop("calls") == 3  # counts, rows out, outputs back (backward: the reverse exchanges)

@@ -168,11 +168,10 @@ def _moe_job(dtype: str, *extra: str) -> list[str]:
 def test_moe_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
     """A mixture of experts (routing, dispatch buffers, grouped expert products and the CPU
     kernels' operand copies, the router losses): -3% / +10% of the allocator's peak of a real
-    trainer step at 2 ranks, nothing resharded or recomputed in fp32 (peak in backward at the
-    loss), everything resharded and recomputed in bf16, and the shipped selective checkpointing
-    (peaks in an MoE layer's backward)."""
+    trainer step at 2 ranks, everything resharded and recomputed in bf16, and the shipped
+    selective checkpointing (peaks in an MoE layer's backward). (Nothing resharded or recomputed,
+    fp32: +0.25%, in docs/performance.md; left out for the suite's time.)"""
     _compare(2, tmp_path, {
-        "moe fp32 never / none": _moe_job("float32", "--parallelism.reshard_after_forward_mode", "never"),
         "moe bf16 always / full": _moe_job("bfloat16", "--parallelism.reshard_after_forward_mode", "always",
                                            *AC["full"]),
         "moe fp32 default / selective op": _moe_job("float32", *AC["selective op"]),
@@ -183,13 +182,11 @@ def test_moe_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> N
 def test_moe_estimate_at_expert_parallel_2_within_bounds_at_four_ranks(tmp_path) -> None:
     """Expert parallel 2 on 4 ranks (each rank holding 4 of the 8 experts' weights, FSDP-sharded
     over 2 ranks; the token exchange's buffers): -3% / +10% of the allocator's peak of a real
-    trainer step (the estimate assumes each rank receives as many rows as it sends)."""
+    trainer step (the estimate assumes each rank receives as many rows as it sends). (bf16,
+    always / full: -0.18%, in the README; left out for the suite's time.)"""
     _compare(4, tmp_path, {
         "moe ep 2 fp32 default / none": _moe_job("float32", "--parallelism.expert_parallel_degree", "2",
                                                  "--training.local_batch_size", "1"),
-        "moe ep 2 bf16 always / full": _moe_job("bfloat16", "--parallelism.expert_parallel_degree", "2",
-                                                "--training.local_batch_size", "1",
-                                                "--parallelism.reshard_after_forward_mode", "always", *AC["full"]),
     })
 
 
