@@ -327,19 +327,23 @@ def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str],
     assert lines == [line], lines
 
 
-def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path) -> None:
-    """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 2 ranks,
-    3 steps: only the adapters train, and the PEFT export (the experts' gate and up adapters as
-    one of twice the rank on transformers' fused gate_up_proj, through target_parameters) loads
-    with ``peft.PeftModel.from_pretrained`` onto the transformers model with the trained model's
-    logits within 1e-5."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path, world: int) -> None:
+    """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 3 steps, on
+    2 ranks (FSDP) and on 4 at expert parallel 2 (the adapters split over the expert-parallel
+    ranks with their experts): only the adapters train, and the PEFT export (the experts' gate and
+    up adapters as one of twice the rank on transformers' fused gate_up_proj, through
+    target_parameters) loads with ``peft.PeftModel.from_pretrained`` onto the transformers model
+    with the trained model's logits within 1e-5."""
     peft = pytest.importorskip("peft")
     folder = hf_qwen3_moe(tmp_path / "hf")
     tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     argv = _argv(folder, tmp_path / "run", "--training.steps", "3", "--lora.enable", "--lora.rank", "4",
                  "--lora.alpha", "8", "--lora.target_modules", "q_proj,v_proj,experts", "--checkpoint.enable",
-                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
-    results = run_distributed(_first_step, 2, argv, tokens)
+                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+                 "--training.local_batch_size", str(4 // world),
+                 *(["--parallelism.expert_parallel_degree", "2"] if world == 4 else []))
+    results = run_distributed(_first_step, world, argv, tokens)
     export = tmp_path / "run" / "checkpoint" / "step-3"
     config = json.loads((export / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -375,11 +379,22 @@ def _ep_losses_and_experts(argv: list[str]) -> tuple[list[float], dict[str, Any]
         assert isinstance(w1, DTensor)
         shape, offset = compute_local_shape_and_global_offset(w1.shape, w1.device_mesh, w1.placements)
         dispatcher = trainer.model.get_submodule(layer).dispatcher
+        offloaded = {name.removesuffix(".moe.experts"): type(module._get_fsdp_state()._fsdp_param_group.offload_policy)
+                     .__name__ == "CPUOffloadPolicy" for name, module in trainer.model.named_modules()
+                     if name.endswith("moe.experts") and hasattr(module, "_get_fsdp_state")}
         return losses, {"mesh": tuple(w1.device_mesh.mesh_dim_names), "placements": [str(p) for p in w1.placements],
                         "experts": list(range(offset[0], offset[0] + shape[0])), "local": list(w1.to_local().shape),
-                        "calls": dispatcher.all_to_all_calls if dispatcher is not None else 0}
+                        "calls": dispatcher.all_to_all_calls if dispatcher is not None else 0,
+                        "offloaded": offloaded,
+                        "auto": None if trainer.reshard_plan is None else trainer.reshard_plan.offload}
     finally:
         trainer.close()
+
+
+_AUTO = ("--parallelism.reshard_after_forward_mode", "auto", "--parallelism.cpu_offload", "auto",
+         "--parallelism.memory_budget_gib", "0.0015", "--activation_checkpoint.mode", "selective")
+"""A budget under which auto (per unit, at 4 ranks, expert parallel 2) offloads the first block only and
+fully checkpoints both: each layer's experts follow their block."""
 
 
 # (Expert parallel 1 on 4 ranks is plain FSDP, which the rank/mode test holds to the same
@@ -392,18 +407,27 @@ def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_pat
     the losses of one process within 1e-5 (as expert parallel 1, plain FSDP, does); each rank holds only its
     experts (ep 2: the experts split over the 2 expert-parallel ranks, each half FSDP-sharded over
     the 2 expert-data ranks, 2 experts per rank; ep 4: 2 experts per rank, whole), and the
-    all-to-all ran (3 exchanges per forward per MoE layer). (DeepSeek-V3 at expert parallel 2
-    only: the suite's time.)"""
+    all-to-all ran (3 exchanges per forward per MoE layer). Qwen3-MoE's expert parallel 2 runs
+    under auto (reshard, checkpointing and CPU offload per unit from a memory budget) on top of
+    selective checkpointing: the experts of the offloaded block are offloaded too; expert
+    parallel 4 runs with selective checkpointing (the experts' FSDP unit, on one rank, inside each
+    checkpointed block). (DeepSeek-V3
+    at expert parallel 2 only: the suite's time.)"""
     name = ["--model.name", family]
     ((reference, _),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4, *name))
     results = {}
     for ep in degrees:
-        argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep), *name)
+        argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep), *name,
+                          *(_AUTO if family == "qwen3_moe" and ep == 2 else ()),
+                          *(("--activation_checkpoint.mode", "selective") if ep == 4 else ()))
         results[ep] = run_distributed(_ep_losses_and_experts, 4, argv)
     for ep, ranks in results.items():
         for losses, _ in ranks:
             for a, b in zip(losses, reference, strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (ep, losses, reference)
+    if family == "qwen3_moe":  # auto's plan offloads layers.0 and its experts with it, not layers.1's
+        assert all(e["auto"] == (False, True, False, False) and e["offloaded"] == {"layers.0": True, "layers.1": False}
+                   for _, e in results[2]), results[2][0][1]
     held = [experts["experts"] for _, experts in results[2]]
     assert held == [[0, 1], [4, 5], [2, 3], [6, 7]], held  # rank = 2 × (expert-data rank) + (expert-parallel rank)
     assert all(e["mesh"] == ("dp_shard_mod_ep", "ep") and e["local"] == [2, 32, 64] for _, e in results[2])

@@ -32,7 +32,7 @@ from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
-from torchtitan_lite.distributed.lora import EXPERTS_TARGET, LoRASetup
+from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -343,20 +343,13 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
     except ValueError as exc:
         key = "moe.top_k" if "top_k" in str(exc) else "moe.score_func"
         raise ConfigError(f"{key}: invalid value {overrides.get(key[4:])!r}; {exc}") from None
-    ep, p = config.parallelism.expert_parallel_degree, config.parallelism
+    ep = config.parallelism.expert_parallel_degree
     if ep > 1:
         _require(model_args.num_experts % ep == 0, "parallelism.expert_parallel_degree", ep,
                  f"it must divide the {model_args.num_experts} experts of model {spec.name!r}")
-        for ok, key, value, why in (
-                (not config.compile.enable, "compile.enable", True, "not with expert parallel yet (the token exchange "
-                                                                    "is outside what a compiled block can hold)"),
-                (not (config.lora.enable and EXPERTS_TARGET in config.lora.target_modules), "lora.target_modules",
-                 list(config.lora.target_modules), "LoRA on the experts is not with expert parallel yet"),
-                (p.reshard_after_forward_mode != "auto", "parallelism.reshard_after_forward_mode",
-                 p.reshard_after_forward_mode, "auto's per-unit plans are not with expert parallel yet"),
-                (p.cpu_offload != "auto", "parallelism.cpu_offload", p.cpu_offload,
-                 "auto's per-unit plans are not with expert parallel yet")):
-            _require(ok, key, value, why + "; expected parallelism.expert_parallel_degree = 1 for it")
+        _require(not config.compile.enable, "compile.enable", True, "not with expert parallel yet (the token "
+                 "exchange is outside what a compiled block can hold); expected parallelism.expert_parallel_degree = 1 "
+                 "for it")
     _require(e.bias_update_rate == 0 or model_args.score_func == "sigmoid", "moe.bias_update_rate",
              e.bias_update_rate, f"the {model_args.score_func} router of model {spec.name!r} has no expert bias to "
              "balance; expected 0, or moe.score_func = 'sigmoid'")

@@ -87,7 +87,22 @@ def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) ->
 
 
 def _op_context() -> Any:
+    _ignore_profiler_ranges()
     return create_selective_checkpoint_contexts(_save_matmuls_and_attention)
+
+
+@functools.cache
+def _ignore_profiler_ranges() -> None:
+    """Leave the profiler's range markers out of selective checkpointing's op count. A block's
+    forward and its recompute must dispatch the same ops; FSDP2's hooks of a unit nested in the
+    block (an MoE layer's experts under expert parallel) open different ranges in the two (the
+    recompute's pre-forward runs as a root's, and an unshard done by a prefetch is not repeated),
+    and a range marker carries no data to save or replay."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for packet in (torch.ops.profiler._record_function_enter, torch.ops.profiler._record_function_enter_new,
+                   torch.ops.profiler._record_function_exit):
+        SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
 
 
 def block_policies(mode: str, selective_ac_option: str | int, n_blocks: int) -> list[BlockPolicy]:

@@ -64,14 +64,14 @@ class AllToAllDispatcher:
 
         if is_fake(rows):
             return self._balanced(rows)
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)  # (source rank, local expert) counts
-        self.all_to_all_calls += 1
+        # (source rank, local expert) counts; functional, so that selective checkpointing keeps
+        # it (with the rows' exchanges) rather than exchanging again in the recompute
+        received = _exchange(counts, None, None, self.group)
         send = counts.view(ep, per_rank).sum(dim=1).tolist()
         received_by_source = received.view(ep, per_rank)
         recv = received_by_source.sum(dim=1).tolist()
         arrived = _exchange(rows, recv, send, self.group)
-        self.all_to_all_calls += 1
+        self._count(2)
         # Arrival order: source rank, then local expert. The experts need local expert, then source.
         order = _regroup(received_by_source.to(rows.device))
         local_rows = arrived.index_select(0, order)
@@ -97,13 +97,19 @@ class AllToAllDispatcher:
         order, send, recv, rows = state
         arrival = torch.empty_like(out).index_copy(0, order, out)  # back to arrival order
         result = _exchange(arrival, send, recv, self.group)
-        self.all_to_all_calls += 1
+        self._count(1)
         return result
 
+    def _count(self, calls: int) -> None:
+        """Count exchanges run by a forward, not those a checkpointed block's recompute replays."""
+        if torch._C._current_graph_task_id() == -1:
+            self.all_to_all_calls += calls
 
-def _exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
-    """``all_to_all_single`` of ``rows`` with split sizes, differentiable (its backward: the
-    reverse exchange)."""
+
+def _exchange(rows: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+              group: Any) -> torch.Tensor:
+    """``all_to_all_single`` of ``rows`` with split sizes (None: equal), differentiable (its
+    backward: the reverse exchange)."""
     from torch.distributed._functional_collectives import wait_tensor
 
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))
@@ -123,7 +129,8 @@ def _regroup(sizes: torch.Tensor) -> torch.Tensor:
 def _split_experts(model: nn.Module, group: Any,
                    local_weight: Callable[[torch.Tensor, range], torch.Tensor]) -> list[Any]:
     """Give every MoE layer of ``model`` an :class:`AllToAllDispatcher` over ``group`` and replace
-    each stacked expert weight by ``local_weight(weight, this rank's experts)``; the layers."""
+    each stacked expert weight (and its LoRA adapters, stacked the same way) by
+    ``local_weight(weight, this rank's experts)``; the layers."""
     from torchtitan_lite.models.moe import MoE
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -131,9 +138,11 @@ def _split_experts(model: nn.Module, group: Any,
         experts = layer.experts
         layer.dispatcher = AllToAllDispatcher(group, experts.num_experts)
         for name in experts.stacked_weights:
-            weight = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(local_weight(weight, layer.dispatcher.local),
-                                                requires_grad=weight.requires_grad))
+            adapters = getattr(experts, f"lora_{name}", None)  # LoRA's stacked adapters split with their weight
+            for owner, attr in ((experts, name), *(((adapters, "lora_A"), (adapters, "lora_B")) if adapters else ())):
+                weight = getattr(owner, attr)
+                setattr(owner, attr, nn.Parameter(local_weight(weight, layer.dispatcher.local),
+                                                  requires_grad=weight.requires_grad))
     return layers
 
 
@@ -145,15 +154,16 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatch
     return [layer.dispatcher for layer in layers]
 
 
-def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any], None]:
+def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], None]:
     """Expert parallel over ``mesh["ep"]`` (a :class:`~torchtitan_lite.distributed.mesh.ParallelMesh`
     with an ``ep`` dimension), on a model built on the meta device: each MoE layer's stacked
     expert weights become DTensors split along the experts over ``mesh["ep"]`` (each rank will
     hold only its experts) and the layer gets an :class:`AllToAllDispatcher` over that group.
     Returns the step that FSDP-shards the experts over the expert-data ranks (``mesh.experts``),
     their gradients divided by every data-parallel rank (each expert's gradient already sums the
-    tokens of its expert-parallel group), to run before the model's own FSDP units
-    (``default_parallelize``'s ``before_fsdp``)."""
+    tokens of its expert-parallel group), to run before the model's own FSDP units are sharded
+    (``default_parallelize``'s ``before_fsdp``, given the FSDP options and the units: each
+    layer's experts take the reshard and offload settings of the unit they are in)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
@@ -166,14 +176,18 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any], None]:
 
     layers = _split_experts(model, ep_mesh.get_group(), split)
 
-    def shard(fsdp: Any) -> None:
-        mode, offload = fsdp.reshard_after_forward_mode, fsdp.cpu_offload
-        if not isinstance(offload, bool) or not isinstance(mode, (str, int)):
-            raise ValueError("expert parallel takes one reshard mode and one CPU offload setting for every unit, "
-                             "not auto's per-unit plan")
-        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    def shard(fsdp: Any, units: list[Any]) -> None:
+        from torchtitan_lite.distributed.fsdp import resolve_reshard_after_forward, unit_offload
+
+        offloaded = unit_offload(fsdp.cpu_offload, units)
         for layer in layers:
-            sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=mode != "never",
+            # The experts follow the unit (block) they are part of: its reshard setting (an
+            # integer group size of the FSDP mesh means resharding on the experts' own mesh)
+            # and its offload, as a per-unit plan of auto's chooses them.
+            index = next(i for i, unit in enumerate(units) if any(layer in m.modules() for m in unit.modules))
+            reshard = resolve_reshard_after_forward(fsdp.reshard_after_forward_mode, units[index].role, index)
+            policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offloaded[index] else OffloadPolicy()
+            sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=bool(reshard),
                                   mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype,
                                                                  reduce_dtype=fsdp.reduce_dtype),
                                   offload_policy=policy)

@@ -105,8 +105,10 @@ class StackedLoRA(nn.Module):
         self.lora_B = nn.Parameter(torch.empty(experts, out_features, rank, device=device, dtype=dtype))
 
     def delta(self, scaling: float) -> torch.Tensor:
-        """``scaling · B_e A_e`` for every expert, ``(experts, out, in)``."""
-        return torch.bmm(self.lora_B, self.lora_A) * scaling
+        """``scaling · B_e A_e`` for every expert, ``(experts, out, in)``; split over
+        expert-parallel ranks (DTensors), this rank's experts."""
+        a, b = (w.to_local() if isinstance(w, DTensor) else w for w in (self.lora_A, self.lora_B))
+        return torch.bmm(b, a) * scaling
 
 
 def is_lora_experts(module: nn.Module) -> bool:

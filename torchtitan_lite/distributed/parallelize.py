@@ -53,15 +53,19 @@ class ParallelizeOptions:
     lora: LoRASetup | None = None
 
 
+_BeforeFSDP = Callable[[FSDPOptions, list[FSDPUnit]], None]
+"""A family's own sharding step before the model's units are sharded: the FSDP options, the units."""
+
+
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
                         options: ParallelizeOptions, *, device: torch.device,
-                        before_fsdp: Callable[[FSDPOptions], None] | None = None) -> list[FSDPUnit]:
+                        before_fsdp: _BeforeFSDP | None = None) -> list[FSDPUnit]:
     """LoRA → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it, see
     :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → float8 → activation
     checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
     process); returns the FSDP units (empty without FSDP).
     ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
-    run just before the units are sharded."""
+    run just before the units are sharded, with the FSDP options and the units (forward order)."""
     if options.lora is not None:
         options.lora.apply(model)
     if isinstance(mesh, ParallelMesh) and "ep" in mesh.names:  # a mixture of experts' experts over mesh["ep"]
@@ -84,17 +88,18 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     if mesh is None:
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
+    listed = fsdp_units(model, **units)
     if before_fsdp is not None:
-        before_fsdp(fsdp)
+        before_fsdp(fsdp, listed)
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
-    return fsdp_units(model, **units)
+    return listed
 
 
-def _both(first: Callable[[FSDPOptions], None], second: Callable[[FSDPOptions], None]) -> Callable[[FSDPOptions], None]:
-    def run(fsdp: FSDPOptions) -> None:
-        first(fsdp)
-        second(fsdp)
+def _both(first: _BeforeFSDP, second: _BeforeFSDP) -> _BeforeFSDP:
+    def run(fsdp: FSDPOptions, units: list[FSDPUnit]) -> None:
+        first(fsdp, units)
+        second(fsdp, units)
     return run
 
 

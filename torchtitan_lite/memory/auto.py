@@ -259,11 +259,11 @@ def plan_auto_reshard(
     budget came from) when even resharding every unit and fully recomputing every block does not
     fit. Runs in a child process when
     this one already holds a process group, for at most ``timeout_s`` seconds (``RuntimeError``
-    after that). ``expert_parallel`` above 1 is not planned yet (``ValueError``).
+    after that). With ``expert_parallel`` above 1 each MoE layer's experts, their own FSDP unit
+    over the expert-data ranks, follow their block's reshard and offload setting, and a block's
+    gathered parameters (what resharding frees, the headroom, the re-gather's cost) hold
+    ``1 / expert_parallel`` of its experts.
     """
-    if expert_parallel > 1:
-        raise ValueError("parallelism.reshard_after_forward_mode: auto does not plan expert parallel jobs yet; "
-                         "expected parallelism.expert_parallel_degree = 1 with auto")
     kwargs: dict[str, Any] = {
         "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "budget_source": budget_source,
         "world_size": world_size,
@@ -271,7 +271,7 @@ def plan_auto_reshard(
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
-        "lora": lora,
+        "lora": lora, "expert_parallel": expert_parallel,
     }
     check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
                      seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,
@@ -302,10 +302,34 @@ def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, re
     return _headroom(_units(spec, args), param_dtype, reduce_dtype)
 
 
-def _units(spec: ModelSpec, args: Any) -> list[FSDPUnit]:
-    """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device)."""
+def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1) -> list[Any]:
+    """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device); with
+    expert parallel, each as a :class:`_PlanUnit` whose size is what a rank gathers."""
     model = spec.meta_model(args)
-    return fsdp_units(model, **spec.fsdp_units(model))
+    units = fsdp_units(model, **spec.fsdp_units(model))
+    if expert_parallel == 1:
+        return units
+    from torchtitan_lite.models.moe import GroupedExperts
+
+    def experts_numel(unit: FSDPUnit) -> int:
+        return sum(p.numel() for m in unit.modules for sub in m.modules() if isinstance(sub, GroupedExperts)
+                   for p in sub.parameters())
+
+    return [_PlanUnit(u.name, u.role, u.numel() - experts_numel(u) * (expert_parallel - 1) // expert_parallel)
+            for u in units]
+
+
+@dataclass(frozen=True)
+class _PlanUnit:
+    """An FSDP unit as ``auto`` sizes it under expert parallel: its parameters less the
+    experts other expert-parallel ranks hold."""
+
+    name: str
+    role: str
+    gathered: int
+
+    def numel(self) -> int:
+        return self.gathered
 
 
 def _headroom(units: list[Any], param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
@@ -467,7 +491,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
               **kwargs: Any) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
     start = time.perf_counter()
-    units = _units(spec, args)
+    units = _units(spec, args, kwargs["expert_parallel"])
     n = len(units)
     block_units = [i for i, u in enumerate(units) if u.role == "block"]
     names = [units[i].name for i in block_units]

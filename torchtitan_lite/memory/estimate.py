@@ -193,10 +193,6 @@ def estimate_memory(
         "ac_policies": None if ac_policies is None else tuple(ac_policies), "lora": lora,
         "expert_parallel": expert_parallel,
     }
-    if expert_parallel > 1 and (ac_mode == "selective" or (ac_policies and "op" in ac_policies)):
-        raise ValueError("activation_checkpoint.mode: the estimate of expert parallel with selective checkpointing "
-                         "is not available yet (the experts' own FSDP unit inside a selectively checkpointed block "
-                         "does not replay on fake tensors); estimate with mode = 'full' or 'none'")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
