@@ -114,13 +114,12 @@ mode = "memory_budget"
         assert line.startswith("error: ") and feature in line and "does not have" in line, line
     # Degrees of dimensions the model family does not split over: one line each when the job is
     # planned (they are ours now; the family's parallelize decides).
-    for key, value, name in [("tensor_parallel_degree", 2, "tensor parallel"),
-                             ("context_parallel_degree", 4, "context parallel"),
+    for key, value, name in [("context_parallel_degree", 4, "context parallel"),
                              ("expert_parallel_degree", 2, "expert parallel")]:
         assert train.main([f"--parallelism.{key}", str(value)]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: parallelism.{key}: invalid value {value}; model 'llama3' does not split over {name} ranks "
-            "(its parallelize handles data parallel only); expected 1")
+            "(its parallelize handles tensor parallel); expected 1")
     # The same keys asking for nothing load without a word.
     notes: list[str] = []
     load_job_config(["--job.config_file", _write(tmp_path, """

@@ -48,6 +48,8 @@ def _argv(folder: Path, dump: Path, *extra: str, name: str = "qwen3_moe") -> lis
 def _first_step(argv: list[str], tokens: torch.Tensor) -> tuple[dict[str, Any], list[Any], dict[str, Any], torch.Tensor]:
     """Train one step (and export it); its metrics, this rank's micro-batches, one expert
     weight's placement, and the trained model's logits on ``tokens``."""
+    from torch.distributed.tensor import DTensor
+
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
@@ -65,6 +67,8 @@ def _first_step(argv: list[str], tokens: torch.Tensor) -> tuple[dict[str, Any], 
         metrics = trainer.train()[0]
         with torch.no_grad():
             logits = trainer.model(tokens)
+        if isinstance(logits, DTensor):  # split over the vocabulary (tensor parallel's loss parallel)
+            logits = logits.full_tensor()
         return metrics, seen, _placement(trainer.model), logits
     finally:
         trainer.close()
@@ -96,6 +100,9 @@ _FIRST_STEP = {
     "deepseek_v3-2-ranks": ("deepseek_v3", 2, _deepseek_folder, ["S(0)"], [4, 32, 64]),
     # Expert parallel 2 on 4 ranks: loaded into and exported from experts split over the ranks.
     "qwen3_moe-ep2-4-ranks": ("qwen3_moe", 4, lambda f: hf_qwen3_moe(f), ["_S(0, 2)", "S(0)"], [2, 32, 64]),
+    # Tensor parallel 2 × data parallel 2: attention split over the tensor-parallel ranks, every
+    # rank running the whole MoE layer (its experts FSDP-sharded over the 2 data-parallel ranks).
+    "qwen3_moe-tp2-4-ranks": ("qwen3_moe", 4, lambda f: hf_qwen3_moe(f), ["S(0)"], [4, 32, 64]),
 }
 
 
@@ -112,11 +119,14 @@ def test_first_step_equals_transformers_and_the_export_loads_in_transformers(tmp
     folder = make(tmp_path / "hf")
     tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     ep = ["--parallelism.expert_parallel_degree", "2"] if "ep2" in case else []
-    argv = _argv(folder, tmp_path / "run", "--training.local_batch_size", str(4 // world), "--checkpoint.enable",
-                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *ep, name=family)
+    tp = 2 if "tp2" in case else 1
+    argv = _argv(folder, tmp_path / "run", "--training.local_batch_size", str(4 * tp // world), "--checkpoint.enable",
+                 "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *ep,
+                 "--parallelism.tensor_parallel_degree", str(tp), name=family)
     results = run_distributed(_first_step, world, argv, tokens)
-    inputs = torch.cat([torch.cat([i for i, _ in seen]) for _, seen, _, _ in results])
-    labels = torch.cat([torch.cat([lab for _, lab in seen]) for _, seen, _, _ in results])
+    readers = results[::tp]  # (the ranks of one tensor-parallel group read the same batch)
+    inputs = torch.cat([torch.cat([i for i, _ in seen]) for _, seen, _, _ in readers])
+    labels = torch.cat([torch.cat([lab for _, lab in seen]) for _, seen, _, _ in readers])
     assert inputs.shape == (4, 32)
     for _, _, placed, _ in results:
         assert placed == {"placements": placements, "local": local}, placed
@@ -291,7 +301,7 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
      "expected the default (0.0)"),
     (["--model.name", "qwen3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"],
      "error: parallelism.expert_parallel_degree: invalid value 2; model 'qwen3' does not split over expert parallel "
-     "ranks (its parallelize handles data parallel only); expected 1"),
+     "ranks (its parallelize handles tensor parallel); expected 1"),
     (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.bias_update_rate", "0.01"],
      "error: moe.bias_update_rate: invalid value 0.01; the softmax router of model 'qwen3_moe' has no expert bias "
      "to balance; expected 0, or moe.score_func = 'sigmoid'"),

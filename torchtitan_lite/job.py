@@ -294,6 +294,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     model_args = _moe_settings(config, spec, model_args)
+    _tensor_parallel_settings(config, dims, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
     all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
@@ -314,6 +315,27 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
         offload="all" if t.enable_cpu_offload else p.cpu_offload, float8=float8, lora=lora,
     )
+
+
+def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:
+    """Refuse, one line each, what tensor parallel cannot split or run with (yet)."""
+    from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
+
+    p, tp = config.parallelism, dims.tp
+    key = "parallelism.tensor_parallel_degree"
+    problem = tensor_parallel_problem(model_args, tp)
+    _require(problem is None, key, tp, f"{problem}; expected a degree that does")
+    if tp > 1:
+        for ok, what in ((dims.ep == 1, "expert parallel (parallelism.expert_parallel_degree > 1)"),
+                         (not config.lora.enable, "LoRA (lora.enable)"),
+                         (not config.model.converters, "float8 (model.converters)")):
+            _require(ok, key, tp, f"tensor parallel is not combined with {what} yet; expected 1 with it")
+    if p.enable_async_tensor_parallel:
+        _require(tp > 1, "parallelism.enable_async_tensor_parallel", True,
+                 "it overlaps tensor-parallel collectives: expected false without tensor parallel")
+        _require(config.compile.enable, "parallelism.enable_async_tensor_parallel", True,
+                 "asynchronous tensor parallel is inductor's rewrite of the compiled blocks: expected "
+                 "compile.enable = true with it")
 
 
 MOE_DEFAULTS = MoE()

@@ -82,8 +82,74 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
         return out, None
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """:class:`_RowChunkedCrossEntropy` of logits split over the vocabulary (tensor parallel's
+    loss parallel): each rank holds the columns ``[start, start + local vocab)``; the rows'
+    maxima, sums of exponentials and target logits are all-reduced over ``group`` (three vectors
+    of one value per row), never the logits. Backward is local: ``softmax - one_hot`` on this
+    rank's columns."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,  # type: ignore[override]
+                start: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        rows, vocab = _chunk_rows(logits), logits.shape[1]
+        valid = labels != IGNORE_INDEX
+        local = valid & (labels >= start) & (labels < start + vocab)
+        safe = torch.where(local, labels - start, 0)
+        peak = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for begin in _chunk_starts(logits, rows):
+            peak[begin:begin + rows] = logits[begin:begin + rows].amax(dim=-1).float()
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        total = torch.empty_like(peak)
+        for begin in _chunk_starts(logits, rows):
+            chunk = logits[begin:begin + rows].float() - peak[begin:begin + rows, None]
+            total[begin:begin + rows] = chunk.exp_().sum(dim=-1)
+        target = torch.where(local, logits.gather(1, safe[:, None]).squeeze(1).float(), 0.0)
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(target, group=group)
+        lse = total.log_() + peak
+        ctx.save_for_backward(logits, lse, safe, valid, local)
+        ctx.rows = rows
+        return torch.where(valid, lse - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        logits, lse, safe, valid, local = ctx.saved_tensors
+        scale = grad.float() * valid
+        hit = -local.float()[:, None]  # - one_hot where the label is one of this rank's columns
+        out = torch.empty_like(logits)
+        rows = ctx.rows
+        for start in _chunk_starts(logits, rows):
+            end = start + rows
+            chunk = (logits[start:end].float() - lse[start:end, None]).exp_()
+            chunk.scatter_add_(1, safe[start:end, None], hit[start:end])
+            out[start:end] = chunk.mul_(scale[start:end, None])
+        return out, None, None, None
+
+
+def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The summed loss of logits that are a DTensor split over the vocabulary on a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if logits.device_mesh.ndim != 1 or logits.placements != (Shard(logits.dim() - 1),):
+        raise ValueError(f"the loss takes logits split over the vocabulary on one mesh dimension, got "
+                         f"{logits.placements} on {logits.device_mesh}")
+    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    local = logits.to_local()
+    return _VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), logits.device_mesh.get_group(),
+                                            int(offset[-1]))
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing."""
+    """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing.
+    ``logits`` may be a DTensor split over the vocabulary (tensor parallel's loss parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        return _vocab_parallel_loss(logits, labels)
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
     if torch.compiler.is_compiling():
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")

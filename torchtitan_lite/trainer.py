@@ -232,6 +232,7 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
                                                                                  reshard_plan.offload),
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
+        loss_parallel=not config.parallelism.disable_loss_parallel,
     ))
     model.train()
     return model
@@ -239,8 +240,11 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
 
 def build_loss(config: JobConfig) -> LossFn:
     """The summed token loss (:func:`~torchtitan_lite.loss.token_loss_sum`), compiled when
-    ``compile.components`` names ``loss``."""
-    if config.compile.enable and "loss" in config.compile.components:
+    ``compile.components`` names ``loss`` (but for logits split over tensor-parallel ranks: that
+    loss runs its own chunks and all-reduces eagerly)."""
+    p = config.parallelism
+    split_logits = p.tensor_parallel_degree > 1 and not p.disable_loss_parallel
+    if config.compile.enable and "loss" in config.compile.components and not split_logits:
         return compile_loss(token_loss_sum, backend=config.compile.backend)
     return token_loss_sum
 

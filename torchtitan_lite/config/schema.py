@@ -216,7 +216,11 @@ class Parallelism:
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
     tensor_parallel_degree: int = 1
-    """Ranks each layer's projections are split over (the mesh's innermost dimension, tp). Above 1 only for a model family whose parallelize splits its layers; the data-parallel degrees fill the rest of the world."""
+    """Ranks each layer's projections are split over (the mesh's innermost dimension, tp), with sequence parallel for the norms and the residual stream. Above 1 only for a model family whose parallelize splits its layers; the data-parallel degrees fill the rest of the world."""
+    disable_loss_parallel: bool = False
+    """With tensor parallel: gather the logits before the loss (by default they stay split over the vocabulary and the loss reduces across the tensor-parallel ranks)."""
+    enable_async_tensor_parallel: bool = False
+    """With tensor parallel on CUDA and compile.enable: overlap the tensor-parallel collectives with the matmuls (inductor's micro-pipelined TP over symmetric memory)."""
     context_parallel_degree: int = 1
     """Ranks each sequence is split over (the mesh's cp dimension). Above 1 only for a model family whose parallelize handles it."""
     expert_parallel_degree: int = 1

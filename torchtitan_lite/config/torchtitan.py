@@ -126,7 +126,6 @@ EV, VL, EVL = (E, V), (V, L), (E, V, L)
 
 _PP = "pipeline parallelism"
 _CP = "context parallelism"
-_TP = "tensor parallelism"
 _EP = "expert parallelism (mixture-of-experts models)"
 _FT = "TorchFT fault tolerance (replica groups that survive the loss of a replica)"
 
@@ -166,8 +165,7 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _alias("training.data_parallel_shard_degree", int, (E,), "parallelism.data_parallel_shard_degree"),
     _alias("training.fsdp_reshard_after_forward", str, (E,), "parallelism.reshard_after_forward_mode"),
     _alias("training.tensor_parallel_degree", int, (E,), "parallelism.tensor_parallel_degree"),
-    _off("training.disable_loss_parallel", bool, (E,), _any, "",
-         "loss parallelism exists only with tensor parallelism"),
+    _alias("training.disable_loss_parallel", bool, (E,), "parallelism.disable_loss_parallel"),
     _alias("training.compile", bool, EV, "compile.enable"),
     _alias("training.seed", int | None, EV, "debug.seed", value=_seed,
            differs="unset means seed 42 here (TorchTitan left such runs unseeded)"),
@@ -184,9 +182,6 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
          "used only with data-loader worker processes"),
     # [parallelism]
     _alias("parallelism.fsdp_reshard_after_forward", str, VL, "parallelism.reshard_after_forward_mode"),
-    _off("parallelism.disable_loss_parallel", bool, VL, _any, "",
-         "loss parallelism exists only with tensor parallelism"),
-    _off("parallelism.enable_async_tensor_parallel", bool, VL, _in(False), "asynchronous " + _TP),
     _off("parallelism.pipeline_parallel_degree", int, VL, _in(1), _PP),
     _off("parallelism.pipeline_parallel_split_points", list[str], (V,), _any, "", "used only with " + _PP),
     _off("parallelism.pipeline_parallel_layers_per_stage", int | None, VL, _any, "", "used only with " + _PP),
@@ -210,7 +205,7 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("experimental.pipeline_parallel_microbatches", int | None, (E,), _any, "", "used only with " + _PP),
     _alias("experimental.context_parallel_degree", int, (E,), "parallelism.context_parallel_degree"),
     _off("experimental.context_parallel_rotate_method", str, (E,), _any, "", "used only with " + _CP),
-    _off("experimental.enable_async_tensor_parallel", bool, (E,), _in(False), "asynchronous " + _TP),
+    _alias("experimental.enable_async_tensor_parallel", bool, (E,), "parallelism.enable_async_tensor_parallel"),
     _off("experimental.enable_compiled_autograd", bool, (E,), _in(False), "compiled autograd"),
     _off("experimental.custom_model_path", str, (E,), _empty, "custom model modules (register a family in "
          "torchtitan_lite.models instead)"),

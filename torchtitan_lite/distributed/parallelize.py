@@ -51,6 +51,8 @@ class ParallelizeOptions:
     autocast_dtype: torch.dtype | None = None
     """Without FSDP: run the forward under autocast in this dtype (bf16 on one process)."""
     lora: LoRASetup | None = None
+    loss_parallel: bool = True
+    """Under tensor parallel: the logits stay split over the vocabulary for the loss."""
 
 
 _BeforeFSDP = Callable[[FSDPOptions, list[FSDPUnit]], None]
@@ -59,15 +61,22 @@ _BeforeFSDP = Callable[[FSDPOptions, list[FSDPUnit]], None]
 
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
                         options: ParallelizeOptions, *, device: torch.device,
-                        before_fsdp: _BeforeFSDP | None = None) -> list[FSDPUnit]:
-    """LoRA → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it, see
+                        before_fsdp: _BeforeFSDP | None = None,
+                        tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[FSDPUnit]:
+    """LoRA → tensor parallel (a mesh with ``tp``) → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it, see
     :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → float8 → activation
     checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
     process); returns the FSDP units (empty without FSDP).
     ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
-    run just before the units are sharded, with the FSDP options and the units (forward order)."""
+    run just before the units are sharded, with the FSDP options and the units (forward order).
+    ``tensor_parallel``: a family's split of its model over ``mesh["tp"]`` (a mesh with ``tp``),
+    run after LoRA."""
     if options.lora is not None:
         options.lora.apply(model)
+    if isinstance(mesh, ParallelMesh) and "tp" in mesh.names:
+        if tensor_parallel is None:
+            raise ValueError(f"model family {spec.name!r} has no tensor-parallel plan")
+        tensor_parallel(model, mesh["tp"])
     if isinstance(mesh, ParallelMesh) and "ep" in mesh.names:  # a mixture of experts' experts over mesh["ep"]
         from torchtitan_lite.distributed.expert_parallel import shard_experts
 

@@ -1,0 +1,152 @@
+"""Tensor parallel with sequence parallel (``torchtitan_lite/distributed/tensor_parallel.py``)
+through the trainer: 4 ranks as data parallel 2 × tensor parallel 2 train with one process's
+losses, the parameters are DTensors placed as stated on both dimensions, checkpoints move
+between (data-parallel, tensor-parallel) layouts, and bad degrees are one line before any
+process group."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+
+def _argv(dump: Path, *extra: str) -> list[str]:
+    return ["--training.seq_len", "32", "--training.global_batch_size", "4", "--training.steps", "10",
+            "--training.no-shuffle", "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "2",
+            "--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard",
+            "--validation.no-enable", *extra]
+
+
+# Parameters whose placements the test reads: (data parallel, tensor parallel) on the 2-D mesh.
+_PLACED = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.wo.weight",
+           "layers.0.attention_norm.weight", "output.weight")
+
+
+def _losses_and_placements(argv: list[str]) -> tuple[list[float], dict[str, Any]]:
+    """Train; the losses, and for some parameters their mesh, placements and local shape."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        losses = [h["loss"] for h in trainer.train()]
+        placed = {}
+        params = dict(trainer.model.named_parameters())
+        for name in (*_PLACED, "layers.0.moe.experts.w1", "layers.0.attention.q_norm.weight"):
+            p = params.get(name)
+            if isinstance(p, DTensor):
+                placed[name] = (tuple(p.device_mesh.mesh_dim_names), tuple(str(x) for x in p.placements),
+                                tuple(p.to_local().shape))
+        return losses, placed
+    finally:
+        trainer.close()
+
+
+# family, flavor, extra arguments
+_MODELS = {
+    "llama3-debugmodel": ["--model.name", "llama3", "--model.flavor", "debugmodel"],
+    # head_dim 32 with dim 64 and 4 heads; per-head q/k norms; tied embeddings
+    "qwen3-tiny": ["--model.name", "qwen3", "--model.flavor", "tiny"],
+    # attention split, the MoE layers whole on every rank
+    "qwen3_moe-tiny": ["--model.name", "qwen3_moe", "--model.flavor", "tiny"],
+}
+
+
+@pytest.mark.parametrize("model", list(_MODELS))
+def test_tensor_parallel_2_by_data_parallel_2_equals_one_process(tmp_path: Path, model: str) -> None:
+    """fp32, 10 steps (clipped at norm 1): 4 ranks as data parallel 2 × tensor parallel 2 (loss
+    parallel: the logits split over the vocabulary) give one process's losses within 1e-5, with
+    every projection split over ``tp`` and FSDP-sharded over ``dp_shard``: column-wise ``wq``
+    rows split by both (FSDP's shard strided inside the tensor-parallel one), row-wise ``wo``
+    by columns over ``tp``, norms replicated over ``tp``; a mixture of experts' stacked weights
+    sharded over the data-parallel ranks only."""
+    extra = _MODELS[model]
+    ((reference, _),) = run_distributed(_losses_and_placements, 1,
+                                        _argv(tmp_path / "one", "--training.local_batch_size", "4", *extra))
+    ranks = run_distributed(_losses_and_placements, 4, _argv(tmp_path / "tp2", "--training.local_batch_size", "2",
+                                                             "--parallelism.tensor_parallel_degree", "2", *extra))
+    for losses, _ in ranks:
+        assert len(losses) == 10
+        for a, b in zip(losses, reference, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, reference)
+    placed = ranks[0][1]
+    mesh = ("dp_shard", "tp")
+    column = (mesh, ("_S(0, 2)", "S(0)"))  # rows: tensor parallel first, FSDP within each part
+    assert placed["layers.0.attention.wq.weight"][:2] == column, placed
+    assert placed["layers.0.attention.wo.weight"][:2] == (mesh, ("S(0)", "S(1)")), placed
+    assert placed["layers.0.attention_norm.weight"][:2] == (mesh, ("S(0)", "R")), placed
+    assert placed["tok_embeddings.weight"][:2] == column, placed  # rows: the vocabulary
+    dim = {"llama3-debugmodel": 256}.get(model, 64)
+    assert placed["tok_embeddings.weight"][2] == (65, dim), placed  # rank 0: 65 of the 129 rows of its half of 258
+    if model == "qwen3-tiny":  # tied: the output projection is the embedding, once
+        assert "output.weight" not in placed or placed["output.weight"] == placed["tok_embeddings.weight"]
+        assert placed["layers.0.attention.q_norm.weight"][:2] == (mesh, ("S(0)", "R")), placed
+    else:
+        assert placed["output.weight"][:2] == column, placed
+    if model == "qwen3_moe-tiny":
+        assert placed["layers.0.moe.experts.w1"] == (("dp_shard",), ("S(0)",), (4, 32, 64)), placed
+
+
+def test_a_checkpoint_moves_between_tensor_parallel_2_and_data_parallel_2(tmp_path: Path) -> None:
+    """fp32, the debug Llama: a job at data parallel 2 × tensor parallel 2 (4 ranks) saves at
+    step 3 of 6 and is resumed from that step at data parallel 2 alone (2 ranks); a job at data
+    parallel 2 saves at step 3 and is resumed at data parallel 2 × tensor parallel 2. Steps 4-6
+    repeat the uninterrupted losses within 1e-5 (DCP reshards the DTensors)."""
+    common = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--training.steps", "6",
+              "--checkpoint.enable", "--checkpoint.interval", "3", "--training.local_batch_size", "2"]
+    tp2, dp2 = ["--parallelism.tensor_parallel_degree", "2"], []
+    for (first, first_world), (then, then_world) in (((tp2, 4), (dp2, 2)), ((dp2, 2), (tp2, 4))):
+        label = f"{first_world}-{then_world}"
+        whole = run_distributed(_losses_and_placements, first_world,
+                                _argv(tmp_path / label / "whole", *common, *first))[0][0]
+        resumed_dump = tmp_path / label / "resumed"
+        shutil.copytree(tmp_path / label / "whole" / "checkpoint" / "step-3", resumed_dump / "checkpoint" / "step-3")
+        resumed = run_distributed(_losses_and_placements, then_world, _argv(resumed_dump, *common, *then))[0][0]
+        assert len(resumed) == 3
+        for a, b in zip(resumed, whole[3:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (label, resumed, whole)
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--parallelism.tensor_parallel_degree", "3"],
+     "error: parallelism.tensor_parallel_degree: invalid value 3; it must divide the model's 16 attention heads "
+     "(n_heads); expected a degree that does"),
+    (["--parallelism.tensor_parallel_degree", "4", "--model.flavor", "tiny"],
+     "error: parallelism.tensor_parallel_degree: invalid value 4; it must divide the model's 2 key-value heads; "
+     "expected a degree that does"),
+    (["--parallelism.tensor_parallel_degree", "3", "--model.flavor", "tiny", "--model.name", "qwen3"],
+     "error: parallelism.tensor_parallel_degree: invalid value 3; it must divide the model's 4 attention heads "
+     "(n_heads); expected a degree that does"),
+    (["--parallelism.tensor_parallel_degree", "2", "--lora.enable"],
+     "error: parallelism.tensor_parallel_degree: invalid value 2; tensor parallel is not combined with LoRA "
+     "(lora.enable) yet; expected 1 with it"),
+    (["--parallelism.tensor_parallel_degree", "2", "--model.name", "deepseek_v3", "--model.flavor", "tiny"],
+     "error: parallelism.tensor_parallel_degree: invalid value 2; model 'deepseek_v3' does not split over tensor "
+     "parallel ranks (its parallelize handles expert parallel); expected 1"),
+    (["--parallelism.enable_async_tensor_parallel"],
+     "error: parallelism.enable_async_tensor_parallel: invalid value True; it overlaps tensor-parallel collectives: "
+     "expected false without tensor parallel"),
+])
+def test_bad_tensor_parallel_settings_are_one_line_before_any_process_group(
+        argv: list[str], line: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A degree that does not divide the heads or the key-value heads (each named), LoRA with
+    tensor parallel, a family without a tensor-parallel plan, async TP without TP: exit 2, one
+    line (a job of 12 ranks, which every degree here divides)."""
+    import torch.distributed as dist
+
+    from torchtitan_lite import train
+
+    monkeypatch.setenv("WORLD_SIZE", "12")
+
+    assert train.main(["--job.config_file", "train_configs/debug_model.toml", *argv, "--training.steps", "1",
+                       "--validation.no-enable"]) == 2
+    assert not dist.is_initialized()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert lines == [line], lines

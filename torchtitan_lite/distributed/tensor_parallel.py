@@ -1,0 +1,104 @@
+"""Tensor parallel with sequence parallel for our decoders (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE),
+on the ``tp`` dimension of the job's mesh, applied before FSDP2 shards the rest over the
+data-parallel dimensions (2-D: every parameter a DTensor over ``(data parallel, tp)``).
+
+Within a block (Megatron's split, TorchTitan's plan):
+
+- attention: ``wq``, ``wk``, ``wv`` split by output features (column-wise: each rank computes
+  ``n_heads / tp`` query heads and ``kv_heads / tp`` key-value heads; Qwen2.5's biases split with
+  them), ``wo`` by input features (row-wise); Qwen3's per-head ``q_norm`` / ``k_norm`` run on each
+  rank's heads with their weights replicated;
+- feed-forward: ``w1`` and ``w3`` column-wise, ``w2`` row-wise;
+- a mixture of experts: every rank runs the whole layer (router, experts, shared experts,
+  weights replicated over ``tp`` and FSDP-sharded over the data-parallel ranks) on the whole
+  sequence: its input is gathered and its output cut back to this rank's part of the sequence.
+
+Sequence parallel: between the projections, the residual stream and the norms hold ``seq / tp``
+positions per rank (the row-wise outputs are reduce-scattered along the sequence, the
+column-wise inputs all-gathered), so norms and residual adds are not repeated and their
+activations are split. The token embedding is split by vocabulary rows, the output projection by
+vocabulary columns (both by rows of their weights: tied embeddings stay one parameter); with loss parallel (the default, ``parallelism.disable_loss_parallel =
+false``) the logits stay split over the vocabulary and the loss (:mod:`torchtitan_lite.loss`)
+reduces over ``tp`` without gathering them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["apply_decoder_tensor_parallel", "tensor_parallel_problem"]
+
+
+def tensor_parallel_problem(args: Any, tp: int) -> str | None:
+    """Why a decoder of ``args`` cannot split over ``tp`` ranks (the first dimension that
+    ``tp`` does not divide, named), or None."""
+    if tp == 1:
+        return None
+    sizes = [("attention heads (n_heads)", args.n_heads), ("key-value heads", args.kv_heads),
+             ("feed-forward width (ffn_hidden_dim)", args.ffn_hidden_dim), ("vocabulary (vocab_size)", args.vocab_size)]
+    for what, size in sizes:
+        if size % tp:
+            return f"it must divide the model's {size} {what}"
+    return None
+
+
+def _own_copy(module: nn.Module, inputs: Any, output: Any) -> Any:
+    return output.clone()
+
+
+def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:
+    """Split a :class:`~torchtitan_lite.models.decoder.Decoder` built on the meta device over
+    ``tp_mesh`` (see the module's docstring) in place. ``loss_parallel``: the logits stay split
+    over the vocabulary (a DTensor ``Shard(-1)``), else they are gathered (a plain tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    # The embedding's output (this rank's positions) is a view into a DTensor's local tensor; a
+    # compiled block given such a view as its input returns no gradient for it (AOTAutograd
+    # replays the view from its base, which autograd does not connect to the embedding): the
+    # residual stream starts from a copy (one activation of seq / tp positions).
+    model.tok_embeddings.register_forward_hook(_own_copy)
+    if model.args.tie_word_embeddings:  # type: ignore[union-attr]
+        # Both split the one weight by vocabulary rows (Shard(0)): tie the split copies again.
+        model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
+    for block in model.layers.values():  # type: ignore[union-attr]
+        plan: dict[str, Any] = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+        }
+        if block.attention.q_norm is not None:  # per head, on this rank's heads (dim 2 of (bs, seq, heads, hd))
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if block.moe is not None:
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+        parallelize_module(block, tp_mesh, plan)
