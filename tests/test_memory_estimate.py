@@ -86,6 +86,10 @@ JOBS: dict[int, dict[str, list[str]]] = {
     4: {
         "reshard to 2": _job(2, 128, "float32", "--parallelism.reshard_after_forward_mode", "2"),
         "HSDP 2 x 2": _job(2, 128, "float32", "--parallelism.data_parallel_replicate_degree", "2"),
+        # Data parallel 2 × tensor parallel 2 with selective checkpointing (the sequence's
+        # all-gathers recomputed, the reduce-scatters kept; the logits split over the vocabulary).
+        "TP 2 x DP 2, selective": _job(2, 128, "float32", "--parallelism.tensor_parallel_degree", "2",
+                                       *AC["selective op"]),
     },
 }
 
@@ -152,7 +156,8 @@ def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_estimate_within_bounds_of_the_allocator_at_four_ranks(tmp_path) -> None:
-    """The same at 4 ranks with an integer reshard mode and HSDP (2 replicas × 2 shards)."""
+    """The same at 4 ranks with an integer reshard mode, HSDP (2 replicas × 2 shards) and tensor
+    parallel 2 × data parallel 2."""
     _compare(4, tmp_path)
 
 

@@ -132,15 +132,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
     """The summed loss of logits that are a DTensor split over the vocabulary on a 1-D mesh."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if logits.device_mesh.ndim != 1 or logits.placements != (Shard(logits.dim() - 1),):
-        raise ValueError(f"the loss takes logits split over the vocabulary on one mesh dimension, got "
-                         f"{logits.placements} on {logits.device_mesh}")
-    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    mesh, vocab = logits.device_mesh, logits.shape[-1]
+    if mesh.ndim != 1 or logits.placements != (Shard(logits.dim() - 1),) or vocab % mesh.size():
+        raise ValueError(f"the loss takes logits split evenly over the vocabulary on one mesh dimension, got "
+                         f"{logits.placements} of {vocab} on {mesh}")
     local = logits.to_local()
-    return _VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), logits.device_mesh.get_group(),
-                                            int(offset[-1]))
+    return _VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), mesh.get_group(),
+                                            mesh.get_local_rank() * (vocab // mesh.size()))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -75,10 +75,13 @@ def _saved_ops() -> frozenset[Any]:
 
 
 _SAVED_CUSTOM_OPS = ("torchtitan_lite::grouped_mm", "_c10d_functional::all_to_all_single",
-                     "_c10d_functional::wait_tensor")
+                     "_c10d_functional::reduce_scatter_tensor")
 """Other operators ``op`` keeps: the experts' grouped products where ``torch._grouped_mm`` is not
-used (compiled in fp32; the memory estimator's fake tensors), as ``_grouped_mm`` is kept, and
-expert parallel's token exchange (recomputing it would move the tokens again)."""
+used (compiled in fp32; the memory estimator's fake tensors), as ``_grouped_mm`` is kept, expert
+parallel's token exchange (recomputing it would move the tokens again) and tensor parallel's
+reduce-scatters (the row-wise projections' outputs, ``seq / tp`` positions each). Tensor
+parallel's all-gathers of the sequence (the column-wise projections' inputs, the whole
+sequence) are gathered again in the recompute rather than kept."""
 
 
 def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

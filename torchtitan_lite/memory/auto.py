@@ -210,6 +210,8 @@ def plan_auto_reshard(
     selective_ac_option: str | int = "op",
     lora: LoRASetup | None = None,
     expert_parallel: int = 1,
+    tensor_parallel: int = 1,
+    loss_parallel: bool = True,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
     that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
@@ -262,7 +264,9 @@ def plan_auto_reshard(
     after that). With ``expert_parallel`` above 1 each MoE layer's experts, their own FSDP unit
     over the expert-data ranks, follow their block's reshard and offload setting, and a block's
     gathered parameters (what resharding frees, the headroom, the re-gather's cost) hold
-    ``1 / expert_parallel`` of its experts.
+    ``1 / expert_parallel`` of its experts; with ``tensor_parallel`` above 1, ``1 /
+    tensor_parallel`` of its other parameters (the data-parallel ranks are the world's over
+    ``tensor_parallel``).
     """
     kwargs: dict[str, Any] = {
         "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "budget_source": budget_source,
@@ -271,11 +275,13 @@ def plan_auto_reshard(
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
-        "lora": lora, "expert_parallel": expert_parallel,
+        "lora": lora, "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel,
+        "loss_parallel": loss_parallel,
     }
     check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
                      seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,
-                     optimizer_implementation=optimizer_implementation, grad_accum_steps=grad_accum_steps)
+                     optimizer_implementation=optimizer_implementation, grad_accum_steps=grad_accum_steps,
+                     tensor_parallel=tensor_parallel)
     if not budget_bytes > 0:
         raise ValueError(f"budget_bytes: invalid value {budget_bytes!r}; expected a number > 0")
     import torch.distributed as dist
@@ -302,31 +308,41 @@ def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, re
     return _headroom(_units(spec, args), param_dtype, reduce_dtype)
 
 
-def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1) -> list[Any]:
+def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel: int = 1) -> list[Any]:
     """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device); with
-    expert parallel, each as a :class:`_PlanUnit` whose size is what a rank gathers."""
+    expert or tensor parallel, each as a :class:`_PlanUnit` whose size is what a rank gathers."""
     model = spec.meta_model(args)
     units = fsdp_units(model, **spec.fsdp_units(model))
-    if expert_parallel == 1:
+    if expert_parallel == 1 and tensor_parallel == 1:
         return units
-    from torchtitan_lite.models.moe import GroupedExperts
+    from torchtitan_lite.models.moe import MoE
 
-    def experts_numel(unit: FSDPUnit) -> int:
-        return sum(p.numel() for m in unit.modules for sub in m.modules() if isinstance(sub, GroupedExperts)
-                   for p in sub.parameters())
+    def split(unit: FSDPUnit) -> tuple[int, int]:  # (experts' parameters, mixtures of experts' others)
+        layers = [sub for m in unit.modules for sub in m.modules() if isinstance(sub, MoE)]
+        experts = sum(p.numel() for layer in layers for p in layer.experts.parameters())
+        return experts, sum(p.numel() for layer in layers for p in layer.parameters()) - experts
 
-    return [_PlanUnit(u.name, u.role, u.numel() - experts_numel(u) * (expert_parallel - 1) // expert_parallel)
-            for u in units]
+    def gathered(unit: FSDPUnit) -> int:
+        experts, moe_rest = split(unit)  # (a mixture of experts runs whole on every tensor-parallel rank)
+        return (unit.numel() - experts - moe_rest) // tensor_parallel + moe_rest + experts // expert_parallel
+
+    def held(unit: FSDPUnit) -> int:  # over the dp_shard ranks: every expert (the experts' mesh is dp_shard / ep)
+        experts, moe_rest = split(unit)
+        return (unit.numel() - experts - moe_rest) // tensor_parallel + moe_rest + experts
+
+    return [_PlanUnit(u.name, u.role, gathered(u), held(u)) for u in units]
 
 
 @dataclass(frozen=True)
 class _PlanUnit:
-    """An FSDP unit as ``auto`` sizes it under expert parallel: its parameters less the
-    experts other expert-parallel ranks hold."""
+    """An FSDP unit as ``auto`` sizes it under expert or tensor parallel: the parameters a rank
+    gathers (its experts, its part of the tensor-parallel split)."""
 
     name: str
     role: str
     gathered: int
+    held: int
+    """The parameters the unit's data-parallel shard ranks hold together (each ``1 / dp_shard``)."""
 
     def numel(self) -> int:
         return self.gathered
@@ -491,7 +507,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
               **kwargs: Any) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
     start = time.perf_counter()
-    units = _units(spec, args, kwargs["expert_parallel"])
+    units = _units(spec, args, kwargs["expert_parallel"], kwargs["tensor_parallel"])
     n = len(units)
     block_units = [i for i, u in enumerate(units) if u.role == "block"]
     names = [units[i].name for i in block_units]
@@ -527,7 +543,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
-        dp_shard = ParallelDims.data_parallel(world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"]).dp_shard
+        dp_shard = ParallelDims.resolve(world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"], dp_shard=-1,
+                                        tp=kwargs["tensor_parallel"]).dp_shard
         trainable = kwargs.get("lora") is None
         costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
@@ -551,7 +568,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         if choose_offload:
             # Freed: the fp32 shards, and for a trained unit its gradients and AdamW's two moments.
             for i in sorted(range(n), key=lambda i: -units[i].numel()):
-                state = units[i].numel() / dp_shard * (16 if trainable else 4)
+                state = getattr(units[i], "held", units[i].numel()) / dp_shard * (16 if trainable else 4)
                 actions.append(_Action("offload", i, costs[("offload", i)], state))
         # Least added time per byte freed first (a block's op before its full: its rate is
         # lower, and the sort is stable).

@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
           f"{first.dp_replicate} × dp_shard {first.dp_shard}"
+          + (f" × tensor parallel {plan.dims.tp} (attention and dense feed-forward split over {plan.dims.tp} ranks, "
+             f"sequence parallel between them)" if plan.dims.tp > 1 else "")
           + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
              f"weights per layer, FSDP-sharded over {plan.dims.dp_size // plan.dims.ep} ranks)"
              if plan.dims.ep > 1 else ""))

@@ -162,6 +162,8 @@ def estimate_memory(
     ac_policies: Sequence[str] | None = None,
     lora: LoRASetup | None = None,
     expert_parallel: int = 1,
+    tensor_parallel: int = 1,
+    loss_parallel: bool = True,
 ) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
@@ -183,7 +185,7 @@ def estimate_memory(
     check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
                      seq_len=seq_len, args=args, reshard_after_forward_mode=reshard_after_forward_mode,
                      optimizer=optimizer, optimizer_implementation=optimizer_implementation,
-                     grad_accum_steps=grad_accum_steps)
+                     grad_accum_steps=grad_accum_steps, tensor_parallel=tensor_parallel)
     kwargs: dict[str, Any] = {
         "world_size": world_size, "dp_replicate": dp_replicate, "local_batch_size": local_batch_size,
         "seq_len": seq_len, "reshard_after_forward_mode": reshard_after_forward_mode,
@@ -191,7 +193,7 @@ def estimate_memory(
         "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
         "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
         "ac_policies": None if ac_policies is None else tuple(ac_policies), "lora": lora,
-        "expert_parallel": expert_parallel,
+        "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel, "loss_parallel": loss_parallel,
     }
     import torch.distributed as dist
 
@@ -250,7 +252,7 @@ def _child_main(path: str) -> None:
 
 def check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int, seq_len: int,
                     args: Any, reshard_after_forward_mode: ReshardMode, optimizer: str,
-                    optimizer_implementation: str, grad_accum_steps: int) -> None:
+                    optimizer_implementation: str, grad_accum_steps: int, tensor_parallel: int = 1) -> None:
     """Raise ``ValueError`` naming the first argument of :func:`estimate_memory` that is not allowed."""
     def positive(name: str, value: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -265,7 +267,11 @@ def check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int
     if seq_len > args.max_seq_len:
         raise ValueError(f"seq_len: invalid value {seq_len}; expected at most the model's max_seq_len "
                          f"{args.max_seq_len}")
-    dims = ParallelDims.data_parallel(world_size=world_size, dp_replicate=dp_replicate)
+    positive("tensor_parallel", tensor_parallel)
+    if world_size % (dp_replicate * tensor_parallel):
+        raise ValueError(f"tensor_parallel: invalid value {tensor_parallel}; dp_replicate {dp_replicate} × "
+                         f"tensor_parallel must divide world_size {world_size}")
+    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel)
     validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard)
     if optimizer not in ("AdamW", "Adam"):
         raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
@@ -455,11 +461,14 @@ def _estimate_uncached(
     ac_policies: Sequence[str] | None = None,
     lora: LoRASetup | None = None,
     expert_parallel: int = 1,
+    tensor_parallel: int = 1,
+    loss_parallel: bool = True,
 ) -> MemoryEstimate:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel)
+    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel,
+                                tp=tensor_parallel)
     device = torch.device("cpu")
     with _fake_world(world_size):
         mesh = build_mesh(device, dims)
@@ -469,6 +478,7 @@ def _estimate_uncached(
         model = spec.meta_model(args)
         unit_list = parallelize(spec, model, mesh, ParallelizeOptions(
             ac_mode=ac_mode, selective_ac_option=selective_ac_option, ac_policies=ac_policies, lora=lora,
+            loss_parallel=loss_parallel,
             fsdp=FSDPOptions(reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=param_dtype,
                              reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)), device=device)
         offload_flags = unit_offload(cpu_offload, unit_list)
@@ -535,7 +545,8 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
         "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
-        "expert_parallel": plan.dims.ep,
+        "expert_parallel": plan.dims.ep, "tensor_parallel": plan.dims.tp,
+        "loss_parallel": not config.parallelism.disable_loss_parallel,
     }
 
 
