@@ -327,7 +327,6 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
     _require(problem is None, key, tp, f"{problem}; expected a degree that does")
     if tp > 1:
         for ok, what in ((dims.ep == 1, "expert parallel (parallelism.expert_parallel_degree > 1)"),
-                         (not config.lora.enable, "LoRA (lora.enable)"),
                          (not config.model.converters, "float8 (model.converters)")):
             _require(ok, key, tp, f"tensor parallel is not combined with {what} yet; expected 1 with it")
     if p.enable_async_tensor_parallel:

@@ -363,7 +363,14 @@ def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -
     ``A`` is gathered, and for stacked weights cut to the experts this rank's ``W`` holds)."""
     if not isinstance(w, DTensor):
         return w.detach() + (torch.matmul(b.detach(), a.detach()) * scaling).to(w.dtype)
-    if not isinstance(b, DTensor) or b.placements != w.placements or b.device_mesh != w.device_mesh:
+    if not isinstance(b, DTensor):
+        raise ValueError("lora: lora_B is not sharded as the base weight")
+    if (b.placements != w.placements or b.device_mesh != w.device_mesh) and a.dim() == 2:
+        # Split otherwise (tensor parallel's row-wise linears: B replicated where W is split by
+        # columns): DTensor computes B A and lays it out as W.
+        delta = torch.matmul(b.detach(), a.detach()).redistribute(w.device_mesh, w.placements)
+        return w.detach() + (delta * scaling).to(w.dtype)
+    if b.placements != w.placements or b.device_mesh != w.device_mesh:
         raise ValueError("lora: lora_B is not sharded as the base weight")
     a_full = a.full_tensor() if isinstance(a, DTensor) else a.detach()
     if a_full.dim() == 3:  # stacked: this rank's experts (all of them when W is sharded on rows)

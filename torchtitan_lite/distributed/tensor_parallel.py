@@ -48,25 +48,63 @@ def _own_copy(module: nn.Module, inputs: Any, output: Any) -> Any:
     return output.clone()
 
 
+# Where each parameter of a (LoRA-adapted) linear goes: its own weight and bias, and its
+# adapters' weights, which follow the base's split: column-wise, ``B`` (out, rank) is split by
+# rows with ``W`` and ``A`` replicated; row-wise, ``A`` (rank, in) is split by columns with ``W``
+# (``A x`` is then a partial sum, added into ``W x``'s before the reduce-scatter) and ``B``
+# replicated.
+_COLUMN_WISE = {"": {"weight": (0,), "bias": (0,)}, "lora_A": {"weight": ()}, "lora_B": {"weight": (0,)}}
+_ROW_WISE = {"": {"weight": (1,), "bias": ()}, "lora_A": {"weight": (1,)}, "lora_B": {"weight": ()}}
+
+
+def _split_linear(table: dict[str, dict[str, tuple[int, ...]]], src_data_rank: Any, name: str, module: nn.Module,
+                  mesh: Any) -> None:
+    """Distribute ``module``'s own parameters (a linear at ``name`` ``""``, its adapters at
+    ``lora_A`` / ``lora_B``) by ``table``: ``(dim,)`` split along ``dim``, ``()`` replicated."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        dims = table[name][param_name]
+        placement = Shard(dims[0]) if dims else Replicate()
+        module.register_parameter(param_name, nn.Parameter(
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
+def _styles() -> tuple[type, type]:
+    """Column- and row-wise styles for linears that may carry LoRA adapters."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Colwise(ColwiseParallel):
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            _split_linear(_COLUMN_WISE, self.src_data_rank, name, module, device_mesh)
+
+    class Rowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            _split_linear(_ROW_WISE, self.src_data_rank, name, module, device_mesh)
+
+    return Colwise, Rowwise
+
+
 def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:
     """Split a :class:`~torchtitan_lite.models.decoder.Decoder` built on the meta device over
     ``tp_mesh`` (see the module's docstring) in place. ``loss_parallel``: the logits stay split
     over the vocabulary (a DTensor ``Shard(-1)``), else they are gathered (a plain tensor)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         PrepareModuleInputOutput,
-        RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
+    Colwise, Rowwise = _styles()  # noqa: N806 - classes
+
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": Colwise(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                          use_local_output=not loss_parallel),
     })
     # The embedding's output (this rank's positions) is a view into a DTensor's local tensor; a
     # compiled block given such a view as its input returns no gradient for it (AOTAutograd
@@ -81,10 +119,10 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                             desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wq": Colwise(),
+            "attention.wk": Colwise(),
+            "attention.wv": Colwise(),
+            "attention.wo": Rowwise(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
         }
         if block.attention.q_norm is not None:  # per head, on this rank's heads (dim 2 of (bs, seq, heads, hd))
@@ -97,8 +135,8 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w1": Colwise(),
+                "feed_forward.w2": Rowwise(output_layouts=Shard(1)),
+                "feed_forward.w3": Colwise(),
             })
         parallelize_module(block, tp_mesh, plan)
