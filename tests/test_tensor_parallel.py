@@ -188,6 +188,9 @@ def test_lora_at_tensor_parallel_2_exports_what_peft_loads(tmp_path: Path) -> No
     (["--parallelism.enable_async_tensor_parallel"],
      "error: parallelism.enable_async_tensor_parallel: invalid value True; it overlaps tensor-parallel collectives: "
      "expected false without tensor parallel"),
+    (["--parallelism.enable_async_tensor_parallel", "--parallelism.tensor_parallel_degree", "2", "--compile.enable"],
+     "error: parallelism.enable_async_tensor_parallel: invalid value True; asynchronous tensor parallel runs on CUDA "
+     "(symmetric memory between the GPUs of a node) and this machine has none; expected false"),
 ])
 def test_bad_tensor_parallel_settings_are_one_line_before_any_process_group(
         argv: list[str], line: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -335,6 +335,11 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
         _require(config.compile.enable, "parallelism.enable_async_tensor_parallel", True,
                  "asynchronous tensor parallel is inductor's rewrite of the compiled blocks: expected "
                  "compile.enable = true with it")
+        import torch
+
+        _require(torch.cuda.is_available(), "parallelism.enable_async_tensor_parallel", True,
+                 "asynchronous tensor parallel runs on CUDA (symmetric memory between the GPUs of a node) and this "
+                 "machine has none; expected false")
 
 
 MOE_DEFAULTS = MoE()

@@ -134,12 +134,13 @@ def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import Shard
 
     mesh, vocab = logits.device_mesh, logits.shape[-1]
-    if mesh.ndim != 1 or logits.placements != (Shard(logits.dim() - 1),) or vocab % mesh.size():
-        raise ValueError(f"the loss takes logits split evenly over the vocabulary on one mesh dimension, got "
-                         f"{logits.placements} of {vocab} on {mesh}")
+    if mesh.ndim != 1 or logits.placements != (Shard(logits.dim() - 1),):
+        raise ValueError(f"the loss takes logits split over the vocabulary on one mesh dimension, got "
+                         f"{logits.placements} on {mesh}")
     local = logits.to_local()
+    # (DTensor splits as torch.chunk does: every rank but the last ones ceil(vocab / ranks) columns)
     return _VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), mesh.get_group(),
-                                            mesh.get_local_rank() * (vocab // mesh.size()))
+                                            mesh.get_local_rank() * -(-vocab // mesh.size()))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -233,6 +233,7 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
         loss_parallel=not config.parallelism.disable_loss_parallel,
+        async_tensor_parallel=config.parallelism.enable_async_tensor_parallel,
     ))
     model.train()
     return model

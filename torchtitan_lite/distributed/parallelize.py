@@ -53,6 +53,9 @@ class ParallelizeOptions:
     lora: LoRASetup | None = None
     loss_parallel: bool = True
     """Under tensor parallel: the logits stay split over the vocabulary for the loss."""
+    async_tensor_parallel: bool = False
+    """Under tensor parallel with compiled blocks on CUDA: inductor overlaps the tensor-parallel
+    collectives with the matmuls (micro-pipelined TP over symmetric memory)."""
 
 
 _BeforeFSDP = Callable[[FSDPOptions, list[FSDPUnit]], None]

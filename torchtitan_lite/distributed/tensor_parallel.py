@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["apply_decoder_tensor_parallel", "tensor_parallel_problem"]
+__all__ = ["apply_decoder_tensor_parallel", "enable_async_tensor_parallel", "tensor_parallel_problem"]
 
 
 def tensor_parallel_problem(args: Any, tp: int) -> str | None:
@@ -37,7 +37,7 @@ def tensor_parallel_problem(args: Any, tp: int) -> str | None:
     if tp == 1:
         return None
     sizes = [("attention heads (n_heads)", args.n_heads), ("key-value heads", args.kv_heads),
-             ("feed-forward width (ffn_hidden_dim)", args.ffn_hidden_dim), ("vocabulary (vocab_size)", args.vocab_size)]
+             ("feed-forward width (ffn_hidden_dim)", args.ffn_hidden_dim)]
     for what, size in sizes:
         if size % tp:
             return f"it must divide the model's {size} {what}"
@@ -140,3 +140,14 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
                 "feed_forward.w3": Colwise(),
             })
         parallelize_module(block, tp_mesh, plan)
+
+
+def enable_async_tensor_parallel(tp_mesh: Any) -> None:
+    """Asynchronous tensor parallel (CUDA, compiled blocks): inductor splits each all-gather and
+    reduce-scatter around the matmuls it feeds into micro-steps over symmetric memory, so that
+    communication overlaps compute (``parallelism.enable_async_tensor_parallel``)."""
+    import torch
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -290,10 +290,15 @@ def decoder_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *,
     (:func:`~torchtitan_lite.distributed.tensor_parallel.apply_decoder_tensor_parallel`), then
     the default steps (LoRA, expert parallel, float8, checkpointing, compile, FSDP)."""
     from torchtitan_lite.distributed.parallelize import default_parallelize
-    from torchtitan_lite.distributed.tensor_parallel import apply_decoder_tensor_parallel
+    from torchtitan_lite.distributed.tensor_parallel import (
+        apply_decoder_tensor_parallel,
+        enable_async_tensor_parallel,
+    )
 
     def tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
         apply_decoder_tensor_parallel(module, tp_mesh, loss_parallel=options.loss_parallel)
+        if options.async_tensor_parallel:
+            enable_async_tensor_parallel(tp_mesh)
 
     return default_parallelize(spec, model, mesh, options, device=device, tensor_parallel=tensor_parallel)
 
