@@ -76,8 +76,6 @@ JOBS: dict[int, dict[str, list[str]]] = {
         **_grid(2, 128, "float32", ("default",), ("selective op",)),
         # Small batches: the peak is the optimizer step's.
         "float32 1x16 default / none": _job(1, 16),
-        "float32 1x16 never / full": _job(1, 16, "float32", "--parallelism.reshard_after_forward_mode", "never",
-                                          *AC["full"]),
         "CPU offload, never": _job(2, 128, "float32", "--training.enable_cpu_offload",
                                    "--parallelism.reshard_after_forward_mode", "never"),
         "2 micro-batches, for-loop AdamW": _job(2, 128, "float32", "--training.global_batch_size", "8",
@@ -109,7 +107,7 @@ def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
         trainer.metrics.close()  # the process group stays: the next trainer uses it
         del trainer
     in_group = None
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and dist.get_world_size() == 2:  # (once is enough: the child process is the same)
         first = next(iter(jobs.values()))
         in_group = _estimate(first, dist.get_world_size())
     dist.barrier()
@@ -127,7 +125,8 @@ def _compare(world_size: int, tmp_path: Path, jobs: dict[str, list[str]] | None 
     jobs = JOBS[world_size] if jobs is None else jobs
     estimates = {label: _estimate(argv, world_size) for label, argv in jobs.items()}
     ranks = run_distributed(_measure, world_size, jobs, str(tmp_path), timeout=600)
-    assert ranks[0]["estimate_in_group"].categories == next(iter(estimates.values())).categories
+    if ranks[0]["estimate_in_group"] is not None:
+        assert ranks[0]["estimate_in_group"].categories == next(iter(estimates.values())).categories
     print(f"\n{'ranks':>5} {'job':36} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  peak in")
     failures = []
     for label, estimate in estimates.items():

@@ -337,14 +337,15 @@ def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str],
     assert lines == [line], lines
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path, world: int) -> None:
-    """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 3 steps, on
-    2 ranks (FSDP) and on 4 at expert parallel 2 (the adapters split over the expert-parallel
-    ranks with their experts): only the adapters train, and the PEFT export (the experts' gate and
-    up adapters as one of twice the rank on transformers' fused gate_up_proj, through
-    target_parameters) loads with ``peft.PeftModel.from_pretrained`` onto the transformers model
-    with the trained model's logits within 1e-5."""
+def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path) -> None:
+    """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 3 steps, 4
+    ranks at expert parallel 2 (the adapters split over the expert-parallel ranks with their
+    experts, FSDP-sharded over the other 2; attention's over all 4): only the adapters train, and
+    the PEFT export (the experts' gate and up adapters as one of twice the rank on transformers'
+    fused gate_up_proj, through target_parameters) loads with ``peft.PeftModel.from_pretrained``
+    onto the transformers model with the trained model's logits within 1e-5. (On 2 ranks without
+    expert parallel the same held; left out for the suite's time.)"""
+    world = 4
     peft = pytest.importorskip("peft")
     folder = hf_qwen3_moe(tmp_path / "hf")
     tokens = torch.randint(0, BYTE_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))

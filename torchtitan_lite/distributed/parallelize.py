@@ -123,6 +123,11 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     """The family's parallelize steps on a model built on the meta device (``spec.parallelize``,
     else :func:`default_parallelize`); returns the FSDP units."""
     steps = spec.parallelize or default_parallelize
+    if isinstance(steps, str):  # "module:function"
+        import importlib
+
+        module, _, function = steps.partition(":")
+        steps = getattr(importlib.import_module(module), function)
     return list(steps(spec, model, mesh, options, device=device))
 
 

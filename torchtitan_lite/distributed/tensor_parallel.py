@@ -28,7 +28,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["apply_decoder_tensor_parallel", "enable_async_tensor_parallel", "tensor_parallel_problem"]
+__all__ = ["apply_decoder_tensor_parallel", "decoder_parallelize", "enable_async_tensor_parallel",
+           "tensor_parallel_problem"]
 
 
 def tensor_parallel_problem(args: Any, tp: int) -> str | None:
@@ -151,3 +152,18 @@ def enable_async_tensor_parallel(tp_mesh: Any) -> None:
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def decoder_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, device: Any) -> list[Any]:
+    """Our decoders' parallelize steps: with a ``tp`` dimension in the mesh, attention and
+    dense feed-forward split over it with sequence parallel
+    (:func:`apply_decoder_tensor_parallel`), then the default steps (LoRA before the split;
+    expert parallel, float8, checkpointing, compile, FSDP after it)."""
+    from torchtitan_lite.distributed.parallelize import default_parallelize
+
+    def tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
+        apply_decoder_tensor_parallel(module, tp_mesh, loss_parallel=options.loss_parallel)
+        if options.async_tensor_parallel:
+            enable_async_tensor_parallel(tp_mesh)
+
+    return default_parallelize(spec, model, mesh, options, device=device, tensor_parallel=tensor_parallel)

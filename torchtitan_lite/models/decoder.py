@@ -33,8 +33,8 @@ from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "decoder_parallelize",
-           "document_positions", "is_moe_layer",
+__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions",
+           "is_moe_layer",
            "precompute_freqs_cis", "rope_bits"]
 
 def precompute_freqs_cis(
@@ -282,25 +282,6 @@ class Decoder(nn.Module):
         if getattr(self.args, "num_experts", 0):  # whether grouped products run here (read under compile)
             for dtype in (torch.float32, torch.bfloat16):
                 grouped_mm_available(device.type, dtype)
-
-
-def decoder_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, device: torch.device) -> list[Any]:
-    """Our decoders' parallelize steps: with a ``tp`` dimension in the mesh, attention and
-    dense feed-forward split over it with sequence parallel
-    (:func:`~torchtitan_lite.distributed.tensor_parallel.apply_decoder_tensor_parallel`), then
-    the default steps (LoRA, expert parallel, float8, checkpointing, compile, FSDP)."""
-    from torchtitan_lite.distributed.parallelize import default_parallelize
-    from torchtitan_lite.distributed.tensor_parallel import (
-        apply_decoder_tensor_parallel,
-        enable_async_tensor_parallel,
-    )
-
-    def tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
-        apply_decoder_tensor_parallel(module, tp_mesh, loss_parallel=options.loss_parallel)
-        if options.async_tensor_parallel:
-            enable_async_tensor_parallel(tp_mesh)
-
-    return default_parallelize(spec, model, mesh, options, device=device, tensor_parallel=tensor_parallel)
 
 
 def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["FSDPLayout", "HFAdapter", "ModelSpec"]
+__all__ = ["DECODER_PARALLELIZE", "FSDPLayout", "HFAdapter", "ModelSpec"]
 
 
 class FSDPLayout(dict):  # type: ignore[type-arg]
@@ -61,6 +61,10 @@ class HFAdapter(Protocol):
     def args_from_config(self, config: Mapping[str, Any], **overrides: Any) -> Any: ...
 
 
+DECODER_PARALLELIZE = "torchtitan_lite.distributed.tensor_parallel:decoder_parallelize"
+"""Our decoder families' parallelize steps (tensor parallel, then the default steps), by name."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: its class, named shapes, FSDP units and Hugging Face adapter."""
@@ -77,11 +81,13 @@ class ModelSpec:
     """The units :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp` shards, for a built model."""
     hf: HFAdapter | None = None
     """Hugging Face import/export, when the family has it."""
-    parallelize: Callable[..., Any] | None = None
+    parallelize: Callable[..., Any] | str | None = None
     """The family's parallelize steps, ``(spec, model, mesh, options, *, device) -> FSDP units``
     (see :mod:`torchtitan_lite.distributed.parallelize`): e.g. tensor parallel on ``mesh["tp"]``,
-    then the default steps. None: the default steps (LoRA, float8, activation checkpointing,
-    compile, FSDP over the data-parallel dimensions)."""
+    then the default steps; or their ``"module:function"`` name (model code imports no
+    parallelism: our decoders name :data:`DECODER_PARALLELIZE`). None: the default steps (LoRA,
+    expert parallel, float8, activation checkpointing, compile, FSDP over the data-parallel
+    dimensions)."""
     parallel_dims: frozenset[str] = frozenset()
     """The mesh dimensions beyond data parallel (``"tp"``, ``"cp"``, ``"ep"``) the family's models
     can be split over: by its ``parallelize``, or for ``"ep"`` by the default steps (which split

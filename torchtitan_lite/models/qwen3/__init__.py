@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from torchtitan_lite.models.decoder import decoder_fsdp_units, decoder_parallelize
+from torchtitan_lite.models.decoder import decoder_fsdp_units
 from torchtitan_lite.models.qwen3.hf import ADAPTER
 from torchtitan_lite.models.qwen3.model import QWEN3_FLAVORS, Qwen3, Qwen3Args
-from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.models.spec import DECODER_PARALLELIZE, ModelSpec
 
 __all__ = ["QWEN3_FLAVORS", "QWEN3_SPEC", "Qwen3", "Qwen3Args"]
 
 
 QWEN3_SPEC = ModelSpec(name="qwen3", model_cls=Qwen3, args_cls=Qwen3Args, flavors=QWEN3_FLAVORS,
                        fsdp_units=decoder_fsdp_units, hf=ADAPTER,
-                       parallelize=decoder_parallelize, parallel_dims=frozenset({"tp"}))
+                       parallelize=DECODER_PARALLELIZE, parallel_dims=frozenset({"tp"}))
