@@ -326,8 +326,10 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
     problem = tensor_parallel_problem(model_args, tp)
     _require(problem is None, key, tp, f"{problem}; expected a degree that does")
     if tp > 1:
+        rowwise = config.model.converters and config.float8.recipe_name not in (None, "tensorwise")
         for ok, what in ((dims.ep == 1, "expert parallel (parallelism.expert_parallel_degree > 1)"),
-                         (not config.model.converters, "float8 (model.converters)")):
+                         (not rowwise, f"float8's {config.float8.recipe_name!r} recipe (float8.recipe_name; "
+                                       "torchao's tensor-parallel styles take tensorwise scales)")):
             _require(ok, key, tp, f"tensor parallel is not combined with {what} yet; expected 1 with it")
     if p.enable_async_tensor_parallel:
         _require(tp > 1, "parallelism.enable_async_tensor_parallel", True,

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,14 +117,27 @@ def clip_grad_norm_(
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for params in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        with _quiet_redistribute():  # (2-D: one all-reduce per mesh dimension, which DTensor warns about)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     # (Every parameter's norm once: expert-parallel experts live on a mesh of their own.)
     total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
+@contextlib.contextmanager
+def _quiet_redistribute() -> Iterator[None]:
+    """Silence DTensor's advice to flatten a 2-D mesh for a reduction over both dimensions."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows | PackedWindows], *,

@@ -7,7 +7,8 @@ e.g. tensor parallel on ``mesh["tp"]``, and calls :func:`default_parallelize` fo
 :func:`default_parallelize`, whose order is TorchTitan's: LoRA adapts the linears first (the
 adapters are then parameters of their blocks like any other: checkpointed, compiled and sharded
 with them), the float8 conversion swaps the blocks' other linears next (so that all that follows
-wraps the converted layers), activation checkpointing wraps each block's forward (so that compile
+wraps the converted layers: tensor parallel splits them with torchao's float8 styles), tensor and
+expert parallel split the layers, activation checkpointing wraps each block's forward (so that compile
 traces the checkpoint as part of the block's graph), compile comes next, and ``fully_shard`` last
 (so that its hooks, which gather and free parameters, stay outside the compiled code).
 """
@@ -66,8 +67,9 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
                         options: ParallelizeOptions, *, device: torch.device,
                         before_fsdp: _BeforeFSDP | None = None,
                         tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[FSDPUnit]:
-    """LoRA → tensor parallel (a mesh with ``tp``) → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it, see
-    :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → float8 → activation
+    """LoRA → float8 → tensor parallel (a mesh with ``tp``) → expert parallel (a mesh with
+    ``ep``: each MoE layer's experts split over it, see
+    :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → activation
     checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
     process); returns the FSDP units (empty without FSDP).
     ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
@@ -76,6 +78,9 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     run after LoRA."""
     if options.lora is not None:
         options.lora.apply(model)
+    units = spec.fsdp_units(model)
+    if options.float8 is not None:  # (before tensor parallel, which splits float8 linears its own way)
+        options.float8.apply(model, blocks=units["blocks"])
     if isinstance(mesh, ParallelMesh) and "tp" in mesh.names:
         if tensor_parallel is None:
             raise ValueError(f"model family {spec.name!r} has no tensor-parallel plan")
@@ -88,9 +93,6 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
 
         experts_step = shard_experts(model, mesh)
         before_fsdp = experts_step if before_fsdp is None else _both(experts_step, before_fsdp)
-    units = spec.fsdp_units(model)
-    if options.float8 is not None:
-        options.float8.apply(model, blocks=units["blocks"])
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=options.ac_mode,
                                    selective_ac_option=options.selective_ac_option, policies=options.ac_policies)
     if options.compile_model:

@@ -1,13 +1,18 @@
-"""Tensor parallel with sequence parallel for our decoders (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE),
-on the ``tp`` dimension of the job's mesh, applied before FSDP2 shards the rest over the
-data-parallel dimensions (2-D: every parameter a DTensor over ``(data parallel, tp)``).
+"""Tensor parallel with sequence parallel for our decoders (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE,
+DeepSeek-V3), on the ``tp`` dimension of the job's mesh, applied before FSDP2 shards the rest
+over the data-parallel dimensions (2-D: every split parameter a DTensor over ``(data parallel,
+tp)``).
 
 Within a block (Megatron's split, TorchTitan's plan):
 
 - attention: ``wq``, ``wk``, ``wv`` split by output features (column-wise: each rank computes
   ``n_heads / tp`` query heads and ``kv_heads / tp`` key-value heads; Qwen2.5's biases split with
   them), ``wo`` by input features (row-wise); Qwen3's per-head ``q_norm`` / ``k_norm`` run on each
-  rank's heads with their weights replicated;
+  rank's heads with their weights replicated; an attention class names its split
+  (``tensor_parallel_columns`` / ``_rows`` / ``_whole``): DeepSeek-V3's latent attention splits
+  its heads' up-projections (``wq_b``, ``wkv_b``) and ``wo``, and runs its down-projections and
+  their norms whole on every rank (plain parameters, FSDP-sharded over the data-parallel ranks;
+  the rotary key all heads share has its gradient summed over the ranks);
 - feed-forward: ``w1`` and ``w3`` column-wise, ``w2`` row-wise;
 - a mixture of experts: every rank runs the whole layer (router, experts, shared experts,
   weights replicated over ``tp`` and FSDP-sharded over the data-parallel ranks) on the whole
@@ -17,15 +22,18 @@ Sequence parallel: between the projections, the residual stream and the norms ho
 positions per rank (the row-wise outputs are reduce-scattered along the sequence, the
 column-wise inputs all-gathered), so norms and residual adds are not repeated and their
 activations are split. The token embedding is split by vocabulary rows, the output projection by
-vocabulary columns (both by rows of their weights: tied embeddings stay one parameter); with loss parallel (the default, ``parallelism.disable_loss_parallel =
-false``) the logits stay split over the vocabulary and the loss (:mod:`torchtitan_lite.loss`)
-reduces over ``tp`` without gathering them.
+vocabulary columns (both by rows of their weights: tied embeddings stay one parameter); with
+loss parallel (the default, ``parallelism.disable_loss_parallel = false``) the logits stay split
+over the vocabulary and the loss (:mod:`torchtitan_lite.loss`) reduces over ``tp`` without
+gathering them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["apply_decoder_tensor_parallel", "decoder_parallelize", "enable_async_tensor_parallel",
@@ -47,6 +55,28 @@ def tensor_parallel_problem(args: Any, tp: int) -> str | None:
 
 def _own_copy(module: nn.Module, inputs: Any, output: Any) -> Any:
     return output.clone()
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity in forward; in backward the gradient summed over ``group`` (each rank's part of
+    a tensor every rank uses whole)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _sum_gradient(x: torch.Tensor, *, group: Any) -> torch.Tensor:
+    return _SumGradient.apply(x, group)
 
 
 # Where each parameter of a (LoRA-adapted) linear goes: its own weight and bias, and its
@@ -87,6 +117,14 @@ def _styles() -> tuple[type, type]:
     return Colwise, Rowwise
 
 
+def _linear_style(module: nn.Module, style: type, float8_style: type | None, **kwargs: Any) -> Any:
+    """``style(**kwargs)`` for a linear, or torchao's float8 style for a ``Float8Linear``
+    (its input cast to float8 once, before the gather, and its matmul in float8)."""
+    if float8_style is not None and type(module).__name__ == "Float8Linear":
+        return float8_style(**kwargs)
+    return style(**kwargs)
+
+
 def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:
     """Split a :class:`~torchtitan_lite.models.decoder.Decoder` built on the meta device over
     ``tp_mesh`` (see the module's docstring) in place. ``loss_parallel``: the logits stay split
@@ -100,6 +138,20 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
     )
 
     Colwise, Rowwise = _styles()  # noqa: N806 - classes
+    converted = any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    if converted and tp_mesh.device_type == "cuda":
+        # float8 linears (tensorwise scales): torchao's styles gather the inputs already cast to
+        # float8. (gloo has no float8 collectives: on CPU the float8 linears are split as any
+        # linear, their DTensor inputs gathered in high precision and cast after.)
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    else:
+        Float8ColwiseParallel = Float8RowwiseParallel = None  # noqa: N806
+
+    def column(name: str, block: nn.Module, **kwargs: Any) -> Any:
+        return _linear_style(block.get_submodule(name), Colwise, Float8ColwiseParallel, **kwargs)
+
+    def row(name: str, block: nn.Module, **kwargs: Any) -> Any:
+        return _linear_style(block.get_submodule(name), Rowwise, Float8RowwiseParallel, **kwargs)
 
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -116,17 +168,26 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
         # Both split the one weight by vocabulary rows (Shard(0)): tie the split copies again.
         model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
     for block in model.layers.values():  # type: ignore[union-attr]
+        attention = block.attention
+        whole = bool(attention.tensor_parallel_whole)
         plan: dict[str, Any] = {
             "attention_norm": SequenceParallel(),
+            # The whole sequence: a DTensor, whose gradient the column-wise projections leave
+            # partial and one reduce-scatter sums; or, for an attention with parts that run whole
+            # on every rank (a latent attention's down-projections, plain parameters), a local
+            # tensor (the head projections after them sum their inputs' gradients themselves).
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": Colwise(),
-            "attention.wk": Colwise(),
-            "attention.wv": Colwise(),
-            "attention.wo": Rowwise(output_layouts=Shard(1)),
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=whole),
+            **{f"attention.{w}": column(f"attention.{w}", block) for w in attention.tensor_parallel_columns
+               if hasattr(attention, w)},
+            **{f"attention.{w}": row(f"attention.{w}", block, output_layouts=Shard(1))
+               for w in attention.tensor_parallel_rows},
             "ffn_norm": SequenceParallel(),
         }
-        if block.attention.q_norm is not None:  # per head, on this rank's heads (dim 2 of (bs, seq, heads, hd))
+        if hasattr(attention, "shared_key_grad"):
+            attention.shared_key_grad = functools.partial(_sum_gradient, group=tp_mesh.get_group())
+        if getattr(attention, "q_norm", None) is not None and "q_norm" not in attention.tensor_parallel_whole:
+            # per head, on this rank's heads (dim 2 of (bs, seq, heads, hd))
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if block.moe is not None:
@@ -136,9 +197,9 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
         else:
             plan.update({
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": Colwise(),
-                "feed_forward.w2": Rowwise(output_layouts=Shard(1)),
-                "feed_forward.w3": Colwise(),
+                "feed_forward.w1": column("feed_forward.w1", block),
+                "feed_forward.w2": row("feed_forward.w2", block, output_layouts=Shard(1)),
+                "feed_forward.w3": column("feed_forward.w3", block),
             })
         parallelize_module(block, tp_mesh, plan)
 

@@ -103,6 +103,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    tensor_parallel_columns = ("wq", "wk", "wv")
+    """The linears a tensor-parallel split divides by output features (heads; biases with them)."""
+    tensor_parallel_rows = ("wo",)
+    """The linears it divides by input features (their partial sums reduce-scattered)."""
+    tensor_parallel_whole: tuple[str, ...] = ()
+    """What runs whole on every rank (the per-head norms run on each rank's heads)."""
+
     def __init__(self, args: Any) -> None:
         super().__init__()
         self.n_heads = args.n_heads

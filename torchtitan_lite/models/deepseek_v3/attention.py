@@ -189,9 +189,19 @@ class MLAttention(nn.Module):
     (``freqs_cis``: the decoder's table for ``qk_rope_head_dim``, in ``rope_bits`` form or per
     sample and position)."""
 
+    tensor_parallel_columns = ("wq", "wq_b", "wkv_b")
+    """The linears whose output features are heads (split over tensor-parallel ranks)."""
+    tensor_parallel_rows = ("wo",)
+    tensor_parallel_whole = ("wq_a", "q_norm", "wkv_a", "kv_norm")
+    """What runs whole on every tensor-parallel rank: the latent down-projections and their norms."""
+
     def __init__(self, args: Any) -> None:
         super().__init__()
         self.n_heads = args.n_heads
+        # Under tensor parallel each rank computes some heads, and the rotary key every head
+        # shares gets its gradient from this rank's heads only: this sums it over the ranks
+        # (identity in forward). None: every head is here.
+        self.shared_key_grad: Any = None
         self.q_lora_rank = args.q_lora_rank or 0
         self.kv_lora_rank = args.kv_lora_rank
         self.qk_nope_head_dim = args.qk_nope_head_dim
@@ -216,7 +226,8 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Any = None) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_pe = q.view(bs, seq_len, self.n_heads, self.qk_head_dim).split(
+        # (-1: the heads this rank computes, all of them but under tensor parallel)
+        q_nope, q_pe = q.view(bs, seq_len, -1, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
         q = torch.cat([q_nope, apply_rotary_emb(q_pe, freqs_cis)], dim=-1)
@@ -225,9 +236,11 @@ class MLAttention(nn.Module):
         k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (bs, seq, 1, rope): shared by the heads
         if self.rope_score_factor != 1.0:
             k_pe = k_pe * self.rope_score_factor
-        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq_len, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
+        if self.shared_key_grad is not None:
+            k_pe = self.shared_key_grad(k_pe)
+        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq_len, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if mask is None:
@@ -236,7 +249,7 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         else:  # a FlexAttention BlockMask
             out = _flex_attention()(q, k, v, block_mask=mask, scale=self.softmax_scale)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, self.n_heads * self.v_head_dim))
+        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:
         """TorchTitan's MLA init: the input-side projections truncated normal (std 0.02), the
