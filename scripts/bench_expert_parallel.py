@@ -17,11 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 
@@ -44,22 +39,12 @@ def _worker(opts: argparse.Namespace) -> None:
             "--parallelism.expert_parallel_degree", str(opts.ep)]
     trainer = Trainer(load_job_config(argv))
     try:
-        trainer.train_step()  # warm-up
-        from benchmark import CollectiveCounter  # (scripts/benchmark.py, beside this script)
+        from benchmark import timed_collectives  # (scripts/benchmark.py, beside this script)
 
-        counter, times = CollectiveCounter(unsharded=True), []
-        with counter:
-            for _ in range(opts.steps):
-                dist.barrier()
-                start = time.perf_counter()
-                trainer.train_step()
-                times.append(time.perf_counter() - start)
+        result = timed_collectives(trainer, opts.steps)
         if dist.get_rank() == 0:
-            result = {"ep": opts.ep, "step_s": statistics.median(times),
-                      "mib_per_step": {k: v / opts.steps / 2**20 for k, v in counter.bytes.items()},
-                      "calls_per_step": {k: v / opts.steps for k, v in counter.calls.items()},
-                      "params": shape.num_params(), "active": shape.active_params()}
-            Path(opts.out).write_text(json.dumps(result))
+            Path(opts.out).write_text(json.dumps({"ep": opts.ep, **result, "params": shape.num_params(),
+                                                  "active": shape.active_params()}))
     finally:
         trainer.close()
 
@@ -78,17 +63,13 @@ def main() -> None:
     if opts.worker:
         _worker(opts)
         return
-    rows = []
-    for ep in [1, *(int(d) for d in opts.degrees.split(","))]:
-        out = Path(opts.dump) / f"ep{ep}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        forwarded = [f"--{k}={getattr(opts, k)}" for k in ("steps", "dim", "layers", "experts", "hidden", "top_k",
-                                                             "seq_len", "local_batch_size")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.ranks}",
-               __file__, "--worker", f"--ep={ep}", f"--out={out}", f"--dump={opts.dump}/run{ep}", *forwarded]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows.append(json.loads(out.read_text()))
+    from benchmark import run_variants
+
+    forwarded = [f"--{k}={getattr(opts, k)}" for k in ("steps", "dim", "layers", "experts", "hidden", "top_k",
+                                                         "seq_len", "local_batch_size")]
+    degrees = [1, *(int(d) for d in opts.degrees.split(","))]
+    rows = list(run_variants(__file__, opts.ranks, {f"ep{ep}": [f"--ep={ep}", *forwarded] for ep in degrees},
+                             opts.dump).values())
     base = rows[0]
     print(f"{opts.ranks} ranks, {base['params'] / 1e6:.1f}M parameters ({base['active'] / 1e6:.1f}M active), "
           f"{opts.experts} experts top-{opts.top_k}, local batch {opts.local_batch_size} x seq {opts.seq_len}, fp32")

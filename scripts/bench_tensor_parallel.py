@@ -17,11 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 
@@ -44,22 +39,11 @@ def _worker(opts: argparse.Namespace) -> None:
             "--parallelism.tensor_parallel_degree", str(opts.tp)]
     trainer = Trainer(load_job_config(argv))
     try:
-        trainer.train_step()  # warm-up
-        from benchmark import CollectiveCounter  # (scripts/benchmark.py, beside this script)
+        from benchmark import timed_collectives  # (scripts/benchmark.py, beside this script)
 
-        counter, times = CollectiveCounter(unsharded=True), []
-        with counter:
-            for _ in range(opts.steps):
-                dist.barrier()
-                start = time.perf_counter()
-                trainer.train_step()
-                times.append(time.perf_counter() - start)
+        result = timed_collectives(trainer, opts.steps)
         if dist.get_rank() == 0:
-            result = {"tp": opts.tp, "dp": dp, "step_s": statistics.median(times),
-                      "mib_per_step": {k: v / opts.steps / 2**20 for k, v in counter.bytes.items()},
-                      "calls_per_step": {k: v / opts.steps for k, v in counter.calls.items()},
-                      "params": shape.num_params()}
-            Path(opts.out).write_text(json.dumps(result))
+            Path(opts.out).write_text(json.dumps({"tp": opts.tp, "dp": dp, **result, "params": shape.num_params()}))
     finally:
         trainer.close()
 
@@ -78,17 +62,13 @@ def main() -> None:
     if opts.worker:
         _worker(opts)
         return
-    rows = []
-    for tp in [1, *(int(d) for d in opts.degrees.split(","))]:
-        out = Path(opts.dump) / f"tp{tp}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        forwarded = [f"--{k}={getattr(opts, k)}" for k in ("ranks", "steps", "dim", "layers", "heads", "seq_len",
-                                                             "global_batch")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.ranks}",
-               __file__, "--worker", f"--tp={tp}", f"--out={out}", f"--dump={opts.dump}/run{tp}", *forwarded]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows.append(json.loads(out.read_text()))
+    from benchmark import run_variants
+
+    forwarded = [f"--{k}={getattr(opts, k)}" for k in ("ranks", "steps", "dim", "layers", "heads", "seq_len",
+                                                         "global_batch")]
+    degrees = [1, *(int(d) for d in opts.degrees.split(","))]
+    rows = list(run_variants(__file__, opts.ranks, {f"tp{tp}": [f"--tp={tp}", *forwarded] for tp in degrees},
+                             opts.dump).values())
     base = rows[0]
     print(f"{opts.ranks} ranks, {base['params'] / 1e6:.1f}M parameters (dim {opts.dim}, {opts.layers} layers, "
           f"{opts.heads} heads), global batch {opts.global_batch} x seq {opts.seq_len}, fp32")

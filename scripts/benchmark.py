@@ -142,6 +142,41 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def timed_collectives(trainer: Any, steps: int) -> dict[str, Any]:
+    """After one warm-up step, ``steps`` timed steps of ``trainer`` (each after a barrier) with
+    their collectives counted (unsharded bytes): the median step time and, per step, the MiB and
+    calls of each kind of collective (every rank's own figures)."""
+    import torch.distributed as dist
+
+    trainer.train_step()  # warm-up
+    counter, times = CollectiveCounter(unsharded=True), []
+    with counter:
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step()
+            times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times),
+            "mib_per_step": {k: v / steps / 2**20 for k, v in counter.bytes.items()},
+            "calls_per_step": {k: v / steps for k, v in counter.calls.items()}}
+
+
+def run_variants(script: str, ranks: int, variants: dict[str, list[str]], dump: str) -> dict[str, Any]:
+    """Run ``script --worker --out=FILE ARGS`` on ``ranks`` gloo processes (torchrun, one
+    thread each) once per variant (name → ARGS); each variant's rank 0 writes its figures as
+    JSON to FILE. Returns them by name."""
+    rows = {}
+    for name, args in variants.items():
+        out = Path(dump) / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
+               "--worker", f"--out={out}", f"--dump={dump}/run-{name}", *args]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rows[name] = json.loads(out.read_text())
+    return rows
+
+
 def _bare_model(spec: Any, args: Any, mesh: Any, device: torch.device) -> torch.nn.Module:
     """The spec's model sharded by hand with ``fully_shard`` over the spec's units (first unit,
     each block, last unit kept gathered after forward, root), fp32 throughout."""
