@@ -375,9 +375,15 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
     if ep > 1:
         _require(model_args.num_experts % ep == 0, "parallelism.expert_parallel_degree", ep,
                  f"it must divide the {model_args.num_experts} experts of model {spec.name!r}")
-        _require(not config.compile.enable, "compile.enable", True, "not with expert parallel yet (the token "
-                 "exchange is outside what a compiled block can hold); expected parallelism.expert_parallel_degree = 1 "
-                 "for it")
+        ac = config.activation_checkpoint
+        selective_op = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
+        _require(not (config.compile.enable and selective_op), "activation_checkpoint.mode", ac.mode,
+                 "selective (op) checkpointing of blocks compiled by their parts (expert parallel with "
+                 "compile.enable) is not available yet; expected 'full' or 'none', or selective_ac_option = N")
+        mode = config.parallelism.reshard_after_forward_mode
+        _require(not (config.compile.enable and mode == "auto"), "parallelism.reshard_after_forward_mode", mode,
+                 "auto may choose selective (op) checkpointing, which blocks compiled by their parts (expert "
+                 "parallel with compile.enable) do not take yet; expected a fixed mode")
     _require(e.bias_update_rate == 0 or model_args.score_func == "sigmoid", "moe.bias_update_rate",
              e.bias_update_rate, f"the {model_args.score_func} router of model {spec.name!r} has no expert bias to "
              "balance; expected 0, or moe.score_func = 'sigmoid'")

@@ -94,6 +94,12 @@ def is_compiled(module: nn.Module) -> bool:
 def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor") -> int:
     """Compile each of ``model``'s blocks in place (before ``fully_shard``); returns how many.
 
+    A block whose mixture of experts moves its tokens to other ranks (expert parallel: a
+    ``dispatcher``, whose exchange sizes are data and whose experts are an FSDP unit of their
+    own) is compiled by its parts instead, as TorchTitan does: each child, and of the mixture of
+    experts its router, shared experts and experts' products, each its own graph, the exchange
+    and the experts' FSDP hooks between them eager (so is the block's checkpoint).
+
     ``blocks`` is what :func:`~.fsdp.apply_fsdp` takes. Raises ``ValueError`` (one line) for a
     block that is already compiled or sharded."""
     found = find_blocks(model, blocks)
@@ -101,8 +107,24 @@ def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor
         if is_compiled(block) or type(block).__name__.startswith("FSDP"):
             raise ValueError(f"compile: block {index} is already compiled or sharded; compile the "
                              "blocks once, before apply_fsdp")
-        block.__class__ = _compiled_class(type(block), backend)
+        parts = _parts_of(block)
+        for part in parts or (block,):
+            part.__class__ = _compiled_class(type(part), backend)
+        if parts:
+            block._compiled_with = backend  # type: ignore[assignment]  # (by its parts)
     return len(found)
+
+
+def _parts_of(block: nn.Module) -> list[nn.Module]:
+    """What to compile of a block with an expert-parallel mixture of experts (see
+    :func:`compile_blocks`); empty for any other block (compiled whole)."""
+    layers = [child for child in block.children() if getattr(child, "dispatcher", None) is not None]
+    if not layers:
+        return []
+    parts = [child for child in block.children() if child not in layers]
+    for layer in layers:
+        parts += [child for child in layer.children()]
+    return parts
 
 
 def compile_loss(loss_fn: F, *, backend: str = "inductor") -> F:
