@@ -184,7 +184,10 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
             # The experts follow the unit (block) they are part of: its reshard setting (an
             # integer group size of the FSDP mesh means resharding on the experts' own mesh)
             # and its offload, as a per-unit plan of auto's chooses them.
-            index = next(i for i, unit in enumerate(units) if any(layer in m.modules() for m in unit.modules))
+            index = next((i for i, unit in enumerate(units) if any(layer in m.modules() for m in unit.modules)), None)
+            if index is None:
+                raise ValueError("expert parallel: a mixture-of-experts layer is in none of the model's FSDP units; "
+                                 "its family's fsdp_units must hold every block")
             reshard = resolve_reshard_after_forward(fsdp.reshard_after_forward_mode, units[index].role, index)
             policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offloaded[index] else OffloadPolicy()
             sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=bool(reshard),

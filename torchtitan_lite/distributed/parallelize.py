@@ -75,7 +75,7 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
     run just before the units are sharded, with the FSDP options and the units (forward order).
     ``tensor_parallel``: a family's split of its model over ``mesh["tp"]`` (a mesh with ``tp``),
-    run after LoRA."""
+    run after LoRA and float8."""
     if options.lora is not None:
         options.lora.apply(model)
     units = spec.fsdp_units(model)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 __all__ = ["apply_decoder_tensor_parallel", "decoder_parallelize", "enable_async_tensor_parallel",
-           "tensor_parallel_problem"]
+           "split_modules", "tensor_parallel_problem"]
 
 
 def tensor_parallel_problem(args: Any, tp: int) -> str | None:
@@ -45,12 +45,33 @@ def tensor_parallel_problem(args: Any, tp: int) -> str | None:
     ``tp`` does not divide, named), or None."""
     if tp == 1:
         return None
-    sizes = [("attention heads (n_heads)", args.n_heads), ("key-value heads", args.kv_heads),
-             ("feed-forward width (ffn_hidden_dim)", args.ffn_hidden_dim)]
+    from torchtitan_lite.models.decoder import is_moe_layer
+
+    sizes = [("attention heads (n_heads)", args.n_heads), ("key-value heads", args.kv_heads)]
+    if not all(is_moe_layer(args, i) for i in range(args.n_layers)):  # (a dense feed-forward to split)
+        sizes.append(("feed-forward width (ffn_hidden_dim)", args.ffn_hidden_dim))
     for what, size in sizes:
         if size % tp:
             return f"it must divide the model's {size} {what}"
+    per_rank = -(-args.vocab_size // tp)  # (DTensor's split: every rank but the last ones this many)
+    if per_rank * (tp - 1) >= args.vocab_size:
+        return (f"its split of the {args.vocab_size}-token vocabulary ({per_rank} per rank) would leave the last rank "
+                "none")
     return None
+
+
+def split_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`apply_decoder_tensor_parallel` splits over the tensor-parallel ranks
+    (embedding, output, each block's head and dense feed-forward projections); everything else
+    is whole on every rank (what the memory planner sizes each way)."""
+    found = [model.tok_embeddings, model.output]  # type: ignore[list-item]
+    for block in model.layers.values():  # type: ignore[union-attr]
+        attention = block.attention
+        found += [getattr(attention, w) for w in (*attention.tensor_parallel_columns, *attention.tensor_parallel_rows)
+                  if hasattr(attention, w)]
+        if block.moe is None:
+            found += [block.feed_forward.w1, block.feed_forward.w2, block.feed_forward.w3]
+    return found
 
 
 def _own_copy(module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -68,11 +89,9 @@ class _SumGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
 def _sum_gradient(x: torch.Tensor, *, group: Any) -> torch.Tensor:
@@ -118,8 +137,9 @@ def _styles() -> tuple[type, type]:
 
 
 def _linear_style(module: nn.Module, style: type, float8_style: type | None, **kwargs: Any) -> Any:
-    """``style(**kwargs)`` for a linear, or torchao's float8 style for a ``Float8Linear``
-    (its input cast to float8 once, before the gather, and its matmul in float8)."""
+    """``style(**kwargs)`` for a linear, or torchao's float8 style for a ``Float8Linear`` (its
+    input, gathered in high precision by the attention's or feed-forward's input step, cast to
+    float8 for its matmul)."""
     if float8_style is not None and type(module).__name__ == "Float8Linear":
         return float8_style(**kwargs)
     return style(**kwargs)
@@ -140,8 +160,8 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
     Colwise, Rowwise = _styles()  # noqa: N806 - classes
     converted = any(type(m).__name__ == "Float8Linear" for m in model.modules())
     if converted and tp_mesh.device_type == "cuda":
-        # float8 linears (tensorwise scales): torchao's styles gather the inputs already cast to
-        # float8. (gloo has no float8 collectives: on CPU the float8 linears are split as any
+        # float8 linears (tensorwise scales): torchao's styles (their weights' float8 casts
+        # split with them). (gloo has no float8 collectives: on CPU the float8 linears are split as any
         # linear, their DTensor inputs gathered in high precision and cast after.)
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     else:
@@ -219,7 +239,8 @@ def decoder_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *,
     """Our decoders' parallelize steps: with a ``tp`` dimension in the mesh, attention and
     dense feed-forward split over it with sequence parallel
     (:func:`apply_decoder_tensor_parallel`), then the default steps (LoRA before the split;
-    expert parallel, float8, checkpointing, compile, FSDP after it)."""
+    expert parallel, checkpointing, compile, FSDP after it; float8 converts the linears before
+    it)."""
     from torchtitan_lite.distributed.parallelize import default_parallelize
 
     def tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:

@@ -315,20 +315,29 @@ def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel
     units = fsdp_units(model, **spec.fsdp_units(model))
     if expert_parallel == 1 and tensor_parallel == 1:
         return units
-    from torchtitan_lite.models.moe import MoE
+    from torchtitan_lite.models.moe import GroupedExperts
 
-    def split(unit: FSDPUnit) -> tuple[int, int]:  # (experts' parameters, mixtures of experts' others)
-        layers = [sub for m in unit.modules for sub in m.modules() if isinstance(sub, MoE)]
-        experts = sum(p.numel() for layer in layers for p in layer.experts.parameters())
-        return experts, sum(p.numel() for layer in layers for p in layer.parameters()) - experts
+    split_ids = set()
+    if tensor_parallel > 1:
+        from torchtitan_lite.distributed.tensor_parallel import split_modules
+
+        split_ids = {id(p) for module in split_modules(model) for p in module.parameters()}
+
+    def sizes(unit: FSDPUnit) -> tuple[int, int, int]:  # (split over tp, experts, the rest: whole on every rank)
+        params = {id(p): p for m in unit.modules for p in m.parameters()}
+        experts = {id(p) for m in unit.modules for sub in m.modules() if isinstance(sub, GroupedExperts)
+                   for p in sub.parameters()}
+        split = sum(p.numel() for i, p in params.items() if i in split_ids)
+        expert = sum(params[i].numel() for i in experts if i in params)
+        return split, expert, unit.numel() - split - expert
 
     def gathered(unit: FSDPUnit) -> int:
-        experts, moe_rest = split(unit)  # (a mixture of experts runs whole on every tensor-parallel rank)
-        return (unit.numel() - experts - moe_rest) // tensor_parallel + moe_rest + experts // expert_parallel
+        split, experts, whole = sizes(unit)
+        return split // tensor_parallel + whole + experts // expert_parallel
 
     def held(unit: FSDPUnit) -> int:  # over the dp_shard ranks: every expert (the experts' mesh is dp_shard / ep)
-        experts, moe_rest = split(unit)
-        return (unit.numel() - experts - moe_rest) // tensor_parallel + moe_rest + experts
+        split, experts, whole = sizes(unit)
+        return split // tensor_parallel + whole + experts
 
     return [_PlanUnit(u.name, u.role, gathered(u), held(u)) for u in units]
 
@@ -496,7 +505,7 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
         costs[("op", j)] = op
         costs[("full", j)] = forward
     for i, unit in enumerate(units):
-        shard = unit.numel() / dp_shard
+        shard = getattr(unit, "held", unit.numel()) / dp_shard  # (what the unit's shard ranks hold)
         crossing = 2 * 4 * shard + (reduce_bytes * shard if trainable else 0.0)
         host_step = 28 * shard / grad_accum_steps if trainable else 0.0
         costs[("offload", i)] = crossing * HOST_LINK_FLOPS_PER_BYTE + host_step * HOST_OPTIMIZER_FLOPS_PER_BYTE

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         auto = plan.reshard_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
-        would = not auto and device_bytes is not None
+        # (not for expert parallel with compile, which does not take auto)
+        would = not auto and device_bytes is not None and not (plan.dims.ep > 1 and config.compile.enable)
         budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
