@@ -86,8 +86,8 @@ JOBS: dict[int, dict[str, list[str]]] = {
         "HSDP 2 x 2": _job(2, 128, "float32", "--parallelism.data_parallel_replicate_degree", "2"),
         # Data parallel 2 × tensor parallel 2 with selective checkpointing (the sequence's
         # all-gathers recomputed, the reduce-scatters kept; the logits split over the vocabulary).
-        "TP 2 x DP 2, selective": _job(2, 128, "float32", "--parallelism.tensor_parallel_degree", "2",
-                                       *AC["selective op"]),
+        "TP 2 x DP 2, selective": _job(1, 128, "float32", "--parallelism.tensor_parallel_degree", "2",
+                                       "--training.global_batch_size", "2", *AC["selective op"]),
     },
 }
 

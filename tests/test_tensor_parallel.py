@@ -75,14 +75,15 @@ def test_tensor_parallel_2_by_data_parallel_2_equals_one_process(tmp_path: Path,
     by columns over ``tp``, norms replicated over ``tp``; a mixture of experts' stacked weights,
     and a latent attention's down-projections, sharded over the data-parallel ranks only. With float8 linears (emulated) within 1e-3:
     float8's rounding of the split matmuls' partial sums."""
-    extra = [*_MODELS[model], "--training.global_batch_size", "2"]
+    steps = 4 if "float8" in model else 10  # (float8's check: 4 steps, for the suite's time)
+    extra = [*_MODELS[model], "--training.global_batch_size", "2", "--training.steps", str(steps)]
     ((reference, _),) = run_distributed(_losses_and_placements, 1,
                                         _argv(tmp_path / "one", "--training.local_batch_size", "2", *extra))
     ranks = run_distributed(_losses_and_placements, 4, _argv(tmp_path / "tp2", "--training.local_batch_size", "1",
                                                              "--parallelism.tensor_parallel_degree", "2", *extra))
     tolerance = 1e-3 if "float8" in model else 1e-5  # (float8 rounding turns summation-order differences into steps)
     for losses, _ in ranks:
-        assert len(losses) == 10
+        assert len(losses) == steps
         for a, b in zip(losses, reference, strict=True):
             assert abs(a - b) <= tolerance * abs(b), (losses, reference)
     placed = ranks[0][1]
