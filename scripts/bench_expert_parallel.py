@@ -50,37 +50,18 @@ def _worker(opts: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("ranks", 4), ("steps", 6), ("dim", 256), ("layers", 4), ("experts", 16), ("hidden", 512),
-                          ("top_k", 2), ("seq_len", 256), ("local_batch_size", 2), ("ep", 1)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--degrees", default="2,4")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--dump", default="/tmp/bench_expert_parallel")
-    opts = parser.parse_args()
+    from benchmark import sweep, sweep_parser
+
+    opts = sweep_parser(__doc__.splitlines()[0], {"ranks": 4, "steps": 6, "dim": 256, "layers": 4, "experts": 16, "hidden": 512, "top_k": 2,
+                                    "seq_len": 256, "local_batch_size": 2, "ep": 1},
+                        "/tmp/bench_expert_parallel").parse_args()
     if opts.worker:
         _worker(opts)
         return
-    from benchmark import run_variants
-
-    forwarded = [f"--{k}={getattr(opts, k)}" for k in ("steps", "dim", "layers", "experts", "hidden", "top_k",
-                                                         "seq_len", "local_batch_size")]
-    degrees = [1, *(int(d) for d in opts.degrees.split(","))]
-    rows = list(run_variants(__file__, opts.ranks, {f"ep{ep}": [f"--ep={ep}", *forwarded] for ep in degrees},
-                             opts.dump).values())
-    base = rows[0]
-    print(f"{opts.ranks} ranks, {base['params'] / 1e6:.1f}M parameters ({base['active'] / 1e6:.1f}M active), "
-          f"{opts.experts} experts top-{opts.top_k}, local batch {opts.local_batch_size} x seq {opts.seq_len}, fp32")
-    kinds = sorted({k for r in rows for k in r["mib_per_step"]})
-    print(f"{'ep':>3} {'step s':>8} {'vs ep 1':>8} " + " ".join(f"{k + ' MiB':>18}" for k in kinds) + f" {'total MiB':>10}")
-    for r in rows:
-        total = sum(r["mib_per_step"].values())
-        print(f"{r['ep']:>3} {r['step_s']:8.3f} {base['step_s'] / r['step_s']:8.2f} "
-              + " ".join(f"{r['mib_per_step'].get(k, 0.0):18.2f}" for k in kinds) + f" {total:10.2f}")
-    if opts.json:
-        Path(opts.json).write_text(json.dumps({"config": vars(opts), "rows": rows}, indent=2) + "\n")
+    sweep(__file__, opts, "ep", ("steps", "dim", "layers", "experts", "hidden", "top_k", "seq_len", "local_batch_size"),
+          f"{opts.ranks} ranks, {{params:.1f}}M parameters ({{active:.1f}}M active), {opts.experts} experts "
+          f"top-{opts.top_k}, local batch {opts.local_batch_size} x seq {opts.seq_len}, fp32",
+          lambda r: r["ep"], "ep")
 
 
 if __name__ == "__main__":

@@ -49,38 +49,18 @@ def _worker(opts: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("ranks", 4), ("steps", 6), ("dim", 512), ("layers", 4), ("heads", 8), ("seq_len", 512),
-                          ("global_batch", 4), ("tp", 1)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--degrees", default="2,4")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--dump", default="/tmp/bench_tensor_parallel")
-    opts = parser.parse_args()
+    from benchmark import sweep, sweep_parser
+
+    opts = sweep_parser(__doc__.splitlines()[0], {"ranks": 4, "steps": 6, "dim": 512, "layers": 4, "heads": 8, "seq_len": 512,
+                                    "global_batch": 4, "tp": 1},
+                        "/tmp/bench_tensor_parallel").parse_args()
     if opts.worker:
         _worker(opts)
         return
-    from benchmark import run_variants
-
-    forwarded = [f"--{k}={getattr(opts, k)}" for k in ("ranks", "steps", "dim", "layers", "heads", "seq_len",
-                                                         "global_batch")]
-    degrees = [1, *(int(d) for d in opts.degrees.split(","))]
-    rows = list(run_variants(__file__, opts.ranks, {f"tp{tp}": [f"--tp={tp}", *forwarded] for tp in degrees},
-                             opts.dump).values())
-    base = rows[0]
-    print(f"{opts.ranks} ranks, {base['params'] / 1e6:.1f}M parameters (dim {opts.dim}, {opts.layers} layers, "
-          f"{opts.heads} heads), global batch {opts.global_batch} x seq {opts.seq_len}, fp32")
-    kinds = sorted({k for r in rows for k in r["mib_per_step"]})
-    print(f"{'dp x tp':>8} {'step s':>8} {'vs FSDP':>8} " + " ".join(f"{k + ' MiB':>18}" for k in kinds)
-          + f" {'total MiB':>10}")
-    for r in rows:
-        total = sum(r["mib_per_step"].values())
-        print(f"{r['dp']:>4} x {r['tp']:<1} {r['step_s']:8.3f} {base['step_s'] / r['step_s']:8.2f} "
-              + " ".join(f"{r['mib_per_step'].get(k, 0.0):18.2f}" for k in kinds) + f" {total:10.2f}")
-    if opts.json:
-        Path(opts.json).write_text(json.dumps({"config": vars(opts), "rows": rows}, indent=2) + "\n")
+    sweep(__file__, opts, "tp", ("ranks", "steps", "dim", "layers", "heads", "seq_len", "global_batch"),
+          f"{opts.ranks} ranks, {{params:.1f}}M parameters (dim {opts.dim}, {opts.layers} layers, {opts.heads} "
+          f"heads), global batch {opts.global_batch} x seq {opts.seq_len}, fp32",
+          lambda r: f"{r['dp']} x {r['tp']}", "dp x tp")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,44 @@ def timed_collectives(trainer: Any, steps: int) -> dict[str, Any]:
             "calls_per_step": {k: v / steps for k, v in counter.calls.items()}}
 
 
+def sweep_parser(description: str, options: dict[str, int], dump: str) -> argparse.ArgumentParser:
+    """The arguments of a degree sweep (``bench_expert_parallel.py``, ``bench_tensor_parallel.py``):
+    the integer ``options`` with their defaults, ``--degrees``, ``--json`` and the worker's own."""
+    parser = argparse.ArgumentParser(description=description)
+    for name, default in options.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--degrees", default="2,4")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--dump", default=dump)
+    return parser
+
+
+def sweep(script: str, opts: argparse.Namespace, degree: str, forwarded: tuple[str, ...], title: str,
+          label: Any, header: str) -> None:
+    """Run ``script``'s worker at ``--{degree}=1`` and each of ``opts.degrees`` (with the
+    ``forwarded`` options), print ``title`` and one row per run (``label(row)``, the median step
+    time, its speed against the first run, the MiB of each kind of collective per step, their
+    total; ``title`` may use the first run's ``{params}`` and ``{active}`` in millions), and
+    write them to ``opts.json`` if given."""
+    args = [f"--{k}={getattr(opts, k)}" for k in forwarded]
+    degrees = [1, *(int(d) for d in opts.degrees.split(","))]
+    rows = list(run_variants(script, opts.ranks, {f"{degree}{d}": [f"--{degree}={d}", *args] for d in degrees},
+                             opts.dump).values())
+    base = rows[0]
+    print(title.format(params=base["params"] / 1e6, active=base.get("active", 0) / 1e6))
+    kinds = sorted({k for r in rows for k in r["mib_per_step"]})
+    print(f"{header} {'step s':>8} {'speed':>8} " + " ".join(f"{k + ' MiB':>18}" for k in kinds)
+          + f" {'total MiB':>10}")
+    for r in rows:
+        total = sum(r["mib_per_step"].values())
+        print(f"{label(r):>{len(header)}} {r['step_s']:8.3f} {base['step_s'] / r['step_s']:8.2f} "
+              + " ".join(f"{r['mib_per_step'].get(k, 0.0):18.2f}" for k in kinds) + f" {total:10.2f}")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"config": vars(opts), "rows": rows}, indent=2) + "\n")
+
+
 def run_variants(script: str, ranks: int, variants: dict[str, list[str]], dump: str) -> dict[str, Any]:
     """Run ``script --worker --out=FILE ARGS`` on ``ranks`` gloo processes (torchrun, one
     thread each) once per variant (name → ARGS); each variant's rank 0 writes its figures as

@@ -288,3 +288,15 @@ def one_error_line(result: Any, code: int = 2) -> str:
     assert result.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), \
         (result.returncode, result.stderr)
     return lines[0]
+
+
+def refused_lines(argv: list[str], capsys: Any) -> list[str]:
+    """``torchtitan_lite.train.main(argv)`` in this process: it must exit 2 without leaving a
+    process group; the non-empty lines it wrote to stderr (``capsys``: pytest's fixture)."""
+    import torch.distributed as dist
+
+    from torchtitan_lite import train
+
+    assert train.main(argv) == 2
+    assert not dist.is_initialized()
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -71,15 +71,22 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         logits, lse, safe, valid = ctx.saved_tensors
-        scale = grad.float() * valid  # per row: the upstream gradient, 0 for ignored rows
-        out = torch.empty_like(logits)
-        rows = ctx.rows
-        for start in _chunk_starts(logits, rows):
-            end = start + rows
-            chunk = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
-            chunk.scatter_add_(1, safe[start:end, None], torch.full_like(lse[start:end, None], -1.0))  # - one_hot
-            out[start:end] = chunk.mul_(scale[start:end, None])  # in fp32, then the logits' dtype
-        return out, None
+        return _softmax_minus_one_hot(logits, lse, safe, valid, grad * valid, ctx.rows), None
+
+
+def _softmax_minus_one_hot(logits: torch.Tensor, lse: torch.Tensor, safe: torch.Tensor, hit: torch.Tensor,
+                           scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """The loss's gradient, a chunk of ``rows`` rows at a time: ``(softmax - one_hot) · scale``
+    per row (``scale``: the upstream gradient, 0 for ignored rows), the one-hot at column
+    ``safe`` where ``hit``; in fp32, then the logits' dtype."""
+    scale, minus_one = scale.float(), -hit.float()[:, None]
+    out = torch.empty_like(logits)
+    for start in _chunk_starts(logits, rows):
+        end = start + rows
+        chunk = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
+        chunk.scatter_add_(1, safe[start:end, None], minus_one[start:end])
+        out[start:end] = chunk.mul_(scale[start:end, None])
+    return out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -116,17 +123,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        logits, lse, safe, valid, local = ctx.saved_tensors
-        scale = grad.float() * valid
-        hit = -local.float()[:, None]  # - one_hot where the label is one of this rank's columns
-        out = torch.empty_like(logits)
-        rows = ctx.rows
-        for start in _chunk_starts(logits, rows):
-            end = start + rows
-            chunk = (logits[start:end].float() - lse[start:end, None]).exp_()
-            chunk.scatter_add_(1, safe[start:end, None], hit[start:end])
-            out[start:end] = chunk.mul_(scale[start:end, None])
-        return out, None, None, None
+        logits, lse, safe, valid, local = ctx.saved_tensors  # (the one-hot: only where the label is ours)
+        return _softmax_minus_one_hot(logits, lse, safe, local, grad * valid, ctx.rows), None, None, None
 
 
 def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:

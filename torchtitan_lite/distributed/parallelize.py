@@ -84,10 +84,7 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     if isinstance(mesh, ParallelMesh) and "tp" in mesh.names:
         if tensor_parallel is None:
             raise ValueError(f"model family {spec.name!r} has no tensor-parallel plan")
-        trainable = {name: p.requires_grad for name, p in model.named_parameters()}
         tensor_parallel(model, mesh["tp"])
-        for name, p in model.named_parameters():  # (PyTorch's styles make every parameter they replace trainable)
-            p.requires_grad_(trainable[name])
     if isinstance(mesh, ParallelMesh) and "ep" in mesh.names:  # a mixture of experts' experts over mesh["ep"]
         from torchtitan_lite.distributed.expert_parallel import shard_experts
 

@@ -117,8 +117,7 @@ def _split_linear(table: dict[str, dict[str, tuple[int, ...]]], src_data_rank: A
         dims = table[name][param_name]
         placement = Shard(dims[0]) if dims else Replicate()
         module.register_parameter(param_name, nn.Parameter(
-            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
-            requires_grad=param.requires_grad))
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)))
 
 
 def _styles() -> tuple[type, type]:
@@ -148,7 +147,17 @@ def _linear_style(module: nn.Module, style: type, float8_style: type | None, **k
 def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> None:
     """Split a :class:`~torchtitan_lite.models.decoder.Decoder` built on the meta device over
     ``tp_mesh`` (see the module's docstring) in place. ``loss_parallel``: the logits stay split
-    over the vocabulary (a DTensor ``Shard(-1)``), else they are gathered (a plain tensor)."""
+    over the vocabulary (a DTensor ``Shard(-1)``), else they are gathered (a plain tensor).
+    Which parameters train is kept (a LoRA job's frozen base stays frozen: PyTorch's styles
+    register every parameter they distribute as trainable)."""
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    _split_decoder(model, tp_mesh, loss_parallel=loss_parallel)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable[name])
+
+
+def _split_decoder(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> None:
+    """:func:`apply_decoder_tensor_parallel`'s plan, applied."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         PrepareModuleInput,
