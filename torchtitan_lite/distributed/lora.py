@@ -69,12 +69,16 @@ EXPERTS_TARGET = "experts"
 """The ``lora.target_modules`` entry that adapts a mixture of experts' stacked expert weights."""
 
 
-def _check_settings(rank: Any, alpha: Any, dropout: Any) -> None:
-    """``ValueError`` naming the first setting that is not allowed (the ``[lora]`` keys' rule)."""
+def _check_settings(rank: Any, alpha: Any, dropout: Any, *, experts: bool = False) -> None:
+    """``ValueError`` naming the first setting that is not allowed (the ``[lora]`` keys' rule;
+    with ``experts`` adapted, no dropout)."""
     problem = lora_settings_problem(rank, alpha, dropout)
     if problem is not None:
         key, value, allowed = problem
         raise ValueError(f"{key}: invalid value {value!r}; {allowed}")
+    if experts and dropout:
+        raise ValueError(f"lora.dropout: invalid value {dropout!r}; LoRA on the experts adapts their stacked "
+                         "weights, which has no dropout (as PEFT's target_parameters); expected 0")
 
 
 class LoRAWeight(nn.Module):
@@ -215,12 +219,9 @@ def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: fl
     (one line) for a setting that is not allowed, a name that is no linear of the model, or a
     layer that is adapted already.
     """
-    _check_settings(rank, alpha, dropout)
+    _check_settings(rank, alpha, dropout, experts=bool(experts))
     if not linears and not experts:
         raise ValueError("lora: no linears to adapt")
-    if experts and dropout:
-        raise ValueError(f"lora.dropout: invalid value {dropout!r}; LoRA on the experts adapts their stacked "
-                         "weights, which has no dropout (as PEFT's target_parameters); expected 0")
     modules = dict(model.named_modules())
     stacks = set(expert_stacks(model))
     for name in experts:
@@ -316,7 +317,7 @@ class LoRASetup:
     """A Hugging Face export holds the merged weights instead of a PEFT adapter folder."""
 
     def __post_init__(self) -> None:
-        _check_settings(self.rank, self.alpha, self.dropout)
+        _check_settings(self.rank, self.alpha, self.dropout, experts=bool(self.experts))
 
     @classmethod
     def for_model(cls, model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
@@ -329,9 +330,6 @@ class LoRASetup:
         experts = expert_stacks(model) if EXPERTS_TARGET in target_modules else ()
         if EXPERTS_TARGET in target_modules and not experts:
             raise ValueError(f"{EXPERTS_TARGET!r} names no mixture-of-experts layer of the model")
-        if experts and dropout:
-            raise ValueError(f"lora.dropout: invalid value {dropout!r}; LoRA on the experts adapts their stacked "
-                             "weights, which has no dropout (as PEFT's target_parameters); expected 0")
         return cls(rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(target_modules),
                    linears=linears, experts=experts, merge_on_export=merge_on_export)
 

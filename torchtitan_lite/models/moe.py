@@ -391,10 +391,11 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
     return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
 
 
-def expert_counts(routing: Routing, num_experts: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Tokens routed to each expert in one forward, ``(experts,)`` (by ``scatter_add``: a static
-    shape, unlike ``bincount``'s, for torch.compile)."""
-    flat = routing.indices.reshape(-1)
+def expert_counts(routing: Routing | torch.Tensor, num_experts: int, *,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tokens routed to each expert in one forward (its ``Routing``, or the routed indices),
+    ``(experts,)`` (by ``scatter_add``: a static shape, unlike ``bincount``'s, for torch.compile)."""
+    flat = (routing if isinstance(routing, torch.Tensor) else routing.indices).reshape(-1)
     return torch.zeros(num_experts, dtype=dtype, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=dtype))
 
@@ -424,6 +425,5 @@ def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], 
     (``load_balancing_loss_func`` without an attention mask) over every MoE layer's tokens at
     once (:func:`balancing_loss`)."""
     all_indices = torch.cat(indices)
-    counts = torch.zeros(num_experts, device=all_indices.device).scatter_add_(
-        0, all_indices.reshape(-1), torch.ones(all_indices.numel(), device=all_indices.device))
-    return balancing_loss(counts, torch.cat(probs).sum(dim=0), all_indices.shape[0], num_experts)
+    return balancing_loss(expert_counts(all_indices, num_experts), torch.cat(probs).sum(dim=0), all_indices.shape[0],
+                          num_experts)
