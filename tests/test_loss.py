@@ -34,6 +34,7 @@ def test_chunked_cross_entropy_equals_torch(monkeypatch: pytest.MonkeyPatch, dty
 
 
 def test_chunks_are_few_rows_on_a_cpu_and_eighths_elsewhere() -> None:
-    assert loss._chunk_rows(torch.empty(8192, 128256)) == 8  # 4 MiB of fp32: in cache
+    # (an expanded row: the shape of 8192 × 128256 logits on the CPU without allocating 4 GiB)
+    assert loss._chunk_rows(torch.empty(1, 128256).expand(8192, -1)) == 8  # 4 MiB of fp32: in cache
     assert loss._chunk_rows(torch.empty(8192, 128256, device="meta")) == 1024  # 8 chunks: few launches
     assert loss._chunk_rows(torch.empty(16, 258, device="meta")) == 4064  # small logits: one chunk
