@@ -1,12 +1,16 @@
-"""Mixture-of-experts feed-forward speed: grouped matrix products (``torch._grouped_mm``) against
-the loop over experts, forward + backward, as ratios in one run.
+"""Mixture-of-experts feed-forward: grouped matrix products (``torch._grouped_mm``) against the
+loop over experts, forward + backward, outputs and speed, as ratios in one run.
 
-    python scripts/bench_moe.py [--tokens 4096] [--dim 512] [--hidden 1024] [--experts 16] [--top_k 2]
-                                [--rounds 5] [--json PATH]
+    python scripts/bench_moe.py [--device cpu|cuda] [--dtype float32|bfloat16] [--tokens 4096]
+                                [--dim 512] [--hidden 1024] [--experts 16] [--top_k 2]
+                                [--rounds 5] [--steps 3] [--json PATH]
 
-The same weights and tokens for both; each round times ``--steps`` forward+backward passes of each,
-alternating, and the medians are reported with their ratio (loop time / grouped time: above 1,
-grouped is faster).
+The same weights and tokens for both; the outputs and the weights' gradients of one pass are
+compared first (``max_rel_diff``: the largest difference over the largest magnitude, per
+tensor), then each round times ``--steps`` forward+backward passes of each, alternating, and the
+medians are reported with their ratio (loop time / grouped time: above 1, grouped is faster).
+On CUDA the passes are timed between synchronisations and ``--dtype`` defaults to bfloat16 (the
+dtype the trainer computes in there).
 """
 
 from __future__ import annotations
@@ -22,41 +26,79 @@ import torch
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 
 
+def _pass(model: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(x)
+    out.float().square().mean().backward()
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 4096), ("dim", 512), ("hidden", 1024), ("experts", 16), ("top_k", 2),
                           ("rounds", 5), ("steps", 3)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
-    if not grouped_mm_available("cpu"):
-        raise SystemExit("torch._grouped_mm does not run on this CPU build")
-    torch.manual_seed(0)
+    device = torch.device(opts.device)
+    dtype = getattr(torch, opts.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if not grouped_mm_available(device.type, dtype):
+        raise SystemExit(f"torch._grouped_mm does not run on {device.type} in {dtype} with this torch "
+                         f"({torch.__version__})")
     models = {}
     for name, grouped in (("grouped", True), ("loop", False)):
         torch.manual_seed(0)
         model = MoE(opts.dim, opts.hidden, opts.experts, opts.top_k, use_grouped_mm=grouped)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        models[name] = model
-    x = torch.randn(1, opts.tokens, opts.dim)
+        models[name] = model.to(device=device, dtype=dtype)
+    x = torch.randn(1, opts.tokens, opts.dim, device=device, dtype=dtype)
+    (out_g, grads_g), (out_l, grads_l) = _pass(models["grouped"], x), _pass(models["loop"], x)
+    diffs = {"output": _max_rel_diff(out_g, out_l),
+             "grads": max(_max_rel_diff(g, ref) for g, ref in zip(grads_g, grads_l, strict=True))}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for model in models.values():  # warm-up (kernel selection, caches)
+        _pass(model, x)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(opts.rounds):
         for name, model in models.items():
+            sync()
             start = time.perf_counter()
             for _ in range(opts.steps):
                 out = model(x)
                 out.backward(torch.ones_like(out))
                 model.zero_grad(set_to_none=True)
+            sync()
             times[name].append((time.perf_counter() - start) / opts.steps)
     grouped, loop = statistics.median(times["grouped"]), statistics.median(times["loop"])
-    result = {"shape": vars(opts), "threads": torch.get_num_threads(), "grouped_s": round(grouped, 4),
-              "loop_s": round(loop, 4), "loop_over_grouped": round(loop / grouped, 3)}
-    print(f"{opts.tokens} tokens, dim {opts.dim}, hidden {opts.hidden}, {opts.experts} experts, top-{opts.top_k}: "
-          f"grouped {1e3 * grouped:.1f} ms, loop {1e3 * loop:.1f} ms per forward+backward "
-          f"(loop / grouped = {loop / grouped:.2f})")
+    result = {"shape": {k: v for k, v in vars(opts).items() if k != "json"}, "device": _device_name(device),
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "max_rel_diff": diffs, "grouped_s": round(grouped, 6),
+              "loop_s": round(loop, 6), "loop_over_grouped": round(loop / grouped, 3)}
+    print(f"{result['device']}, {result['dtype']}: {opts.tokens} tokens, dim {opts.dim}, hidden {opts.hidden}, "
+          f"{opts.experts} experts, top-{opts.top_k}: grouped {1e3 * grouped:.2f} ms, loop {1e3 * loop:.2f} ms "
+          f"per forward+backward (loop / grouped = {loop / grouped:.2f}); grouped vs loop: output "
+          f"{diffs['output']:.2e}, gradients {diffs['grads']:.2e} (max difference / max magnitude)")
     if opts.json:
         Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
 if __name__ == "__main__":

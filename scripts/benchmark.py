@@ -518,33 +518,60 @@ AC_RUNS = {"none": ["--activation_checkpoint.mode", "none"],
                            "--activation_checkpoint.selective_ac_option", "2"]}
 
 
-def _peak_argv(opts: argparse.Namespace, mode: str, ac: list[str], dump: str) -> list[str]:
+_AC_SHORT = {"none": "none", "full": "full", "op": "selective op", "2": "selective 2"}
+
+
+def _peak_cases(opts: argparse.Namespace) -> dict[str, tuple[str, str, bool]]:
+    """The peak part's runs, by label: ``(reshard mode, AC_RUNS key, CPU offload)``. ``--peak_cases``
+    is ``all`` (every mode × AC setting) or a comma list of ``MODE:AC[:offload]`` (AC: none, full,
+    op, 2; e.g. on one GPU, where only CPU offload shards the model, ``default:full,always:none:offload``)."""
+    if opts.peak_cases == "all":
+        cases = [(mode, label, False) for mode in MODES for label in AC_RUNS]
+    else:
+        cases = []
+        for item in opts.peak_cases.split(","):
+            mode, _, rest = item.partition(":")
+            ac, _, offload = rest.partition(":")
+            if mode not in MODES or ac not in _AC_SHORT or offload not in ("", "offload"):
+                raise SystemExit(f"--peak_cases: invalid case {item!r}; expected MODE:AC[:offload] with MODE one of "
+                                 f"{', '.join(MODES)} and AC one of {', '.join(_AC_SHORT)}")
+            cases.append((mode, _AC_SHORT[ac], offload == "offload"))
+    return {f"{mode} / {label}{' / cpu offload' if offload else ''}": (mode, label, offload)
+            for mode, label, offload in cases}
+
+
+def _peak_argv(opts: argparse.Namespace, mode: str, ac: list[str], dump: str, offload: bool = False) -> list[str]:
     return _job_args(argparse.Namespace(**{**vars(opts), "dump": dump}), "--parallelism.reshard_after_forward_mode",
-                     mode, *ac, param_dtype=opts.param_dtypes.split(",")[0])
+                     mode, *ac, *(["--training.enable_cpu_offload"] if offload else []),
+                     param_dtype=opts.param_dtypes.split(",")[0])
 
 
 def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
     """Measured peak per rank of each reshard mode × AC setting (see the module docstring)."""
+    import torch
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.trainer import trainer_step_peak
 
     out = {}
-    for mode in MODES:
-        for label, ac in AC_RUNS.items():
-            # The allocator's own figures, from before the model exists, over the second step.
-            peak, trainer = trainer_step_peak(load_job_config(
-                _peak_argv(opts, mode, ac, str(Path(opts.dump) / f"{mode}_{label}"))))
-            how = ("torch.cuda.max_memory_allocated" if trainer.device.type == "cuda"
-                   else "the CPU allocator's total, reported to torch.profiler")
-            tracked = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak"]["total"]
-            out[f"{mode} / {label}"] = {"mode": mode, "ac": label, "peak": peak, "measured_by": how,
-                                        "tracker_peak": tracked}
-            trainer.metrics.close()
-            del trainer
-            dist.barrier()
+    for key, (mode, label, offload) in _peak_cases(opts).items():
+        # The allocator's own figures, from before the model exists, over the second step.
+        dump = str(Path(opts.dump) / key.replace(" / ", "_").replace(" ", "_"))
+        peak, trainer = trainer_step_peak(load_job_config(_peak_argv(opts, mode, AC_RUNS[label], dump, offload)))
+        how = ("torch.cuda.max_memory_allocated" if trainer.device.type == "cuda"
+               else "the CPU allocator's total, reported to torch.profiler")
+        tracked = None  # FSDPMemTracker's own peak on the compute device; it tracks FSDP models only
+        if isinstance(trainer.model, FSDPModule):
+            by_device = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak_by_device"]
+            tracked = next((v for d, v in by_device.items() if torch.device(d).type == trainer.device.type), None)
+        out[key] = {"mode": mode, "ac": label, "cpu_offload": offload, "peak": peak, "measured_by": how,
+                    "tracker_peak": tracked}
+        trainer.metrics.close()
+        del trainer
+        dist.barrier()
     return out
 
 
@@ -568,7 +595,7 @@ def _worker_float8(opts: argparse.Namespace) -> dict[str, Any]:
     emulate = float8_unavailable(choose_device(), emulate=False) is not None
     out = {}
     for label, argv in FLOAT8_RUNS.items():
-        for compiled in (False, True):
+        for compiled in [mode == "compiled" for mode in opts.float8_modes.split(",")]:
             extra = [*argv, *(["--float8.emulate"] if argv and emulate else []),
                      *(["--compile.enable"] if compiled else []), "--lr_scheduler.warmup_steps", "10"]
             name = f"{label}{' compiled' if compiled else ''}"
@@ -616,8 +643,11 @@ def _trainer_loss(trainer: Any) -> Any:
 def _peak_estimates(opts: argparse.Namespace) -> dict[str, int]:
     """The estimator's peak per rank for each run of :func:`_worker_peak`."""
     with tempfile.TemporaryDirectory() as tmp:
-        return {f"{mode} / {label}": _job_estimate(_peak_argv(opts, mode, ac, tmp), opts.peak_ranks).peak
-                for mode in MODES for label, ac in AC_RUNS.items()}
+        # On a GPU the accelerator's share (with CPU offload, the offloaded state is on CPU and
+        # max_memory_allocated does not see it); on CPU the allocator sees every byte.
+        estimates = {key: _job_estimate(_peak_argv(opts, mode, AC_RUNS[label], tmp, offload), opts.peak_ranks)
+                     for key, (mode, label, offload) in _peak_cases(opts).items()}
+        return {key: e.device_peak if torch.cuda.is_available() else e.peak for key, e in estimates.items()}
 
 
 def _ac_args(opts: argparse.Namespace) -> argparse.Namespace:
@@ -895,6 +925,9 @@ def main() -> None:
     parser.add_argument("--single_vocab_sizes", default="128256",
                         help="single part: vocabulary sizes run in fp32 besides the flavor's (comma list; '' for none)")
     parser.add_argument("--float8_steps", type=int, default=100, help="float8 part: steps per run")
+    parser.add_argument("--float8_modes", default="eager,compiled", help="float8 part: eager, compiled or both")
+    parser.add_argument("--peak_cases", default="all",
+                        help="peak part: all, or a comma list of MODE:AC[:offload] (AC: none, full, op, 2)")
     parser.add_argument("--json", default=None, help="write every figure here")
     # worker-side (internal)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -904,7 +937,8 @@ def main() -> None:
     parser.add_argument("--naive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--budgets", help=argparse.SUPPRESS)
     opts = parser.parse_args()
-    for name, allowed in (("param_dtypes", ("float32", "bfloat16")), ("cpu_offload", ("off", "on"))):
+    for name, allowed in (("param_dtypes", ("float32", "bfloat16")), ("cpu_offload", ("off", "on")),
+                          ("float8_modes", ("eager", "compiled"))):
         values = getattr(opts, name).split(",")
         if not values or not set(values) <= set(allowed):
             parser.error(f"--{name}: invalid value {getattr(opts, name)!r}; expected a comma list of "
@@ -1046,19 +1080,21 @@ def main() -> None:
                   f"free: {c['ratio_bound']:.2f}")
     if "peak" in opts.parts.split(","):
         estimates = _peak_estimates(opts)
-        peaks = _launch(["peak"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks))["peak"][0]
+        peaks = _launch(["peak"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks),
+                        "--peak_cases", opts.peak_cases)["peak"][0]
         for key, r in peaks.items():
             r["estimated_peak"] = estimates[key]
         figures["peak"] = peaks
         print(f"\npeak per rank, estimated against measured ({opts.peak_ranks} rank(s), {opts.flavor}, seq_len "
               f"{opts.seq_len}, local batch {opts.local_batch_size}, {opts.param_dtypes.split(',')[0]}; "
               f"measured with {next(iter(peaks.values()))['measured_by']})")
-        print(f"{'reshard / AC':24} {'measured MiB':>12} {'estimate MiB':>12} {'est./meas.':>10} "
+        print(f"{'reshard / AC':36} {'measured MiB':>12} {'estimate MiB':>12} {'est./meas.':>10} "
               f"{'tracker MiB':>11} {'est./tracker':>12}")
         for key, r in peaks.items():
-            print(f"{key:24} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
-                  f"{r['estimated_peak'] / r['peak']:10.3f} {r['tracker_peak'] / 2**20:11.1f} "
-                  f"{r['estimated_peak'] / r['tracker_peak']:12.3f}")
+            print(f"{key:36} {r['peak'] / 2**20:12.1f} {r['estimated_peak'] / 2**20:12.1f} "
+                  f"{r['estimated_peak'] / r['peak']:10.3f} "
+                  + (f"{r['tracker_peak'] / 2**20:11.1f} {r['estimated_peak'] / r['tracker_peak']:12.3f}"
+                     if r["tracker_peak"] else f"{'-':>11} {'-':>12}"))
     if "single" in opts.parts.split(","):
         single = _launch(["single"], 1, opts)["single"][0]
         figures["single"] = single
@@ -1070,7 +1106,7 @@ def main() -> None:
                   + ", ".join(f"{x:.3f}" for x in r["round_ratios"]))
     if "float8" in opts.parts.split(","):
         runs = _launch(["float8"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks),
-                       "--float8_steps", str(opts.float8_steps))["float8"][0]
+                       "--float8_steps", str(opts.float8_steps), "--float8_modes", opts.float8_modes)["float8"][0]
         figures["float8"] = runs
         print(f"\nfloat8 ({opts.peak_ranks} rank(s), {opts.flavor}, seq_len {opts.seq_len}, local batch "
               f"{opts.local_batch_size}, {opts.param_dtypes.split(',')[0]}, {opts.float8_steps} steps"

@@ -192,6 +192,10 @@ def _restarted_like_uninterrupted(runs: list[list[dict[str, Any]]], device: str)
 CASES: list[TestCase] = [
     TestCase("single_rank", "one process: the plain FSDP path without collectives across ranks",
              [[]], ngpu=1),
+    TestCase("single_rank_bf16_resume", "one process in bf16 (autocast over fp32 weights): save every 2 steps "
+             "for 4 steps, then resume from step 4 to step 8",
+             [[*_CKPT, "--training.mixed_precision_param", "bfloat16", "--training.steps", "4"],
+              [*_CKPT, "--training.mixed_precision_param", "bfloat16", "--training.steps", "8"]], ngpu=1),
     TestCase("default_reshard", "FSDP over 2 ranks, reshard_after_forward_mode default",
              [["--parallelism.reshard_after_forward_mode", "default"]]),
     TestCase("reshard_never", "reshard_after_forward_mode never (parameters kept from forward to backward)",
