@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -536,6 +537,8 @@ def _peak_cases(opts: argparse.Namespace) -> dict[str, tuple[str, str, bool]]:
                 raise SystemExit(f"--peak_cases: invalid case {item!r}; expected MODE:AC[:offload] with MODE one of "
                                  f"{', '.join(MODES)} and AC one of {', '.join(_AC_SHORT)}")
             cases.append((mode, _AC_SHORT[ac], offload == "offload"))
+    # CPU offload first: the first trainer creates the process group, and offload needs its CPU backend
+    cases.sort(key=lambda case: not case[2])
     return {f"{mode} / {label}{' / cpu offload' if offload else ''}": (mode, label, offload)
             for mode, label, offload in cases}
 
@@ -563,12 +566,17 @@ def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
         peak, trainer = trainer_step_peak(load_job_config(_peak_argv(opts, mode, AC_RUNS[label], dump, offload)))
         how = ("torch.cuda.max_memory_allocated" if trainer.device.type == "cuda"
                else "the CPU allocator's total, reported to torch.profiler")
-        tracked = None  # FSDPMemTracker's own peak on the compute device; it tracks FSDP models only
-        if isinstance(trainer.model, FSDPModule):
+        # FSDPMemTracker's own peak (it tracks FSDP models only), on CPU, where the allocator's
+        # figure comes from the profiler; on a GPU max_memory_allocated is the reference and the
+        # tracker's extra steps (slow with CPU offload at 1B) are left out.
+        tracked = None
+        if isinstance(trainer.model, FSDPModule) and trainer.device.type == "cpu":
             by_device = measure_step_memory(trainer.model, trainer.optimizer, _trainer_loss(trainer))["peak_by_device"]
             tracked = next((v for d, v in by_device.items() if torch.device(d).type == trainer.device.type), None)
         out[key] = {"mode": mode, "ac": label, "cpu_offload": offload, "peak": peak, "measured_by": how,
                     "tracker_peak": tracked}
+        if dist.get_rank() == 0:  # as it goes: a run cut short keeps the cases it measured in its log
+            print(f"peak case {key}: measured {peak / 2**20:.1f} MiB ({how})", flush=True)
         trainer.metrics.close()
         del trainer
         dist.barrier()
@@ -636,6 +644,7 @@ def _trainer_loss(trainer: Any) -> Any:
     """A ``loss_fn`` for ``measure_step_memory``: the trainer's next batch through its model and loss."""
     def loss_fn() -> Any:
         (inputs, labels), = trainer.loader.next_batch()
+        inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
         return trainer.loss_fn(trainer.model(inputs), labels) / labels.numel()
     return loss_fn
 
@@ -853,15 +862,19 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
                "--cpu_offload", opts.cpu_offload, "--ac_seq_len", str(opts.ac_seq_len),
                "--single_vocab_sizes", opts.single_vocab_sizes, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        # stdout passes through (the workers' progress lines); stderr is kept for the failure line
+        done = subprocess.run(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, timeout=1800)
         if done.returncode != 0:
             # The ranks' tracebacks are in torchrun's stderr, before its own summary: keep it all.
             log = Path(tempfile.gettempdir()) / f"benchmark_{worker.replace(',', '_')}_{nproc}_ranks.stderr.txt"
             log.write_text(done.stderr)
             # A Python error names itself; a rank killed in C++ shows only torchrun's signal line.
-            ranks = [line for line in done.stderr.splitlines()
-                     if ("Error" in line and "ChildFailedError" not in line) or "terminate called" in line
-                     or "Signal " in line]
+            # The exception's own line ("...Error: message") names the cause best; the first line
+            # mentioning an error is often only the `raise` of a traceback.
+            lines = done.stderr.splitlines()
+            named = [line for line in lines if re.search(r"\w(Error|Exception): ", line) and "ChildFailedError" not in line]
+            ranks = named or [line for line in lines if ("Error" in line and "ChildFailedError" not in line)
+                              or "terminate called" in line or "Signal " in line]
             raise SystemExit(f"error: benchmark part(s) {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
                              f"{(ranks or [''])[0].strip()} (torchrun's stderr: {log})")
         gathered = json.loads(out.read_text())  # per rank: {part: result}
@@ -1080,6 +1093,8 @@ def main() -> None:
                   f"free: {c['ratio_bound']:.2f}")
     if "peak" in opts.parts.split(","):
         estimates = _peak_estimates(opts)
+        for key, estimate in estimates.items():  # before the runs: a run cut short still pairs them in its log
+            print(f"peak case {key}: estimated {estimate / 2**20:.1f} MiB", flush=True)
         peaks = _launch(["peak"], opts.peak_ranks, opts, "--peak_ranks", str(opts.peak_ranks),
                         "--peak_cases", opts.peak_cases)["peak"][0]
         for key, r in peaks.items():

@@ -42,7 +42,6 @@ for s in ${ONLY//,/ }; do
 done
 OUT=${OUT:-/tmp/gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
-mkdir -p "$OUT" "$WORK"
 LOG=$OUT/gpu_check.log
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -66,7 +65,7 @@ tar -cf $OUT/cuda_losses.tar -C $WORK/losses .; exit \$rc"
 add compare 230 120 "$PY scripts/compare_torchtitan.py --rows 1B,1B_compile --steps 20 --skip_steps 8 --corpus_mb 4 \
 --workdir $WORK/compare --timeout 150 --json $OUT/compare_1b.json; rc=\$?; \
 for f in $WORK/compare/runs/*/*.log; do echo \"--- \$f (last 25 lines)\"; tail -n 25 \"\$f\"; done; exit \$rc"
-add peak 130 60 "$PY scripts/benchmark.py $BENCH_ONLY --parts peak $SHAPE \
+add peak 150 60 "$PY scripts/benchmark.py $BENCH_ONLY --parts peak $SHAPE \
 --peak_cases default:none,default:full,default:op,default:2,always:none:offload,never:none:offload --json $OUT/peak_1b.json"
 add flex 60 25 "$PY scripts/bench_flex.py --flavor 1B --layers 4 --seq_len 2048 --local_batch_size 4 --json $OUT/flex.json"
 add moe 45 15 "$PY scripts/bench_moe.py --device cuda --tokens 16384 --dim 2048 --hidden 768 --experts 64 --top_k 8 --json $OUT/moe_cuda.json \
@@ -92,6 +91,7 @@ if [ "$DRY" = 1 ]; then
     exit "$missing"
 fi
 
+mkdir -p "$OUT" "$WORK"
 echo "gpu_check: $(date -u +%FT%TZ), budget $BUDGET s, steps ${ONLY:-$STEPS}" | tee -a "$LOG"
 for i in "${!NAMES[@]}"; do
     name=${NAMES[$i]}

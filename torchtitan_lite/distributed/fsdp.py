@@ -403,6 +403,16 @@ def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard 
     return None
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: torch >= 2.12 keeps a list (``_fsdp_param_groups``), torch
+    2.11 at most one (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -464,7 +474,9 @@ def apply_fsdp(
     offloaded = unit_offload(cpu_offload, units)
 
     def policy(offload: bool) -> OffloadPolicy:
-        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+        # Pinned host memory speeds the copies to and from a GPU; a mesh on CPU (the memory
+        # estimator's fake world, whose fake tensors cannot be pinned) copies nothing.
+        return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
 
     common = {
         "mesh": mesh,
@@ -489,6 +501,6 @@ def apply_fsdp(
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
     root = fully_shard(model, offload_policy=policy(all(offloaded)), **common)  # type: ignore[arg-type]
-    if in_place and root._get_fsdp_state()._fsdp_param_groups:  # type: ignore[union-attr]
+    if in_place and _param_groups(root._get_fsdp_state()):  # type: ignore[union-attr]
         root.set_custom_reduce_scatter(InPlaceReduceScatter())  # type: ignore[union-attr]
     return model  # type: ignore[return-value]
