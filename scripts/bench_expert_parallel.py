@@ -16,37 +16,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 
 def _worker(opts: argparse.Namespace) -> None:
-    import torch.distributed as dist
+    from benchmark import sweep_worker  # (scripts/benchmark.py, beside this script)
 
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.models import MODEL_SPECS, register_model_spec
-    from torchtitan_lite.trainer import Trainer
+    from torchtitan_lite.models import MODEL_SPECS
 
-    spec = MODEL_SPECS["qwen3_moe"]
-    shape = dataclasses.replace(spec.flavors["tiny"], dim=opts.dim, n_layers=opts.layers, n_heads=8, n_kv_heads=4,
-                                head_dim=opts.dim // 8, moe_hidden_dim=opts.hidden, num_experts=opts.experts,
-                                top_k=opts.top_k)
-    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, "bench": shape}), replace=True)
-    argv = ["--model.name", "qwen3_moe", "--model.flavor", "bench", "--training.seq_len", str(opts.seq_len),
-            "--training.local_batch_size", str(opts.local_batch_size), "--training.steps", "1000",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000", "--validation.no-enable",
-            "--metrics.no-enable_tensorboard", "--job.dump_folder", opts.dump,
-            "--parallelism.expert_parallel_degree", str(opts.ep)]
-    trainer = Trainer(load_job_config(argv))
-    try:
-        from benchmark import timed_collectives  # (scripts/benchmark.py, beside this script)
-
-        result = timed_collectives(trainer, opts.steps)
-        if dist.get_rank() == 0:
-            Path(opts.out).write_text(json.dumps({"ep": opts.ep, **result, "params": shape.num_params(),
-                                                  "active": shape.active_params()}))
-    finally:
-        trainer.close()
+    shape = dataclasses.replace(MODEL_SPECS["qwen3_moe"].flavors["tiny"], dim=opts.dim, n_layers=opts.layers,
+                                n_heads=8, n_kv_heads=4, head_dim=opts.dim // 8, moe_hidden_dim=opts.hidden,
+                                num_experts=opts.experts, top_k=opts.top_k)
+    sweep_worker(opts, "qwen3_moe", shape, ["--parallelism.expert_parallel_degree", str(opts.ep)],
+                 {"ep": opts.ep, "params": shape.num_params(), "active": shape.active_params()})
 
 
 def main() -> None:

@@ -23,14 +23,12 @@ import contextlib
 import dataclasses
 import functools
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from benchmark import alternating_medians, device_label  # (scripts/benchmark.py, beside this script)
 
 import torchtitan_lite.models.decoder as decoder
 from torchtitan_lite.models.llama3.model import LLAMA3_FLAVORS
@@ -57,21 +55,6 @@ def _document_ids(batch: int, seq_len: int, mean_len: int, generator: torch.Gene
     return torch.stack(rows)
 
 
-def _timed(fns: dict[str, Callable[[], Any]], rounds: int, steps: int, sync: Callable[[], None]) -> dict[str, float]:
-    for fn in fns.values():  # warm-up: compilation, kernel selection
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            sync()
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -83,10 +66,6 @@ def main() -> None:
     opts = parser.parse_args()
     device = torch.device(opts.device)
     dtype = torch.bfloat16
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
     args = dataclasses.replace(LLAMA3_FLAVORS[opts.flavor], n_layers=opts.layers,
                                max_seq_len=max(opts.seq_len, LLAMA3_FLAVORS[opts.flavor].max_seq_len))
@@ -122,7 +101,8 @@ def main() -> None:
                 model.zero_grad(set_to_none=True)
         return step
 
-    model_times = _timed({"flex": model_step(True), "dense": model_step(False)}, opts.rounds, opts.steps, sync)
+    model_times = alternating_medians({"flex": model_step(True), "dense": model_step(False)}, opts.rounds,
+                                      opts.steps, device)
 
     heads, kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
     head_dim = args.dim // heads
@@ -140,14 +120,14 @@ def main() -> None:
                 out.sum().backward()
         return step
 
-    attention_times = _timed({
+    attention_times = alternating_medians({
         "flex": attention(lambda: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)),
         "dense": attention(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask, enable_gqa=True)),
         "causal, no documents": attention(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                 enable_gqa=True)),
-    }, opts.rounds, opts.steps, sync)
+    }, opts.rounds, opts.steps, device)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    name = device_label(device)
     result = {"device": name, "torch": torch.__version__, "options": {k: v for k, v in vars(opts).items() if k != "json"},
               "documents_per_row": [int(row.max()) + 1 for row in docs.cpu()],
               "mask_density_vs_causal": round(density, 4), "logit_error": errors, "logits_ok": logits_ok,

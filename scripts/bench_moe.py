@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from benchmark import alternating_medians, device_label  # (scripts/benchmark.py, beside this script)
 
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 
@@ -67,25 +67,17 @@ def main() -> None:
     diffs = {"output": _max_rel_diff(out_g, out_l),
              "grads": max(_max_rel_diff(g, ref) for g, ref in zip(grads_g, grads_l, strict=True))}
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def step(model: MoE) -> Any:
+        def run() -> None:
+            out = model(x)
+            out.backward(torch.ones_like(out))
+            model.zero_grad(set_to_none=True)
+        return run
 
-    for model in models.values():  # warm-up (kernel selection, caches)
-        _pass(model, x)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(opts.rounds):
-        for name, model in models.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(opts.steps):
-                out = model(x)
-                out.backward(torch.ones_like(out))
-                model.zero_grad(set_to_none=True)
-            sync()
-            times[name].append((time.perf_counter() - start) / opts.steps)
-    grouped, loop = statistics.median(times["grouped"]), statistics.median(times["loop"])
-    result = {"shape": {k: v for k, v in vars(opts).items() if k != "json"}, "device": _device_name(device),
+    times = alternating_medians({name: step(model) for name, model in models.items()}, opts.rounds, opts.steps,
+                                device)
+    grouped, loop = times["grouped"], times["loop"]
+    result = {"shape": {k: v for k, v in vars(opts).items() if k != "json"}, "device": device_label(device),
               "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "max_rel_diff": diffs, "grouped_s": round(grouped, 6),
               "loop_s": round(loop, 6), "loop_over_grouped": round(loop / grouped, 3)}
@@ -95,10 +87,6 @@ def main() -> None:
           f"{diffs['output']:.2e}, gradients {diffs['grads']:.2e} (max difference / max magnitude)")
     if opts.json:
         Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
 if __name__ == "__main__":

@@ -16,36 +16,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
 
 
 def _worker(opts: argparse.Namespace) -> None:
-    import torch.distributed as dist
+    from benchmark import sweep_worker  # (scripts/benchmark.py, beside this script)
 
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.models import MODEL_SPECS, register_model_spec
-    from torchtitan_lite.trainer import Trainer
+    from torchtitan_lite.models import MODEL_SPECS
 
-    spec = MODEL_SPECS["llama3"]
-    shape = dataclasses.replace(spec.flavors["debugmodel"], dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads,
-                                n_kv_heads=opts.heads // 2)
-    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, "bench": shape}), replace=True)
+    shape = dataclasses.replace(MODEL_SPECS["llama3"].flavors["debugmodel"], dim=opts.dim, n_layers=opts.layers,
+                                n_heads=opts.heads, n_kv_heads=opts.heads // 2)
     dp = opts.ranks // opts.tp
-    argv = ["--model.name", "llama3", "--model.flavor", "bench", "--training.seq_len", str(opts.seq_len),
-            "--training.local_batch_size", str(opts.global_batch // dp), "--training.steps", "1000",
-            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1000", "--validation.no-enable",
-            "--metrics.no-enable_tensorboard", "--job.dump_folder", opts.dump,
-            "--parallelism.tensor_parallel_degree", str(opts.tp)]
-    trainer = Trainer(load_job_config(argv))
-    try:
-        from benchmark import timed_collectives  # (scripts/benchmark.py, beside this script)
-
-        result = timed_collectives(trainer, opts.steps)
-        if dist.get_rank() == 0:
-            Path(opts.out).write_text(json.dumps({"tp": opts.tp, "dp": dp, **result, "params": shape.num_params()}))
-    finally:
-        trainer.close()
+    sweep_worker(argparse.Namespace(**vars(opts), local_batch_size=opts.global_batch // dp), "llama3", shape,
+                 ["--parallelism.tensor_parallel_degree", str(opts.tp)],
+                 {"tp": opts.tp, "dp": dp, "params": shape.num_params()})
 
 
 def main() -> None:

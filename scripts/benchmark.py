@@ -162,6 +162,59 @@ def timed_collectives(trainer: Any, steps: int) -> dict[str, Any]:
             "calls_per_step": {k: v / steps for k, v in counter.calls.items()}}
 
 
+def sweep_worker(opts: argparse.Namespace, family: str, shape: Any, extra: list[str], record: dict[str, Any]) -> None:
+    """The worker of a degree sweep: trains ``shape`` registered as ``family``'s ``bench`` flavor
+    (fp32, ``opts``' sequence length, local batch and dump folder, plus ``extra``), times
+    ``opts.steps`` steps with their collectives counted (:func:`timed_collectives`) and has rank 0
+    write ``record`` with those figures to ``opts.out``."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.models import MODEL_SPECS, register_model_spec
+    from torchtitan_lite.trainer import Trainer
+
+    spec = MODEL_SPECS[family]
+    register_model_spec(dataclasses.replace(spec, flavors={**spec.flavors, "bench": shape}), replace=True)
+    job = argparse.Namespace(flavor="bench", seq_len=opts.seq_len, local_batch_size=opts.local_batch_size,
+                             dump=opts.dump)
+    trainer = Trainer(load_job_config(_job_args(job, "--model.name", family, *extra)))
+    try:
+        result = timed_collectives(trainer, opts.steps)
+        if dist.get_rank() == 0:
+            Path(opts.out).write_text(json.dumps({**record, **result}))
+    finally:
+        trainer.close()
+
+
+def alternating_medians(fns: dict[str, Any], rounds: int, steps: int, device: torch.device) -> dict[str, float]:
+    """Seconds per call of each of ``fns`` (name → a no-argument callable): one warm-up call of
+    each (compilation, kernel selection), then ``rounds`` rounds timing ``steps`` calls of each in
+    turn (between CUDA synchronisations on a GPU); the median over the rounds."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def device_label(device: torch.device) -> str:
+    """The device a figure was measured on: the GPU's name, or the CPU and its threads."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
 def sweep_parser(description: str, options: dict[str, int], dump: str) -> argparse.ArgumentParser:
     """The arguments of a degree sweep (``bench_expert_parallel.py``, ``bench_tensor_parallel.py``):
     the integer ``options`` with their defaults, ``--degrees``, ``--json`` and the worker's own."""
