@@ -144,19 +144,23 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def timed_collectives(trainer: Any, steps: int) -> dict[str, Any]:
-    """After one warm-up step, ``steps`` timed steps of ``trainer`` (each after a barrier) with
-    their collectives counted (unsharded bytes): the median step time and, per step, the MiB and
-    calls of each kind of collective (every rank's own figures)."""
+    """After one warm-up step, ``steps`` timed steps of ``trainer`` (each after a barrier), then
+    ``steps`` more with their collectives counted (unsharded bytes; the counter's dispatch mode
+    would slow the timed ones): the median step time and, per step, the MiB and calls of each
+    kind of collective (every rank's own figures)."""
     import torch.distributed as dist
 
     trainer.train_step()  # warm-up
-    counter, times = CollectiveCounter(unsharded=True), []
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - start)
+    counter = CollectiveCounter(unsharded=True)
     with counter:
         for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
             trainer.train_step()
-            times.append(time.perf_counter() - start)
     return {"step_s": statistics.median(times),
             "mib_per_step": {k: v / steps / 2**20 for k, v in counter.bytes.items()},
             "calls_per_step": {k: v / steps for k, v in counter.calls.items()}}
