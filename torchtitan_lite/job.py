@@ -348,6 +348,12 @@ MOE_DEFAULTS = MoE()
 """``[moe]`` as it is when unset (a dense model takes nothing else)."""
 
 
+def compiled_by_parts(config: JobConfig, ep: int) -> bool:
+    """Whether the job's blocks are compiled by their parts (expert parallel with compile): they
+    take neither selective (op) checkpointing nor ``auto``, which may choose it, yet."""
+    return ep > 1 and config.compile.enable
+
+
 def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
     """The model's shape with the ``[moe]`` router overrides (``top_k``, ``score_func``);
     :class:`ConfigError`, one line, for an ``[moe]`` setting on a dense model, a top-k the
@@ -377,11 +383,12 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
                  f"it must divide the {model_args.num_experts} experts of model {spec.name!r}")
         ac = config.activation_checkpoint
         selective_op = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
-        _require(not (config.compile.enable and selective_op), "activation_checkpoint.mode", ac.mode,
+        by_parts = compiled_by_parts(config, ep)
+        _require(not (by_parts and selective_op), "activation_checkpoint.mode", ac.mode,
                  "selective (op) checkpointing of blocks compiled by their parts (expert parallel with "
                  "compile.enable) is not available yet; expected 'full' or 'none', or selective_ac_option = N")
         mode = config.parallelism.reshard_after_forward_mode
-        _require(not (config.compile.enable and mode == "auto"), "parallelism.reshard_after_forward_mode", mode,
+        _require(not (by_parts and mode == "auto"), "parallelism.reshard_after_forward_mode", mode,
                  "auto may choose selective (op) checkpointing, which blocks compiled by their parts (expert "
                  "parallel with compile.enable) do not take yet; expected a fixed mode")
     _require(e.bias_update_rate == 0 or model_args.score_func == "sigmoid", "moe.bias_update_rate",

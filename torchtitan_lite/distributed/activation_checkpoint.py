@@ -90,7 +90,6 @@ def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) ->
 
 
 def _op_context() -> Any:
-    _ignore_profiler_ranges()
     return create_selective_checkpoint_contexts(_save_matmuls_and_attention)
 
 
@@ -146,7 +145,10 @@ def _every_nth(option: str | int) -> int | None:
 
 @functools.cache
 def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Module]:
-    context_fn: Callable[[], Any] | None = _op_context if policy == "op" else None
+    context_fn: Callable[[], Any] | None = None
+    if policy == "op":
+        _ignore_profiler_ranges()  # once, when the first block takes the op policy
+        context_fn = _op_context
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = super(subclass, self).forward  # the block's own forward

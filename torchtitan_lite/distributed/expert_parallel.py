@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts", "shard_experts"]
 
@@ -60,7 +61,6 @@ class AllToAllDispatcher:
         local expert, and what :meth:`combine` needs."""
         ep, per_rank = self.ep, len(self.local)
         counts = counts.to(torch.int64)
-        from torch._subclasses.fake_tensor import is_fake
 
         if is_fake(rows):
             return self._balanced(rows)
@@ -110,7 +110,6 @@ def _exchange(rows: torch.Tensor, output_splits: list[int] | None, input_splits:
               group: Any) -> torch.Tensor:
     """``all_to_all_single`` of ``rows`` with split sizes (None: equal), differentiable (its
     backward: the reverse exchange)."""
-    from torch.distributed._functional_collectives import wait_tensor
 
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))
 
@@ -162,9 +161,9 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
     Returns the step that FSDP-shards the experts over the expert-data ranks (``mesh.experts``),
     their gradients divided by every data-parallel rank (each expert's gradient already sums the
     tokens of its expert-parallel group), to run before the model's own FSDP units are sharded
-    (``default_parallelize``'s ``before_fsdp``, given the FSDP options and the units: each
-    layer's experts take the reshard and offload settings of the unit they are in)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    (``default_parallelize`` runs it with the FSDP options and the units: each layer's experts
+    take the reshard and offload settings of the unit they are in)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
     ep_mesh = mesh["ep"]
@@ -177,7 +176,11 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
     layers = _split_experts(model, ep_mesh.get_group(), split)
 
     def shard(fsdp: Any, units: list[Any]) -> None:
-        from torchtitan_lite.distributed.fsdp import resolve_reshard_after_forward, unit_offload
+        from torchtitan_lite.distributed.fsdp import (
+            offload_policy,
+            resolve_reshard_after_forward,
+            unit_offload,
+        )
 
         offloaded = unit_offload(fsdp.cpu_offload, units)
         for layer in layers:
@@ -189,15 +192,12 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
                 raise ValueError("expert parallel: a mixture-of-experts layer is in none of the model's FSDP units; "
                                  "its family's fsdp_units must hold every block")
             reshard = resolve_reshard_after_forward(fsdp.reshard_after_forward_mode, units[index].role, index)
-            policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offloaded[index] else OffloadPolicy()
             sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=bool(reshard),
                                   mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype,
                                                                  reduce_dtype=fsdp.reduce_dtype),
-                                  offload_policy=policy)
+                                  offload_policy=offload_policy(mesh.experts, offloaded[index]))
             sharded.set_gradient_divide_factor(float(mesh.dp_size))
             # Sum, then divide: gloo has no pre-multiplied sum (what FSDP otherwise asks for).
-            group = sharded._get_fsdp_state()._fsdp_param_group  # type: ignore[attr-defined]
-            if group is not None:
-                group.force_sum_reduction_for_comms = True
+            sharded.set_force_sum_reduction_for_comms(True)
 
     return shard

@@ -403,6 +403,13 @@ def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard 
     return None
 
 
+def offload_policy(mesh: DeviceMesh, offload: bool) -> OffloadPolicy:
+    """FSDP2's offload policy of a unit on ``mesh``: CPU offload when ``offload``. Pinned host
+    memory speeds the copies to and from a GPU; a mesh on CPU (the memory estimator's fake world,
+    whose fake tensors cannot be pinned) copies nothing."""
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+
+
 def _param_groups(state: Any) -> list[Any]:
     """An FSDP state's parameter groups: torch >= 2.12 keeps a list (``_fsdp_param_groups``), torch
     2.11 at most one (``_fsdp_param_group``)."""
@@ -473,11 +480,6 @@ def apply_fsdp(
 
     offloaded = unit_offload(cpu_offload, units)
 
-    def policy(offload: bool) -> OffloadPolicy:
-        # Pinned host memory speeds the copies to and from a GPU; a mesh on CPU (the memory
-        # estimator's fake world, whose fake tensors cannot be pinned) copies nothing.
-        return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-
     common = {
         "mesh": mesh,
         "shard_placement_fn": functools.partial(stacked_shard_placement, shard_degree=mesh.shape[-1]),
@@ -492,7 +494,7 @@ def apply_fsdp(
             sharded = fully_shard(
                 target,  # type: ignore[arg-type]
                 reshard_after_forward=resolve_reshard_after_forward(mode, unit.role, index),
-                offload_policy=policy(offloaded[index]),
+                offload_policy=offload_policy(mesh, offloaded[index]),
                 **common,  # type: ignore[arg-type]
             )
             if in_place:  # a group of modules shares one FSDP state: set it through the first
@@ -500,7 +502,7 @@ def apply_fsdp(
                 first.set_custom_reduce_scatter(InPlaceReduceScatter())
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
-    root = fully_shard(model, offload_policy=policy(all(offloaded)), **common)  # type: ignore[arg-type]
+    root = fully_shard(model, offload_policy=offload_policy(mesh, all(offloaded)), **common)  # type: ignore[arg-type]
     if in_place and _param_groups(root._get_fsdp_state()):  # type: ignore[union-attr]
         root.set_custom_reduce_scatter(InPlaceReduceScatter())  # type: ignore[union-attr]
     return model  # type: ignore[return-value]

@@ -14,7 +14,7 @@ from torchtitan_lite.distributed.parallel_dims import ParallelDims
 
 __all__ = ["ParallelMesh", "build_mesh", "fsdp_mesh"]
 
-_DATA_PARALLEL = ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep")
+_DATA_PARALLEL = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,12 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
     if "ep" in names:  # the rest of the model is FSDP-sharded over dp_shard = dp_shard_mod_ep × ep
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
-        outer = {n: s for n, s in zip(names, shape, strict=True) if n not in ("dp_shard_mod_ep", "ep")}
-        if set(outer) - {"dp_replicate"}:
-            raise ValueError(f"expert parallel beside {', '.join(sorted(set(outer) - {'dp_replicate'}))} is not "
-                             "supported yet")
-        fsdp = init_device_mesh(device.type, (*outer.values(), dims.dp_shard), mesh_dim_names=(*outer, "dp_shard"))
+        others = set(names) - {"dp_replicate", "dp_shard_mod_ep", "ep"}
+        if others:
+            raise ValueError(f"expert parallel beside {', '.join(sorted(others))} is not supported yet")
+        # dp_shard: the two dimensions flattened (no new process groups beyond the flattened one)
+        world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dist.group.WORLD, experts=experts)
     if data == names:  # data parallel only: as FSDP always had it, and every collective on the world
         fsdp, dp_group = world, dist.group.WORLD

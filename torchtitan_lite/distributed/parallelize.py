@@ -59,21 +59,14 @@ class ParallelizeOptions:
     collectives with the matmuls (micro-pipelined TP over symmetric memory)."""
 
 
-_BeforeFSDP = Callable[[FSDPOptions, list[FSDPUnit]], None]
-"""A family's own sharding step before the model's units are sharded: the FSDP options, the units."""
-
-
 def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
                         options: ParallelizeOptions, *, device: torch.device,
-                        before_fsdp: _BeforeFSDP | None = None,
                         tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[FSDPUnit]:
     """LoRA → float8 → tensor parallel (a mesh with ``tp``) → expert parallel (a mesh with
     ``ep``: each MoE layer's experts split over it, see
     :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → activation
     checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
     process); returns the FSDP units (empty without FSDP).
-    ``before_fsdp``: a family's own sharding of submodules (e.g. experts over their own mesh),
-    run just before the units are sharded, with the FSDP options and the units (forward order).
     ``tensor_parallel``: a family's split of its model over ``mesh["tp"]`` (a mesh with ``tp``),
     run after LoRA and float8."""
     if options.lora is not None:
@@ -89,7 +82,8 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
         from torchtitan_lite.distributed.expert_parallel import shard_experts
 
         experts_step = shard_experts(model, mesh)
-        before_fsdp = experts_step if before_fsdp is None else _both(experts_step, before_fsdp)
+    else:
+        experts_step = None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=options.ac_mode,
                                    selective_ac_option=options.selective_ac_option, policies=options.ac_policies)
     if options.compile_model:
@@ -103,18 +97,11 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
     listed = fsdp_units(model, **units)
-    if before_fsdp is not None:
-        before_fsdp(fsdp, listed)
+    if experts_step is not None:  # the experts follow their blocks' reshard and offload settings
+        experts_step(fsdp, listed)
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
     return listed
-
-
-def _both(first: _BeforeFSDP, second: _BeforeFSDP) -> _BeforeFSDP:
-    def run(fsdp: FSDPOptions, units: list[FSDPUnit]) -> None:
-        first(fsdp, units)
-        second(fsdp, units)
-    return run
 
 
 def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,

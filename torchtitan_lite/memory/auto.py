@@ -308,13 +308,13 @@ def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, re
     return _headroom(_units(spec, args), param_dtype, reduce_dtype)
 
 
-def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel: int = 1) -> list[Any]:
-    """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device); with
-    expert or tensor parallel, each as a :class:`_PlanUnit` whose size is what a rank gathers."""
+def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel: int = 1) -> list[_PlanUnit]:
+    """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device), each
+    sized as a rank sees it under expert and tensor parallel (:class:`_PlanUnit`)."""
     model = spec.meta_model(args)
     units = fsdp_units(model, **spec.fsdp_units(model))
     if expert_parallel == 1 and tensor_parallel == 1:
-        return units
+        return [_PlanUnit(u.name, u.role, u.numel(), u.numel()) for u in units]
     from torchtitan_lite.models.moe import GroupedExperts
 
     split_ids = set()
@@ -323,29 +323,24 @@ def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel
 
         split_ids = {id(p) for module in split_modules(model) for p in module.parameters()}
 
-    def sizes(unit: FSDPUnit) -> tuple[int, int, int]:  # (split over tp, experts, the rest: whole on every rank)
+    def plan_unit(unit: FSDPUnit) -> _PlanUnit:
         params = {id(p): p for m in unit.modules for p in m.parameters()}
-        experts = {id(p) for m in unit.modules for sub in m.modules() if isinstance(sub, GroupedExperts)
-                   for p in sub.parameters()}
-        split = sum(p.numel() for i, p in params.items() if i in split_ids)
-        expert = sum(params[i].numel() for i in experts if i in params)
-        return split, expert, unit.numel() - split - expert
+        expert_ids = {id(p) for m in unit.modules for sub in m.modules() if isinstance(sub, GroupedExperts)
+                      for p in sub.parameters()}
+        split = sum(p.numel() for i, p in params.items() if i in split_ids)  # split over tp
+        experts = sum(params[i].numel() for i in expert_ids if i in params)
+        whole = unit.numel() - split - experts  # whole on every rank
+        # Over the dp_shard ranks the unit holds every expert (the experts' mesh is dp_shard / ep).
+        return _PlanUnit(unit.name, unit.role, gathered=split // tensor_parallel + whole + experts // expert_parallel,
+                         held=split // tensor_parallel + whole + experts)
 
-    def gathered(unit: FSDPUnit) -> int:
-        split, experts, whole = sizes(unit)
-        return split // tensor_parallel + whole + experts // expert_parallel
-
-    def held(unit: FSDPUnit) -> int:  # over the dp_shard ranks: every expert (the experts' mesh is dp_shard / ep)
-        split, experts, whole = sizes(unit)
-        return split // tensor_parallel + whole + experts
-
-    return [_PlanUnit(u.name, u.role, gathered(u), held(u)) for u in units]
+    return [plan_unit(u) for u in units]
 
 
 @dataclass(frozen=True)
 class _PlanUnit:
-    """An FSDP unit as ``auto`` sizes it under expert or tensor parallel: the parameters a rank
-    gathers (its experts, its part of the tensor-parallel split)."""
+    """An FSDP unit as ``auto`` sizes it: the parameters a rank gathers (under expert or tensor
+    parallel: its experts, its part of the tensor-parallel split)."""
 
     name: str
     role: str
@@ -505,7 +500,8 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
         costs[("op", j)] = op
         costs[("full", j)] = forward
     for i, unit in enumerate(units):
-        shard = getattr(unit, "held", unit.numel()) / dp_shard  # (what the unit's shard ranks hold)
+        # What the unit's shard ranks hold: a plan unit's ``held``; a plain FSDP unit holds its parameters
+        shard = getattr(unit, "held", unit.numel()) / dp_shard
         crossing = 2 * 4 * shard + (reduce_bytes * shard if trainable else 0.0)
         host_step = 28 * shard / grad_accum_steps if trainable else 0.0
         costs[("offload", i)] = crossing * HOST_LINK_FLOPS_PER_BYTE + host_step * HOST_OPTIMIZER_FLOPS_PER_BYTE
@@ -577,7 +573,7 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         if choose_offload:
             # Freed: the fp32 shards, and for a trained unit its gradients and AdamW's two moments.
             for i in sorted(range(n), key=lambda i: -units[i].numel()):
-                state = getattr(units[i], "held", units[i].numel()) / dp_shard * (16 if trainable else 4)
+                state = units[i].held / dp_shard * (16 if trainable else 4)
                 actions.append(_Action("offload", i, costs[("offload", i)], state))
         # Least added time per byte freed first (a block's op before its full: its rate is
         # lower, and the sort is stable).
