@@ -71,9 +71,10 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2i], x[2i+1])`` of ``x: (bs, seq, heads, head_dim)`` by the
     table ``freqs_cis`` (complex, or its :func:`rope_bits`).
 
-    The product with ``exp(i·θ)`` is written with real cos/sin arithmetic (the same values as a
-    complex multiply, bit for bit on CPU): inductor generates code for it, which it does not for
-    complex operators.
+    Eagerly the product with ``exp(i·θ)`` is one complex multiply (half the operations of the
+    real form, forward and backward: each a memory-bound kernel on a GPU). Compiled, and on
+    tensor subclasses, it is written with real cos/sin arithmetic, which inductor generates code
+    for (it does not for complex operators); the two give the same values, bit for bit on CPU.
     """
     bs, seq_len, head_dim = x.shape[0], x.shape[1], x.shape[-1]
     table = freqs_cis.view(torch.float32) if freqs_cis.dtype == torch.int32 else torch.view_as_real(freqs_cis)
@@ -81,6 +82,9 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         table = table.view(bs, seq_len, 1, head_dim // 2, 2)
     else:
         table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))
+        return torch.view_as_real(pairs * torch.view_as_complex(table)).flatten(-2).type_as(x)
     cos, sin = table[..., 0], table[..., 1]
     pairs = x.float().reshape(*x.shape[:-1], head_dim // 2, 2)
     real, imag = pairs[..., 0], pairs[..., 1]
