@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import torchtitan_lite.models.init as init
 from torchtitan_lite.models.feed_forward import FeedForward
@@ -73,7 +74,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
     Eagerly the product with ``exp(i·θ)`` is one complex multiply (half the operations of the
     real form, forward and backward: each a memory-bound kernel on a GPU). Compiled, and on
-    tensor subclasses, it is written with real cos/sin arithmetic, which inductor generates code
+    DTensors, it is written with real cos/sin arithmetic, which inductor generates code
     for (it does not for complex operators); the two give the same values, bit for bit on CPU.
     """
     bs, seq_len, head_dim = x.shape[0], x.shape[1], x.shape[-1]
@@ -82,7 +83,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         table = table.view(bs, seq_len, 1, head_dim // 2, 2)
     else:
         table = table[:seq_len].view(1, seq_len, 1, head_dim // 2, 2)
-    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+    if not isinstance(x, DTensor) and not torch.compiler.is_compiling():
         pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], head_dim // 2, 2))
         return torch.view_as_real(pairs * torch.view_as_complex(table)).flatten(-2).type_as(x)
     cos, sin = table[..., 0], table[..., 1]
