@@ -8,6 +8,7 @@
 #   gpu       pytest -m gpu (NCCL, CPU offload with cuda:nccl,cpu:gloo, CUDA metrics, float8)
 #   runner    the integration runner on one GPU: baselines generated, then passing against them
 #   compare   tokens/s and MFU against TorchTitan 0.2.2, same TOML, runs alternating: 1B eager, compiled
+#   profile   the eager models alone, ours against TorchTitan's: step time, kernels launched, the top ones
 #   peak      the estimator against torch.cuda.max_memory_allocated at the 1B shape
 #   flex      block-causal FlexAttention (compiled) against the dense-mask path: logits and speed
 #   moe       grouped experts against the loop on CUDA: outputs and speed
@@ -18,7 +19,8 @@
 # log land in $OUT as soon as it ends, so a step cut short loses only itself; $OUT gets at most 8
 # files (the device tool brings back 8): gpu_check.log, steps.jsonl (one line per step: rc,
 # seconds), cuda_losses.tar (the runner's baselines: tests/assets/losses/cuda_*.jsonl),
-# compare_1b.json, peak_1b.json, flex.json, moe_cuda.json, float8_1b.json.
+# compare_1b.json, peak_1b.json, flex.json, moe_cuda.json, float8_1b.json (the profile step's
+# figures are in the log: a ninth file would not come back).
 #
 # --dry-run (any machine, no GPU needed): every command line is built and printed, the scripts it
 # calls are checked to exist and compile, and the carried wheels to be there (scripts/gpu_wheels.sh
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-STEPS="env gpu runner compare peak flex moe float8"
+STEPS="env gpu runner compare profile peak flex moe float8"
 for s in ${ONLY//,/ }; do
     case " $STEPS " in *" $s "*) ;; *) echo "gpu_check.sh: --only: unknown step $s; steps: $STEPS" >&2; exit 2 ;; esac
 done
@@ -65,6 +67,7 @@ tar -cf $OUT/cuda_losses.tar -C $WORK/losses .; exit \$rc"
 add compare 230 120 "$PY scripts/compare_torchtitan.py --rows 1B,1B_compile --steps 20 --skip_steps 8 --corpus_mb 4 \
 --workdir $WORK/compare --timeout 150 --json $OUT/compare_1b.json; rc=\$?; \
 for f in $WORK/compare/runs/*/*.log; do echo \"--- \$f (last 25 lines)\"; tail -n 25 \"\$f\"; done; exit \$rc"
+add profile 90 40 "$PY scripts/profile_eager.py --layers 16 --seq_len 2048 --local_batch_size 4"
 add peak 150 60 "$PY scripts/benchmark.py $BENCH_ONLY --parts peak $SHAPE \
 --peak_cases default:none,default:full,default:op,default:2,always:none:offload,never:none:offload --json $OUT/peak_1b.json"
 add flex 60 25 "$PY scripts/bench_flex.py --flavor 1B --layers 4 --seq_len 2048 --local_batch_size 4 --json $OUT/flex.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-STEPS = ("env", "gpu", "runner", "compare", "peak", "flex", "moe", "float8")
+STEPS = ("env", "gpu", "runner", "compare", "profile", "peak", "flex", "moe", "float8")
 
 
 def _run(*args: str, out: Path) -> subprocess.CompletedProcess:
