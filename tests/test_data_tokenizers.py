@@ -91,3 +91,101 @@ def test_hf_tokenizer_bad_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(DataError, match="model.tokenizer_path: .*not a valid tokenizer.json"):
         HFTokenizer(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Folders whose tokenizer_config.json names a transformers class
+# --------------------------------------------------------------------------------------------
+
+# (style of tokenizer.json, tokenizer_class, more tokenizer_config.json keys): the classes of
+# decoder-only families that transformers 5 builds its own way, on files in their family's format.
+# Before AutoTokenizer's tokenizer was used, the Llama, CodeLlama, Cohere and T5 rows gave other
+# ids than transformers on 40-99% of the texts (the file's pipeline read as it is).
+REBUILT = [
+    ("llama", "LlamaTokenizerFast", {}),  # Llama 2, Mistral
+    ("llama", "LlamaTokenizer", {"legacy": False, "add_bos_token": True}),
+    ("llama", "LlamaTokenizerFast", {"legacy": True}),
+    ("llama", "CodeLlamaTokenizer", {}),
+    ("gemma", "GemmaTokenizer", {}),
+    ("gemma", "GemmaTokenizerFast", {}),
+    ("gpt2", "GPT2TokenizerFast", {}),
+    ("gpt2", "GPTNeoXTokenizerFast", {}),
+    ("gpt2", "CohereTokenizerFast", {}),
+    ("qwen", "Qwen2Tokenizer", {}),
+    ("qwen", "Qwen2TokenizerFast", {}),
+    ("t5", "T5TokenizerFast", {}),
+    ("t5", "XGLMTokenizerFast", {}),
+]
+
+
+def _body(tok: HFTokenizer, ids: object) -> list[int]:
+    """A document's ids without the BOS/EOS the data pipeline puts around it."""
+    out = [int(i) for i in ids]  # type: ignore[attr-defined]
+    return out[(tok.bos_id is not None):len(out) - (tok.eos_id is not None)]
+
+
+@pytest.mark.parametrize(("style", "tokenizer_class", "config"), REBUILT,
+                         ids=[f"{s}-{c}-{len(k)}" for s, c, k in REBUILT])
+def test_tokenizer_classes_transformers_rebuilds_give_autotokenizer_ids(tmp_path, style, tokenizer_class, config):
+    """1,000 texts (leading and doubled spaces, tabs, newlines, unicode, the special tokens'
+    spellings inside and at the edges): every text's ids equal ``AutoTokenizer``'s; BOS and EOS
+    are its own; chat conversations (content with the same) equal ``apply_chat_template``'s ids."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tokenizer_folders import sample_texts, write_tokenizer_folder
+    from torchtitan_lite.data.chat_template import ChatTemplate
+
+    folder = write_tokenizer_folder(tmp_path / "tok", style, tokenizer_class, **config)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok = build_tokenizer(str(folder))
+    assert isinstance(tok, HFTokenizer) and tok.tokenizer_class == tokenizer_class
+    # transformers' BOS/EOS (the class's defaults where the file names none); one separator when they are one token
+    assert (tok.bos_id, tok.eos_id) == (None if hf.bos_token_id == hf.eos_token_id else hf.bos_token_id,
+                                        hf.eos_token_id)
+    texts = sample_texts(style)
+    encoded = tok.encode_batch(texts)
+    wrong = [t for t, ids in zip(texts, encoded, strict=True)
+             if _body(tok, ids) != hf(t, add_special_tokens=False)["input_ids"]]
+    assert not wrong, (len(wrong), wrong[:3])
+    template = ChatTemplate(tok)
+    for i in range(0, 40, 2):
+        messages = [{"role": "user", "content": texts[i]}, {"role": "assistant", "content": texts[i + 1]}]
+        ids, _ = template.encode(messages, loss_on="assistant")
+        assert ids.tolist() == list(hf.apply_chat_template(messages, tokenize=True)["input_ids"]), messages
+
+
+def test_pretokenized_tokens_of_a_llama_2_folder_are_autotokenizer_ids(tmp_path):
+    """scripts/pretokenize.py on a Llama 2 style folder (``LlamaTokenizerFast``): each document
+    is BOS, AutoTokenizer's ids, EOS."""
+    import numpy as np
+
+    transformers = pytest.importorskip("transformers")
+    from tests.test_data_sources import _pretokenize
+    from tests.tokenizer_folders import sample_texts, write_tokenizer_folder
+
+    folder = write_tokenizer_folder(tmp_path / "tok", "llama", "LlamaTokenizerFast")
+    docs = [t.replace("\n", " ").strip() or "x" for t in sample_texts("llama", 200)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    done = _pretokenize(["--input", str(tmp_path / "corpus.jsonl"), "--output", str(tmp_path / "out.npy"),
+                         "--tokenizer_path", str(folder)], in_process=True)
+    assert done.returncode == 0, done.stderr
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    want = [i for d in docs for i in [hf.bos_token_id, *hf(d, add_special_tokens=False)["input_ids"], hf.eos_token_id]]
+    assert np.load(tmp_path / "out.npy").tolist() == want
+
+
+def test_a_rebuilt_class_without_transformers_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    import sys
+
+    from tests.tokenizer_folders import write_tokenizer_folder
+
+    folder = write_tokenizer_folder(tmp_path / "tok", "llama", "LlamaTokenizerFast")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    with pytest.raises(DataError) as info:
+        build_tokenizer(str(folder))
+    message = str(info.value)
+    assert "\n" not in message and "'LlamaTokenizerFast'" in message and "tokenizer_config.json" in message
+    assert "pip install transformers" in message and "PreTrainedTokenizerFast" in message
+    # the plain class reads tokenizer.json as it is, transformers or not
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert build_tokenizer(str(folder)).tokenizer_class is None

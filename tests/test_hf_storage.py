@@ -501,3 +501,23 @@ def test_model_args_from_hf_config_reproduces_flavors():
     config = {**llama_hf.config_for(ODD, torch.float32), "intermediate_size": 100, "vocab_size": 77}
     rebuilt = llama_hf.args_from_config(config)
     assert (rebuilt.ffn_hidden_dim, rebuilt.vocab_size, rebuilt.dim, rebuilt.kv_heads) == (100, 77, 48, 1)
+
+
+def test_an_export_keeps_the_tokenizer_folders_chat_template_file(tmp_path: Path) -> None:
+    """A tokenizer folder saved by transformers 5 keeps its chat template in chat_template.jinja:
+    the export copies it with tokenizer.json and tokenizer_config.json, and AutoTokenizer reads
+    the template back from the export."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tokenizer_folders import write_tokenizer_folder
+    from torchtitan_lite.checkpoint.hf_storage import HFExportExtras, _write_extras
+
+    source = write_tokenizer_folder(tmp_path / "src", "llama", "LlamaTokenizerFast")
+    saved = tmp_path / "saved"
+    transformers.AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(saved))
+    assert (saved / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    export = tmp_path / "export"
+    export.mkdir()
+    _write_extras(export, {}, HFExportExtras(bos_id=1, eos_id=2, tokenizer_file=saved / "tokenizer.json"))
+    read = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert read.chat_template == (saved / "chat_template.jinja").read_text()

@@ -524,13 +524,15 @@ class HFExportExtras:
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""Copied beside an export's tokenizer.json when the job's tokenizer folder has them (transformers 5
+keeps a folder's chat template in chat_template.jinja, not in tokenizer_config.json)."""
 
 
 def _write_extras(path: Path, config: dict[str, Any], extras: HFExportExtras) -> None:
     """Token ids into ``config`` and ``generation_config.json``; the tokenizer files beside the
-    weights (its ``tokenizer_config.json`` and ``special_tokens_map.json`` when the job's folder
-    has them, else a ``tokenizer_config.json`` naming the fast tokenizer class and the tokens)."""
+    weights (its :data:`_TOKENIZER_SIDE_FILES` that the job's folder has; without a
+    ``tokenizer_config.json``, one naming the fast tokenizer class and the tokens)."""
     ids = {"bos_token_id": extras.bos_id, "eos_token_id": extras.eos_id}
     config.update(ids)
     generation = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
+from torchtitan_lite.data.tokenizers import SPECIAL_TOKENS, HFTokenizer, Tokenizer, special_tokens
 from torchtitan_lite.errors import DataError
 
 __all__ = ["SPECIAL_TOKENS", "TEMPLATE_DIR", "TEMPLATE_FILE", "ChatTemplate", "RowError", "load_templates"]
@@ -60,8 +60,6 @@ TEMPLATE_FILE = "chat_template.jinja"
 """The chat template file transformers writes beside a tokenizer (``save_pretrained``)."""
 TEMPLATE_DIR = "additional_chat_templates"
 """Named chat templates beside a tokenizer, one ``<name>.jinja`` each."""
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-"""The tokenizer's special tokens a template sees by name (transformers' ``special_tokens_map``)."""
 _GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for markers
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 

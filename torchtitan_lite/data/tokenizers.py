@@ -21,6 +21,8 @@ from torchtitan_lite.errors import DataError
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
+    "PLAIN_TOKENIZER_CLASSES",
+    "SPECIAL_TOKENS",
     "TOKENIZER_FILES",
     "TiktokenTokenizer",
     "Tokenizer",
@@ -78,7 +80,9 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library.
+    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` library, or, where its
+    tokenizer_config.json names a transformers class (:data:`PLAIN_TOKENIZER_CLASSES`), the
+    tokenizer ``AutoTokenizer`` builds for its folder: the ids transformers gives either way.
 
     BOS/EOS come from a ``tokenizer_config.json`` next to the file (``bos_token``/``eos_token``)
     when there is one, otherwise from the usual special-token spellings. A tokenizer with neither
@@ -93,15 +97,24 @@ class HFTokenizer:
         file = tokenizer_file(path, key=key)
         if not _is_hf_json(file):
             raise DataError(f"{key}: {str(file)!r} is not a tokenizer.json file")
-        try:
-            self._tok = _HFTokenizer.from_file(str(file))
-        except Exception as exc:  # the library raises its own exception types
-            raise DataError(f"{key}: {str(file)!r} is not a valid tokenizer.json ({exc})") from None
         self.path = file
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         config = file.parent / "tokenizer_config.json"
         self.config = _read_config(config)  # tokenizer_config.json's values ({} without one)
+        self.tokenizer_class = _named_class(self.config)
+        if self.tokenizer_class is not None:  # transformers builds this class its own way
+            self._tok, named_tokens = _transformers_backend(file, self.tokenizer_class, key=key)
+            # The class's own defaults where the file names none (GPT-2's <|endoftext|> as BOS, …)
+            self.config = {**self.config, **named_tokens}
+        else:
+            try:
+                self._tok = _HFTokenizer.from_file(str(file))
+            except Exception as exc:  # the library raises its own exception types
+                raise DataError(f"{key}: {str(file)!r} is not a valid tokenizer.json ({exc})") from None
+        # Ids of a whole text: what transformers' encode gives without truncation= / padding=.
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         named = special_tokens(self.config, ("bos_token", "eos_token"))
         self.bos_id = self._find("bos_token", named, _BOS_NAMES, vocab, config, key)
         self.eos_id = self._find("eos_token", named, _EOS_NAMES, vocab, config, key)
@@ -144,6 +157,64 @@ class HFTokenizer:
         character span."""
         encoding = self._tok.encode(text, add_special_tokens=False)
         return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The tokenizer's special tokens by name (transformers' ``special_tokens_map``): what a chat
+template sees, and where BOS/EOS are named."""
+
+PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+"""``tokenizer_class`` values of a ``tokenizer_config.json`` under which transformers reads
+``tokenizer.json`` as it is (so does this project, without transformers). Any other class (a
+Llama 2 / Mistral / Gemma folder's ``LlamaTokenizerFast`` or ``GemmaTokenizer``, Qwen's
+``Qwen2Tokenizer``, ``GPT2Tokenizer`` …) is a transformers class that may build its tokenizer
+its own way: transformers 5 rebuilds it from the file's vocabulary and merges with the class's
+own normalizer, pre-tokenizer and decoder, and the ids can differ from the file's pipeline
+(Llama's ``legacy = false``, for one, prefixes "▁" only at the start of a text, not after each
+special token). Such folders are tokenized by the tokenizer ``AutoTokenizer`` builds."""
+
+
+def _named_class(config: dict[str, Any]) -> str | None:
+    """The ``tokenizer_class`` a tokenizer_config.json names, unless it is one of
+    :data:`PLAIN_TOKENIZER_CLASSES` (or none)."""
+    name = config.get("tokenizer_class")
+    return name if isinstance(name, str) and name and name not in PLAIN_TOKENIZER_CLASSES else None
+
+
+def _transformers_backend(file: Path, tokenizer_class: str, *, key: str) -> tuple[Any, dict[str, str | None]]:
+    """The ``tokenizers.Tokenizer`` that ``AutoTokenizer.from_pretrained`` builds for the folder of
+    ``file`` (a tokenizer.json whose tokenizer_config.json names ``tokenizer_class``): its ids
+    are the ones a model trained here sees at inference through transformers; and its special
+    tokens by name (:data:`SPECIAL_TOKENS`, None where unset), the class's defaults included."""
+    where = f"{str(file.parent / 'tokenizer_config.json')!r} names tokenizer_class {tokenizer_class!r}"
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(
+            f"{key}: {where}, which transformers builds its own way (its ids can differ from "
+            "tokenizer.json's); install transformers (pip install transformers) to tokenize as "
+            "AutoTokenizer does, or set tokenizer_class to PreTrainedTokenizerFast to use tokenizer.json as it is"
+        ) from None
+    if file.name != "tokenizer.json":
+        raise DataError(f"{key}: {where}, which transformers builds from the folder's tokenizer.json, "
+                        f"not from {file.name!r}: name the folder or its tokenizer.json")
+    try:
+        built = AutoTokenizer.from_pretrained(str(file.parent))
+    except Exception as exc:  # transformers raises many types  # noqa: BLE001
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{key}: {where}, which transformers cannot build from the folder ({first})") from None
+    backend = getattr(built, "backend_tokenizer", None)
+    if backend is None:
+        raise DataError(f"{key}: {where}, a tokenizer transformers runs in Python ({type(built).__name__}), "
+                        "not from tokenizer.json; only tokenizer.json tokenizers are supported")
+    return backend, {name: _token_text(getattr(built, name, None)) for name in SPECIAL_TOKENS}
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token's text (transformers gives a string or an ``AddedToken``)."""
+    if token is None or isinstance(token, str):
+        return token
+    return str(getattr(token, "content", token))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")

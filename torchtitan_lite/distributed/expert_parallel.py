@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts", "shard_experts"]
+__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "divide_expert_gradients", "local_experts", "shard_experts"]
 
 
 def local_experts(num_experts: int, ep: int, rank: int) -> range:
@@ -153,6 +153,27 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatch
     return [layer.dispatcher for layer in layers]
 
 
+def divide_expert_gradients(experts: Any, factor: float) -> None:
+    """Make the FSDP module ``experts`` sum its gradients over its ranks, then divide them by
+    ``factor`` (every data-parallel rank: each expert's gradient already sums the tokens of its
+    expert-parallel group).
+
+    The division runs in FSDP's post-reduce hook, not through its gradient divide factor: on a
+    mesh of one rank (expert parallel equal to the data-parallel shard degree), torch 2.11 and
+    later divide a custom factor both in their copy that stands in for the reduce-scatter and
+    again after it when sums are forced, so the experts trained on gradients ``factor`` times too
+    small (and torch 2.9 divides once). Summing with a factor of 1 and dividing in the hook gives
+    one division on every mesh size and version. Sums, not FSDP's pre-multiplied sums: gloo has
+    none."""
+    experts.set_gradient_divide_factor(1.0)
+    experts.set_force_sum_reduction_for_comms(True)
+
+    def divide(reduced: torch.Tensor) -> None:
+        reduced.div_(factor)
+
+    experts.set_all_reduce_hook(divide)
+
+
 def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], None]:
     """Expert parallel over ``mesh["ep"]`` (a :class:`~torchtitan_lite.distributed.mesh.ParallelMesh`
     with an ``ep`` dimension), on a model built on the meta device: each MoE layer's stacked
@@ -196,8 +217,6 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
                                   mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype,
                                                                  reduce_dtype=fsdp.reduce_dtype),
                                   offload_policy=offload_policy(mesh.experts, offloaded[index]))
-            sharded.set_gradient_divide_factor(float(mesh.dp_size))
-            # Sum, then divide: gloo has no pre-multiplied sum (what FSDP otherwise asks for).
-            sharded.set_force_sum_reduction_for_comms(True)
+            divide_expert_gradients(sharded, float(mesh.dp_size))
 
     return shard
