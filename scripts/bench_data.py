@@ -61,7 +61,9 @@ def write_corpus(folder: Path, megabytes: float, tokenizer: Tokenizer) -> dict[s
     (folder / "text").mkdir(exist_ok=True)
     with (folder / "text" / "bench.jsonl").open("w", encoding="utf-8") as out:
         out.writelines(json.dumps({"text": row}) + "\n" for row in rows)
-    ids = np.concatenate(tokenizer.encode_batch(rows)).astype(np.uint32 if tokenizer.vocab_size > 1 << 16 else np.uint16)
+    ids = np.concatenate(tokenizer.encode_batch(rows)).astype(
+        np.uint32 if tokenizer.vocab_size > 1 << 16 else np.uint16
+    )
     np.save(folder / "bench.npy", ids)
     return {"parquet": str(folder / "bench.parquet"), "text": str(folder / "text"), "tokens": str(folder / "bench.npy")}
 
@@ -134,8 +136,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for kind in [k for k, _ in MIXTURE] + ["mixture"]:
         print(f"  {kind:8s} first batch after {result[f'{kind}_first_batch_s']:7.3f} s, then "
               f"{result[f'{kind}_windows_per_s']:9.1f} windows/s")
-    print(f"  mixture 0.5/0.3/0.2 (medians of {args.rounds} rounds): {result['mixture_windows_per_s']:.1f} windows/s against {expected:.1f} from its "
-          f"sources alone at those weights: ratio {result['mixture_ratio']:.3f}")
+    print(
+        f"  mixture 0.5/0.3/0.2 (medians of {args.rounds} rounds): {result['mixture_windows_per_s']:.1f} windows/s "
+        f"against {expected:.1f} from its "
+        f"sources alone at those weights: ratio {result['mixture_ratio']:.3f}"
+    )
     return result
 
 

@@ -6,7 +6,8 @@ A Qwen3-MoE shape (``--dim``, ``--layers``, ``--experts`` of width ``--hidden``,
 trains on the embedded corpus on ``--ranks`` gloo CPU processes (torchrun), fp32, once with the
 experts FSDP-sharded over every rank (expert parallel 1) and once per degree in ``--degrees``.
 Each rank counts the collectives of its steps after a warm-up step (``scripts/benchmark.py``'s
-``CollectiveCounter`` over the ``c10d`` and functional-collective ops) with their unsharded bytes: what each all-gather delivers
+``CollectiveCounter`` over the ``c10d`` and functional-collective ops) with their unsharded bytes: what each
+all-gather delivers
 to the rank, what each reduce-scatter or all-reduce takes in, the rows each all-to-all sends
 (forward and backward); and times them; rank 0's
 figures and the medians of the step times are printed, with the ratios to expert parallel 1.
@@ -33,9 +34,22 @@ def _worker(opts: argparse.Namespace) -> None:
 def main() -> None:
     from benchmark import sweep, sweep_parser
 
-    opts = sweep_parser(__doc__.splitlines()[0], {"ranks": 4, "steps": 6, "dim": 256, "layers": 4, "experts": 16, "hidden": 512, "top_k": 2,
-                                    "seq_len": 256, "local_batch_size": 2, "ep": 1},
-                        "/tmp/bench_expert_parallel").parse_args()
+    opts = sweep_parser(
+        __doc__.splitlines()[0],
+        {
+            "ranks": 4,
+            "steps": 6,
+            "dim": 256,
+            "layers": 4,
+            "experts": 16,
+            "hidden": 512,
+            "top_k": 2,
+            "seq_len": 256,
+            "local_batch_size": 2,
+            "ep": 1,
+        },
+        "/tmp/bench_expert_parallel",
+    ).parse_args()
     if opts.worker:
         _worker(opts)
         return

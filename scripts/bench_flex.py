@@ -12,7 +12,8 @@ dense-mask forward is the reference; the two paths run under bf16 autocast (as t
 them on one GPU) and each one's error is ``max |logits - reference| / max |reference|``. The flex
 path passes when its error is at most 1.5× the dense path's + 1e-3 (bf16 rounding, not a wrong
 mask: a token that sees the wrong document moves its logits by far more). Speed: forward+backward
-of the whole cut model, and of one attention call (forward only on CPU, where FlexAttention has no backward) at the flavor's head shape, each path
+of the whole cut model, and of one attention call (forward only on CPU, where FlexAttention has no backward)
+at the flavor's head shape, each path
 alternating over ``--rounds``, medians (and plain causal attention, no documents, for scale).
 """
 
@@ -128,19 +129,29 @@ def main() -> None:
     }, opts.rounds, opts.steps, device)
 
     name = device_label(device)
-    result = {"device": name, "torch": torch.__version__, "options": {k: v for k, v in vars(opts).items() if k != "json"},
-              "documents_per_row": [int(row.max()) + 1 for row in docs.cpu()],
-              "mask_density_vs_causal": round(density, 4), "logit_error": errors, "logits_ok": logits_ok,
-              "timed": "forward+backward" if backward else "forward",
-              "model_fwd_bwd_s": model_times, "model_dense_over_flex": model_times["dense"] / model_times["flex"],
-              "attention_fwd_bwd_s": attention_times,
-              "attention_dense_over_flex": attention_times["dense"] / attention_times["flex"]}
+    result = {
+        "device": name,
+        "torch": torch.__version__,
+        "options": {k: v for k, v in vars(opts).items() if k != "json"},
+        "documents_per_row": [int(row.max()) + 1 for row in docs.cpu()],
+        "mask_density_vs_causal": round(density, 4),
+        "logit_error": errors,
+        "logits_ok": logits_ok,
+        "timed": "forward+backward" if backward else "forward",
+        "model_fwd_bwd_s": model_times,
+        "model_dense_over_flex": model_times["dense"] / model_times["flex"],
+        "attention_fwd_bwd_s": attention_times,
+        "attention_dense_over_flex": attention_times["dense"] / attention_times["flex"],
+    }
     print(f"{name}: {opts.flavor} cut to {opts.layers} layers, batch {opts.local_batch_size} x {opts.seq_len}, "
           f"{result['documents_per_row']} documents per row (mask {density:.0%} of causal)")
     print(f"  logits vs fp32 dense: flex {errors['flex']:.2e}, dense {errors['dense']:.2e} "
           f"({'ok' if logits_ok else 'FLEX OFF BY MORE THAN bf16'})")
-    print(f"  model {result['timed']}: flex {1e3 * model_times['flex']:.1f} ms, dense {1e3 * model_times['dense']:.1f} ms "
-          f"(dense / flex {result['model_dense_over_flex']:.2f})")
+    print(
+        f"  model {result['timed']}: flex {1e3 * model_times['flex']:.1f} ms, "
+        f"dense {1e3 * model_times['dense']:.1f} ms "
+        f"(dense / flex {result['model_dense_over_flex']:.2f})"
+    )
     print(f"  attention {result['timed']}: " + ", ".join(f"{k} {1e3 * t:.2f} ms" for k, t in attention_times.items())
           + f" (dense / flex {result['attention_dense_over_flex']:.2f})")
     if opts.json:

@@ -58,7 +58,7 @@ def main() -> None:
     models = {}
     for name, grouped in (("grouped", True), ("loop", False)):
         torch.manual_seed(0)
-        model = MoE(opts.dim, opts.hidden, opts.experts, opts.top_k, use_grouped_mm=grouped)
+        model = MoE.build(opts.dim, opts.hidden, opts.experts, opts.top_k, use_grouped_mm=grouped)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
         models[name] = model.to(device=device, dtype=dtype)

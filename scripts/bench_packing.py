@@ -93,7 +93,7 @@ def main() -> None:
                 windows = packed_windows([data], tokenizer, seq_len=seq_len - 1, loss_on="all", truncate="right",
                                          key="k", where="w", packing=how)
                 result[how] = {"windows": len(windows), "padding_fraction": round(padding(windows), 4)}
-            out["packing"][str(seq_len)] = result  # type: ignore[index]
+            out["packing"][str(seq_len)] = result
             print(f"seq_len {seq_len}: greedy {result['greedy']['windows']} windows, "
                   f"{100 * result['greedy']['padding_fraction']:.1f}% padding; bfd {result['bfd']['windows']} windows, "
                   f"{100 * result['bfd']['padding_fraction']:.1f}% padding")
@@ -110,7 +110,7 @@ def main() -> None:
         base = statistics.median(times["all"])
         for name, values in times.items():
             ms = 1e3 * statistics.median(values)
-            out["startup"][name] = {"ms_per_conversation": round(ms, 3), "vs_all": round(ms / 1e3 / base, 2)}  # type: ignore[index]
+            out["startup"][name] = {"ms_per_conversation": round(ms, 3), "vs_all": round(ms / 1e3 / base, 2)}
             print(f"{name}: {ms:.2f} ms per conversation ({ms / 1e3 / base:.2f}x loss_on = 'all')")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -34,9 +34,11 @@ def _worker(opts: argparse.Namespace) -> None:
 def main() -> None:
     from benchmark import sweep, sweep_parser
 
-    opts = sweep_parser(__doc__.splitlines()[0], {"ranks": 4, "steps": 6, "dim": 512, "layers": 4, "heads": 8, "seq_len": 512,
-                                    "global_batch": 4, "tp": 1},
-                        "/tmp/bench_tensor_parallel").parse_args()
+    opts = sweep_parser(
+        __doc__.splitlines()[0],
+        {"ranks": 4, "steps": 6, "dim": 512, "layers": 4, "heads": 8, "seq_len": 512, "global_batch": 4, "tp": 1},
+        "/tmp/bench_tensor_parallel",
+    ).parse_args()
     if opts.worker:
         _worker(opts)
         return

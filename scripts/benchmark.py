@@ -2,7 +2,7 @@
 collectives per step, activation checkpointing, compile, meta-device init and start-up time.
 
     python scripts/benchmark.py --quick                    # a few minutes on a 2-core CPU machine
-    python scripts/benchmark.py --json docs/benchmark.json  # also write every figure as JSON
+    python scripts/benchmark.py --json docs/benchmarks/benchmark.json  # also write every figure as JSON
     python scripts/benchmark.py --skip overhead,metainit,startup --world_sizes 1,2 \
         --param_dtypes float32 --cpu_offload off           # memory, collectives, auto: one launch
 
@@ -46,7 +46,8 @@ peak          the estimator's peak per rank against the measured one for every r
               ``torch.cuda.max_memory_allocated`` after two steps on a GPU; on CPU the peak of live
               bytes over one real ``Trainer.train_step`` from torch.profiler's memory timeline (the
               allocator's events: independent of the FSDPMemTracker the estimator runs on), with
-              FSDPMemTracker's own peak beside it (tracker vs tracker). Not in the default run (name it in --parts, e.g. on one GPU:
+              FSDPMemTracker's own peak beside it (tracker vs tracker). Not in the default run (name it in
+              --parts, e.g. on one GPU:
               --parts peak --peak_ranks 1 --flavor 1B --seq_len 2048 --param_dtypes bfloat16).
 float8        float8 training (the blocks' linears through torchao, float8 all-gather with
               precomputed scales) against the same job without it, eager and compiled, on
@@ -918,7 +919,11 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
                "--rounds", str(opts.rounds), "--param_dtypes", opts.param_dtypes,
                "--cpu_offload", opts.cpu_offload, "--ac_seq_len", str(opts.ac_seq_len),
                "--single_vocab_sizes", opts.single_vocab_sizes, *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         # stdout passes through (the workers' progress lines); stderr is kept for the failure line
         done = subprocess.run(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, timeout=1800)
         if done.returncode != 0:
@@ -929,7 +934,9 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
             # The exception's own line ("...Error: message") names the cause best; the first line
             # mentioning an error is often only the `raise` of a traceback.
             lines = done.stderr.splitlines()
-            named = [line for line in lines if re.search(r"\w(Error|Exception): ", line) and "ChildFailedError" not in line]
+            named = [
+                line for line in lines if re.search(r"\w(Error|Exception): ", line) and "ChildFailedError" not in line
+            ]
             ranks = named or [line for line in lines if ("Error" in line and "ChildFailedError" not in line)
                               or "terminate called" in line or "Signal " in line]
             raise SystemExit(f"error: benchmark part(s) {worker!r} on {nproc} ranks failed (exit {done.returncode}): "
@@ -981,8 +988,11 @@ def main() -> None:
                         help="steps per timed round (overhead) and timed steps per run (auto)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of each loop")
     parser.add_argument("--world_sizes", default="1,2,4", help="memory part: world sizes, comma-separated")
-    parser.add_argument("--param_dtypes", default="float32,bfloat16",
-                        help="memory and compile parts: parameter (compute) dtypes, comma-separated (float32, bfloat16)")
+    parser.add_argument(
+        "--param_dtypes",
+        default="float32,bfloat16",
+        help="memory and compile parts: parameter (compute) dtypes, comma-separated (float32, bfloat16)",
+    )
     parser.add_argument("--cpu_offload", default="off,on",
                         help="memory part: CPU offload settings, comma-separated (off, on)")
     parser.add_argument("--ac_seq_len", type=int, default=1024,
@@ -1113,8 +1123,10 @@ def main() -> None:
             budget = "-" if r["budget_gib"] is None else f"{r['budget_gib'] * 1024:.2f}"
             units = r["resharded_text"] or "-"
             estimated = "-" if r["estimated_peak"] is None else f"{r['estimated_peak'] / 2**20:.2f}"
-            print(f"{label:12} {budget:>10} {units:40} {r['recomputed'] or '-':36} {r['all_gather']:>11} {estimated:>9} "
-                  f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}")
+            print(
+                f"{label:12} {budget:>10} {units:40} {r['recomputed'] or '-':36} {r['all_gather']:>11} {estimated:>9} "
+                f"{r['measured_peak'] / 2**20:12.2f} {r['tokens_per_s']:10,.0f}"
+            )
     if "ac" not in skip:
         estimates = _ac_estimates(opts)
         ac = _launch(["ac"], 2, opts)["ac"][0]
@@ -1136,7 +1148,10 @@ def main() -> None:
     if "compile" not in skip:
         by_dtype = _launch(["compile"], opts.compile_ranks, opts)["compile"][0]
         figures["compile"] = by_dtype
-        print(f"\ncompile ({opts.compile_ranks} rank(s), {opts.rounds} alternating rounds × {opts.steps} steps, blocks and loss compiled)")
+        print(
+            f"\ncompile ({opts.compile_ranks} rank(s), {opts.rounds} alternating rounds × {opts.steps} steps, "
+            "blocks and loss compiled)"
+        )
         for dtype, c in by_dtype.items():
             print(f"  {dtype}: eager {c['eager_tps']:,.0f} tok/s/rank, compiled {c['compiled_tps']:,.0f} "
                   f"tok/s/rank, ratio compiled/eager = {c['ratio']:.2f} (per round: "
@@ -1191,10 +1206,15 @@ def main() -> None:
         ranks = _launch(["metainit"], 2, opts, "--naive")["metainit"]
         figures["metainit"] = ranks
         r0 = ranks[0]
-        print(f"\nmeta init of the 1B flavor ({r0['params'] / 1e9:.2f}B params) on 2 ranks: peak RSS delta "
-              + ", ".join(f"rank {i} {r['peak_delta_bytes'] / 2**30:.2f} GiB ({r['peak_delta_bytes'] / r['shard_bytes']:.2f}× "
-                          f"its {r['shard_bytes'] / 2**30:.2f} GiB shard)" for i, r in enumerate(ranks))
-              + f"; naive full init {r0['naive_peak_delta_bytes'] / 2**30:.2f} GiB; {r0['seconds']:.1f} s")
+        print(
+            f"\nmeta init of the 1B flavor ({r0['params'] / 1e9:.2f}B params) on 2 ranks: peak RSS delta "
+            + ", ".join(
+                f"rank {i} {r['peak_delta_bytes'] / 2**30:.2f} GiB ({r['peak_delta_bytes'] / r['shard_bytes']:.2f}× "
+                f"its {r['shard_bytes'] / 2**30:.2f} GiB shard)"
+                for i, r in enumerate(ranks)
+            )
+            + f"; naive full init {r0['naive_peak_delta_bytes'] / 2**30:.2f} GiB; {r0['seconds']:.1f} s"
+        )
     if "startup" not in skip:
         seconds = _startup(opts, 2)
         figures["startup_s"] = seconds

@@ -175,7 +175,7 @@ def read_step_dir(step_dir: Path, *, model: str | None, flavor: str | None, voca
         metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     except UnsafeCheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - unpickling and I/O errors come in many types
+    except Exception as exc:  # unpickling and I/O errors come in many types
         raise ConvertError(f"{source}: DCP metadata cannot be read: {failure_reason(exc)}") from None
     found: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -347,13 +347,13 @@ def read_file(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         try:
             with safe_open(str(file), framework="pt") as fh:
                 metadata = fh.metadata() or {}
-                return {k: fh.get_tensor(k) for k in fh.keys()}, metadata  # noqa: SIM118
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                return {k: fh.get_tensor(k) for k in fh.keys()}, metadata
+        except Exception as exc:  # safetensors raises its own error types
             raise ConvertError(f"{source}: not a readable safetensors file: {failure_reason(exc)}") from None
     if file.suffix == ".pt":
         try:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
+        except Exception as exc:  # unpickling errors come in many types
             raise ConvertError(f"{source}: cannot be read with weights_only=True: "
                                f"{failure_reason(exc)}") from None
         if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):

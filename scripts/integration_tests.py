@@ -553,7 +553,11 @@ def format_case_list(cases: Sequence[TestCase]) -> str:
         lines.append(f"{c.name}  ({c.ngpu} rank{'s' if c.ngpu > 1 else ''}): {c.description}")
         for i, run in enumerate(c.runs, 1):
             args = " ".join(run.overrides) or f"({c.config_file or 'base config'} only)"
-            launch = [*(f"{k}={v}" for k, v in run.env.items()), *run.torchrun_args, *([run.script] if run.script else [])]
+            launch = [
+                *(f"{k}={v}" for k, v in run.env.items()),
+                *run.torchrun_args,
+                *([run.script] if run.script else []),
+            ]
             if launch:
                 args = f"[{' '.join(launch)}] {args}"
             lines.append(f"    run {i} on {c.nproc(run)}: {args}")

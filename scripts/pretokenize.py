@@ -59,7 +59,7 @@ def pretokenize(input_path: str, output: str, *, tokenizer_path: str | None = No
     return documents, tokens, dtype.name
 
 
-def _write(fh, arrays: list[np.ndarray], dtype: np.dtype) -> int:  # noqa: ANN001
+def _write(fh, arrays: list[np.ndarray], dtype: np.dtype) -> int:
     data = np.concatenate(arrays).astype(dtype)
     data.tofile(fh)
     return len(data)

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir()
             table = family_table(family, work)
             tables.append(table)
-            print(f"\n{family}\n\n| run | step 4 | step 5 | step 6 | largest relative difference |\n|---|---|---|---|---|")
+            print(
+                f"\n{family}\n\n| run | step 4 | step 5 | step 6 | largest relative difference |\n|---|---|---|---|---|"
+            )
             for row in table["rows"]:
                 diff = f"{row['max_rel_diff']:.1e}" if "max_rel_diff" in row else ""
                 print(f"| {row['run']} | " + " | ".join(f"{x:.6f}" for x in row["losses"]) + f" | {diff} |")

@@ -80,13 +80,13 @@ def _run_task(fn: Callable[..., Any], rank: int, world_size: int, port: int,
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         return "ok", pickle.dumps(fn(*args))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:  # report everything to the parent
         return "error", traceback.format_exc()
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         from torchtitan_lite.distributed import forget_dtensor_plans
 

@@ -77,7 +77,7 @@ def distinct_post_forward_meshes(modules: Mapping[str, nn.Module] | list[nn.Modu
 
 def same_unit(a: nn.Module, b: nn.Module) -> bool:
     """Whether ``a`` and ``b`` are sharded, gathered and freed as one FSDP unit."""
-    return a._get_fsdp_state() is b._get_fsdp_state()  # type: ignore[operator]
+    return a._get_fsdp_state() is b._get_fsdp_state()
 
 
 def has_root_params(model: nn.Module) -> bool:

@@ -59,8 +59,8 @@ def _save_and_signal(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
     return _original_save(self, *args, **kwargs)
 
 
-Trainer.train_step = _train_step_or_die  # type: ignore[method-assign]
-CheckpointManager.save = _save_and_signal  # type: ignore[method-assign]
+Trainer.train_step = _train_step_or_die
+CheckpointManager.save = _save_and_signal
 
 if __name__ == "__main__":
     from torchtitan_lite.train import main

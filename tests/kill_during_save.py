@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 _original_write_data = FileSystemWriter.write_data
 
 
-def _write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
+def _write_then_die(self, plan, planner):
     future = _original_write_data(self, plan, planner)
     if (os.environ.get("RANK") == os.environ.get("KILL_RANK", "1")
             and f".step-{os.environ['KILL_AT_STEP']}.partial" in str(self.path)):
@@ -22,7 +22,7 @@ def _write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
     return future
 
 
-FileSystemWriter.write_data = _write_then_die  # type: ignore[method-assign]
+FileSystemWriter.write_data = _write_then_die
 
 if __name__ == "__main__":
     from torchtitan_lite.train import main

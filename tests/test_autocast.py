@@ -70,7 +70,7 @@ def test_plan_shards_with_several_ranks_or_cpu_offload() -> None:
     assert offload.fsdp_options() == FSDPOptions(reshard_after_forward_mode="default", param_dtype=torch.bfloat16,
                                                  reduce_dtype=torch.float32, cpu_offload=True)
     two = plan_job(load_job_config(bf16), world_size=2)
-    assert two.shard and two.fsdp_options("never").reshard_after_forward_mode == "never"  # type: ignore[union-attr]
+    assert two.shard and two.fsdp_options("never").reshard_after_forward_mode == "never"
 
 
 @pytest.mark.slow

@@ -17,10 +17,31 @@ def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     # part measures the three modes in fp32 without CPU offload, what the checks below compare.
     # (The auto part's trainer runs are what tests/test_memory_auto.py checks on 2 ranks.)
     out = tmp_path / "bench.json"
-    result = run_command([sys.executable, "scripts/benchmark.py", "--flavor", "tiny", "--seq_len", "32",
-                          "--local_batch_size", "2", "--world_sizes", "1,2", "--skip", "overhead,auto,ac,compile,metainit,startup",
-                          "--param_dtypes", "float32", "--cpu_offload", "off", "--steps", "1",
-                          "--json", str(out)], timeout=300)
+    result = run_command(
+        [
+            sys.executable,
+            "scripts/benchmark.py",
+            "--flavor",
+            "tiny",
+            "--seq_len",
+            "32",
+            "--local_batch_size",
+            "2",
+            "--world_sizes",
+            "1,2",
+            "--skip",
+            "overhead,auto,ac,compile,metainit,startup",
+            "--param_dtypes",
+            "float32",
+            "--cpu_offload",
+            "off",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "collectives per step per rank" in result.stdout and "memory per rank" in result.stdout
     figures = json.loads(out.read_text())

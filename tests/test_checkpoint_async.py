@@ -43,7 +43,7 @@ def _async_run(dump: str) -> dict[str, Any]:
             seen["save_group_timeouts"] = [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
         return step()
 
-    trainer.train_step = watched  # type: ignore[method-assign]
+    trainer.train_step = watched
     trainer.train()
     trainer.close()
     return seen

@@ -39,7 +39,7 @@ def _train(argv: list[str], crash_at: int | None = None) -> dict[str, Any]:
         draws.append(int(torch.randint(0, 2**62, ())))
         return values
 
-    trainer.train_step = recording_step  # type: ignore[method-assign]
+    trainer.train_step = recording_step
     history: list[dict[str, float]] = []
     try:
         history = trainer.train()
@@ -448,10 +448,21 @@ def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
     done = run_command([sys.executable, "scripts/convert_checkpoint.py", "from-hf", str(hf_dir), str(converted)],
                        timeout=120)
     assert done.returncode == 0, done.stderr
-    from_hf = run_distributed(_train, 2, _argv(tmp_path / "a", "--training.steps", "2", "--checkpoint.initial_load_path",
-                                               str(hf_dir), "--checkpoint.initial_load_in_hf"))[0]
-    from_dcp = run_distributed(_train, 2, _argv(tmp_path / "b", "--training.steps", "2", "--checkpoint.initial_load_path",
-                                                str(converted)))[0]
+    from_hf = run_distributed(
+        _train,
+        2,
+        _argv(
+            tmp_path / "a",
+            "--training.steps",
+            "2",
+            "--checkpoint.initial_load_path",
+            str(hf_dir),
+            "--checkpoint.initial_load_in_hf",
+        ),
+    )[0]
+    from_dcp = run_distributed(
+        _train, 2, _argv(tmp_path / "b", "--training.steps", "2", "--checkpoint.initial_load_path", str(converted))
+    )[0]
     scratch = run_distributed(_train, 2, _argv(tmp_path / "c", "--training.steps", "2"))[0]
     assert from_hf["start"] == from_dcp["start"] == 0
     assert _losses(from_hf, 1) == _losses(from_dcp, 1)

@@ -92,7 +92,7 @@ def _disk_full_at_step_4(dump: str, mode: str) -> dict[str, Any]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         return original(self, plan, planner)
 
-    FileSystemWriter.write_data = full_disk  # type: ignore[method-assign]
+    FileSystemWriter.write_data = full_disk
     try:
         trainer = Trainer(load_job_config([
             *TINY_ARGS, "--job.dump_folder", dump, "--training.steps", "8", "--checkpoint.enable",
@@ -105,7 +105,7 @@ def _disk_full_at_step_4(dump: str, mode: str) -> dict[str, Any]:
         trainer.close(clean=error is None)
         return {"error": error, "step": trainer.step}
     finally:
-        FileSystemWriter.write_data = original  # type: ignore[method-assign]
+        FileSystemWriter.write_data = original
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async"])

@@ -51,10 +51,10 @@ def _triggers(doc: dict[str, Any]) -> dict[str, Any]:
     return on
 
 
-def _readme_section(title_start: str) -> str:
-    text = (REPO_ROOT / "README.md").read_text()
+def _readme_section(title_start: str, page: str = "README.md") -> str:
+    text = (REPO_ROOT / page).read_text()
     match = re.search(rf"^## {re.escape(title_start)}.*?$(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match, f"README.md has no section '## {title_start}...'"
+    assert match, f"{page} has no section '## {title_start}...'"
     return match.group(1)
 
 
@@ -66,14 +66,18 @@ def _code_lines(section: str) -> list[str]:
 
 def readme_test_command() -> str:
     lines = [line for line in _code_lines(_readme_section("Set-up")) if line.startswith(TEST_COMMAND_START)]
-    assert len(lines) == 1, f"README.md's Set-up section: expected one line starting {TEST_COMMAND_START!r}, got {lines}"
+    assert len(lines) == 1, (
+        f"README.md's Set-up section: expected one line starting {TEST_COMMAND_START!r}, got {lines}"
+    )
     return lines[0]
 
 
 def readme_generate_baselines_command() -> str:
-    lines = [line.split("#")[0].strip() for line in _code_lines(_readme_section("Integration tests"))
+    lines = [line.split("#")[0].strip() for line in _code_lines(_readme_section("Integration tests", "docs/testing.md"))
              if "--generate_baselines" in line]
-    assert len(lines) == 1, f"README.md's Integration tests section: expected one --generate_baselines line, got {lines}"
+    assert len(lines) == 1, (
+        f"docs/testing.md's Integration tests section: expected one --generate_baselines line, got {lines}"
+    )
     return lines[0]
 
 
@@ -280,8 +284,14 @@ def test_gpu_workflow_skips_without_cuda_baselines(tmp_path: Path, with_baseline
     script = tmp_path / "step.sh"
     script.write_text(step["run"])
     github_output, summary = tmp_path / "github_output", tmp_path / "summary"
-    result = subprocess.run(["bash", "-e", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=30,
-                            env={**os.environ, "GITHUB_OUTPUT": str(github_output), "GITHUB_STEP_SUMMARY": str(summary)})
+    result = subprocess.run(
+        ["bash", "-e", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "GITHUB_OUTPUT": str(github_output), "GITHUB_STEP_SUMMARY": str(summary)},
+    )
     assert result.returncode == 0, result.stderr
     outputs = dict(line.split("=", 1) for line in github_output.read_text().splitlines())
     assert (outputs[output] == run_value) == with_baselines, outputs

@@ -79,7 +79,7 @@ def test_compiled_bf16_linears_run_in_fp32_where_the_cpu_lacks_bf16_matmul() -> 
             super().__init__()
             self.dtypes: set[torch.dtype] = set()
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
                 self.dtypes.add(args[-1].dtype)
             return func(*args, **(kwargs or {}))

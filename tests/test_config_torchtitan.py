@@ -65,7 +65,9 @@ def test_every_key_at_torchtitans_default_loads(era):
     config = load_job_config(["--job.config_file", str(ASSETS / era / "all_keys_at_defaults.toml")], notes=notes)
     set_keys = _flat(tomllib.loads((ASSETS / era / "all_keys_at_defaults.toml").read_text()))
     renamed = {k for k in set_keys if (e := lookup(k)) is not None and e.kind == "alias"}
-    no_effect = {k for k in set_keys if (e := lookup(k)) is not None and e.kind == "off" and e.neutral_text == "any value"}
+    no_effect = {
+        k for k in set_keys if (e := lookup(k)) is not None and e.kind == "off" and e.neutral_text == "any value"
+    }
     noted = {re.match(r"'?([\w.]+)'?", n).group(1) for n in notes}
     assert noted == renamed | no_effect, (noted ^ (renamed | no_effect))
     assert all(re.search(r"is TorchTitan's name \(|has no effect here: \w", n) for n in notes), notes

@@ -181,8 +181,15 @@ def test_streamed_source_leaves_the_mixture_after_max_epochs(tmp_path: Path, cap
     streamed = LaneReader(corpus, ByteTokenizer(), seq_len=16, num_lanes=4, lanes=range(4), seed=0, shuffle=True,
                           shuffle_buffer=8)
     other = WindowReader(TokenWindows(np.arange(17 * 100) % 250, 16), seed=0, shuffle=False)
-    loader = BatchLoader([LoaderSource("web", streamed, weight=0.5, max_epochs=1), LoaderSource("ids", other, weight=0.5)],
-                         seq_len=16, global_batch_size=4, local_batch_size=4, dp_rank=0, dp_size=1, named=True)
+    loader = BatchLoader(
+        [LoaderSource("web", streamed, weight=0.5, max_epochs=1), LoaderSource("ids", other, weight=0.5)],
+        seq_len=16,
+        global_batch_size=4,
+        local_batch_size=4,
+        dp_rank=0,
+        dp_size=1,
+        named=True,
+    )
     counts = []
     for _ in range(30):
         loader.next_batch()
@@ -190,7 +197,9 @@ def test_streamed_source_leaves_the_mixture_after_max_epochs(tmp_path: Path, cap
     left = counts.index(0)
     assert left > 2 and set(counts[left:]) == {0} and loader.schedule.active == [False, True]
     assert streamed.epochs_begun() >= 1
-    assert "source 'web' has read all its rows 1 times in some lane (max_epochs = 1) and leaves the mixture" in caplog.text
+    assert (
+        "source 'web' has read all its rows 1 times in some lane (max_epochs = 1) and leaves the mixture" in caplog.text
+    )
 
 
 def test_state_from_another_run_is_refused(tmp_path: Path) -> None:
@@ -343,7 +352,10 @@ def test_torchtitan_c4_names_read_local_json_lines(tmp_path: Path, monkeypatch: 
     out = tmp_path / "parquet"
     assert jsonl_to_parquet.main(["--input", str(en), "--output", str(out), "--pattern", "c4-train.*",
                                   "--rows_per_group", "3"]) == 0
-    assert sorted(f.name for f in out.iterdir()) == ["c4-train.00000-of-01024.parquet", "c4-train.00001-of-01024.parquet"]
+    assert sorted(f.name for f in out.iterdir()) == [
+        "c4-train.00000-of-01024.parquet",
+        "c4-train.00001-of-01024.parquet",
+    ]
     assert list(ArrowCorpus("parquet", str(out)).texts(0, 9)) == DOCS[:9]
     # A second run (an interrupted conversion started again) skips the finished files and writes
     # the rest; subfolders are kept, so shards of one name in two variants do not collide.
@@ -367,7 +379,22 @@ def test_bench_data_script_runs(tmp_path: Path) -> None:
         import bench_data
     finally:
         sys.path.pop(0)
-    result = bench_data.main(["--mb", "0.3", "--seq_len", "64", "--batches", "3", "--warmup", "1", "--rounds", "1", "--folder", str(tmp_path)])
+    result = bench_data.main(
+        [
+            "--mb",
+            "0.3",
+            "--seq_len",
+            "64",
+            "--batches",
+            "3",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--folder",
+            str(tmp_path),
+        ]
+    )
     assert result["tokens"] > 300_000 and result["ratio"] > 0 and result["mixture_ratio"] > 0
 
 

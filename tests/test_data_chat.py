@@ -32,9 +32,21 @@ from torchtitan_lite.errors import DataError
 TEMPLATES = Path(__file__).resolve().parent / "assets" / "chat_templates"
 _LLAMA = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 _CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
-             "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
-             "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁outputs▁end｜>"]
+_DEEPSEEK = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁outputs▁end｜>",
+]
 _MISTRAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
             "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 _GEMMA = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"]
@@ -115,46 +127,125 @@ _CLOCK = {"type": "function", "id": "call00003", "function": {"name": "get_time"
 _CALL_2 = {"type": "function", "id": "call00002", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
 # Rows beyond plain turns, each with what the family's template must support: (needs, row).
 EXTRA: list[tuple[str, dict[str, Any]]] = [
-    ("reasoning", {"messages": [{"role": "user", "content": "OK"}, {"role": "assistant", "content": "OK"},
-                                {"role": "user", "content": "Again."}, {"role": "assistant", "content": "Done."}]}),
-    ("reasoning", {"messages": [{"role": "user", "content": "Q1"},
-                                {"role": "assistant", "content": "<think>\nfirst thought\n</think>\n\nA1"},
-                                {"role": "user", "content": "Q2"},
-                                {"role": "assistant", "content": "A2", "reasoning_content": "second thought"}]}),
-    ("reasoning", {"messages": [{"role": "system", "content": "Think."}, {"role": "user", "content": "2+3?"},
-                                {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3"}]}),
-    ("reasoning", {"messages": [{"role": "user", "content": "Why?"},
-                                {"role": "assistant", "content": "Because.", "thinking": "a thought under 'thinking'"}]}),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "user", "content": "OK"},
+                {"role": "assistant", "content": "OK"},
+                {"role": "user", "content": "Again."},
+                {"role": "assistant", "content": "Done."},
+            ]
+        },
+    ),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "user", "content": "Q1"},
+                {"role": "assistant", "content": "<think>\nfirst thought\n</think>\n\nA1"},
+                {"role": "user", "content": "Q2"},
+                {"role": "assistant", "content": "A2", "reasoning_content": "second thought"},
+            ]
+        },
+    ),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "system", "content": "Think."},
+                {"role": "user", "content": "2+3?"},
+                {"role": "assistant", "content": "5", "reasoning_content": "2 plus 3"},
+            ]
+        },
+    ),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "Because.", "thinking": "a thought under 'thinking'"},
+            ]
+        },
+    ),
     # Tool results wrapped in a user turn (Qwen3's template then keeps the last real query's index).
-    ("reasoning", {"messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "reasoning_content": "need a tool", "tool_calls": [_CALL]},
-        {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"},
-        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "got it"}]}),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "reasoning_content": "need a tool", "tool_calls": [_CALL]},
+                {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"},
+                {"role": "assistant", "content": "It is sunny.", "reasoning_content": "got it"},
+            ]
+        },
+    ),
     # A tool call whose arguments hold no text, after empty content and reasoning, then a new query.
-    ("reasoning", {"messages": [
-        {"role": "user", "content": "What time is it?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I need the clock.", "tool_calls": [_CLOCK]},
-        {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "It is noon."},
-        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome!"}]}),
-    ("tools", {"tools": [_WEATHER], "messages": [
-        {"role": "user", "content": "Time?"}, {"role": "assistant", "tool_calls": [_CLOCK]},
-        {"role": "tool", "tool_call_id": "call00003", "content": "12:00"}, {"role": "assistant", "content": "Noon."}]}),
+    (
+        "reasoning",
+        {
+            "messages": [
+                {"role": "user", "content": "What time is it?"},
+                {"role": "assistant", "content": "", "reasoning_content": "I need the clock.", "tool_calls": [_CLOCK]},
+                {"role": "tool", "content": "12:00"},
+                {"role": "assistant", "content": "It is noon."},
+                {"role": "user", "content": "Thanks"},
+                {"role": "assistant", "content": "You're welcome!"},
+            ]
+        },
+    ),
+    (
+        "tools",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "tool_calls": [_CLOCK]},
+                {"role": "tool", "tool_call_id": "call00003", "content": "12:00"},
+                {"role": "assistant", "content": "Noon."},
+            ],
+        },
+    ),
     # The same question twice (a template that compares messages by value, as Mistral's does for tools).
-    ("tools", {"tools": [_WEATHER], "messages": [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "y"}]}),
-    ("tools", {"tools": [_WEATHER], "messages": [
-        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [_CALL]},
-        {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
-        {"role": "assistant", "content": "It is sunny in Paris."}]}),
-    ("tools", {"tools": [_WEATHER], "messages": [
-        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Paris and Oslo?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [_CALL]},
-        {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
-        {"role": "assistant", "content": "Sunny; now Oslo.", "tool_calls": [_CALL_2]},
-        {"role": "tool", "tool_call_id": "call00002", "content": "snow"},
-        {"role": "assistant", "content": "Paris sunny, Oslo snow."}]}),
+    (
+        "tools",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "y"},
+            ],
+        },
+    ),
+    (
+        "tools",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
+                {"role": "assistant", "content": "It is sunny in Paris."},
+            ],
+        },
+    ),
+    (
+        "tools",
+        {
+            "tools": [_WEATHER],
+            "messages": [
+                {"role": "system", "content": "Use tools."},
+                {"role": "user", "content": "Paris and Oslo?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny; now Oslo.", "tool_calls": [_CALL_2]},
+                {"role": "tool", "tool_call_id": "call00002", "content": "snow"},
+                {"role": "assistant", "content": "Paris sunny, Oslo snow."},
+            ],
+        },
+    ),
 ]
 
 
@@ -241,7 +332,10 @@ def test_rendering_equals_transformers_and_labels_are_the_assistant_turns(tmp_pa
         rendered = hf.apply_chat_template(messages, tools=tools, tokenize=False)
         assert template.render(messages, tools=tools) == rendered
         expected = turns(rendered)
-        assert len(expected) == sum(m["role"] == "assistant" for m in messages) or family == "phi3_5", (rendered, expected)
+        assert len(expected) == sum(m["role"] == "assistant" for m in messages) or family == "phi3_5", (
+            rendered,
+            expected,
+        )
         assert _counted_runs(hf, ids, counted) == expected, (family, rendered)
         _, every = template.encode(messages, loss_on="all", tools=tools)
         assert every.all()

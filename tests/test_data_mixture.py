@@ -66,7 +66,10 @@ def test_a_source_reaching_max_epochs_leaves_and_the_others_are_renormalised(cap
     assert loader.tokens_by_source() == {"small": 12 * SEQ, "big": 68 * SEQ}
     text = caplog.text
     assert "source 'small' has used all its 6 windows and starts again (epoch 1)" in text
-    assert "source 'small' has used its 6 windows 2 times (max_epochs = 2) and leaves the mixture; weights now 'big' 1" in text
+    assert (
+        "source 'small' has used its 6 windows 2 times (max_epochs = 2) and leaves the mixture; weights now 'big' 1"
+        in text
+    )
     done = _loader({"a": 1.0}, sizes={"a": 3}, max_epochs={"a": 1})
     with pytest.raises(DataError, match="every source is done: 'a' has used its 3 windows 1 times"):
         done.next_batch()

@@ -120,7 +120,7 @@ REBUILT = [
 
 def _body(tok: HFTokenizer, ids: object) -> list[int]:
     """A document's ids without the BOS/EOS the data pipeline puts around it."""
-    out = [int(i) for i in ids]  # type: ignore[attr-defined]
+    out = [int(i) for i in ids]
     return out[(tok.bos_id is not None):len(out) - (tok.eos_id is not None)]
 
 

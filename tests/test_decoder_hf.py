@@ -167,7 +167,9 @@ def test_rope_settings_are_read_as_transformers_reads_them(tmp_path: Path) -> No
     base = {k: v for k, v in config.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
     args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_type": "default"}, "rope_theta": 5e5})
     assert args.rope_theta == 5e5 and args.rope_scaling == "none"
-    args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_theta": 5e5}, "rope_scaling": LLAMA3_ROPE})
+    args = LLAMA3_SPEC.hf.args_from_config(
+        {**base, "rope_parameters": {"rope_theta": 5e5}, "rope_scaling": LLAMA3_ROPE}
+    )
     assert (args.rope_theta, args.rope_scaling, args.rope_original_max_seq_len) == (5e5, "llama3", 32)
     args = LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5},
                                             "rope_scaling": {**LLAMA3_ROPE, "factor": 4.0}})
@@ -176,7 +178,8 @@ def test_rope_settings_are_read_as_transformers_reads_them(tmp_path: Path) -> No
         LLAMA3_SPEC.hf.args_from_config({**base, "rope_parameters": {"rope_theta": 5e5}, "rope_theta": 1e4})
     qwen = json.loads((hf_qwen3(tmp_path / "qwen") / "config.json").read_text())
     yarn = {**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}
-    with pytest.raises(ValueError, match=r"rope_scaling.rope_type='yarn'; Qwen3ForCausalLM here supports only default RoPE$"):
+    with pytest.raises(ValueError,
+                       match=r"rope_scaling.rope_type='yarn'; Qwen3ForCausalLM here supports only default RoPE$"):
         get_model_spec("qwen3").hf.args_from_config(yarn)
 
 

@@ -39,19 +39,40 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
          "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 CASES: dict[str, dict[str, Any]] = {
-    "q-lora": {"q_lora_rank": 32, "rms_norm_eps": 1e-2, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+    "q-lora": {
+        "q_lora_rank": 32,
+        "rms_norm_eps": 1e-2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    },
     "no-q-lora-yarn": {"q_lora_rank": None, "rope_parameters": dict(_YARN)},
     "yarn-not-interleaved": {"q_lora_rank": 32, "rope_parameters": {**_YARN, "mscale": 1.0}, "rope_interleave": False},
 }
 
 
 def _hf_config(**overrides: Any) -> Any:
-    fields = {"vocab_size": 258, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
-              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
-              "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
-              "topk_group": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 64, "tie_word_embeddings": False,
-              **overrides}
+    fields = {
+        "vocab_size": 258,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        **overrides,
+    }
     return transformers.DeepseekV3Config(**fields)
 
 
@@ -302,7 +323,9 @@ def test_published_sizes() -> None:
     assert abs(moonlight.num_params() / 16e9 - 1) < 0.01
     assert abs(moonlight.active_params() / 3e9 - 1) < 0.05
     # 6 x the active non-embedding parameters plus the attention matmuls
-    assert big.flops_per_token(4096) == 6 * big.active_params(include_embedding=False) + 61 * 6 * 128 * (192 + 128) * 4096
+    assert (
+        big.flops_per_token(4096) == 6 * big.active_params(include_embedding=False) + 61 * 6 * 128 * (192 + 128) * 4096
+    )
 
 
 @pytest.mark.parametrize("changes, phrase", [

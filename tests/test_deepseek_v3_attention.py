@@ -122,7 +122,7 @@ def _compare(hf: DeepseekV3Attention, ours: MLAttention, x: torch.Tensor, hf_kwa
              rope: torch.Tensor, mask: torch.Tensor | None = None, *, param_grads: bool = True) -> None:
     x_hf = x.clone().requires_grad_()
     x_ours = x.clone().requires_grad_()
-    out_hf = _hf_forward(hf, x_hf, **hf_kwargs)  # type: ignore[arg-type]
+    out_hf = _hf_forward(hf, x_hf, **hf_kwargs)
     out_ours = ours(x_ours, rope, mask)
     torch.testing.assert_close(out_ours, out_hf, **TOL)
     grad = torch.randn_like(out_hf)

@@ -31,9 +31,11 @@ time.sleep(600)
 
 
 def _try_lock(folder: Path) -> subprocess.CompletedProcess[str]:
-    code = ("import sys\nfrom torchtitan_lite.dump_lock import DumpFolderLock\n"
-            "from torchtitan_lite.errors import ConfigError\n"
-            "try:\n    DumpFolderLock(sys.argv[1]).acquire()\nexcept ConfigError as e:\n    print(e)\n    sys.exit(2)\n")
+    code = (
+        "import sys\nfrom torchtitan_lite.dump_lock import DumpFolderLock\n"
+        "from torchtitan_lite.errors import ConfigError\n"
+        "try:\n    DumpFolderLock(sys.argv[1]).acquire()\nexcept ConfigError as e:\n    print(e)\n    sys.exit(2)\n"
+    )
     return subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
@@ -118,5 +120,7 @@ def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alon
     # The first job's checkpoints and metrics are those of the same job run alone.
     run_distributed(_main, 2, _job(solo))
     assert committed_steps(shared / "checkpoint") == committed_steps(solo / "checkpoint") == [40, 60]
-    assert [r["loss"] for r in read_jsonl(shared / "metrics.jsonl")] == [r["loss"] for r in read_jsonl(solo / "metrics.jsonl")]
+    assert [r["loss"] for r in read_jsonl(shared / "metrics.jsonl")] == [
+        r["loss"] for r in read_jsonl(solo / "metrics.jsonl")
+    ]
     assert len({r["run_id"] for r in read_jsonl(shared / "metrics.jsonl")}) == 1

@@ -29,10 +29,10 @@ def _ranks(world: int) -> dict[str, float]:
     init_distributed(torch.device("cpu"))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    reference = MoE(DIM, HIDDEN, EXPERTS, TOP_K, shared_hidden_dim=16)
+    reference = MoE.build(DIM, HIDDEN, EXPERTS, TOP_K, shared_hidden_dim=16)
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    parallel = MoE(DIM, HIDDEN, EXPERTS, TOP_K, shared_hidden_dim=16)
+    parallel = MoE.build(DIM, HIDDEN, EXPERTS, TOP_K, shared_hidden_dim=16)
     parallel.load_state_dict(reference.state_dict())
     (dispatcher,) = apply_expert_parallel(parallel, dist.group.WORLD)
     # Each rank's own tokens (some experts get none on some ranks: 9 tokens, top-2 of 8).
@@ -85,7 +85,7 @@ def _ep_losses_and_experts(argv: list[str]) -> tuple[list[float], dict[str, Any]
                      if name.endswith("moe.experts") and hasattr(module, "_get_fsdp_state")}
         return losses, {"mesh": tuple(w1.device_mesh.mesh_dim_names), "placements": [str(p) for p in w1.placements],
                         "experts": list(range(offset[0], offset[0] + shape[0])), "local": list(w1.to_local().shape),
-                        "calls": dispatcher.all_to_all_calls if dispatcher is not None else 0,
+                        "calls": getattr(dispatcher, "all_to_all_calls", 0),
                         "offloaded": offloaded,
                         "compiled": sorted(n.removeprefix(f"{layer.rsplit('.', 1)[0]}.") for n, m in
                                            trainer.model.named_modules()

@@ -11,7 +11,8 @@ every ``ProcessGroup`` method (what ``dist.all_gather_into_tensor`` and
 ``dist.reduce_scatter_tensor`` call, FSDP2 included) goes through a ``c10d::*`` dispatcher op
 (here ``c10d::_allgather_base_``, and ``c10d::allreduce_`` for the gradient reduce-scatters,
 which ``apply_fsdp`` runs as in-place all-reduces on gloo: ``InPlaceReduceScatter.running`` tells
-them apart), so a dispatch mode sees them. On CPU the autograd engine runs backward in the calling thread, so the mode also sees the
+them apart), so a dispatch mode sees them. On CPU the autograd engine runs backward in the calling thread, so
+the mode also sees the
 backward all-gathers and reduce-scatters; the tests check that backward collectives were
 recorded (``never`` still records its backward reduce-scatters), so a recorder that silently
 saw nothing in backward would fail rather than pass.

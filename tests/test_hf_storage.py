@@ -396,7 +396,7 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
     model = _sharded_model(MEASURED, mesh)  # allocated (not yet touched) before measuring
     config = Checkpoint(initial_load_path=folder, initial_load_in_hf=kind == "hf")
     manager = CheckpointManager(config, dump_folder=folder, model=model, model_spec=LLAMA3_SPEC,
-                                optimizer=None,  # type: ignore[arg-type]
+                                optimizer=None,
                                 lr_scheduler=None, loader=None)
     gc.collect()
     dist.barrier()

@@ -80,7 +80,7 @@ def test_a_second_job_into_a_busy_absolute_checkpoint_folder_exits_and_leaves_th
                 pass
         # The holder is frozen while the second job tries (its rank 1 waits in a collective), so
         # the attempt cannot come too late however fast or slow the machine is.
-        pid = int(holder["pid"])  # type: ignore[call-overload]
+        pid = int(holder["pid"])
         os.kill(pid, signal.SIGSTOP)
         try:
             assert first.poll() is None, "the first job ended before it could be paused"

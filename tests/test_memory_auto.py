@@ -146,7 +146,9 @@ def test_cost_model_at_8b_hides_reshards_then_recomputes_cheap_ops_then_whole_bl
 
 def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that_fit(peaks):
     kwargs = _estimate_kwargs()
-    loose = plan_auto_reshard(SPEC, DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs)
+    loose = plan_auto_reshard(
+        SPEC, DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs
+    )
     assert loose.reshard == (False,) * len(UNITS) and loose.units == UNITS
     assert loose.ac_policies == loose.configured_ac == ("none",) * 6 and not loose.recomputed
     assert loose.peak == peaks["never"] and len(loose.tried) == 1  # one estimate: never fits
@@ -198,8 +200,10 @@ def test_budget_source_and_config_checks(tmp_path):
         (["--parallelism.memory_budget_gib", "2"], "used only with parallelism.reshard_after_forward_mode = 'auto'"),
         (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "-1"],
          "expected a finite number > 0"),
-        (["--parallelism.reshard_after_forward_mode", "sometimes"], "expected one of default, always, never, auto, or an integer group size"),
-        (["--parallelism.cpu_offload", "auto"], r"parallelism.cpu_offload: invalid value 'auto'; auto chooses per unit"),
+        (["--parallelism.reshard_after_forward_mode", "sometimes"],
+         "expected one of default, always, never, auto, or an integer group size"),
+        (["--parallelism.cpu_offload", "auto"],
+         r"parallelism.cpu_offload: invalid value 'auto'; auto chooses per unit"),
         (["--parallelism.cpu_offload", "some"], "parallelism.cpu_offload"),
         (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.cpu_offload", "auto",
           "--training.enable_cpu_offload"], "training.enable_cpu_offload: invalid value True; expected false"),

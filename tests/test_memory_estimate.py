@@ -43,10 +43,12 @@ DEBUG = LLAMA3_FLAVORS["debugmodel"]
 LOW, HIGH = -0.03, 0.10
 """The estimate's allowed error against the measured peak."""
 
-AC = {"none": ["--activation_checkpoint.mode", "none"],
-      "full": ["--activation_checkpoint.mode", "full"],
-      "selective op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-      "selective 2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]}
+AC = {
+    "none": ["--activation_checkpoint.mode", "none"],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "selective op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "selective 2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+}
 
 
 def _job(batch: int, seq: int, dtype: str = "float32", *extra: str) -> list[str]:
@@ -133,7 +135,9 @@ def _compare(world_size: int, tmp_path: Path, jobs: dict[str, list[str]] | None 
         measured = max(rank["peaks"][label] for rank in ranks)
         error = (estimate.peak - measured) / measured
         where = f"{estimate.peak_phase} ({estimate.peak_module})" if estimate.peak_module else estimate.peak_phase
-        print(f"{world_size:>5} {label:36} {measured / 2**20:12.2f} {estimate.peak / 2**20:13.2f} {error:+8.2%}  {where}")
+        print(
+            f"{world_size:>5} {label:36} {measured / 2**20:12.2f} {estimate.peak / 2**20:13.2f} {error:+8.2%}  {where}"
+        )
         if not LOW <= error <= HIGH:
             failures.append(f"{label}: estimated {estimate.peak} vs measured {measured} ({error:+.1%})")
         for rank in ranks:  # the estimate's sharded parameters are the trainer's (padding aside)

@@ -101,7 +101,7 @@ class TinyLM(nn.Module):
         shard_init.normal_(self.tok_embeddings.weight, std=1.0)
         shard_init.normal_(self.pos_embeddings.weight, std=0.02)
         for block in self.blocks:
-            block.init_weights()  # type: ignore[operator]
+            block.init_weights()
         shard_init.ones_(self.norm.weight)
         shard_init.zeros_(self.norm.bias)
         shard_init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
@@ -159,7 +159,7 @@ def test_registering_a_name_twice_fails_unless_replaced(registered: ModelSpec) -
 
 def test_an_unusable_spec_is_one_line() -> None:
     with pytest.raises(ValueError, match=r"^register_model_spec: expected a ModelSpec, got dict$"):
-        register_model_spec({"name": NAME})  # type: ignore[arg-type]
+        register_model_spec({"name": NAME})
     with pytest.raises(ValueError, match=r"^register_model_spec: flavors must be a non-empty mapping[^\n]*$"):
         register_model_spec(dataclasses.replace(SPEC, flavors={}))
     with pytest.raises(ValueError, match=r"^register_model_spec: args_cls int must be a dataclass[^\n]*$"):

@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward (``torchtitan_lite/models/moe.py``): the same outputs and
+"""The mixture-of-experts feed-forward (``torchtitan_lite/models/moe/``): the same outputs and
 gradients as ``transformers``' Qwen3-MoE block, grouped matrix products equal to the loop, no
 token dropped, and the load-balancing loss as ``transformers`` computes it."""
 
@@ -24,7 +24,7 @@ def _pair(seed: int = 0, norm_topk_prob: bool = True) -> tuple[MoE, torch.nn.Mod
     theirs = Qwen3MoeSparseMoeBlock(config)
     for p in theirs.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    ours = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=norm_topk_prob)
+    ours = MoE.build(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
         ours.router.gate.weight.copy_(theirs.gate.weight)
         ours.experts.w1.copy_(theirs.experts.gate_up_proj[:, :HIDDEN])
@@ -96,14 +96,14 @@ def test_load_balancing_loss_equals_transformers() -> None:
 
 def test_top_k_larger_than_the_experts_is_refused() -> None:
     with pytest.raises(ValueError, match="top_k 5 must be between 1 and the number of experts 4"):
-        MoE(DIM, HIDDEN, 4, 5)
+        MoE.build(DIM, HIDDEN, 4, 5)
 
 
 def test_grouped_operator_equals_torch_grouped_mm() -> None:
     """The custom grouped operator (what compiled fp32 experts run; a loop where
     ``torch._grouped_mm`` does not run), here its loop, against each group's plain product:
     outputs and both gradients within 1e-6, with an empty group."""
-    from torchtitan_lite.models import moe
+    import torchtitan_lite.models.moe.grouped_mm as moe
 
     a = torch.randn(12, 16, requires_grad=True)
     b = torch.randn(4, 16, 8, requires_grad=True)
@@ -132,7 +132,7 @@ def test_router_balance_losses_counts_and_bias_update_in_one_process() -> None:
     by the rate against each expert's load error."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from torchtitan_lite.moe_balance import RouterBalance
+    from torchtitan_lite.models.moe import RouterBalance
 
     layers = torch.nn.ModuleDict({str(s): _pair(seed=s)[0] for s in (2, 3)})
     balance = RouterBalance(layers, aux_loss_coef=0.5, z_loss_coef=0.25)

@@ -237,8 +237,8 @@ def test_keep_latest_k_keeps_the_newest_checkpoint_with_checksums_until_a_newer_
         if step < 6:
             (folder / f"step-{step}" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
     manager = SimpleNamespace(config=SimpleNamespace(keep_latest_k=1), folder=folder)
-    CheckpointManager._prune(manager)  # type: ignore[arg-type]
+    CheckpointManager._prune(manager)
     assert committed_steps(folder) == [4, 6]
     (folder / "step-6" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
-    CheckpointManager._prune(manager)  # type: ignore[arg-type]
+    CheckpointManager._prune(manager)
     assert committed_steps(folder) == [6]

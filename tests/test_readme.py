@@ -1,4 +1,4 @@
-"""The library example in README.md runs as written, on 2 ranks under torchrun and alone, and
+"""The library example in docs/apply_fsdp.md runs as written, on 2 ranks under torchrun and alone, and
 starts from the same weights either way (its meta-device init does not depend on sharding)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from tests.dist_utils import REPO_ROOT, free_port, run_command
 
 
 def _readme_example(folder):
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    text = (REPO_ROOT / "docs" / "apply_fsdp.md").read_text(encoding="utf-8")
     match = re.search(
         r"<!-- readme-example:start -->\n```python\n(.*?)```\n<!-- readme-example:end -->", text, re.S
     )
-    assert match, "README.md lost its marked library example"
+    assert match, "docs/apply_fsdp.md lost its marked library example"
     script = folder / "my_fsdp.py"
     script.write_text(match.group(1), encoding="utf-8")
     return script

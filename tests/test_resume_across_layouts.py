@@ -63,7 +63,7 @@ def _run(argv: list[str]) -> dict[str, Any]:
         losses = [h["loss"] for h in trainer.train()]
     finally:
         trainer.close()
-    return {"losses": losses, **captured} if rank == 0 else None  # type: ignore[return-value]
+    return {"losses": losses, **captured} if rank == 0 else None
 
 
 def _relative_distance(a: Any, b: Any) -> float:
@@ -98,8 +98,11 @@ def _check(layouts: dict[str, list[str]], moves: list[tuple[str, str]], argv: An
         assert resumed["loaded"].keys() == saved.keys(), (source, target)
         import torch
 
-        wrong = [k for k, v in saved.items()
-                 if not (torch.equal(v, resumed["loaded"][k]) if isinstance(v, torch.Tensor) else v == resumed["loaded"][k])]
+        wrong = [
+            k
+            for k, v in saved.items()
+            if not (torch.equal(v, resumed["loaded"][k]) if isinstance(v, torch.Tensor) else v == resumed["loaded"][k])
+        ]
         assert not wrong, (source, target, wrong)  # the load: exact, element by element
         uninterrupted = runs[source]["losses"][SAVED_STEP:]
         assert len(resumed["losses"]) == STEPS - SAVED_STEP

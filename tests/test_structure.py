@@ -89,7 +89,7 @@ def test_config_schema_imports_only_errors() -> None:
     # At run time too: importing the schema loads no other part of the package, and not torch.
     code = ("import sys, torchtitan_lite.config.schema; "
             "print(sorted(m for m in sys.modules if m.startswith(('torchtitan_lite', 'torch'))))")
-    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,  # noqa: S307
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  check=True, cwd=PACKAGE.parent).stdout)
     assert set(loaded) <= {"torchtitan_lite", "torchtitan_lite.config", "torchtitan_lite.config.schema",
                            "torchtitan_lite.config.cli", "torchtitan_lite.config.torchtitan",
@@ -179,7 +179,8 @@ def test_trainer_names_no_source_kind() -> None:
         text = path.read_text()
         for kind in DATASETS:
             assert f'"{kind}"' not in text and f"'{kind}'" not in text, (module, kind)
-        for word in ("arrow", "parquet", "Streaming", "LaneReader", "WindowReader", "STREAMED", "isinstance(self.loader"):
+        for word in ("arrow", "parquet", "Streaming", "LaneReader", "WindowReader", "STREAMED",
+                     "isinstance(self.loader"):
             assert word not in text, (module, word)
         assert not {t for t in import_graph()[module] if t.startswith(DATA + ".")} - {
             f"{DATA}.windows"}, module  # the package's public names only (and the windows validation pads)
@@ -231,3 +232,38 @@ def test_the_trainer_and_the_estimator_build_the_model_through_one_function() ->
     assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
     assert calls["build_sharded_model"] == {"torchtitan_lite.trainer"}
     assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}
+
+
+def _calls(name: str) -> dict[str, set[str]]:
+    """Module → the lines that call a function or method called ``name``."""
+    found: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                if called == name:
+                    found.setdefault(module, set()).add(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_nothing_is_imported_by_a_module_path_string() -> None:
+    """Every import is an import statement the graph above sees: no ``importlib.import_module``
+    or ``__import__`` anywhere in the package (a family's steps and the estimator's child
+    process take functions, not "module:function" strings)."""
+    assert _calls("import_module") == {} and _calls("__import__") == {}
+
+
+def test_fully_shard_is_called_in_fsdp_py_only() -> None:
+    """Every ``fully_shard`` of the package, the experts' included, is in ``distributed/fsdp.py``
+    (with one mixed-precision, reshard and offload rule for all)."""
+    assert set(_calls("fully_shard")) == {"torchtitan_lite.distributed.fsdp"}
+
+
+def test_the_mixture_of_experts_is_a_package_of_parts() -> None:
+    """``models/moe/``: router, experts, grouped products, the layer, counts and balancing each a
+    module of their own; no ``models/moe.py`` and no top-level balancing module beside it."""
+    moe = PACKAGE / "models" / "moe"
+    assert moe.is_dir() and not (PACKAGE / "models" / "moe.py").exists() and not (PACKAGE / "moe_balance.py").exists()
+    assert {p.stem for p in moe.glob("*.py")} == {"__init__", "router", "experts", "grouped_mm", "layer", "params",
+                                                  "balance"}

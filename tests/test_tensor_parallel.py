@@ -73,7 +73,8 @@ def test_tensor_parallel_2_by_data_parallel_2_equals_one_process(tmp_path: Path,
     every projection split over ``tp`` and FSDP-sharded over ``dp_shard``: column-wise ``wq``
     rows split by both (FSDP's shard strided inside the tensor-parallel one), row-wise ``wo``
     by columns over ``tp``, norms replicated over ``tp``; a mixture of experts' stacked weights,
-    and a latent attention's down-projections, sharded over the data-parallel ranks only. With float8 linears (emulated) within 1e-3:
+    and a latent attention's down-projections, sharded over the data-parallel ranks only. With float8 linears
+    (emulated) within 1e-3:
     float8's rounding of the split matmuls' partial sums."""
     steps = 4 if "float8" in model else 10  # (float8's check: 4 steps, for the suite's time)
     extra = [*_MODELS[model], "--training.global_batch_size", "2", "--training.steps", str(steps)]
@@ -165,13 +166,43 @@ def test_lora_at_tensor_parallel_2_exports_what_peft_loads(tmp_path: Path) -> No
 
     base = _save_base(tmp_path / "base")
     tokens = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(3))
-    argv = ["--model.name", "llama3", "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "2",
-            "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-            "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--job.dump_folder",
-            str(tmp_path / "run"), "--lora.enable", "--lora.rank", str(RANK), "--lora.alpha", str(ALPHA),
-            "--lora.target_modules", ",".join(TARGETS), "--checkpoint.enable", "--checkpoint.last_save_model_only",
-            "--checkpoint.last_save_in_hf", "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf",
-            "--metrics.no-enable_tensorboard", "--validation.no-enable", "--parallelism.tensor_parallel_degree", "2"]
+    argv = [
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        "tiny",
+        "--training.seq_len",
+        "32",
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--training.mixed_precision_param",
+        "float32",
+        "--optimizer.lr",
+        "3e-3",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--lora.enable",
+        "--lora.rank",
+        str(RANK),
+        "--lora.alpha",
+        str(ALPHA),
+        "--lora.target_modules",
+        ",".join(TARGETS),
+        "--checkpoint.enable",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.initial_load_path",
+        str(base),
+        "--checkpoint.initial_load_in_hf",
+        "--metrics.no-enable_tensorboard",
+        "--validation.no-enable",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
     ranks = run_distributed(_train_lora_and_logits, 4, argv, tokens)
     placed = ranks[0]["placed"]
     assert placed["layers.0.attention.wq.lora_A.weight"] == ("S(0)", "R"), placed

@@ -40,7 +40,7 @@ def _train(argv: list[str]) -> dict[str, Any]:
         digests[trainer.step + 1] = [hashlib.sha1(row.numpy().tobytes()).hexdigest() for row in rows]
         return micro
 
-    trainer.loader.next_batch = recording  # type: ignore[method-assign]
+    trainer.loader.next_batch = recording
     try:
         history = trainer.train()
     finally:
@@ -180,9 +180,11 @@ def mixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "job.toml").write_text(
         f"[training]\nsteps = 40\nseq_len = {MIX_SEQ}\nglobal_batch_size = {MIX_GLOBAL}\nlocal_batch_size = 1\n\n"
         f"{tables}[validation]\nenable = true\nfreq = 20\nsteps = 2\n\n"
-        f'[[validation.datasets]]\nname = "held_out_web"\ndataset = "parquet"\ndataset_path = "{root / "val_web.parquet"}"\n\n'
+        f'[[validation.datasets]]\nname = "held_out_web"\ndataset = "parquet"\n'
+        f'dataset_path = "{root / "val_web.parquet"}"\n\n'
         '[[validation.datasets]]\nname = "stdlib"\ndataset = "python_stdlib_validation"\n\n'
-        "[checkpoint]\nenable = true\ninterval = 20\n\n[metrics]\nenable_tensorboard = true\n")
+        "[checkpoint]\nenable = true\ninterval = 20\n\n[metrics]\nenable_tensorboard = true\n"
+    )
     return root
 
 

@@ -36,7 +36,7 @@ def _run(argv: list[str]) -> dict[str, Any]:
         gc_during.append(gc.isenabled())
         return original()
 
-    trainer.train_step = spy  # type: ignore[method-assign]
+    trainer.train_step = spy
     try:
         history = trainer.train()
         return {

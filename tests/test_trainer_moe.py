@@ -45,7 +45,8 @@ def _argv(folder: Path, dump: Path, *extra: str, name: str = "qwen3_moe") -> lis
             "--metrics.no-enable_tensorboard", "--validation.no-enable", *extra]
 
 
-def _first_step(argv: list[str], tokens: torch.Tensor) -> tuple[dict[str, Any], list[Any], dict[str, Any], torch.Tensor]:
+def _first_step(argv: list[str],
+                tokens: torch.Tensor) -> tuple[dict[str, Any], list[Any], dict[str, Any], torch.Tensor]:
     """Train one step (and export it); its metrics, this rank's micro-batches, one expert
     weight's placement, and the trained model's logits on ``tokens``."""
     from torch.distributed.tensor import DTensor
@@ -62,7 +63,7 @@ def _first_step(argv: list[str], tokens: torch.Tensor) -> tuple[dict[str, Any], 
         seen.extend((inputs.clone(), labels.clone()) for inputs, labels in batch)
         return batch
 
-    trainer.loader.next_batch = recording  # type: ignore[method-assign]
+    trainer.loader.next_batch = recording
     try:
         metrics = trainer.train()[0]
         with torch.no_grad():
@@ -261,13 +262,34 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
     folder = _unbalanced_deepseek(tmp_path / "hf")
     common = ["--training.steps", "20", "--checkpoint.enable", "--checkpoint.interval", "10",
               "--lr_scheduler.warmup_steps", "2"]
-    balanced = _argv(folder, tmp_path / "run", *common, "--moe.bias_update_rate", "0.05", "--checkpoint.last_save_in_hf",
-                     "--checkpoint.last_save_model_only", name="deepseek_v3")
+    balanced = _argv(
+        folder,
+        tmp_path / "run",
+        *common,
+        "--moe.bias_update_rate",
+        "0.05",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.last_save_model_only",
+        name="deepseek_v3",
+    )
     (history, biases), _ = run_distributed(_history_and_biases, 2, balanced)
     loads = [h["moe/load_max_over_mean"] for h in history]
     assert loads[0] == pytest.approx(4.0), loads
     assert sum(loads[-5:]) / 5 < 2.4, loads  # (4.0 for 8 steps, then 2.1 on average over the last 5)
-    ((fixed, _),) = run_distributed(_history_and_biases, 1, _argv(folder, tmp_path / "fixed", *common, "--training.local_batch_size", "4", "--training.steps", "5", name="deepseek_v3"))
+    ((fixed, _),) = run_distributed(
+        _history_and_biases,
+        1,
+        _argv(
+            folder,
+            tmp_path / "fixed",
+            *common,
+            "--training.local_batch_size",
+            "4",
+            "--training.steps",
+            "5",
+            name="deepseek_v3",
+        ),
+    )
     assert all(h["moe/load_max_over_mean"] == pytest.approx(4.0) for h in fixed)
     # The export holds the trained bias (fp32, as transformers keeps it).
     exported = {}
@@ -316,7 +338,8 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
       "--lora.dropout", "0.1"],
      "error: lora.dropout: invalid value 0.1; LoRA on the experts adapts their stacked weights, which has no "
      "dropout (as PEFT's target_parameters); expected 0"),
-    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "--lora.target_modules", "q_proj,down_proj",
+    (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--lora.enable", "--lora.target_modules",
+      "q_proj,down_proj",
       "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"],
      "error: lora.target_modules: invalid value ['q_proj', 'down_proj']; on a mixture-of-experts model PEFT reads "
      "'down_proj' as the experts' parameters, so adapters on the dense feed-forward linears cannot be exported as a "
@@ -327,7 +350,9 @@ def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str],
     """top-k above the experts (or the chosen groups), an unknown router kind, an [moe] setting or
     expert parallel on a dense model, bias balancing without a bias, LoRA dropout on the experts, a
     PEFT export of adapters PEFT would put on the experts: exit 2, one line."""
-    lines = refused_lines([*argv, "--training.steps", "1", "--training.seq_len", "64", "--validation.no-enable"], capsys)
+    lines = refused_lines(
+        [*argv, "--training.steps", "1", "--training.seq_len", "64", "--validation.no-enable"], capsys
+    )
     assert lines == [line], lines
 
 

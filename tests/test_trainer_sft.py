@@ -107,8 +107,10 @@ def test_qwen3_multi_turn_reasoning_loss_equals_transformers_on_two_ranks(tmp_pa
     rows = [r for r in family_rows("qwen3") if len(r["messages"]) > 2]  # multi-turn, reasoning and tool rows
     assert sum("reasoning_content" in m or "<think>" in (m.get("content") or "") for r in rows for m in r["messages"])
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    argv = [a if a != "llama3" else "qwen3" for a in _argv(tmp_path, tmp_path / "run", "--training.local_batch_size", "2",
-                                                           "--training.seq_len", "255")]
+    argv = [
+        a if a != "llama3" else "qwen3"
+        for a in _argv(tmp_path, tmp_path / "run", "--training.local_batch_size", "2", "--training.seq_len", "255")
+    ]
     expected = _transformers_loss(tmp_path, seq_len=255)
     losses = run_distributed(_first_loss, 2, argv)
     assert losses[0] == losses[1]

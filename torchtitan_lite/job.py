@@ -77,7 +77,9 @@ def preflight(config: JobConfig) -> None:
     if ck.enable or ck.create_seed_checkpoint:
         _check_writable_folder("checkpoint.folder", str(folder))
     if config.metrics.enable_tensorboard:
-        _check_writable_folder("metrics.save_tb_folder", str(Path(config.job.dump_folder) / config.metrics.save_tb_folder))
+        _check_writable_folder(
+            "metrics.save_tb_folder", str(Path(config.job.dump_folder) / config.metrics.save_tb_folder)
+        )
 
 
 def _own_folder(config: JobConfig) -> Path:
@@ -169,7 +171,7 @@ class JobPlan:
         if offload is None and self.offload == "auto":
             raise ValueError("fsdp_options: parallelism.cpu_offload = 'auto' needs the per-unit plan auto chose")
         cpu_offload = (self.offload == "all") if offload is None else offload
-        return FSDPOptions(reshard_after_forward_mode=mode, param_dtype=self.param_dtype,  # type: ignore[arg-type]
+        return FSDPOptions(reshard_after_forward_mode=mode, param_dtype=self.param_dtype,
                            reduce_dtype=self.reduce_dtype, cpu_offload=cpu_offload)
 
     @property
@@ -224,7 +226,7 @@ def check_initial_load(config: JobConfig, plan: JobPlan) -> None:
     :func:`plan_job`: the memory estimator plans jobs whose files need not be on this machine.)"""
     ck = config.checkpoint
     if ck.initial_load_in_hf and _initial_load_used(config):
-        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)  # type: ignore[arg-type]
+        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -407,10 +409,12 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup
     ck = config.checkpoint
     mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lo.target_modules))
     if getattr(model_args, "num_experts", 0) and mlp and ck.last_save_in_hf and not lo.merge_on_export:
-        raise ConfigError(f"lora.target_modules: invalid value {list(lo.target_modules)!r}; on a mixture-of-experts "
-                          f"model PEFT reads {', '.join(map(repr, mlp))} as the experts' parameters, so adapters on the "
-                          "dense feed-forward linears cannot be exported as a PEFT folder (checkpoint.last_save_in_hf); "
-                          "expected 'experts' for the experts, or lora.merge_on_export = true")
+        raise ConfigError(
+            f"lora.target_modules: invalid value {list(lo.target_modules)!r}; on a mixture-of-experts "
+            f"model PEFT reads {', '.join(map(repr, mlp))} as the experts' parameters, so adapters on the "
+            "dense feed-forward linears cannot be exported as a PEFT folder (checkpoint.last_save_in_hf); "
+            "expected 'experts' for the experts, or lora.merge_on_export = true"
+        )
     model = spec.meta_model(model_args)
     try:
         return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,

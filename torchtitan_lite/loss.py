@@ -8,7 +8,8 @@ makes the fp32 copy, the log-probabilities, and in backward a zero-filled gradie
 pass). On a CPU a chunk is a few rows (its temporaries stay in cache); on an accelerator an eighth
 of the rows (few kernel launches). The memory estimator, which runs on fake CPU tensors, models the
 CPU's chunks: for a GPU job it leaves out up to two eighths of the fp32 logits that a GPU chunk's
-temporaries hold (about 1 GiB for the 8B at seq 8192 against a 43 GiB peak). At Llama 3's 128,256-row vocabulary that halves the loss's time on CPU
+temporaries hold (about 1 GiB for the 8B at seq 8192 against a 43 GiB peak). At Llama 3's 128,256-row
+vocabulary that halves the loss's time on CPU
 (0.40 s against 0.68 s for 512 tokens, forward and backward; ``docs/performance.md``). The values
 are those of ``F.cross_entropy`` in fp32 (within float rounding). Under ``torch.compile`` the loss
 is ``F.cross_entropy``, which inductor fuses itself.
@@ -56,7 +57,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
     logits and one fp32 log-sum-exp per row for backward."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         rows = _chunk_rows(logits)
         valid = labels != IGNORE_INDEX
         safe = torch.where(valid, labels, 0)
@@ -69,7 +70,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
         return torch.where(valid, lse - target, 0.0).sum()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits, lse, safe, valid = ctx.saved_tensors
         return _softmax_minus_one_hot(logits, lse, safe, valid, grad * valid, ctx.rows), None
 
@@ -97,7 +98,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     rank's columns."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any,
                 start: int) -> torch.Tensor:
         import torch.distributed as dist
 
@@ -122,7 +123,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return torch.where(valid, lse - target, 0.0).sum()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, lse, safe, valid, local = ctx.saved_tensors  # (the one-hot: only where the label is ours)
         return _softmax_minus_one_hot(logits, lse, safe, local, grad * valid, ctx.rows), None, None, None
 

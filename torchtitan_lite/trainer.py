@@ -67,7 +67,7 @@ from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingErr
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
-from torchtitan_lite.moe_balance import RouterBalance, aux_loss_weight
+from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
@@ -121,7 +121,9 @@ def clip_grad_norm_(
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     # (Every parameter's norm once: expert-parallel experts live on a mesh of their own.)
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    total = (
+        norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    )
     if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
@@ -195,7 +197,8 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
     return mesh, lock
 
 
-def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, budget: tuple[int, str]) -> AutoReshardPlan:
+def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
+                       budget: tuple[int, str]) -> AutoReshardPlan:
     """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
     estimates on fake tensors, in a child process) and every rank applies that one plan."""
     from torchtitan_lite.memory.auto import job_auto_kwargs
@@ -214,16 +217,16 @@ def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device, b
             )
         except ValueError as exc:  # the budget is too small even when resharding everything
             chosen[0] = ConfigError(str(exc))
-        except Exception as exc:  # noqa: BLE001 - every rank raises it below instead of waiting
+        except Exception as exc:  # every rank raises it below instead of waiting
             chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
     dist.broadcast_object_list(chosen, src=0, group=dist.group.WORLD)  # one plan for every rank
     if isinstance(chosen[0], Exception):
         raise chosen[0]
     if dist.get_rank() == 0:
-        logger.info("%s (budget: %s)", chosen[0].summary(), budget[1])  # type: ignore[union-attr]
+        logger.info("%s (budget: %s)", chosen[0].summary(), budget[1])
         for line in not_modelled(config, plan):  # what the plan's estimates leave out
             logger.warning("auto: %s", line)
-    return chosen[0]  # type: ignore[return-value]
+    return chosen[0]
 
 
 def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, device: torch.device,
@@ -263,18 +266,26 @@ def build_loss(config: JobConfig) -> LossFn:
     return token_loss_sum
 
 
-def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module, mesh: ParallelMesh) -> RouterBalance | None:
+def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
+                         mesh: ParallelMesh) -> RouterBalance | None:
     """The router losses, load metrics and bias balancing of a mixture-of-experts model
     (``[moe]``; the load-balancing loss's weight defaults to the model's
     ``router_aux_loss_coef``); None for a dense model."""
     if not getattr(plan.model_args, "num_experts", 0):
         return None
     e = config.moe
-    return RouterBalance(model, aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args), z_loss_coef=e.z_loss_coef, bias_update_rate=e.bias_update_rate,
-                         group=mesh.dp_group, dp_size=plan.dp_size)
+    return RouterBalance(
+        model,
+        aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args),
+        z_loss_coef=e.z_loss_coef,
+        bias_update_rate=e.bias_update_rate,
+        group=mesh.dp_group,
+        dp_size=plan.dp_size,
+    )
 
 
-def build_optimizers(config: JobConfig, plan: JobPlan, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def build_optimizers(config: JobConfig, plan: JobPlan,
+                     model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """The optimizer over ``model``'s trainable parameters (``requires_grad``: with LoRA the
     adapters only, so the frozen base has no optimizer state) and its learning-rate schedule
     over the plan's ``schedule_steps``."""
@@ -476,7 +487,9 @@ class Trainer:
                             start += count
             del logits  # (the loss's backward frees them once it has run: nothing else holds them)
             loss = token_loss * scale
-            router_loss = None if self.router_balance is None else self.router_balance.micro_batch_loss(len(micro_batches))
+            router_loss = (
+                None if self.router_balance is None else self.router_balance.micro_batch_loss(len(micro_batches))
+            )
             (loss if router_loss is None else loss + router_loss).backward()
             loss_sum[0] += token_loss.detach().double()
         return loss_sum if sources is not None else loss_sum[0], tokens_this_rank
@@ -536,7 +549,7 @@ class Trainer:
             for i, (name, tokens) in enumerate(self.loader.tokens_by_source().items()):
                 count = self.loader.batch_counts[i] * seq_len if counted is None else int(counted[1 + i])
                 values[f"tokens/{name}"] = float(tokens)
-                values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None  # type: ignore[assignment]
+                values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
         return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
 
     def _diverged(self, values: dict[str, float]) -> None:
@@ -583,12 +596,12 @@ class Trainer:
         for name, validator in self.validators.items():
             result = validator.run(self.model)
             if name is None:
-                values.update(result)  # type: ignore[arg-type]
+                values.update(result)
                 continue
-            values[f"validation/{name}/loss"] = result["validation_loss"]  # type: ignore[assignment]
-            values[f"validation/{name}/perplexity"] = result["validation_perplexity"]  # type: ignore[assignment]
-            values[f"validation/{name}/tokens"] = result["validation_tokens"]  # type: ignore[assignment]
-            values["validation_time_s"] = values.get("validation_time_s", 0.0) + result["validation_time_s"]  # type: ignore[operator]
+            values[f"validation/{name}/loss"] = result["validation_loss"]
+            values[f"validation/{name}/perplexity"] = result["validation_perplexity"]
+            values[f"validation/{name}/tokens"] = result["validation_tokens"]
+            values["validation_time_s"] = values.get("validation_time_s", 0.0) + result["validation_time_s"]
         return values
 
     def train(self) -> list[dict[str, float]]:

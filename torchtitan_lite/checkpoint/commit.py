@@ -118,5 +118,5 @@ class PendingSave:
         try:
             if future.exception() is None:
                 self.commit_once()
-        except BaseException:  # noqa: BLE001 - reported by wait(), which commits again or raises
+        except BaseException:  # reported by wait(), which commits again or raises
             logger.exception("checkpoint step %d: committing in the background failed", self.step)

@@ -494,7 +494,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
         index = adapter.row_permutation(name, args, to_hf=False)
         if index is not None:
             _permute_into(param.detach(), param.detach(), index)
-    model.init_buffers(buffer_device)  # type: ignore[operator]
+    model.init_buffers(buffer_device)
 
 
 def _file_index_mapping(shapes: Mapping[str, tuple[int, ...]], itemsize: int,
@@ -591,7 +591,9 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
                 _permute_into(permuted, tensor, index)
                 tensor = permuted
             # (Buffers keep their dtype: a router's fp32 bias.)
-            to_save.update(_hf_parts(adapter.hf_names(name, args), tensor if name in buffers else tensor.to(export_dtype)))
+            to_save.update(
+                _hf_parts(adapter.hf_names(name, args), tensor if name in buffers else tensor.to(export_dtype))
+            )
     mapping = _file_index_mapping(adapter.expected_shapes(args), export_dtype.itemsize, max_file_bytes)
     rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:

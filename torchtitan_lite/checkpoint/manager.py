@@ -232,7 +232,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.load_step: invalid value {cfg.load_step}; {str(self.folder)!r} "
                                   f"holds committed steps {steps or 'none'}")
         used = initial_load_used(cfg, self.folder, lora=self.lora is not None)
-        initial = Path(cfg.initial_load_path) if used else None  # type: ignore[arg-type]
+        initial = Path(cfg.initial_load_path) if used else None
         initial_format = "hf" if cfg.initial_load_in_hf else "dcp"
         if self.lora is not None and initial is not None:  # the frozen weights: never in this run's checkpoints
             self.storage.load_weights(initial, initial_format, {"model"}, base=True)

@@ -99,7 +99,7 @@ def adapter_config(lora: LoRASetup, *, base_model_name_or_path: str | None = Non
 
 def _expert_keys(model: nn.Module, spec: ModelSpec) -> dict[str, tuple[str, str]]:
     """Adapted expert module → the PEFT key prefixes of its fused gate/up and its down adapters."""
-    adapter, args = _adapter(spec), model.args  # type: ignore[union-attr]
+    adapter, args = _adapter(spec), model.args
     keys = {}
     for name in lora_expert_modules(model):
         path = adapter.hf_names(f"{name}.w1", args)[0].rsplit(".", 3)[0]  # model.layers.N.mlp.experts
@@ -207,7 +207,11 @@ def load_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec) ->
             missing = [key for key in wanted if key not in keys]
             extra = sorted(keys - set(wanted))
             if missing or extra:
-                what = f"has no tensor {missing[0]!r}" if missing else f"has tensor {extra[0]!r}, which no adapter here has"
+                what = (
+                    f"has no tensor {missing[0]!r}"
+                    if missing
+                    else f"has tensor {extra[0]!r}, which no adapter here has"
+                )
                 raise CheckpointError(f"PEFT adapter {str(path)!r} {what} (written for other linears or another model)")
             loaded = {name: fh.get_tensor(key) for name, key in names.items()}
             expert_parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -215,7 +219,7 @@ def load_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec) ->
                 expert_parts.setdefault(name, {})[part] = fh.get_tensor(key)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a missing or unreadable file, whatever the library raises
+    except Exception as exc:  # a missing or unreadable file, whatever the library raises
         raise CheckpointError(f"PEFT adapter {str(path)!r} cannot be read: {failure_reason(exc)}") from None
     reshard_all(model)
     params = dict(model.named_parameters())

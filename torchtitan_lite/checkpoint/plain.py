@@ -25,7 +25,7 @@ def plain_tensor(param: torch.Tensor) -> torch.Tensor:
     local = param._local_tensor if isinstance(param, DTensor) else param
     inner = local
     while is_traceable_wrapper_subclass(inner):
-        attrs, _ = inner.__tensor_flatten__()  # type: ignore[attr-defined]
+        attrs, _ = inner.__tensor_flatten__()
         # The weight itself: the one inner tensor of the wrapper's shape and dtype (a float8
         # wrapper may also hold a precomputed scale).
         same = [t for t in (getattr(inner, a) for a in attrs) if t.shape == inner.shape and t.dtype == inner.dtype]

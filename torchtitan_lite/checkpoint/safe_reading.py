@@ -95,13 +95,13 @@ def _is_one_of(obj: Any, allowed: tuple[Any, ...]) -> bool:
     return any(obj is item for item in allowed)
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(pickle._Unpickler):
     """The pure-Python unpickler with every way of calling something or setting state narrowed
     to :data:`METADATA_GLOBALS`: globals by exact name, reductions and ``__new__`` only of the
     allowed callables, ``BUILD`` only on instances of DCP's classes and never a dunder attribute,
     no persistent ids, no copyreg extensions."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -143,7 +143,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         for part in (state if isinstance(state, tuple) and len(state) == 2 else (state,)):
             if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
                 raise _Refused(f"setting attributes {sorted(map(str, part))} of {_describe(inst)}")
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+        pickle._Unpickler.load_build(self)
 
     def _refuse_opcode(self) -> None:
         raise _Refused("an old-style instance or a copyreg extension code")

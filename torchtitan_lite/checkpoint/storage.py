@@ -219,7 +219,7 @@ class CheckpointStorage:
     def save_export(self, staging: Path, *, peft: bool, dtype: torch.dtype, base_name: str | None) -> None:
         """The weights as a Hugging Face folder, or with ``peft`` the LoRA adapters as a PEFT one."""
         if peft:
-            save_peft_adapter(self.model, staging, spec=self.spec(), lora=self.lora,  # type: ignore[arg-type]
+            save_peft_adapter(self.model, staging, spec=self.spec(), lora=self.lora,
                               dtype=dtype, base_model_name_or_path=base_name)
         else:  # LoRA adapters are merged into the weights
             save_hf_weights(self.model, staging, spec=self.spec(), dtype=dtype, extras=self.hf_extras)
@@ -267,7 +267,7 @@ class CheckpointStorage:
                     metadata = SafeFileSystemReader(str(path)).read_metadata()
                 except UnsafeCheckpointError:
                     raise  # not damage: never set aside for an earlier checkpoint, the job stops
-                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any unreadable metadata
+                except (Exception, CheckpointException) as exc:  # any unreadable metadata
                     raise CheckpointError(f"checkpoint {str(path)!r}: its .metadata cannot be read "
                                           f"({failure_reason(exc)})") from None
                 check_files(path, metadata.storage_data)
@@ -276,7 +276,9 @@ class CheckpointStorage:
                 try:
                     files = json.loads(sums.read_text(encoding="utf-8"))["files"]
                 except (OSError, ValueError, KeyError, TypeError) as exc:
-                    raise CheckpointError(f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} cannot be read ({exc})") from None
+                    raise CheckpointError(
+                        f"checkpoint {str(path)!r}: {CHECKSUMS_FILE} cannot be read ({exc})"
+                    ) from None
                 for index, (name, want) in enumerate(sorted(files.items())):
                     if index % self.world_size != self.rank:
                         continue

@@ -121,7 +121,9 @@ def _field(name: str, *, where: str) -> tuple[Any, TorchTitanKey | None]:
         return entry.type, entry
     if section not in _sections():
         raise ConfigError(f"unknown section [{section}] in {where}{_hint(name)} (sections: {', '.join(SECTIONS)})")
-    listed = ", ".join(field_types(SECTIONS[section])) if section in SECTIONS else "see docs/migrating_from_torchtitan.md"
+    listed = (
+        ", ".join(field_types(SECTIONS[section])) if section in SECTIONS else "see docs/migrating_from_torchtitan.md"
+    )
     raise ConfigError(f"unknown key '{name}' in {where}{_hint(name)} (keys of [{section}]: {listed})")
 
 
@@ -250,7 +252,7 @@ def _parse_cli(argv: list[str], errors: list[str]) -> list[tuple[str, str]]:
                           f"write --{name}=VALUE for a value that starts with --")
             i += 1
             continue
-        overrides.append((name, nxt))  # type: ignore[arg-type]
+        overrides.append((name, nxt))
         i += 2
     return overrides
 

@@ -94,17 +94,26 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family: one of the registered models (``--help`` lists them; a model of one's own joins them with torchtitan_lite.models.register_model_spec)."""
+    """Model family: one of the registered models (``--help`` lists them; a model of one's own joins them with
+    torchtitan_lite.models.register_model_spec)."""
     flavor: str = "debugmodel"
-    """Model shape within the family (``--help`` lists each registered family's), or "from_checkpoint": the shape of checkpoint.initial_load_path (a Hugging Face folder's config.json, or the model_args of one of our step folders), of any size."""
+    """Model shape within the family (``--help`` lists each registered family's), or "from_checkpoint": the
+    shape of checkpoint.initial_load_path (a Hugging Face folder's config.json, or the model_args of one of
+    our step folders), of any size."""
     tokenizer_path: str | None = None
-    """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids, needs no files)."""
+    """A Hugging Face tokenizer.json (or a folder holding one); unset: the byte-level tokenizer (258 ids,
+    needs no files)."""
     vocab_size: int = -1
-    """Rows of the embedding and output layers; -1 follows the tokenizer. A larger value pads the vocabulary (e.g. to a multiple of 64); a smaller one is an error."""
+    """Rows of the embedding and output layers; -1 follows the tokenizer. A larger value pads the vocabulary
+    (e.g. to a multiple of 64); a smaller one is an error."""
     attention_mask: Literal["causal", "block_causal"] = "causal"
-    """causal: every token attends to all before it in its window; block_causal: only to those of its own sample (document or conversation) in a packed window, with RoPE positions restarting at each sample (TorchTitan's attn_mask_type)."""
+    """causal: every token attends to all before it in its window; block_causal: only to those of its own
+    sample (document or conversation) in a packed window, with RoPE positions restarting at each sample
+    (TorchTitan's attn_mask_type)."""
     converters: list[Literal["float8", "quantize.linear.float8"]] = field(default_factory=list)
-    """Conversions of the model before it is sharded: float8 (TorchTitan's later name: quantize.linear.float8) trains the blocks' linears in float8 through torchao, with the [float8] options; needs a CUDA GPU of compute capability 8.9 or later, or float8.emulate."""
+    """Conversions of the model before it is sharded: float8 (TorchTitan's later name: quantize.linear.float8)
+    trains the blocks' linears in float8 through torchao, with the [float8] options; needs a CUDA GPU of
+    compute capability 8.9 or later, or float8.emulate."""
 
 
 @dataclass
@@ -124,7 +133,8 @@ class Optimizer:
     weight_decay_norms_and_biases: bool = False
     """Also apply weight decay to 1-D parameters (norm scales, biases); off, as is usual."""
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
-    """Optimizer kernel: foreach (multi-tensor), fused (single kernel; on devices PyTorch has fused Adam kernels for) or for-loop."""
+    """Optimizer kernel: foreach (multi-tensor), fused (single kernel; on devices PyTorch has fused Adam
+    kernels for) or for-loop."""
 
 
 @dataclass
@@ -132,7 +142,9 @@ class LRScheduler:
     warmup_steps: int = 200
     """Steps of linear warmup up to optimizer.lr: step s (from 0) runs at lr · (s + 1) / warmup_steps."""
     decay_ratio: float | None = None
-    """Fraction of the schedule's steps spent decaying at the end (warmup-stable-decay: round(total_steps · decay_ratio) steps); unset: decay over all steps after warmup. As in TorchTitan, the decay ends one step after the last one, so the last step runs just above the minimum."""
+    """Fraction of the schedule's steps spent decaying at the end (warmup-stable-decay: round(total_steps ·
+    decay_ratio) steps); unset: decay over all steps after warmup. As in TorchTitan, the decay ends one
+    step after the last one, so the last step runs just above the minimum."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
     min_lr_factor: float = 0.0
@@ -154,7 +166,8 @@ class DataSource:
     weight: float = 1.0
     """Training only: its share of the samples, a number > 0 (the weights are normalised to sum to 1)."""
     max_epochs: int | None = None
-    """Training only: after this many epochs of its own the source leaves the mixture (the others' weights are normalised again); unset: it starts again when used up, as long as the run goes on."""
+    """Training only: after this many epochs of its own the source leaves the mixture (the others' weights are
+    normalised again); unset: it starts again when used up, as long as the run goes on."""
 
 
 @dataclass
@@ -162,7 +175,8 @@ class Training:
     local_batch_size: int = 8
     """Samples per rank per micro-batch (one forward/backward)."""
     global_batch_size: int = -1
-    """Samples per optimizer step over all ranks; -1 means local_batch_size × data-parallel degree. A multiple of that gives gradient accumulation."""
+    """Samples per optimizer step over all ranks; -1 means local_batch_size × data-parallel degree. A multiple
+    of that gives gradient accumulation."""
     seq_len: int = 2048
     """Tokens per sample (the model is fed seq_len tokens and predicts the next seq_len)."""
     max_norm: float = 1.0
@@ -170,7 +184,12 @@ class Training:
     steps: int = 10000
     """Number of optimizer steps."""
     dataset: str = "python_stdlib"
-    """python_stdlib (embedded default: this Python's standard-library sources, no download), python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's names also work with local files: c4_test (its tests/assets/c4_test, from the working directory), c4 and c4_validation (dataset_path = a local copy of allenai/c4's JSON-lines shards; read at start-up)."""
+    """python_stdlib (embedded default: this Python's standard-library sources, no download),
+    python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at
+    start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a
+    Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's names also work with
+    local files: c4_test (its tests/assets/c4_test, from the working directory), c4 and c4_validation
+    (dataset_path = a local copy of allenai/c4's JSON-lines shards; read at start-up)."""
     dataset_path: str | None = None
     """File or folder read by the text, tokens, parquet and arrow datasets (folders are searched recursively)."""
     dataset_text_column: str = "text"
@@ -178,33 +197,54 @@ class Training:
     dataset_token_dtype: Literal["uint16", "uint32"] = "uint16"
     """Dtype of raw .bin token files (.npy files carry their own)."""
     datasets: list[DataSource] = field(default_factory=list)
-    """A weighted mixture instead of training.dataset: [[training.datasets]] tables in the TOML file, each with name, dataset, dataset_path, weight and optionally max_epochs. Sample-level and deterministic: after k steps each source has within one sample of weight × k × global_batch_size samples, on any world size."""
+    """A weighted mixture instead of training.dataset: [[training.datasets]] tables in the TOML file, each
+    with name, dataset, dataset_path, weight and optionally max_epochs. Sample-level and deterministic:
+    after k steps each source has within one sample of weight × k × global_batch_size samples, on any world
+    size."""
     loss_on: Literal["assistant", "all"] = "assistant"
-    """For chat data (dataset = "chat"): which tokens the loss counts: the assistant turns only (the rest are ignored), or all; the loss is the mean over the counted tokens of the global batch."""
+    """For chat data (dataset = "chat"): which tokens the loss counts: the assistant turns only (the rest are
+    ignored), or all; the loss is the mean over the counted tokens of the global batch."""
     truncate: Literal["right", "drop"] = "right"
-    """For chat data: a conversation longer than seq_len + 1 tokens is cut at the right, or dropped (counted and logged either way)."""
+    """For chat data: a conversation longer than seq_len + 1 tokens is cut at the right, or dropped (counted
+    and logged either way)."""
     chat_template: str | None = None
-    """For chat data: a .jinja chat template file to render every conversation with, instead of the tokenizer's own (chat_template.jinja beside it, else tokenizer_config.json's chat_template): e.g. a training template that marks the assistant's text with {% generation %} ... {% endgeneration %}."""
+    """For chat data: a .jinja chat template file to render every conversation with, instead of the
+    tokenizer's own (chat_template.jinja beside it, else tokenizer_config.json's chat_template): e.g. a
+    training template that marks the assistant's text with {% generation %} ... {% endgeneration %}."""
     on_bad_row: Literal["stop", "skip"] = "stop"
-    """For chat data: a row the chat template refuses (its raise_exception or any template error), whose assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one line naming the file and the row (exit 3), or skip it (the skipped rows are counted in the log)."""
+    """For chat data: a row the chat template refuses (its raise_exception or any template error), whose
+    assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one
+    line naming the file and the row (exit 3), or skip it (the skipped rows are counted in the log)."""
     packing: Literal["greedy", "bfd"] = "greedy"
-    """For chat data: how whole conversations fill the windows of seq_len + 1 tokens: greedy (in order; one that does not fit in what is left of a window starts the next) or bfd (best-fit decreasing: longest first, each into the window it fills most tightly; less padding, order not kept)."""
+    """For chat data: how whole conversations fill the windows of seq_len + 1 tokens: greedy (in order; one
+    that does not fit in what is left of a window starts the next) or bfd (best-fit decreasing: longest
+    first, each into the window it fills most tightly; less padding, order not kept)."""
     shuffle: bool = True
-    """Read each epoch in a seeded order (debug.seed): windows of text and token files permuted per epoch; streamed Parquet/Arrow rows by row groups in a permuted order through a buffer of training.shuffle_buffer documents. false: file order."""
+    """Read each epoch in a seeded order (debug.seed): windows of text and token files permuted per epoch;
+    streamed Parquet/Arrow rows by row groups in a permuted order through a buffer of
+    training.shuffle_buffer documents. false: file order."""
     shuffle_buffer: int = 1000
-    """Documents a streamed (parquet/arrow) source holds per sample lane to draw its next document from, when training.shuffle is on."""
+    """Documents a streamed (parquet/arrow) source holds per sample lane to draw its next document from, when
+    training.shuffle is on."""
     allow_mixture_change: bool = False
-    """Resume a checkpoint whose [[training.datasets]] weights, max_epochs or sources differ from this config's: the new mixture applies from the resumed step (logged). false: such a resume is refused."""
+    """Resume a checkpoint whose [[training.datasets]] weights, max_epochs or sources differ from this
+    config's: the new mixture applies from the resumed step (logged). false: such a resume is refused."""
     gc_freq: int = 50
-    """Python's automatic garbage collection is off during training; collect every this many steps (so step times do not jitter)."""
+    """Python's automatic garbage collection is off during training; collect every this many steps (so step
+    times do not jitter)."""
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
-    """When a step's loss or gradient norm is not finite its update is never applied; then: stop (one line naming the step, exit 5), skip (go on to the next batch; the step still counts: its batch is consumed, the LR schedule advances and it uses up one of training.steps, so step N always reads global batch N; logged with skipped = 1), or rollback (reload the last checkpoint of this run and go on from there without the batch that diverged; needs checkpoint.enable)."""
+    """When a step's loss or gradient norm is not finite its update is never applied; then: stop (one line
+    naming the step, exit 5), skip (go on to the next batch; the step still counts: its batch is consumed,
+    the LR schedule advances and it uses up one of training.steps, so step N always reads global batch N;
+    logged with skipped = 1), or rollback (reload the last checkpoint of this run and go on from there
+    without the batch that diverged; needs checkpoint.enable)."""
     max_rollbacks: int = 3
     """With on_nonfinite = "rollback": stop (exit 5) when a run would roll back more often than this."""
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of all-gathered parameters and of compute; sharded parameters and optimizer state stay float32 (float16 is not offered: it would need loss scaling)."""
+    """Dtype of all-gathered parameters and of compute; sharded parameters and optimizer state stay float32
+    (float16 is not offered: it would need loss scaling)."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype in which gradients are reduced across ranks."""
 
@@ -212,33 +252,53 @@ class Training:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = 0
-    """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the world; 0 (default): one replica per node, i.e. shard within a node and replicate across nodes (plain FSDP on one node; set 1 to shard over every rank of every node)."""
+    """Replicas (HSDP outer dimension); >1 gives a 2-D (replicate × shard) mesh; -1 means the rest of the
+    world; 0 (default): one replica per node, i.e. shard within a node and replicate across nodes (plain
+    FSDP on one node; set 1 to shard over every rank of every node)."""
     data_parallel_shard_degree: int = -1
     """Ranks each parameter is sharded over; -1 means the rest of the world."""
     tensor_parallel_degree: int = 1
-    """Ranks each layer's projections are split over (the mesh's innermost dimension, tp), with sequence parallel for the norms and the residual stream. Above 1 only for a model family whose parallelize splits its layers; the data-parallel degrees fill the rest of the world."""
+    """Ranks each layer's projections are split over (the mesh's innermost dimension, tp), with sequence
+    parallel for the norms and the residual stream. Above 1 only for a model family whose parallelize
+    splits its layers; the data-parallel degrees fill the rest of the world."""
     disable_loss_parallel: bool = False
-    """With tensor parallel: gather the logits before the loss (by default they stay split over the vocabulary and the loss reduces across the tensor-parallel ranks)."""
+    """With tensor parallel: gather the logits before the loss (by default they stay split over the vocabulary
+    and the loss reduces across the tensor-parallel ranks)."""
     enable_async_tensor_parallel: bool = False
-    """With tensor parallel on CUDA and compile.enable: overlap the tensor-parallel collectives with the matmuls (inductor's micro-pipelined TP over symmetric memory)."""
+    """With tensor parallel on CUDA and compile.enable: overlap the tensor-parallel collectives with the
+    matmuls (inductor's micro-pipelined TP over symmetric memory)."""
     context_parallel_degree: int = 1
-    """Ranks each sequence is split over (the mesh's cp dimension). Above 1 only for a model family whose parallelize handles it."""
+    """Ranks each sequence is split over (the mesh's cp dimension). Above 1 only for a model family whose
+    parallelize handles it."""
     expert_parallel_degree: int = 1
-    """Ranks a mixture-of-experts layer's experts are spread over, borrowed from data_parallel_shard_degree × context_parallel_degree (which it must divide). Above 1 only for a model family whose parallelize handles it."""
+    """Ranks a mixture-of-experts layer's experts are spread over, borrowed from data_parallel_shard_degree ×
+    context_parallel_degree (which it must divide). Above 1 only for a model family whose parallelize
+    handles it."""
     reshard_after_forward_mode: int | str = "default"
-    """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute than activation_checkpoint says, at the least modelled step time whose estimated peak fits parallelism.memory_budget_gib."""
+    """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks
+    (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute
+    than activation_checkpoint says, at the least modelled step time whose estimated peak fits
+    parallelism.memory_budget_gib."""
     memory_budget_gib: float | None = None
-    """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.memory counts them) for reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
+    """Per-rank memory budget (GiB of tensors, as python -m torchtitan_lite.memory counts them) for
+    reshard_after_forward_mode = auto; unset: 90% of the CUDA device's memory (required without one)."""
     cpu_offload: Literal["none", "all", "auto"] = "none"
-    """Where sharded parameters, their gradients and optimizer state live (FSDP2 CPUOffloadPolicy, per unit): none (the device), all (the host; the same as training.enable_cpu_offload = true), or auto (with reshard_after_forward_mode = auto: per unit, offloaded only where resharding and recomputing cost more step time per byte freed, by one cost model; the budget is then the device's, offloaded state excluded)."""
+    """Where sharded parameters, their gradients and optimizer state live (FSDP2 CPUOffloadPolicy, per unit):
+    none (the device), all (the host; the same as training.enable_cpu_offload = true), or auto (with
+    reshard_after_forward_mode = auto: per unit, offloaded only where resharding and recomputing cost more
+    step time per byte freed, by one cost model; the budget is then the device's, offloaded state
+    excluded)."""
 
 
 @dataclass
 class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward instead of keeping them: none; full (keep only each block's input, recompute the block: least memory, about a third more compute); selective (see selective_ac_option)."""
+    """Recompute activations in backward instead of keeping them: none; full (keep only each block's input,
+    recompute the block: least memory, about a third more compute); selective (see selective_ac_option)."""
     selective_ac_option: int | str = "op"
-    """With mode = selective: op (keep the outputs of matmuls and attention, recompute norms, RoPE and activations: most of the memory saving of full at a few percent of compute) or an integer N (full recomputation of every N-th block)."""
+    """With mode = selective: op (keep the outputs of matmuls and attention, recompute norms, RoPE and
+    activations: most of the memory saving of full at a few percent of compute) or an integer N (full
+    recomputation of every N-th block)."""
 
 
 @dataclass
@@ -248,29 +308,38 @@ class Compile:
     components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
     """What compile.enable compiles: model (its blocks), loss, or both."""
     backend: str = "inductor"
-    """torch.compile backend: inductor (generates fused kernels: C++ on CPU, Triton on GPU), or another registered backend such as aot_eager (traces without code generation: for debugging)."""
+    """torch.compile backend: inductor (generates fused kernels: C++ on CPU, Triton on GPU), or another
+    registered backend such as aot_eager (traces without code generation: for debugging)."""
 
 
 @dataclass
 class Float8:
     enable_fsdp_float8_all_gather: bool = False
-    """With model.converters = ["float8"]: FSDP all-gathers the blocks' weights in float8 (half the bytes of bf16; tensorwise scaling only). Used when the weights are sharded over more than one rank."""
+    """With model.converters = ["float8"]: FSDP all-gathers the blocks' weights in float8 (half the bytes of
+    bf16; tensorwise scaling only). Used when the weights are sharded over more than one rank."""
     precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """With enable_fsdp_float8_all_gather: compute the weights' float8 scales for the next all-gather in one reduction after each optimizer step."""
+    """With enable_fsdp_float8_all_gather: compute the weights' float8 scales for the next all-gather in one
+    reduction after each optimizer step."""
     force_recompute_fp8_weight_in_bwd: bool = False
     """Cast the weights to float8 again in backward instead of saving the float8 copies (less memory with FSDP)."""
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
-    """torchao's scaling recipe; unset or tensorwise: tensorwise with the options above. rowwise scales each row (more accurate, slower; not with the float8 all-gather)."""
+    """torchao's scaling recipe; unset or tensorwise: tensorwise with the options above. rowwise scales each
+    row (more accurate, slower; not with the float8 all-gather)."""
     filter_fqns: list[str] = field(default_factory=list)
-    """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g. attention.wq); "auto_filter_small_kn" also keeps those too small for float8 to pay off (torchao's rule for the recipe). The output and embedding layers, and linears with a dimension not a multiple of 16, are never converted."""
+    """Linears of the blocks to keep in high precision: those whose name contains one of these (e.g.
+    attention.wq); "auto_filter_small_kn" also keeps those too small for float8 to pay off (torchao's rule
+    for the recipe). The output and embedding layers, and linears with a dimension not a multiple of 16,
+    are never converted."""
     emulate: bool = False
-    """Compute the float8 matmuls in high precision on float8-rounded values, on any device (CPU included): for tests, not speed."""
+    """Compute the float8 matmuls in high precision on float8-rounded values, on any device (CPU included):
+    for tests, not speed."""
 
 
 @dataclass
 class Lora:
     enable: bool = False
-    """Fine-tune low-rank adapters instead of the weights: the base weights are frozen (no gradients, no optimizer state, never saved); y = W x + (alpha / rank) · B A dropout(x) on each target linear."""
+    """Fine-tune low-rank adapters instead of the weights: the base weights are frozen (no gradients, no
+    optimizer state, never saved); y = W x + (alpha / rank) · B A dropout(x) on each target linear."""
     rank: int = 16
     """Rank r of each adapter (A: r × in, B: out × r)."""
     alpha: float = 32.0
@@ -280,19 +349,27 @@ class Lora:
     target_modules: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                  "experts"]] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """The linears that get adapters, by PEFT's (Hugging Face's) names; "experts": a mixture of experts' routed experts (their stacked weights, as PEFT's target_parameters; lora.dropout must be 0)."""
+    """The linears that get adapters, by PEFT's (Hugging Face's) names; "experts": a mixture of experts'
+    routed experts (their stacked weights, as PEFT's target_parameters; lora.dropout must be 0)."""
     merge_on_export: bool = False
-    """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model folder) instead of a PEFT adapter folder."""
+    """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model
+    folder) instead of a PEFT adapter folder."""
 
 
 @dataclass
 class MoE:
     aux_loss_coef: float | None = None
-    """Weight of the load-balancing auxiliary loss in the training loss (transformers' router_aux_loss_coef, computed as its load_balancing_loss_func over every MoE layer's tokens of the global batch); unset: the model's (its config.json's router_aux_loss_coef, 0.001 for Qwen3-MoE, 0 for DeepSeek-V3); 0: off. Mixture-of-experts models only."""
+    """Weight of the load-balancing auxiliary loss in the training loss (transformers' router_aux_loss_coef,
+    computed as its load_balancing_loss_func over every MoE layer's tokens of the global batch); unset: the
+    model's (its config.json's router_aux_loss_coef, 0.001 for Qwen3-MoE, 0 for DeepSeek-V3); 0: off.
+    Mixture-of-experts models only."""
     z_loss_coef: float = 0.0
-    """Weight of the router z-loss (the mean squared log-sum-exp of the router logits, summed over the MoE layers); 0: off."""
+    """Weight of the router z-loss (the mean squared log-sum-exp of the router logits, summed over the MoE
+    layers); 0: off."""
     bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's router bias moves by this much toward balance (up for experts that got fewer tokens than the mean, down for those that got more); needs a sigmoid router; 0: off. The bias is saved in checkpoints and exported."""
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's router bias moves
+    by this much toward balance (up for experts that got fewer tokens than the mean, down for those that
+    got more); needs a sigmoid router; 0: off. The bias is saved in checkpoints and exported."""
     top_k: int = 0
     """Experts per token; 0: the model's."""
     score_func: Literal["softmax", "sigmoid"] | None = None
@@ -310,9 +387,12 @@ class Metrics:
     disable_color_printing: bool = False
     """Never colour the console lines (they are coloured only on a terminal, and never when NO_COLOR is set)."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s of one device for MFU; unset: from the table of known GPUs (on CPU and unknown devices MFU is not reported)."""
+    """Peak dense TFLOP/s of one device for MFU; unset: from the table of known GPUs (on CPU and unknown
+    devices MFU is not reported)."""
     enable_wandb: bool = False
-    """Log every metrics record (as metrics.jsonl has it) to Weights & Biases (rank 0; needs the wandb package: pip install 'torchtitan_lite[wandb]'). W&B's own environment applies: WANDB_MODE=offline writes the run under job.dump_folder/wandb only, for wandb sync later."""
+    """Log every metrics record (as metrics.jsonl has it) to Weights & Biases (rank 0; needs the wandb
+    package: pip install 'torchtitan_lite[wandb]'). W&B's own environment applies: WANDB_MODE=offline
+    writes the run under job.dump_folder/wandb only, for wandb sync later."""
     wandb_project: str = "torchtitan_lite"
     """W&B project of the run."""
     wandb_run_name: str | None = None
@@ -324,17 +404,22 @@ class Validation:
     enable: bool = False
     """Compute a validation loss (no gradients, over all ranks) every validation.freq steps and at the last step."""
     dataset: str = "python_stdlib_validation"
-    """Validation dataset; same names as training.dataset (parquet/arrow: only the rows needed for validation.steps are read). The default is held out from python_stdlib."""
+    """Validation dataset; same names as training.dataset (parquet/arrow: only the rows needed for
+    validation.steps are read). The default is held out from python_stdlib."""
     dataset_path: str | None = None
     """File or folder read by the text, tokens, parquet and arrow datasets."""
     datasets: list[DataSource] = field(default_factory=list)
-    """Several validation sets instead of validation.dataset: [[validation.datasets]] tables with name, dataset and dataset_path; each is evaluated on its own (validation/NAME/loss, validation/NAME/perplexity)."""
+    """Several validation sets instead of validation.dataset: [[validation.datasets]] tables with name,
+    dataset and dataset_path; each is evaluated on its own (validation/NAME/loss,
+    validation/NAME/perplexity)."""
     freq: int = 100
     """Run validation every this many training steps."""
     steps: int = 20
-    """Batches per validation run, each validation.global_batch_size windows, read in order from the start of the set; -1: the whole validation set."""
+    """Batches per validation run, each validation.global_batch_size windows, read in order from the start of
+    the set; -1: the whole validation set."""
     global_batch_size: int = -1
-    """Windows per validation batch over all ranks; -1: local_batch_size × data-parallel degree. Set it to get the same validation windows, and so comparable losses, on any world size."""
+    """Windows per validation batch over all ranks; -1: local_batch_size × data-parallel degree. Set it to get
+    the same validation windows, and so comparable losses, on any world size."""
     local_batch_size: int = -1
     """Windows per rank per forward pass; -1: training.local_batch_size."""
     seq_len: int = -1
@@ -354,7 +439,8 @@ class Profiling:
     profiler_active: int = 1
     """Steps recorded per window."""
     enable_memory_snapshot: bool = False
-    """CUDA only: record allocator history and dump a memory snapshot every profile_freq steps (and on out-of-memory)."""
+    """CUDA only: record allocator history and dump a memory snapshot every profile_freq steps (and on
+    out-of-memory)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Snapshot folder inside job.dump_folder."""
 
@@ -362,51 +448,72 @@ class Profiling:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save checkpoints with torch.distributed.checkpoint and resume from the latest one in checkpoint.folder at start."""
+    """Save checkpoints with torch.distributed.checkpoint and resume from the latest one in checkpoint.folder
+    at start."""
     folder: str = "checkpoint"
     """Checkpoint folder inside job.dump_folder; each checkpoint is a step-<N> subfolder."""
     interval: int = 500
     """Save every this many steps, and at the last step."""
     keep_latest_k: int = 0
-    """Keep only the newest k committed checkpoints (older ones are deleted after a new one is committed); 0 keeps all."""
+    """Keep only the newest k committed checkpoints (older ones are deleted after a new one is committed); 0
+    keeps all."""
     load_step: int = -1
     """Step to resume from; -1: the latest committed checkpoint (none: start from scratch)."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of a checkpoint not to restore: model, optimizer, lr_scheduler, dataloader, train_state."""
     async_mode: Literal["disabled", "async"] = "disabled"
-    """disabled: training waits for each save; async: training waits only while the state is copied to CPU memory, the write runs in the background (over a gloo group) and the next save or the end of the run waits for it."""
+    """disabled: training waits for each save; async: training waits only while the state is copied to CPU
+    memory, the write runs in the background (over a gloo group) and the next save or the end of the run
+    waits for it."""
     last_save_model_only: bool = False
-    """The save at the last step holds only the model weights (in export_dtype): for export, not for continuing training."""
+    """The save at the last step holds only the model weights (in export_dtype): for export, not for
+    continuing training."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the weights in a model-only last save (last_save_model_only / last_save_in_hf)."""
     last_save_in_hf: bool = False
-    """Write the last save as a Hugging Face safetensors folder of the model's family (+ config.json); needs last_save_model_only."""
+    """Write the last save as a Hugging Face safetensors folder of the model's family (+ config.json); needs
+    last_save_model_only."""
     initial_load_path: str | None = None
-    """Checkpoint to start from when checkpoint.folder holds none: a step-<N> folder (DCP), or a Hugging Face safetensors folder with initial_load_in_hf."""
+    """Checkpoint to start from when checkpoint.folder holds none: a step-<N> folder (DCP), or a Hugging Face
+    safetensors folder with initial_load_in_hf."""
     initial_load_model_only: bool = True
-    """Take only the model weights from initial_load_path (the run starts at step 0); false also restores optimizer, schedule, data position and step."""
+    """Take only the model weights from initial_load_path (the run starts at step 0); false also restores
+    optimizer, schedule, data position and step."""
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face safetensors folder of the model's family (names and row layouts mapped by the family's adapter, e.g. Llama's q/k RoPE permutation)."""
+    """initial_load_path is a Hugging Face safetensors folder of the model's family (names and row layouts
+    mapped by the family's adapter, e.g. Llama's q/k RoPE permutation)."""
     create_seed_checkpoint: bool = False
-    """Write the initialised weights as step-0 in checkpoint.folder on one process and exit; runs at any world size can start from it."""
-    save_on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGINT"]] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals (preemption: Slurm, Kubernetes, spot instances send SIGTERM before SIGKILL) on which every rank finishes its step, one checkpoint is saved synchronously (an async save in flight completes first) and the job exits with code 75 (requeue); a second signal during the save is ignored. [] keeps the default actions. Without checkpoint.enable the job still stops after the step, with nothing saved."""
+    """Write the initialised weights as step-0 in checkpoint.folder on one process and exit; runs at any world
+    size can start from it."""
+    save_on_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGINT"]] = field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"]
+    )
+    """Signals (preemption: Slurm, Kubernetes, spot instances send SIGTERM before SIGKILL) on which every rank
+    finishes its step, one checkpoint is saved synchronously (an async save in flight completes first) and
+    the job exits with code 75 (requeue); a second signal during the save is ignored. [] keeps the default
+    actions. Without checkpoint.enable the job still stops after the step, with nothing saved."""
     on_corrupt: Literal["fallback", "stop"] = "fallback"
-    """A checkpoint to resume that fails verification (a data file missing, short, or whose checksum differs; unreadable metadata): fallback resumes from the newest earlier one that verifies (the damaged ones are renamed step-<N>.corrupt, not deleted); stop ends the job (exit 4). With none that verifies the job stops (exit 4), never starts afresh."""
+    """A checkpoint to resume that fails verification (a data file missing, short, or whose checksum differs;
+    unreadable metadata): fallback resumes from the newest earlier one that verifies (the damaged ones are
+    renamed step-<N>.corrupt, not deleted); stop ends the job (exit 4). With none that verifies the job
+    stops (exit 4), never starts afresh."""
 
 
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    """Timeout of collectives until the first training step has finished: process-group creation, model and checkpoint loading (a slow filesystem or a first compilation needs room)."""
+    """Timeout of collectives until the first training step has finished: process-group creation, model and
+    checkpoint loading (a slow filesystem or a first compilation needs room)."""
     train_timeout_seconds: int = 100
-    """Timeout of every collective from the end of the first step on: when a rank dies or hangs, the others fail with an error within it instead of hanging."""
+    """Timeout of every collective from the end of the first step on: when a rank dies or hangs, the others
+    fail with an error within it instead of hanging."""
 
 
 @dataclass
 class Debug:
     seed: int = 42
-    """Seed for weights and data order; with a fixed training.global_batch_size the same seed gives the same run on any world size."""
+    """Seed for weights and data order; with a fixed training.global_batch_size the same seed gives the same
+    run on any world size."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower; bit-reproducible runs)."""
 
@@ -444,7 +551,7 @@ LOADABLE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_sta
 # --------------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, type] = {
-    f.name: f.default_factory  # type: ignore[misc]
+    f.name: f.default_factory
     for f in dataclasses.fields(JobConfig)
 }
 
@@ -460,7 +567,7 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    body = tree.body[0].body
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (

@@ -25,7 +25,16 @@ from typing import Any, Literal
 
 from torchtitan_lite.errors import ConfigError
 
-__all__ = ["ERAS", "TORCHTITAN_KEYS", "TorchTitanKey", "LACKING_VALUES", "VALUE_ALIASES", "lookup", "migration_markdown", "translate"]
+__all__ = [
+    "ERAS",
+    "TORCHTITAN_KEYS",
+    "TorchTitanKey",
+    "LACKING_VALUES",
+    "VALUE_ALIASES",
+    "lookup",
+    "migration_markdown",
+    "translate",
+]
 
 ERAS: dict[str, str] = {
     "2025-02": "before v0.1.0 (early 2025: `training.batch_size`, `[experimental]`, `[float8]`)",
@@ -46,7 +55,7 @@ def _in(*values: Any) -> Callable[[Any], bool]:
     def check(value: Any) -> bool:
         return value in values
 
-    check.values = values  # type: ignore[attr-defined]
+    check.values = values
     return check
 
 

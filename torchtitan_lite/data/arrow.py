@@ -51,8 +51,8 @@ _TOKENIZE_CHARS = 1 << 16  # ... or about this many characters
 def _pyarrow(dataset: str, section: str) -> Any:
     try:
         import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        import pyarrow.ipc
+        import pyarrow.parquet
     except ImportError:
         raise DataError(f"{section}.dataset={dataset!r} reads files with the 'pyarrow' package: pip install pyarrow "
                         "(or pip install 'torchtitan_lite[data]')") from None
@@ -94,7 +94,9 @@ def _find_files(dataset: str, path: Path, key: str, section: str) -> list[Path]:
         return listed
     files = [f for f in files_under(path, key) if f.suffix == suffix]
     if not files:
-        raise DataError(f"{key}: folder {str(path)!r} holds no {suffix} files (needed by {section}.dataset={dataset!r})")
+        raise DataError(
+            f"{key}: folder {str(path)!r} holds no {suffix} files (needed by {section}.dataset={dataset!r})"
+        )
     return files
 
 

@@ -55,7 +55,7 @@ def find_files(dataset: str, dataset_path: str | None, *, section: str, key: str
             f"scripts/jsonl_to_parquet.py and set {section}.dataset = 'parquet' (streamed)"
         )
     given = dataset_path or default
-    path = Path(given).expanduser()  # type: ignore[arg-type]
+    path = Path(given).expanduser()
     if not path.exists():
         where = ("" if dataset_path is not None else
                  f" (TorchTitan's default for {dataset!r}, relative to the working directory {os.getcwd()!r}: "

@@ -81,7 +81,10 @@ def conversation(record: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
             raise RowError(f"'tools' is not a list of tables (JSON schemas): {str(tools)[:80]!r}", kind="row")
         return [dict(m) for m in messages], tools  # [] is not None, as transformers passes it
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}], None
+        return [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["completion"]},
+        ], None
     raise RowError(f"expected a 'messages' list of {{role, content}} tables, or 'prompt' and 'completion' strings; "
                    f"got {str(record)[:80]!r}", kind="row")
 

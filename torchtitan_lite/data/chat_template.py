@@ -134,7 +134,7 @@ def _compiled(templates: Templates, key: str) -> Templates:
     for name, source in templates.sources.items():
         try:
             _compile(source)
-        except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError and the like
+        except Exception as exc:  # jinja2's TemplateSyntaxError and the like
             raise DataError(f"{key}: the chat template {name!r} of {templates.files[name]!r} is not a valid Jinja "
                             f"template ({_one_line(exc)})") from None
     return templates
@@ -214,7 +214,7 @@ def _compile(source: str) -> Any:
     class TemplateNamespace(jinja2.utils.Namespace):
         """``namespace(...)`` without underscore-prefixed attributes."""
 
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's own signature
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
             for name in attrs:
@@ -410,7 +410,7 @@ class ChatTemplate:
                     blocks.append(block)
                 spans.extend(found)
                 return "".join(blocks)
-        except Exception as exc:  # noqa: BLE001 - raise_exception, undefined names, type errors ...
+        except Exception as exc:  # raise_exception, undefined names, type errors ...
             raise RowError(f"the chat template {self.where(tools=tools)!r} fails on it: {_one_line(exc)}",
                            kind="template") from None
 

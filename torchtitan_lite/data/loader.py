@@ -168,7 +168,7 @@ class BatchLoader:
                    and s.reader.samples_per_epoch is None and self.schedule.active[i]]
         if not limited:
             return
-        done = _any_rank([self.sources[i].reader.epochs_begun() >= self.sources[i].max_epochs  # type: ignore[operator]
+        done = _any_rank([self.sources[i].reader.epochs_begun() >= self.sources[i].max_epochs
                           for i in limited], self.dp_size, self.group)
         for i, finished in zip(limited, done, strict=True):
             if finished:
@@ -189,7 +189,9 @@ class BatchLoader:
             order = [i for first in range(0, len(rows), size)
                      for i in sorted(range(first, min(first + size, len(rows))), key=sources.__getitem__)]
             rows, sources = [rows[i] for i in order], [sources[i] for i in order]
-        self.batch_sources = [sources[i : i + self.local_batch_size] for i in range(0, len(sources), self.local_batch_size)]
+        self.batch_sources = [
+            sources[i : i + self.local_batch_size] for i in range(0, len(sources), self.local_batch_size)
+        ]
         if self.masked:
             rows = [as_packed(row, self.documents) for row in rows]
         batches, self.batch_documents = micro_batches(np.stack(rows), self.local_batch_size, self.documents)
@@ -347,8 +349,15 @@ def _upgrade(state: dict[str, Any], loader: BatchLoader) -> dict[str, Any]:
         return state
     source = loader.sources[0]
     step = state.get("step", 0) if isinstance(state.get("step"), int) else 0
-    upgraded = {**state, "schedule": {"totals": [step * loader.global_batch_size], "active": [True], "segment":
-                                      [step * loader.global_batch_size], "segment_samples": step * loader.global_batch_size}}
+    upgraded = {
+        **state,
+        "schedule": {
+            "totals": [step * loader.global_batch_size],
+            "active": [True],
+            "segment": [step * loader.global_batch_size],
+            "segment_samples": step * loader.global_batch_size,
+        },
+    }
     if "positions" in state:  # the streaming loader: rows in file order
         identity = {"dataset": state.get("dataset"), "text_column": state.get("text_column"),
                     "num_rows": state.get("num_rows"), "seed": None, "shuffle": False, "shuffle_buffer": 0}

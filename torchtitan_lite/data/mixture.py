@@ -77,11 +77,17 @@ class Schedule:
             n = totals[s]
             totals[s] = n + 1
             out.append((s, n))
-            if per_epoch[s] is not None and (n + 1) % per_epoch[s] == 0:  # type: ignore[operator]
+            if per_epoch[s] is not None and (n + 1) % per_epoch[s] == 0:
                 self.segment_samples = t
-                self._epoch_done(s, (n + 1) // per_epoch[s])  # type: ignore[operator]
+                self._epoch_done(s, (n + 1) // per_epoch[s])
                 # A source that retired starts a new segment: its lists are new.
-                active, eligible, due, segment, delta = self._active, self._eligible, self._due, self.segment, self._delta
+                active, eligible, due, segment, delta = (
+                    self._active,
+                    self._eligible,
+                    self._due,
+                    self.segment,
+                    self._delta,
+                )
                 weights, t = self.weights, self.segment_samples
         self.segment_samples = t
         return out

@@ -75,7 +75,7 @@ def check_dataset(dataset: str, dataset_path: str | None, *, section: str = "tra
     key = key or f"{section}.dataset_path"
     if dataset in STREAMED:
         return arrow.find_files(dataset, dataset_path, section=section, key=key, text_column=text_column)
-    return _MODULES[dataset].find_files(dataset, dataset_path, section=section, key=key)  # type: ignore[no-any-return]
+    return _MODULES[dataset].find_files(dataset, dataset_path, section=section, key=key)
 
 
 def token_stream(spec: SourceSpec, tokenizer: Encoder, *, max_tokens: int | None = None) -> TokenStream:
@@ -92,7 +92,7 @@ def token_stream(spec: SourceSpec, tokenizer: Encoder, *, max_tokens: int | None
         return tokens.token_stream(files, tokenizer, key=spec.key, where=spec.where, token_dtype=spec.token_dtype)
     if spec.dataset in chat.KINDS:
         raise ConfigError(f"{spec.section}.dataset: 'chat' is read as packed conversations, not as a token stream")
-    return _MODULES[spec.dataset].token_stream(files, tokenizer, key=spec.key, where=spec.where)  # type: ignore[no-any-return]
+    return _MODULES[spec.dataset].token_stream(files, tokenizer, key=spec.key, where=spec.where)
 
 
 def open_reader(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, global_batch_size: int, lanes: range,

@@ -200,7 +200,7 @@ def _transformers_backend(file: Path, tokenizer_class: str, *, key: str) -> tupl
                         f"not from {file.name!r}: name the folder or its tokenizer.json")
     try:
         built = AutoTokenizer.from_pretrained(str(file.parent))
-    except Exception as exc:  # transformers raises many types  # noqa: BLE001
+    except Exception as exc:  # transformers raises many types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{key}: {where}, which transformers cannot build from the folder ({first})") from None
     backend = getattr(built, "backend_tokenizer", None)
@@ -240,7 +240,7 @@ def tokenizer_file(path: str | Path, *, key: str = "model.tokenizer_path") -> Pa
     if not path.exists():
         raise DataError(f"{key}: path not found: {str(path)!r}; expected a tokenizer.json or tiktoken "
                         "tokenizer.model file, or a folder holding one (nothing here downloads: "
-                        "download it first, as the README says)")
+                        "download it first, as docs/configuration.md says)")
     if not path.is_file():
         raise DataError(
             f"{key}: invalid value {str(path)!r}; expected a tokenizer.json or tiktoken tokenizer.model "
@@ -387,7 +387,7 @@ class TiktokenTokenizer:
     def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
         """Ids of ``text`` (special-token spellings as plain text), with BOS/EOS when asked."""
         (body,) = self._encode_texts([text])
-        return ([self.bos_id] if bos else []) + body + ([self.eos_id] if eos else [])  # type: ignore[list-item]
+        return ([self.bos_id] if bos else []) + body + ([self.eos_id] if eos else [])
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         simple = [len(t) <= _TIKTOKEN_MAX_ENCODE_CHARS and not _LONG_RUN.search(t) for t in texts]

@@ -217,7 +217,8 @@ class PackedWindows:
                 f"({counted} counted labels, {100 * share:.1f}% padding)")
 
 
-def window_tensors(rows: np.ndarray, documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def window_tensors(rows: np.ndarray,
+                   documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(inputs, labels, document_ids)`` of windows: ``rows`` is ``(n, seq_len + 1)`` plain tokens
     or ``(n, 3, seq_len + 1)`` packed samples (:class:`PackedWindows`). Packed samples' labels are
     :data:`IGNORE_INDEX` where the token is not counted or belongs to another sample than the one

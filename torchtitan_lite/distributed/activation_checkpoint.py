@@ -117,7 +117,7 @@ def block_policies(mode: str, selective_ac_option: str | int, n_blocks: int) -> 
         raise ValueError(f"activation_checkpoint.mode: invalid value {mode!r}; expected one of "
                          f"{', '.join(AC_MODES)}")
     if mode != "selective":
-        return [mode] * n_blocks  # type: ignore[list-item]
+        return [mode] * n_blocks
     every = _every_nth(selective_ac_option)
     if every is None:
         return ["op"] * n_blocks

@@ -94,8 +94,8 @@ def is_compiled(module: nn.Module) -> bool:
 def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor") -> int:
     """Compile each of ``model``'s blocks in place (before ``fully_shard``); returns how many.
 
-    A block whose mixture of experts moves its tokens to other ranks (expert parallel: a
-    ``dispatcher``, whose exchange sizes are data and whose experts are an FSDP unit of their
+    A block whose mixture of experts moves its tokens to other ranks (expert parallel: an
+    all-to-all ``dispatcher``, whose exchange sizes are data and whose experts are an FSDP unit of their
     own) is compiled by its parts instead, as TorchTitan does: each child, and of the mixture of
     experts its router, shared experts and experts' products, each its own graph, the exchange
     and the experts' FSDP hooks between them eager (so is the block's checkpoint).
@@ -111,14 +111,16 @@ def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor
         for part in parts or (block,):
             part.__class__ = _compiled_class(type(part), backend)
         if parts:
-            block._compiled_with = backend  # type: ignore[assignment]  # (by its parts)
+            block._compiled_with = backend  # (by its parts)
     return len(found)
 
 
 def _parts_of(block: nn.Module) -> list[nn.Module]:
     """What to compile of a block with an expert-parallel mixture of experts (see
     :func:`compile_blocks`); empty for any other block (compiled whole)."""
-    layers = [child for child in block.children() if getattr(child, "dispatcher", None) is not None]
+    from torchtitan_lite.distributed.expert_parallel import AllToAllDispatcher
+
+    layers = [child for child in block.children() if isinstance(getattr(child, "dispatcher", None), AllToAllDispatcher)]
     if not layers:
         return []
     parts = [child for child in block.children() if child not in layers]
@@ -130,4 +132,4 @@ def _parts_of(block: nn.Module) -> list[nn.Module]:
 def compile_loss(loss_fn: F, *, backend: str = "inductor") -> F:
     """``loss_fn`` compiled as one graph (e.g. :func:`torchtitan_lite.loss.token_loss_sum`: the
     logits' upcast, log-softmax and gather fuse into fewer passes over the logits)."""
-    return torch.compile(loss_fn, backend=backend, fullgraph=True)  # type: ignore[return-value]
+    return torch.compile(loss_fn, backend=backend, fullgraph=True)

@@ -30,7 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "divide_expert_gradients", "local_experts", "shard_experts"]
+__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts", "shard_experts"]
 
 
 def local_experts(num_experts: int, ep: int, rank: int) -> range:
@@ -153,38 +153,13 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatch
     return [layer.dispatcher for layer in layers]
 
 
-def divide_expert_gradients(experts: Any, factor: float) -> None:
-    """Make the FSDP module ``experts`` sum its gradients over its ranks, then divide them by
-    ``factor`` (every data-parallel rank: each expert's gradient already sums the tokens of its
-    expert-parallel group).
-
-    The division runs in FSDP's post-reduce hook, not through its gradient divide factor: on a
-    mesh of one rank (expert parallel equal to the data-parallel shard degree), torch 2.11 and
-    later divide a custom factor both in their copy that stands in for the reduce-scatter and
-    again after it when sums are forced, so the experts trained on gradients ``factor`` times too
-    small (and torch 2.9 divides once). Summing with a factor of 1 and dividing in the hook gives
-    one division on every mesh size and version. Sums, not FSDP's pre-multiplied sums: gloo has
-    none."""
-    experts.set_gradient_divide_factor(1.0)
-    experts.set_force_sum_reduction_for_comms(True)
-
-    def divide(reduced: torch.Tensor) -> None:
-        reduced.div_(factor)
-
-    experts.set_all_reduce_hook(divide)
-
-
-def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], None]:
+def shard_experts(model: nn.Module, mesh: Any) -> list[nn.Module]:
     """Expert parallel over ``mesh["ep"]`` (a :class:`~torchtitan_lite.distributed.mesh.ParallelMesh`
     with an ``ep`` dimension), on a model built on the meta device: each MoE layer's stacked
     expert weights become DTensors split along the experts over ``mesh["ep"]`` (each rank will
     hold only its experts) and the layer gets an :class:`AllToAllDispatcher` over that group.
-    Returns the step that FSDP-shards the experts over the expert-data ranks (``mesh.experts``),
-    their gradients divided by every data-parallel rank (each expert's gradient already sums the
-    tokens of its expert-parallel group), to run before the model's own FSDP units are sharded
-    (``default_parallelize`` runs it with the FSDP options and the units: each layer's experts
-    take the reshard and offload settings of the unit they are in)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    Returns each layer's experts module: :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp`
+    shards them over the expert-data ranks (``mesh.experts``, its ``experts`` argument)."""
     from torch.distributed.tensor import DTensor, Shard
 
     ep_mesh = mesh["ep"]
@@ -194,29 +169,4 @@ def shard_experts(model: nn.Module, mesh: Any) -> Callable[[Any, list[Any]], Non
         return DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False, shape=weight.shape,
                                   stride=weight.stride())
 
-    layers = _split_experts(model, ep_mesh.get_group(), split)
-
-    def shard(fsdp: Any, units: list[Any]) -> None:
-        from torchtitan_lite.distributed.fsdp import (
-            offload_policy,
-            resolve_reshard_after_forward,
-            unit_offload,
-        )
-
-        offloaded = unit_offload(fsdp.cpu_offload, units)
-        for layer in layers:
-            # The experts follow the unit (block) they are part of: its reshard setting (an
-            # integer group size of the FSDP mesh means resharding on the experts' own mesh)
-            # and its offload, as a per-unit plan of auto's chooses them.
-            index = next((i for i, unit in enumerate(units) if any(layer in m.modules() for m in unit.modules)), None)
-            if index is None:
-                raise ValueError("expert parallel: a mixture-of-experts layer is in none of the model's FSDP units; "
-                                 "its family's fsdp_units must hold every block")
-            reshard = resolve_reshard_after_forward(fsdp.reshard_after_forward_mode, units[index].role, index)
-            sharded = fully_shard(layer.experts, mesh=mesh.experts, reshard_after_forward=bool(reshard),
-                                  mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype,
-                                                                 reduce_dtype=fsdp.reduce_dtype),
-                                  offload_policy=offload_policy(mesh.experts, offloaded[index]))
-            divide_expert_gradients(sharded, float(mesh.dp_size))
-
-    return shard
+    return [layer.experts for layer in _split_experts(model, ep_mesh.get_group(), split)]

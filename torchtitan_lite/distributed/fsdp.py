@@ -43,7 +43,7 @@ from torchtitan_lite.config.schema import RESHARD_MODES
 try:  # the interface of fully_shard's custom reduce-scatter (torch >= 2.7)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterComm
 except ImportError:  # pragma: no cover - older torch: gloo's own reduce-scatter is used
-    _ReduceScatterComm = object  # type: ignore[assignment,misc]
+    _ReduceScatterComm = object
 
 __all__ = [
     "RESHARD_MODES",
@@ -52,6 +52,7 @@ __all__ = [
     "InPlaceReduceScatter",
     "ReshardMode",
     "UnitRole",
+    "ExpertShards",
     "apply_fsdp",
     "find_blocks",
     "fsdp_units",
@@ -59,6 +60,7 @@ __all__ = [
     "reshard_all",
     "resolve_reshard_after_forward",
     "stacked_shard_placement",
+    "sum_then_divide",
     "unit_offload",
     "validate_reshard_after_forward_mode",
 ]
@@ -219,7 +221,7 @@ def _modules_of(unit: ModuleOrGroup, what: str) -> list[nn.Module]:
         return list(unit.values())
     if isinstance(unit, (nn.ModuleList, nn.Sequential)) or not isinstance(unit, nn.Module):
         try:
-            modules = list(unit)  # type: ignore[arg-type]
+            modules = list(unit)
         except TypeError:
             raise TypeError(f"apply_fsdp: {what} must be a module or a list of modules, got "
                             f"{type(unit).__name__}") from None
@@ -239,7 +241,7 @@ def find_blocks(model: nn.Module, blocks: Blocks) -> list[nn.Module]:
             raise ValueError("apply_fsdp: the blocks predicate matched no submodule")
         return found
     if isinstance(blocks, (nn.ModuleDict, nn.ModuleList, nn.Sequential)) or not isinstance(blocks, nn.Module):
-        return _modules_of(blocks, "blocks")  # type: ignore[arg-type]
+        return _modules_of(blocks, "blocks")
     return [blocks]  # one module: one block
 
 
@@ -320,7 +322,7 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
-class InPlaceReduceScatter(_ReduceScatterComm):  # type: ignore[misc,valid-type]
+class InPlaceReduceScatter(_ReduceScatterComm):
     """FSDP2's gradient reduce-scatter as an all-reduce of FSDP's own input buffer, in place,
     then a copy of this rank's slice: the same sums and bytes on the wire as gloo's
     reduce-scatter, without its copy. Gloo reduce-scatters by all-reducing a clone of the whole
@@ -403,6 +405,42 @@ def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard 
     return None
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """Modules inside the units that FSDP shards over a mesh of their own, before their unit: a
+    mixture of experts' experts, already split over the expert-parallel ranks
+    (:func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`), sharded over the
+    expert-data ranks. Each takes the mixed precision of every unit and the reshard and offload
+    setting of the unit it is in (an integer reshard size of the model's mesh: resharded on its
+    own mesh)."""
+
+    modules: Sequence[nn.Module]
+    mesh: DeviceMesh
+    """The expert-data ranks (the job mesh's ``experts``)."""
+    gradient_divide_factor: float
+    """Their gradients are summed over ``mesh``, then divided by this (every data-parallel rank:
+    each expert's gradient already sums the tokens of its expert-parallel group)."""
+
+
+def sum_then_divide(module: FSDPModule, factor: float) -> None:
+    """Make the FSDP module ``module`` sum its gradients over its ranks, then divide them by
+    ``factor`` once.
+
+    The division runs in FSDP's post-reduce hook, not through its gradient divide factor: on a
+    mesh of one rank (expert parallel equal to the data-parallel shard degree), torch 2.11 and
+    later divide a custom factor both in their copy that stands in for the reduce-scatter and
+    again after it when sums are forced, so experts trained on gradients ``factor`` times too
+    small (torch 2.9 divides once). A factor of 1 and the hook give one division on every mesh
+    size and version. Sums, not FSDP's pre-multiplied sums: gloo has none."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+    def divide(reduced: torch.Tensor) -> None:
+        reduced.div_(factor)
+
+    module.set_all_reduce_hook(divide)
+
+
 def offload_policy(mesh: DeviceMesh, offload: bool) -> OffloadPolicy:
     """FSDP2's offload policy of a unit on ``mesh``: CPU offload when ``offload``. Pinned host
     memory speeds the copies to and from a GPU; a mesh on CPU (the memory estimator's fake world,
@@ -431,6 +469,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool | Sequence[bool] = False,
+    experts: ExpertShards | None = None,
     **fully_shard_kwargs: Any,
 ) -> FSDPModule:
     """Shard ``model`` with FSDP2 in place and return it (now also an ``FSDPModule``).
@@ -457,6 +496,8 @@ def apply_fsdp(
             order; the root's own parameters, if any, are offloaded only when every unit is).
             The process group then needs a CPU backend for clipping. Materialise with
             :func:`materialize` so that each unit's shards land where they live.
+        experts: modules inside the units sharded first over a mesh of their own (a mixture
+            of experts' experts split over expert-parallel ranks, see :class:`ExpertShards`).
         fully_shard_kwargs: any other ``fully_shard`` option, given to every unit and the
             root (``shard_placement_fn`` replaces :func:`stacked_shard_placement`).
 
@@ -487,22 +528,38 @@ def apply_fsdp(
         **fully_shard_kwargs,
     }
 
+    if experts is not None:
+        _shard_experts(experts, units, mode, offloaded, common["mp_policy"])
     in_place = mesh.device_type == "cpu" and _ReduceScatterComm is not object
     with _shared_post_forward_mesh() if isinstance(mode, int) else contextlib.nullcontext():
         for index, unit in enumerate(units):
             target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
             sharded = fully_shard(
-                target,  # type: ignore[arg-type]
+                target,
                 reshard_after_forward=resolve_reshard_after_forward(mode, unit.role, index),
                 offload_policy=offload_policy(mesh, offloaded[index]),
-                **common,  # type: ignore[arg-type]
+                **common,
             )
             if in_place:  # a group of modules shares one FSDP state: set it through the first
                 first = sharded[0] if isinstance(sharded, list) else sharded
                 first.set_custom_reduce_scatter(InPlaceReduceScatter())
     # The root keeps FSDP's own rule: it is not resharded after forward (backward needs it
     # at once). With every submodule in a unit it usually owns no parameters at all.
-    root = fully_shard(model, offload_policy=offload_policy(mesh, all(offloaded)), **common)  # type: ignore[arg-type]
-    if in_place and _param_groups(root._get_fsdp_state()):  # type: ignore[union-attr]
-        root.set_custom_reduce_scatter(InPlaceReduceScatter())  # type: ignore[union-attr]
-    return model  # type: ignore[return-value]
+    root = fully_shard(model, offload_policy=offload_policy(mesh, all(offloaded)), **common)
+    if in_place and _param_groups(root._get_fsdp_state()):
+        root.set_custom_reduce_scatter(InPlaceReduceScatter())
+    return model
+
+
+def _shard_experts(experts: ExpertShards, units: Sequence[FSDPUnit], mode: ReshardMode, offloaded: Sequence[bool],
+                   mp_policy: MixedPrecisionPolicy) -> None:
+    """``fully_shard`` each of ``experts.modules`` on its mesh with the settings of its unit."""
+    for module in experts.modules:
+        index = next((i for i, unit in enumerate(units) if any(module in m.modules() for m in unit.modules)), None)
+        if index is None:
+            raise ValueError("apply_fsdp: an experts module is in none of the model's FSDP units; the units must "
+                             "hold every block")
+        reshard = resolve_reshard_after_forward(mode, units[index].role, index)
+        sharded = fully_shard(module, mesh=experts.mesh, reshard_after_forward=bool(reshard), mp_policy=mp_policy,
+                              offload_policy=offload_policy(experts.mesh, offloaded[index]))
+        sum_then_divide(sharded, experts.gradient_divide_factor)

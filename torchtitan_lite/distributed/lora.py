@@ -166,7 +166,7 @@ def _lora_class(cls: type[nn.Module]) -> type[nn.Module]:
 @functools.cache
 def _initialising_class(cls: type[nn.Module]) -> type[nn.Module]:
     def init_weights(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        super(subclass, self).init_weights(*args, **kwargs)  # type: ignore[misc]
+        super(subclass, self).init_weights(*args, **kwargs)
         init_lora_weights(self)
 
     subclass = type(f"LoRA{cls.__name__}", (cls,), {

@@ -1,21 +1,20 @@
-"""The meta-init path of a registered model: build on the meta device, parallelize (the family's
-steps), allocate, initialise. :func:`build_sharded_model` is the one way a model is built, for
-the trainer, the memory estimator and ``auto`` alike.
+"""The meta-init path of a registered model: build on the meta device, parallelize, allocate,
+initialise. :func:`build_sharded_model` is the one way a model is built, for the trainer, the
+memory estimator and ``auto`` alike.
 
-:func:`parallelize` runs the family's ``ModelSpec.parallelize`` (a family adds its own steps,
-e.g. tensor parallel on ``mesh["tp"]``, and calls :func:`default_parallelize` for the rest), or
-:func:`default_parallelize`, whose order is TorchTitan's: LoRA adapts the linears first (the
+:func:`parallelize` is the one path, in TorchTitan's order: LoRA adapts the linears first (the
 adapters are then parameters of their blocks like any other: checkpointed, compiled and sharded
 with them), the float8 conversion swaps the blocks' other linears next (so that all that follows
 wraps the converted layers: tensor parallel splits them with torchao's float8 styles), tensor and
-expert parallel split the layers, activation checkpointing wraps each block's forward (so that compile
-traces the checkpoint as part of the block's graph), compile comes next, and ``fully_shard`` last
-(so that its hooks, which gather and free parameters, stay outside the compiled code).
+expert parallel split the layers, activation checkpointing wraps each block's forward (so that
+compile traces the checkpoint as part of the block's graph), compile comes next, and
+``fully_shard`` last (so that its hooks, which gather and free parameters, stay outside the
+compiled code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +25,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_lite.distributed.activation_checkpoint import BlockPolicy, apply_activation_checkpointing
 from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
+from torchtitan_lite.distributed.expert_parallel import shard_experts
 from torchtitan_lite.distributed.float8 import Float8Conversion
-from torchtitan_lite.distributed.fsdp import FSDPOptions, FSDPUnit, apply_fsdp, fsdp_units, materialize
+from torchtitan_lite.distributed.fsdp import (
+    ExpertShards,
+    FSDPOptions,
+    FSDPUnit,
+    apply_fsdp,
+    fsdp_units,
+    materialize,
+)
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.mesh import ParallelMesh
+from torchtitan_lite.distributed.tensor_parallel import (
+    apply_decoder_tensor_parallel,
+    enable_async_tensor_parallel,
+)
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["ParallelizeOptions", "build_sharded_model", "default_parallelize", "parallelize"]
+__all__ = ["ParallelizeOptions", "build_sharded_model", "parallelize"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class ParallelizeOptions:
     compile_model: bool = False
     compile_backend: str = "inductor"
     float8: Float8Conversion | None = None
-    fsdp: FSDPOptions | None = FSDPOptions()  # noqa: RUF009 - frozen
+    fsdp: FSDPOptions | None = FSDPOptions()  # frozen
     """How to shard; None: one process, the model kept plain (allocated whole)."""
     autocast_dtype: torch.dtype | None = None
     """Without FSDP: run the forward under autocast in this dtype (bf16 on one process)."""
@@ -59,31 +70,29 @@ class ParallelizeOptions:
     collectives with the matmuls (micro-pipelined TP over symmetric memory)."""
 
 
-def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
-                        options: ParallelizeOptions, *, device: torch.device,
-                        tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None) -> list[FSDPUnit]:
-    """LoRA → float8 → tensor parallel (a mesh with ``tp``) → expert parallel (a mesh with
-    ``ep``: each MoE layer's experts split over it, see
-    :func:`~torchtitan_lite.distributed.expert_parallel.shard_experts`) → activation
-    checkpointing → compile → FSDP over the mesh's data-parallel dimensions (or autocast on one
-    process); returns the FSDP units (empty without FSDP).
-    ``tensor_parallel``: a family's split of its model over ``mesh["tp"]`` (a mesh with ``tp``),
-    run after LoRA and float8."""
+def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
+                options: ParallelizeOptions, *, device: torch.device) -> list[FSDPUnit]:
+    """Parallelize a model built on the meta device, in place; returns its FSDP units (empty
+    without FSDP).
+
+    The steps, in this order: LoRA adapts the linears → float8 converts the blocks' other
+    linears → tensor parallel (a mesh with ``tp``: the family's ``spec.tensor_parallel``, by
+    default our decoders' plan) → expert parallel (a mesh with ``ep``: each MoE layer's experts
+    split over it) → activation checkpointing → compile → FSDP over the mesh's data-parallel
+    dimensions, the experts over the expert-data ranks (or autocast on one process, without
+    FSDP)."""
     if options.lora is not None:
         options.lora.apply(model)
     units = spec.fsdp_units(model)
     if options.float8 is not None:  # (before tensor parallel, which splits float8 linears its own way)
         options.float8.apply(model, blocks=units["blocks"])
-    if isinstance(mesh, ParallelMesh) and "tp" in mesh.names:
-        if tensor_parallel is None:
-            raise ValueError(f"model family {spec.name!r} has no tensor-parallel plan")
-        tensor_parallel(model, mesh["tp"])
-    if isinstance(mesh, ParallelMesh) and "ep" in mesh.names:  # a mixture of experts' experts over mesh["ep"]
-        from torchtitan_lite.distributed.expert_parallel import shard_experts
-
-        experts_step = shard_experts(model, mesh)
-    else:
-        experts_step = None
+    dims = mesh.names if isinstance(mesh, ParallelMesh) else ()
+    if "tp" in dims:
+        split = spec.tensor_parallel or apply_decoder_tensor_parallel
+        split(model, mesh["tp"], loss_parallel=options.loss_parallel)
+        if options.async_tensor_parallel:
+            enable_async_tensor_parallel(mesh["tp"])
+    experts = shard_experts(model, mesh) if "ep" in dims else None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=options.ac_mode,
                                    selective_ac_option=options.selective_ac_option, policies=options.ac_policies)
     if options.compile_model:
@@ -96,25 +105,12 @@ def default_parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | 
     if mesh is None:
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
-    listed = fsdp_units(model, **units)
-    if experts_step is not None:  # the experts follow their blocks' reshard and offload settings
-        experts_step(fsdp, listed)
+    expert_shards = None if experts is None else ExpertShards(
+        modules=experts, mesh=mesh.experts, gradient_divide_factor=float(mesh.dp_size))
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
-               param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload)
-    return listed
-
-
-def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
-                options: ParallelizeOptions, *, device: torch.device) -> list[FSDPUnit]:
-    """The family's parallelize steps on a model built on the meta device (``spec.parallelize``,
-    else :func:`default_parallelize`); returns the FSDP units."""
-    steps = spec.parallelize or default_parallelize
-    if isinstance(steps, str):  # "module:function"
-        import importlib
-
-        module, _, function = steps.partition(":")
-        steps = getattr(importlib.import_module(module), function)
-    return list(steps(spec, model, mesh, options, device=device))
+               param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload,
+               experts=expert_shards)
+    return fsdp_units(model, **units)
 
 
 def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceMesh | None, *, device: torch.device,
@@ -131,5 +127,5 @@ def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceM
     units = parallelize(spec, model, mesh, options, device=device)
     materialize(model, device, units=units, cpu_offload=options.fsdp.cpu_offload if options.fsdp is not None else False)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
-    model.init_weights(buffer_device=device)  # type: ignore[operator]
+    model.init_weights(buffer_device=device)
     return model

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["apply_decoder_tensor_parallel", "decoder_parallelize", "enable_async_tensor_parallel",
+__all__ = ["apply_decoder_tensor_parallel", "enable_async_tensor_parallel",
            "split_modules", "tensor_parallel_problem"]
 
 
@@ -64,8 +64,8 @@ def split_modules(model: nn.Module) -> list[nn.Module]:
     """The modules :func:`apply_decoder_tensor_parallel` splits over the tensor-parallel ranks
     (embedding, output, each block's head and dense feed-forward projections); everything else
     is whole on every rank (what the memory planner sizes each way)."""
-    found = [model.tok_embeddings, model.output]  # type: ignore[list-item]
-    for block in model.layers.values():  # type: ignore[union-attr]
+    found = [model.tok_embeddings, model.output]
+    for block in model.layers.values():
         attention = block.attention
         found += [getattr(attention, w) for w in (*attention.tensor_parallel_columns, *attention.tensor_parallel_rows)
                   if hasattr(attention, w)]
@@ -83,12 +83,12 @@ class _SumGradient(torch.autograd.Function):
     a tensor every rank uses whole)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
         return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
@@ -166,7 +166,7 @@ def _split_decoder(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> No
         parallelize_module,
     )
 
-    Colwise, Rowwise = _styles()  # noqa: N806 - classes
+    Colwise, Rowwise = _styles()  # classes
     converted = any(type(m).__name__ == "Float8Linear" for m in model.modules())
     if converted and tp_mesh.device_type == "cuda":
         # float8 linears (tensorwise scales): torchao's styles (their weights' float8 casts
@@ -174,7 +174,7 @@ def _split_decoder(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> No
         # linear, their DTensor inputs gathered in high precision and cast after.)
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
     else:
-        Float8ColwiseParallel = Float8RowwiseParallel = None  # noqa: N806
+        Float8ColwiseParallel = Float8RowwiseParallel = None
 
     def column(name: str, block: nn.Module, **kwargs: Any) -> Any:
         return _linear_style(block.get_submodule(name), Colwise, Float8ColwiseParallel, **kwargs)
@@ -193,10 +193,10 @@ def _split_decoder(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> No
     # replays the view from its base, which autograd does not connect to the embedding): the
     # residual stream starts from a copy (one activation of seq / tp positions).
     model.tok_embeddings.register_forward_hook(_own_copy)
-    if model.args.tie_word_embeddings:  # type: ignore[union-attr]
+    if model.args.tie_word_embeddings:
         # Both split the one weight by vocabulary rows (Shard(0)): tie the split copies again.
-        model.output.weight = model.tok_embeddings.weight  # type: ignore[union-attr]
-    for block in model.layers.values():  # type: ignore[union-attr]
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
         attention = block.attention
         whole = bool(attention.tensor_parallel_whole)
         plan: dict[str, Any] = {
@@ -242,19 +242,3 @@ def enable_async_tensor_parallel(tp_mesh: Any) -> None:
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-
-
-def decoder_parallelize(spec: Any, model: nn.Module, mesh: Any, options: Any, *, device: Any) -> list[Any]:
-    """Our decoders' parallelize steps: with a ``tp`` dimension in the mesh, attention and
-    dense feed-forward split over it with sequence parallel
-    (:func:`apply_decoder_tensor_parallel`), then the default steps (LoRA before the split;
-    expert parallel, checkpointing, compile, FSDP after it; float8 converts the linears before
-    it)."""
-    from torchtitan_lite.distributed.parallelize import default_parallelize
-
-    def tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
-        apply_decoder_tensor_parallel(module, tp_mesh, loss_parallel=options.loss_parallel)
-        if options.async_tensor_parallel:
-            enable_async_tensor_parallel(tp_mesh)
-
-    return default_parallelize(spec, model, mesh, options, device=device, tensor_parallel=tensor_parallel)

@@ -287,7 +287,7 @@ def plan_auto_reshard(
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return in_child_process("torchtitan_lite.memory.auto:plan_here", spec, args, kwargs,  # type: ignore[no-any-return]
+        return in_child_process(plan_here, spec, args, kwargs,
                                 timeout_s=timeout_s)
     return plan_here(spec, args, **kwargs)
 
@@ -548,8 +548,12 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
-        dp_shard = ParallelDims.resolve(world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"], dp_shard=-1,
-                                        tp=kwargs["tensor_parallel"]).dp_shard
+        dp_shard = ParallelDims.resolve(
+            world_size=kwargs["world_size"],
+            dp_replicate=kwargs["dp_replicate"],
+            dp_shard=-1,
+            tp=kwargs["tensor_parallel"],
+        ).dp_shard
         trainable = kwargs.get("lora") is None
         costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,

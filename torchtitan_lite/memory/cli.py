@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
-                     for mode in _modes(configured)]  # type: ignore[arg-type]
+                     for mode in _modes(configured)]
         seconds = sum(e.seconds for e in estimates)
         plan_auto, auto_error = None, None
         auto_kwargs = job_auto_kwargs(config, plan)
@@ -315,22 +315,45 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(notes))
     if json_path is not None:
         record = {
-            "world_size": world_size, "ranks_per_node": ranks_per_node, "model": config.model.name,
-            "flavor": config.model.flavor, "num_params": model_args.num_params(),
-            "vocab_size": model_args.vocab_size, "vocab_note": vocab_note,
-            "not_modelled": not_modelled(config, plan), "configured_mode": configured,
+            "world_size": world_size,
+            "ranks_per_node": ranks_per_node,
+            "model": config.model.name,
+            "flavor": config.model.flavor,
+            "num_params": model_args.num_params(),
+            "vocab_size": model_args.vocab_size,
+            "vocab_note": vocab_note,
+            "not_modelled": not_modelled(config, plan),
+            "configured_mode": configured,
             "device_memory_bytes": device_bytes,
-            "estimates": [{**e.to_dict(), "configured": _label(e.reshard_after_forward_mode)
-                           == str(configured),
-                           "fits": None if device_bytes is None else e.fits(device_bytes)}
-                          for e in estimates],
-            "auto": None if plan_auto is None else {
-                "units": plan_auto.units, "reshard": plan_auto.reshard, "order": plan_auto.order, "budget": plan_auto.budget,
-                "peak": plan_auto.peak, "never_peak": plan_auto.never_peak, "tried": plan_auto.tried,
-                "all_gathers_per_step": plan_auto.all_gathers_per_step, "blocks": plan_auto.blocks,
-                "ac_policies": plan_auto.ac_policies, "configured_ac": plan_auto.configured_ac,
-                "actions": plan_auto.actions, "added_flops": plan_auto.added_flops, "offload": plan_auto.offload,
-                "offloaded": plan_auto.offloaded, "added_ms": plan_auto.added_ms, "configured": auto},
+            "estimates": [
+                {
+                    **e.to_dict(),
+                    "configured": _label(e.reshard_after_forward_mode) == str(configured),
+                    "fits": None if device_bytes is None else e.fits(device_bytes),
+                }
+                for e in estimates
+            ],
+            "auto": None
+            if plan_auto is None
+            else {
+                "units": plan_auto.units,
+                "reshard": plan_auto.reshard,
+                "order": plan_auto.order,
+                "budget": plan_auto.budget,
+                "peak": plan_auto.peak,
+                "never_peak": plan_auto.never_peak,
+                "tried": plan_auto.tried,
+                "all_gathers_per_step": plan_auto.all_gathers_per_step,
+                "blocks": plan_auto.blocks,
+                "ac_policies": plan_auto.ac_policies,
+                "configured_ac": plan_auto.configured_ac,
+                "actions": plan_auto.actions,
+                "added_flops": plan_auto.added_flops,
+                "offload": plan_auto.offload,
+                "offloaded": plan_auto.offloaded,
+                "added_ms": plan_auto.added_ms,
+                "configured": auto,
+            },
         }
         try:
             json_path.write_text(json.dumps(record, indent=1))

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,13 +199,13 @@ def estimate_memory(
 
     if dist.is_available() and dist.is_initialized():
         # The fake process group has to be the default one: run where there is none yet.
-        return in_child_process("torchtitan_lite.memory.estimate:estimate_here", spec, args, kwargs)
+        return in_child_process(estimate_here, spec, args, kwargs)
     return estimate_here(spec, args, **kwargs)
 
 
-def in_child_process(function: str, spec: ModelSpec, args: Any, kwargs: dict[str, Any], *,
+def in_child_process(function: Callable[..., Any], spec: ModelSpec, args: Any, kwargs: dict[str, Any], *,
                      timeout_s: float | None = None) -> Any:
-    """``function(spec, args, **kwargs)`` (``"module:name"``) in a fresh interpreter (the
+    """``function(spec, args, **kwargs)`` (a module-level function) in a fresh interpreter (the
     family by name, arguments and result pickled through a file in a private temporary folder,
     mode 0700, that it creates), for callers that
     already hold a process group (the fake one has to be the default group); a plain subprocess,
@@ -236,16 +236,12 @@ def in_child_process(function: str, spec: ModelSpec, args: Any, kwargs: dict[str
 
 def _child_main(path: str) -> None:
     """Body of :func:`in_child_process`'s interpreter: arguments in, result out."""
-    import importlib
-
     from torchtitan_lite.models import get_model_spec
 
     function, name, args, kwargs = pickle.loads(Path(path).read_bytes())
-    module, _, attribute = function.partition(":")
     try:
-        call = getattr(importlib.import_module(module), attribute)
-        result: tuple[str, Any] = ("ok", call(get_model_spec(name), args, **kwargs))
-    except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        result: tuple[str, Any] = ("ok", function(get_model_spec(name), args, **kwargs))
+    except Exception as exc:  # handed to the parent, which raises it
         result = ("error", exc)
     Path(path).write_bytes(pickle.dumps(result))
 
@@ -325,7 +321,7 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     grads_key = _FSDPRefType("Sharded Grad")
 
-    class _Tracker(FSDPMemTracker):  # type: ignore[misc]
+    class _Tracker(FSDPMemTracker):
         def __init__(self) -> None:
             super().__init__(model, optimizer)
             self.total_peak = (-1, "", "", {})  # bytes, phase, module, categories

@@ -81,8 +81,9 @@ def get_model_spec(name: str) -> ModelSpec:
 def family_of(config: object) -> str | None:
     """The registered family whose Hugging Face ``model_type`` a ``config.json`` dict has."""
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    return next((spec.name for spec in MODEL_SPECS.values() if spec.hf is not None and model_type == spec.hf.model_type),
-                None)
+    return next(
+        (spec.name for spec in MODEL_SPECS.values() if spec.hf is not None and model_type == spec.hf.model_type), None
+    )
 
 
 def family_hint(config: object, spec: ModelSpec) -> str:

@@ -176,13 +176,13 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Any = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
-        return h + ffn(self.ffn_norm(h))  # type: ignore[misc]
+        return h + ffn(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
         self.attention.init_weights(self.out_std)
-        (self.moe if self.moe is not None else self.feed_forward).init_weights(self.out_std)  # type: ignore[union-attr]
+        (self.moe if self.moe is not None else self.feed_forward).init_weights(self.out_std)
 
 
 def is_moe_layer(args: Any, layer_id: int) -> bool:
@@ -274,7 +274,7 @@ class Decoder(nn.Module):
         self.init_buffers(buffer_device)
         init.normal_(self.tok_embeddings.weight, std=1.0)
         for layer in self.layers.values():
-            layer.init_weights()  # type: ignore[operator]
+            layer.init_weights()
         self.norm.init_weights()
         # The output projection's init; tied, it is also the embedding's (an embedding of std 1
         # would give logits of std sqrt(dim)).

@@ -123,7 +123,11 @@ _MOE_PER_LAYER = {"moe.router.gate.weight": "mlp.gate.weight"}
 _EXPERT_BIAS = {"moe.router.expert_bias": "mlp.gate.e_score_correction_bias"}
 _SHARED_EXPERTS = {f"moe.shared.{ours}.weight": f"mlp.shared_experts.{theirs}.weight"
                    for ours, theirs in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}
-_EXPERTS = {"moe.experts.w1": "gate_proj.weight", "moe.experts.w2": "down_proj.weight", "moe.experts.w3": "up_proj.weight"}
+_EXPERTS = {
+    "moe.experts.w1": "gate_proj.weight",
+    "moe.experts.w2": "down_proj.weight",
+    "moe.experts.w3": "up_proj.weight",
+}
 """Stacked expert weights ``(experts, out, in)`` → the name of each expert's slice in a Hugging Face
 file (``mlp.experts.{e}.<name>``; the slices are in ``nn.Linear``'s layout, as ours)."""
 _EXPERT_PART = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
@@ -327,7 +331,7 @@ class DecoderHFAdapter:
         if _RECOMPUTED.search(hf_name):
             return True
         match = _THEIRS.match(hf_name) if self.layers_beyond_ignored and args is not None else None
-        return bool(match) and int(match.group(1)) >= args.n_layers  # type: ignore[union-attr]
+        return bool(match) and int(match.group(1)) >= args.n_layers
 
     def expected_shapes(self, args: Any) -> dict[str, tuple[int, ...]]:
         """Hugging Face name → shape of every tensor a model with ``args`` needs, in file order
@@ -490,7 +494,9 @@ class DecoderHFAdapter:
             value, want = moe[f.ours], getattr(args, f.ours)
             if value != want and not (isinstance(want, float) and math.isclose(value, want, rel_tol=1e-6)):
                 key = next((k for k in f.hf if config.get(k) is not None), None)
-                where = f"{CONFIG_FILE} has {key}={config[key]!r}" if key else f"{self.architecture} has {f.ours}={value!r}"
+                where = (
+                    f"{CONFIG_FILE} has {key}={config[key]!r}" if key else f"{self.architecture} has {f.ours}={value!r}"
+                )
                 return f"{where} but this model has {f.ours}={want!r}"
         numbers = [("rms_norm_eps", config.get("rms_norm_eps"), args.norm_eps),
                    ("rope_theta", rope.get("rope_theta"), args.rope_theta)]

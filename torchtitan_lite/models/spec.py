@@ -30,10 +30,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["DECODER_PARALLELIZE", "FSDPLayout", "HFAdapter", "ModelSpec"]
+__all__ = ["FSDPLayout", "HFAdapter", "ModelSpec"]
 
 
-class FSDPLayout(dict):  # type: ignore[type-arg]
+class FSDPLayout(dict):
     """The keyword arguments of :func:`torchtitan_lite.distributed.fsdp.apply_fsdp` that name a
     model's units: ``first_unit`` (runs before the blocks), ``blocks`` and ``last_unit`` (runs
     after them); each a module or a list of modules sharded as one unit."""
@@ -61,10 +61,6 @@ class HFAdapter(Protocol):
     def args_from_config(self, config: Mapping[str, Any], **overrides: Any) -> Any: ...
 
 
-DECODER_PARALLELIZE = "torchtitan_lite.distributed.tensor_parallel:decoder_parallelize"
-"""Our decoder families' parallelize steps (tensor parallel, then the default steps), by name."""
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: its class, named shapes, FSDP units and Hugging Face adapter."""
@@ -81,18 +77,15 @@ class ModelSpec:
     """The units :func:`~torchtitan_lite.distributed.fsdp.apply_fsdp` shards, for a built model."""
     hf: HFAdapter | None = None
     """Hugging Face import/export, when the family has it."""
-    parallelize: Callable[..., Any] | str | None = None
-    """The family's parallelize steps, ``(spec, model, mesh, options, *, device) -> FSDP units``
-    (see :mod:`torchtitan_lite.distributed.parallelize`): e.g. tensor parallel on ``mesh["tp"]``,
-    then the default steps; or their ``"module:function"`` name (model code imports no
-    parallelism: our decoders name :data:`DECODER_PARALLELIZE`). None: the default steps (LoRA,
-    expert parallel, float8, activation checkpointing, compile, FSDP over the data-parallel
-    dimensions)."""
     parallel_dims: frozenset[str] = frozenset()
     """The mesh dimensions beyond data parallel (``"tp"``, ``"cp"``, ``"ep"``) the family's models
-    can be split over: by its ``parallelize``, or for ``"ep"`` by the default steps (which split
-    the experts of any MoE layer over ``mesh["ep"]``); a job asking for a degree above 1 of any
-    other is refused."""
+    can be split over (expert parallel splits the experts of any MoE layer); a job asking for a
+    degree above 1 of any other is refused."""
+    tensor_parallel: Callable[..., None] | None = None
+    """With ``"tp"`` in :attr:`parallel_dims`: the family's split of a model over the
+    tensor-parallel mesh, ``(model, tp_mesh, *, loss_parallel) -> None``, run where
+    :func:`torchtitan_lite.distributed.parallelize.parallelize` splits layers; None: our decoders'
+    plan (:func:`torchtitan_lite.distributed.tensor_parallel.apply_decoder_tensor_parallel`)."""
 
     def model_args(self, flavor: str, *, vocab_size: int | None = None) -> Any:
         """The args of ``flavor``, with ``vocab_size`` when given (``KeyError`` for an unknown

@@ -134,7 +134,9 @@ class DeepseekV3HFAdapter(DecoderHFAdapter):
             config["q_lora_rank"] = None
         for key in ("rope_parameters", "rope_scaling"):
             if isinstance(config.get(key), dict):
-                config[key] = {k: v for k, v in config[key].items() if not (k in ("mscale", "mscale_all_dim") and not v)}
+                config[key] = {
+                    k: v for k, v in config[key].items() if not (k in ("mscale", "mscale_all_dim") and not v)
+                }
         if isinstance(config.get("rope_scaling"), dict):
             config["rope_scaling"]["type"] = config["rope_scaling"]["rope_type"]
         return config

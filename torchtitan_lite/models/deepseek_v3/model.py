@@ -19,7 +19,7 @@ import torch
 
 from torchtitan_lite.models.decoder import Decoder
 from torchtitan_lite.models.deepseek_v3.attention import MLAttention, yarn_inv_freq
-from torchtitan_lite.models.moe import MoEShape, router_problem
+from torchtitan_lite.models.moe import MoEParams, router_problem
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepseekV3", "DeepseekV3Args"]
 
@@ -28,13 +28,13 @@ DeepseekV3 = Decoder
 
 
 class _DenseMLAShape:
-    """Counts of the model with every feed-forward dense (what :class:`MoEShape` corrects)."""
+    """Counts of the model with every feed-forward dense (what :class:`MoEParams` corrects)."""
 
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count with every block's feed-forward dense (``ffn_hidden_dim``): the
         latent attention's projections and norms, the feed-forward, the block norms, the final
         norm and the output projection (a tied embedding counts once, as the output projection)."""
-        a: DeepseekV3Args = self  # type: ignore[assignment]
+        a: DeepseekV3Args = self
         d, heads = a.dim, a.n_heads
         if a.q_lora_rank:
             query = d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * a.qk_head_dim
@@ -56,12 +56,12 @@ class _DenseMLAShape:
         weighted values; backward twice that. That is ``12 · n_heads · (qk_head_dim +
         v_head_dim) / 2 · seq_len``, exact for MLA as computed here (keys and values expanded per
         head; the latent projections are parameters, counted in ``6 × active params``)."""
-        a: DeepseekV3Args = self  # type: ignore[assignment]
+        a: DeepseekV3Args = self
         return 6 * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
 
 
 @dataclass(frozen=True)
-class DeepseekV3Args(MoEShape, _DenseMLAShape):
+class DeepseekV3Args(MoEParams, _DenseMLAShape):
     """Shape of a DeepSeek-V3 model. Defaults: DeepSeek-V3's published sizes with
     ``transformers``' defaults for the rest (no RoPE scaling, 4096 positions); the "671B" flavor
     adds its YaRN."""

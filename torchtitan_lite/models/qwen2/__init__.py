@@ -5,10 +5,9 @@ from __future__ import annotations
 from torchtitan_lite.models.decoder import decoder_fsdp_units
 from torchtitan_lite.models.qwen2.hf import ADAPTER
 from torchtitan_lite.models.qwen2.model import QWEN2_FLAVORS, Qwen2, Qwen2Args
-from torchtitan_lite.models.spec import DECODER_PARALLELIZE, ModelSpec
+from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["QWEN2_FLAVORS", "QWEN2_SPEC", "Qwen2", "Qwen2Args"]
 
 QWEN2_SPEC = ModelSpec(name="qwen2", model_cls=Qwen2, args_cls=Qwen2Args, flavors=QWEN2_FLAVORS,
-                       fsdp_units=decoder_fsdp_units, hf=ADAPTER,
-                       parallelize=DECODER_PARALLELIZE, parallel_dims=frozenset({"tp"}))
+                       fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp"}))

@@ -23,7 +23,7 @@ class Qwen2Args(QwenArgs):
     qkv_bias = True
 
     @property
-    def head_dim(self) -> int:  # type: ignore[override]
+    def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def __post_init__(self) -> None:

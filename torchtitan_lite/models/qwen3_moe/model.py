@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan_lite.models.decoder import Decoder
-from torchtitan_lite.models.moe import MoEShape, router_problem
+from torchtitan_lite.models.moe import MoEParams, router_problem
 from torchtitan_lite.models.qwen3.model import Qwen3Args
 
 __all__ = ["QWEN3_MOE_FLAVORS", "Qwen3Moe", "Qwen3MoeArgs"]
@@ -20,7 +20,7 @@ Qwen3Moe = Decoder
 
 
 @dataclass(frozen=True)
-class Qwen3MoeArgs(MoEShape, Qwen3Args):
+class Qwen3MoeArgs(MoEParams, Qwen3Args):
     """Shape of a Qwen3-MoE model: Qwen3's fields (``ffn_hidden_dim`` is the width of the dense
     layers, if any) and the experts'."""
 

@@ -1,6 +1,6 @@
-"""Router losses, load metrics and bias balancing of a mixture-of-experts model during training.
+"""Balancing a mixture of experts during training: router losses, load metrics, bias balancing.
 
-After each forward the MoE layers hold their :class:`~torchtitan_lite.models.moe.Routing`;
+After each forward the MoE layers hold their :class:`~torchtitan_lite.models.moe.router.Routing`;
 :class:`RouterBalance` reads them:
 
 - **Load-balancing loss** as ``transformers`` computes it (``load_balancing_loss_func``) over the
@@ -15,7 +15,7 @@ After each forward the MoE layers hold their :class:`~torchtitan_lite.models.moe
 - **Load metrics**: each layer's tokens per expert over the step and all ranks, reported as
   max / mean (1 is perfect balance), with the losses (``moe/...`` in every metrics sink).
 - **Auxiliary-loss-free balancing** (DeepSeek-V3): after a step, each sigmoid router's bias moves
-  by ``bias_update_rate`` toward balance (:func:`~torchtitan_lite.models.moe.update_expert_bias`),
+  by ``bias_update_rate`` toward balance (:func:`update_expert_bias`),
   from the step's counts over all ranks, identically on every rank.
 
 Data-parallel ranks reduce gradients by averaging (FSDP), so each rank's term is scaled by the
@@ -30,9 +30,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_lite.models.moe import MoE, balancing_loss, expert_counts, moe_layers, update_expert_bias
+from torchtitan_lite.models.moe.layer import MoE, moe_layers
+from torchtitan_lite.models.moe.router import TopKRouter, expert_counts
 
-__all__ = ["RouterBalance", "aux_loss_weight"]
+__all__ = ["RouterBalance", "aux_loss_weight", "balancing_loss", "load_balancing_loss", "update_expert_bias"]
+
+
+@torch.no_grad()
+def update_expert_bias(router: TopKRouter, counts: torch.Tensor, rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after an optimizer step, raise the bias of
+    each expert that got fewer tokens than the mean and lower it for each that got more, by
+    ``rate`` (``counts``: the step's tokens per expert over every rank)."""
+    if router.expert_bias is None:
+        raise ValueError(f"a {router.score_func} router has no expert bias to balance")
+    counts = counts.to(router.expert_bias.device, torch.float32)
+    router.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
+
+
+def balancing_loss(counts: torch.Tensor, probs_sum: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """``num_experts × Σ_e (counts[e] / rows) · (probs_sum[e] / rows)``: transformers'
+    ``load_balancing_loss_func`` over ``rows`` router rows (tokens × layers) whose choices count
+    ``counts[e]`` for expert e (over every top-k slot) and whose probabilities sum to
+    ``probs_sum[e]``. Given the counts of every rank and one rank's probabilities, that rank's
+    share of the loss over all of them (:class:`RouterBalance`)."""
+    return num_experts * (counts / rows * probs_sum / rows).sum()
+
+
+def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """The load-balancing auxiliary loss as ``transformers`` computes it for Qwen3-MoE
+    (``load_balancing_loss_func`` without an attention mask) over every MoE layer's tokens at
+    once (:func:`balancing_loss`)."""
+    all_indices = torch.cat(indices)
+    return balancing_loss(expert_counts(all_indices, num_experts), torch.cat(probs).sum(dim=0), all_indices.shape[0],
+                          num_experts)
 
 
 def aux_loss_weight(aux_loss_coef: float | None, model_args: Any) -> float:
@@ -96,7 +126,7 @@ class RouterBalance:
             loss = self.aux_loss_coef * aux
         if self.z_loss_coef:
             z = sum(torch.logsumexp(r.logits, dim=-1).square().sum() for r in routings) / tokens
-            self._z = self._z + z.detach() / micro_batches  # type: ignore[operator]
+            self._z = self._z + z.detach() / micro_batches
             loss = self.z_loss_coef * z if loss is None else loss + self.z_loss_coef * z
         return None if loss is None else loss * (self.dp_size / micro_batches)
 
@@ -121,7 +151,9 @@ class RouterBalance:
         if self.z_loss_coef:
             values["moe/z_loss"] = float(stats[-1])
         values["moe/load_max_over_mean"] = max(ratios)
-        values.update({f"moe/load_max_over_mean/{name}": ratio for name, ratio in zip(self.layers, ratios, strict=True)})
+        values.update(
+            {f"moe/load_max_over_mean/{name}": ratio for name, ratio in zip(self.layers, ratios, strict=True)}
+        )
         if self.bias_update_rate and update_bias:
             for layer, layer_counts in zip(self.layers.values(), counts, strict=True):
                 update_expert_bias(layer.router, layer_counts, self.bias_update_rate)

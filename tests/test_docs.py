@@ -1,0 +1,48 @@
+"""The documentation a newcomer reads: a short README that links every page under ``docs/``,
+links that resolve, and an architecture page whose file list is the package's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.dist_utils import REPO_ROOT
+
+DOCS = REPO_ROOT / "docs"
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def _pages() -> list[Path]:
+    return [REPO_ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_the_readme_is_short_and_links_every_page() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    linked = {(REPO_ROOT / target).resolve() for target in LINK.findall(readme)}
+    missing = [p.name for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"pages the README does not link: {missing}"
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = [
+        f"{page.relative_to(REPO_ROOT)}: {target}"
+        for page in _pages()
+        for target in LINK.findall(page.read_text())
+        if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists()
+    ]
+    assert not broken, broken
+
+
+def test_the_architecture_page_lists_every_file_of_the_package() -> None:
+    text = (DOCS / "architecture.md").read_text()
+    table = re.search(r"<!-- architecture-files:start -->(.*?)<!-- architecture-files:end -->", text, re.S)
+    assert table, "docs/architecture.md lost its marked file table"
+    listed = re.findall(r"^\| `([^`]+)` \|", table.group(1), re.M)
+    package = REPO_ROOT / "torchtitan_lite"
+    files = sorted(str(p.relative_to(package)) for p in package.rglob("*.py"))
+    assert sorted(listed) == files, {
+        "not listed": sorted(set(files) - set(listed)),
+        "listed, not there": sorted(set(listed) - set(files)),
+    }
+    assert len(listed) == len(set(listed))
