@@ -89,6 +89,7 @@ def test_every_ac_mode_gives_the_losses_of_none(ac_runs: list[dict[str, Any]]) -
                 assert len(run["losses"]) == STEPS and all(x == x for x in run["losses"])
 
 
+@pytest.mark.slow
 def test_checkpointed_blocks_recompute_and_hold_less(ac_runs: list[dict[str, Any]]) -> None:
     expected = {"none": ["none", "none"], "full": ["full", "full"], "op": ["op", "op"], "every2": ["none", "full"]}
     for rank in ac_runs:

@@ -78,6 +78,7 @@ def _global_samples(results: list[dict[str, Any]], steps: range) -> dict[int, li
     return {s: sorted(i for r in results for i in r["samples"][s]) for s in steps}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash_at", [6, 7], ids=["stop_after_5", "crash_in_7"])
 def test_resume_after_a_crash_is_bit_identical(tmp_path, crash_at):
     """Stopped right after the step-5 checkpoint, or in step 7 (step 6 lost): the resumed steps
@@ -112,6 +113,7 @@ def two_rank_run(tmp_path_factory):
     (4, ["--training.local_batch_size", "1"]),
     (4, ["--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2"]),
 ], ids=["one_process", "fsdp4", "hsdp2x2"])
+@pytest.mark.slow
 def test_resume_at_another_world_size(tmp_path, two_rank_run, world, extra):
     """Saved on 2 ranks, resumed on 1 (one process: the plain model, no FSDP), 4 (FSDP) or 2 × 2
     (HSDP): the losses continue those of the 2-rank run and the global batches of steps 6-10 are
@@ -149,6 +151,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
     assert _global_samples(results, steps) == _global_samples([one], steps)
 
 
+@pytest.mark.slow
 def test_keep_latest_k_and_two_rank_resume(tmp_path):
     dump = tmp_path / "run"
     run_distributed(_train, 2, _argv(dump, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"))
@@ -162,6 +165,7 @@ def test_keep_latest_k_and_two_rank_resume(tmp_path):
     assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, two_rank_run):
     """SIGKILL one rank of a 2-rank torchrun job while step 10 is being written: step 5 stays
     the latest committed checkpoint, and the next run resumes from it and ends like an
@@ -207,6 +211,7 @@ def _model_tensors(step_dir: Path) -> dict[str, Any]:
     return model
 
 
+@pytest.mark.slow
 def test_keep_latest_k_with_sync_and_async_saves(tmp_path):
     """keep_latest_k = 2 keeps exactly the two newest checkpoints; async saves write the same
     files with the same tensors as sync ones, and resuming from them gives the same losses."""
@@ -282,6 +287,7 @@ def _foreign_checkpoint(path: Path) -> None:
     (path / "train_state.json").write_text(json.dumps({"step": 3}))
 
 
+@pytest.mark.slow
 def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     """Each broken checkpoint stops the job before training with one line naming the checkpoint
     and what is wrong; none of them silently trains from scratch.
@@ -383,6 +389,7 @@ def test_corrupt_or_incompatible_checkpoints_are_one_clear_error(tmp_path):
     assert "checkpoint.initial_load_in_hf: invalid value True" in error["initial_load_in_hf"]
 
 
+@pytest.mark.slow
 def test_model_only_last_save_and_initial_load(tmp_path):
     """last_save_model_only writes bf16 weights only; a new run starts from them through
     initial_load_path (step 0, fresh optimizer); initial_load_model_only = false continues a
@@ -419,6 +426,7 @@ def test_model_only_last_save_and_initial_load(tmp_path):
     assert _losses(cont, 6) == _losses(full, 6)
 
 
+@pytest.mark.slow
 def test_hf_export_import_and_converter_through_the_trainer(tmp_path):
     """A 2-rank job's last save in Hugging Face layout starts a new job (initial_load_in_hf); the
     same folder converted to DCP by scripts/convert_checkpoint.py starts an identical one."""

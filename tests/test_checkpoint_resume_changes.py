@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import run_distributed
 
@@ -71,6 +73,7 @@ def test_resume_lists_changes_and_the_new_schedule_applies_from_the_resumed_step
     assert any(m.startswith("nothing to train: the run is at step 8 and training.steps = 8") for m in again["warnings"])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_cannot_change_its_tokenizer(tmp_path: Path) -> None:
     from tests.data_helpers import train_hf_tokenizer
 

@@ -62,6 +62,7 @@ def test_compiled_training_matches_eager_and_compiles_once(compiled_runs: list[d
                 assert abs(got - want) <= 1e-5 * abs(want), (label, run["losses"], eager["losses"])
 
 
+@pytest.mark.slow
 def test_compiled_bf16_linears_run_in_fp32_where_the_cpu_lacks_bf16_matmul() -> None:
     """On a CPU without native bf16 matmul (AVX2 only) the compiled blocks do their bf16 linears
     as fp32 GEMMs; outputs and gradients stay those of eager to within bf16 rounding."""

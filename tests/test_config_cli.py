@@ -115,6 +115,7 @@ def test_bad_config_is_one_line_and_its_exit_code(tmp_path: Path, build_argv, en
                                         [tmp_path / "gpt2_tokens.npy"]), output
 
 
+@pytest.mark.slow
 def test_bad_config_through_the_real_entry_point() -> None:
     """The same through ``python -m torchtitan_lite.train``: one stderr line, no traceback, exit 2."""
     result = run_command([sys.executable, "-m", "torchtitan_lite.train", "--training.stepz", "3"], timeout=120)
@@ -299,6 +300,7 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default_factory()
 
 
+@pytest.mark.slow
 def test_help_lists_every_field_with_default() -> None:
     result = run_command([sys.executable, "-m", "torchtitan_lite.train", "--help"], timeout=120)
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

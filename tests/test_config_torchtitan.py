@@ -310,6 +310,7 @@ def _run_config(root: str, config: str, extra: list[str]) -> dict:
         os.chdir(cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("era", list(ERAS))
 @pytest.mark.parametrize("name", ["debug_model", "llama3_8b"])
 def test_torchtitan_config_trains_unchanged(tmp_path, era, name):
@@ -326,6 +327,7 @@ def test_torchtitan_config_trains_unchanged(tmp_path, era, name):
     assert len(losses) == 2 and all(0 < x < 20 for x in losses), losses
 
 
+@pytest.mark.slow
 def test_torchtitan_8b_config_trains_at_tensor_parallel_2(tmp_path):
     """TorchTitan's last TOML-era llama3_8b.toml with tensor_parallel_degree = 2 (the debug shape,
     2 ranks: data parallel 1 × tensor parallel 2) trains; both ranks log the same losses. (That

@@ -151,6 +151,7 @@ def test_to_file_in_bfloat16_and_from_file(step_dir, tmp_path):
     assert all(torch.equal(back[k], state[k].to(torch.bfloat16).float()) for k in state)
 
 
+@pytest.mark.slow
 def test_refuses_to_overwrite_and_names_a_bad_input(step_dir, tmp_path):
     source, _ = step_dir
     (tmp_path / "hf").mkdir()

@@ -227,6 +227,7 @@ def _pretokenize(argv: list[str], *, in_process: bool):
     return subprocess.CompletedProcess([str(script), *argv], code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".npy", ".bin"])
 def test_pretokenize_script_matches_tokenizing_at_load(tmp_path, suffix):
     """The .npy output is written by real processes of the script (exit codes and stderr as users

@@ -255,6 +255,7 @@ def _train_from_hf(folder: str, dump: str, tokens: torch.Tensor, family: str) ->
 @pytest.mark.parametrize(("family", "tied"), [("llama3", True), ("llama3", False), ("qwen3", True),
                                               ("qwen3", False), ("qwen2", True)],
                          ids=["llama3-tied", "llama3-untied", "qwen3-tied", "qwen3-untied", "qwen2-tied"])
+@pytest.mark.slow
 def test_two_ranks_import_train_export_round_trip_with_transformers(tmp_path: Path, family: str, tied: bool) -> None:
     if family == "llama3":  # a shape no flavor has, with Llama 3.1 RoPE scaling
         folder = hf_llama(tmp_path / "hf", tie_word_embeddings=tied, rope_scaling=LLAMA3_ROPE, **ODD_SHAPE)
@@ -413,6 +414,7 @@ def _train_and_export(argv: list[str]) -> None:
     trainer.close()
 
 
+@pytest.mark.slow
 def test_export_is_a_complete_folder_for_transformers(tmp_path: Path) -> None:
     from tests.data_helpers import DOCS, train_hf_tokenizer
 
@@ -460,6 +462,7 @@ def _train_steps(argv: list[str]) -> dict[str, Any]:
     return {"start": start, "steps": len(history), "dim": trainer.plan.model_args.dim}
 
 
+@pytest.mark.slow
 def test_from_checkpoint_resumes_from_its_own_steps_and_plans_without_the_files(tmp_path: Path, capsys) -> None:
     """A resumed from_checkpoint job takes the shape from the step it resumes (the initial folder
     may be gone); the memory estimator plans such a job without reading the files."""

@@ -55,6 +55,7 @@ def _ranks(world: int) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [4])
 def test_experts_split_over_ranks_equal_the_whole_layer(world: int) -> None:
     for errors in run_distributed(_ranks, world, world):
@@ -104,6 +105,7 @@ fully checkpoints both: each layer's experts follow their block."""
 
 # (Expert parallel 1 on 4 ranks is plain FSDP, which the rank/mode test holds to the same
 # one-process losses.)
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path, family: str) -> None:
     """Tiny Qwen3-MoE and DeepSeek-V3 (8 experts; DeepSeek's in 2 groups, a shared expert and a
@@ -138,6 +140,7 @@ def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_pat
     assert all(e["calls"] == 3 * 10 for _, e in results[4])  # 10 steps, one micro-batch each
 
 
+@pytest.mark.slow
 def test_compiled_expert_parallel_equals_one_process(tmp_path: Path) -> None:
     """Expert parallel 2 on 2 ranks with compiled blocks (compiled by their parts: attention,
     norms, router and experts each a graph, the token exchange eager) and full checkpointing,

@@ -206,6 +206,7 @@ def _second_half_and_references(dump: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_float8_trains_all_gathers_in_float8_and_resumes_exactly_on_two_ranks(tmp_path: Path) -> None:
     (first, _) = run_distributed(_first_half, 2, str(tmp_path))
     # Its checkpoint names no torchao class (a job without torchao could not unpickle it), and a

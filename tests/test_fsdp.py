@@ -286,12 +286,14 @@ def _check_units_and_gathers(run: dict[str, Any], mode: str, world: int) -> None
     assert len(scatters) == len(UNITS) and {c["phase"] for c in scatters} == {"backward"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "always", "never"])
 def test_reshard_modes_two_ranks(two_rank_runs, mode):
     for rank_result in two_rank_runs:
         _check_units_and_gathers(rank_result[mode], mode, world=2)
 
 
+@pytest.mark.slow
 def test_reshard_mode_integer_group_four_ranks(four_rank_runs):
     for rank_result in four_rank_runs:
         run = rank_result["2"]
@@ -304,6 +306,7 @@ def test_reshard_mode_integer_group_four_ranks(four_rank_runs):
         assert run["new_process_groups"] - rank_result["default"]["new_process_groups"] <= 2
 
 
+@pytest.mark.slow
 def test_losses_identical_across_reshard_modes(two_rank_runs, four_rank_runs):
     runs = two_rank_runs[0]
     reference = runs["default"]["losses"]
@@ -506,6 +509,7 @@ def test_cpu_offload(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hsdp_placements_and_losses_match_fsdp(four_rank_runs, two_rank_runs):
     for rank, rank_result in enumerate(four_rank_runs):
         run = rank_result["hsdp"]

@@ -308,6 +308,7 @@ def two_rank_io(tmp_path_factory) -> dict[str, Any]:
     return {"ranks": ranks, "root": root, "models": {"tiny": tiny, "odd": odd}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "odd"])
 def test_two_rank_sharded_load_keeps_shards_and_matches_logits(two_rank_io, name):
     model = two_rank_io["models"][name]
@@ -320,6 +321,7 @@ def test_two_rank_sharded_load_keeps_shards_and_matches_logits(two_rank_io, name
         torch.testing.assert_close(result["logits"], expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_rank_save_writes_hf_files_that_load_in_one_process(two_rank_io):
     model = two_rank_io["models"]["tiny"]
     tokens = _tokens(TINY)
@@ -348,6 +350,7 @@ def test_two_rank_save_writes_hf_files_that_load_in_one_process(two_rank_io):
     assert json.loads((bf16_folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_bf16_file_fills_fp32_shards_with_upcast_values(two_rank_io):
     file = two_rank_io["root"] / "bf16" / "model.safetensors"
     expected = hf_storage.state_dict_from_hf(load_file(str(file)), LLAMA3_SPEC, TINY)
@@ -360,6 +363,7 @@ def test_bf16_file_fills_fp32_shards_with_upcast_values(two_rank_io):
             assert torch.equal(value, expected[name].float()), name
 
 
+@pytest.mark.slow
 def test_hsdp_2x2_load_and_save(tmp_path):
     model = _model(TINY)
     tokens = _tokens(TINY)
@@ -408,6 +412,7 @@ def _rank_load_measured(folder: str, kind: str) -> dict[str, int]:
     return {"rss_before": before["rss"], "peak": after["peak_rss"], "shard_bytes": shard_bytes}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("kind", ["hf", "dcp"])
 def test_sharded_load_peak_memory_stays_near_one_shard(tmp_path, kind):

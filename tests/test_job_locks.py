@@ -62,6 +62,7 @@ def _checkpointing_job(dump: Path, checkpoint_folder: Path) -> list[str]:
             str(checkpoint_folder), "--checkpoint.interval", "2"]
 
 
+@pytest.mark.slow
 def test_a_second_job_into_a_busy_absolute_checkpoint_folder_exits_and_leaves_the_first_alone(
         tmp_path: Path) -> None:
     root = tmp_path.resolve()
@@ -130,6 +131,7 @@ def _set_child_subreaper(on: bool) -> None:
                       ctypes.c_ulong(0)) == 0, os.strerror(ctypes.get_errno())  # PR_SET_CHILD_SUBREAPER
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_exit_when_their_launcher_is_killed_and_free_the_lock(tmp_path: Path) -> None:
     dump = tmp_path / "job"

@@ -87,6 +87,7 @@ def _hf_model(folder: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 def test_two_rank_lora_matches_peft_resumes_exactly_and_exports(tmp_path: Path) -> None:
     """LoRA on every linear of the tiny Llama, fp32, 2 ranks, 5 steps from a Hugging Face base:
     - the adapters are sharded with the frozen base, which is bit-unchanged by training; the
@@ -222,6 +223,7 @@ def _estimate_8b(root: str) -> dict[str, Any]:
             "params": plan.model_args.num_params()}
 
 
+@pytest.mark.slow
 def test_estimator_fits_8b_lora_on_one_80_gib_gpu_but_not_a_full_fine_tune(repo_root: Path) -> None:
     """Llama 3.1 8B, seq 4096, selective AC, bf16, one GPU: LoRA rank 16 fits 80 GiB, a full
     fine-tune does not; LoRA's state has gradients and optimizer state for the adapters only.

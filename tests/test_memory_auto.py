@@ -144,6 +144,7 @@ def test_cost_model_at_8b_hides_reshards_then_recomputes_cheap_ops_then_whole_bl
     assert costs[("full", 0)] / op_bytes > costs[("op", 0)] / op_bytes
 
 
+@pytest.mark.slow
 def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that_fit(peaks):
     kwargs = _estimate_kwargs()
     loose = plan_auto_reshard(
@@ -173,6 +174,7 @@ def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that
     assert "activation checkpointing added" in tight.summary() and "modelled added time" in tight.summary()
 
 
+@pytest.mark.slow
 def test_budget_below_resharding_everything_is_one_clear_error(peaks):
     with pytest.raises(ValueError, match=r"^parallelism\.memory_budget_gib: the estimated peak is .* per rank "
                                          r"even with every unit resharded after forward and every block "
@@ -346,6 +348,7 @@ def test_trainer_auto_recomputes_when_no_reshard_plan_fits_nothing_under_a_loose
         assert all(math.isfinite(x) for x in never["losses"])
 
 
+@pytest.mark.slow
 def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
     from torchtitan_lite.memory.cli import main
 
@@ -371,6 +374,7 @@ def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
 
 
 
+@pytest.mark.slow
 def test_estimate_cli_says_what_auto_would_choose_for_a_job_that_does_not_use_it(tmp_path, capsys):
     """Given a device size, the memory CLI prints the plan auto would pick for a job configured
     otherwise (resharding, checkpointing and per-unit CPU offload), with its estimated peak and

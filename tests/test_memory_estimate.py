@@ -198,6 +198,7 @@ def test_moe_estimate_at_expert_parallel_2_within_bounds_at_four_ranks(tmp_path)
     })
 
 
+@pytest.mark.slow
 def test_estimate_api() -> None:
     """Categories are memory.measure.CATEGORIES's; device/CPU split under offload; fits(); errors."""
     assert set(CATEGORY_NAMES) == set(CATEGORIES.values())
@@ -260,6 +261,7 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
     assert activations["shipped"] < 0.6 * activations["none"], activations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["torchtitan_lite.memory", "torchtitan_lite.estimate"])
 def test_cli_bad_key_exits_2_with_one_line(module: str) -> None:
     """``python -m torchtitan_lite.memory``, and ``-m torchtitan_lite.estimate``, its earlier name."""
@@ -284,6 +286,7 @@ def test_cli_bad_values_exit_2_with_one_line(argv: list[str], message: str, caps
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+@pytest.mark.slow
 def test_tied_embeddings_count_once_in_the_estimate() -> None:
     """A tied embedding is one parameter: the estimate's sharded parameters (and gradients and
     optimizer state) shrink by exactly the output projection's share."""
@@ -384,6 +387,7 @@ selective_ac_option = "op"
     assert err[1].startswith("error: validation.dataset_path: validation.dataset='text' needs a path"), err
 
 
+@pytest.mark.slow
 def test_cli_says_what_it_does_not_model(capsys) -> None:
     """float8, compile and the block-causal mask are not in the estimate: the CLI says so, one
     line each (and a job without them gets none of these lines)."""

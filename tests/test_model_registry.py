@@ -128,6 +128,7 @@ def registered() -> Iterator[ModelSpec]:
     MODEL_SPECS.pop(NAME, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp"])
 def test_a_registered_model_trains_through_main(registered: ModelSpec, sharded: bool, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,6 +58,7 @@ def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], ti
     raise AssertionError(f"training did not reach step {step} within {timeout}s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
     """Rank 1 is SIGKILLed (or SIGSTOPped: alive but silent) mid-training; rank 0 must exit
@@ -127,6 +128,7 @@ def _threads_until_exit(out: str) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_process_groups_are_freed_at_exit_before_python_shuts_down(tmp_path):
     """Meshes in DTensor's caches keep a destroyed group and its gloo threads alive; the exit hook
     that ``init_distributed`` registers frees them while Python is still alive. Without it, a gloo
@@ -152,6 +154,7 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_job_that_fails_with_a_traceback_still_frees_its_process_group_at_exit(tmp_path):
     """An uncaught error leaves its traceback in ``sys.last_*``, whose frames hold the trainer and
     through it the group; the exit hook drops it, so the gloo threads are joined here too and the
@@ -225,6 +228,7 @@ def _two_hsdp_runs_in_one_process() -> list[float]:
     return norms
 
 
+@pytest.mark.slow
 def test_second_hsdp_run_in_one_process_does_not_reuse_the_first_runs_groups():
     """DTensor caches sharding plans by mesh layout; a new mesh of the same shape must not be
     handed the first mesh's (destroyed) process groups."""

@@ -55,11 +55,13 @@ def test_readme_example_under_torchrun(torchrun_result):
     assert "DTensor (Shard(dim=0),)" in result.stdout
 
 
+@pytest.mark.slow
 def test_readme_example_single_process(single_process_result):
     result = single_process_result
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok: loss" in result.stdout
 
 
+@pytest.mark.slow
 def test_readme_example_init_does_not_depend_on_sharding(torchrun_result, single_process_result):
     assert _weight_sum(torchrun_result) == _weight_sum(single_process_result)

@@ -10,6 +10,7 @@ step (within reduction order); the resumed losses repeat the uninterrupted ones 
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
-SAVED_STEP, STEPS = 3, 5
+SAVED_STEP, STEPS = 2, 4
 
 
 def _whole_state(trainer: Any) -> dict[str, Any]:
@@ -40,9 +41,10 @@ def _whole_state(trainer: Any) -> dict[str, Any]:
     return state
 
 
-def _run(argv: list[str]) -> dict[str, Any]:
-    """Train; the losses, the state right after the trainer was built (after a resume's load)
-    and the state after step :data:`SAVED_STEP` (rank 0's; None on the other ranks)."""
+def _run(argv: list[str], *, resumed: bool) -> dict[str, Any]:
+    """Train; the losses, and the state right after the trainer was built (``resumed``: after
+    its load) or else the state after step :data:`SAVED_STEP` (rank 0's; None on the other
+    ranks)."""
     import torch.distributed as dist
 
     from torchtitan_lite.callbacks import Callback
@@ -51,14 +53,15 @@ def _run(argv: list[str]) -> dict[str, Any]:
 
     trainer = Trainer(load_job_config(argv))
     rank = dist.get_rank()
-    captured: dict[str, Any] = {"loaded": _whole_state(trainer)}
+    captured: dict[str, Any] = {"loaded": _whole_state(trainer)} if resumed else {}
 
     class AtSavedStep(Callback):
         def after_step(self, trainer: Any, state: Any) -> None:
             if state.step == SAVED_STEP:
                 captured["saved"] = _whole_state(trainer)
 
-    trainer.callbacks.append(AtSavedStep())
+    if not resumed:
+        trainer.callbacks.append(AtSavedStep())
     try:
         losses = [h["loss"] for h in trainer.train()]
     finally:
@@ -81,7 +84,7 @@ def _check(layouts: dict[str, list[str]], moves: list[tuple[str, str]], argv: An
     (from, to): the layout ``to`` resumed from the ``from`` run's checkpoint."""
     runs = {}
     for name, extra in layouts.items():
-        (runs[name], *_) = run_distributed(_run, 4, argv(tmp_path / name, *extra))
+        (runs[name], *_) = run_distributed(functools.partial(_run, resumed=False), 4, argv(tmp_path / name, *extra))
     first = next(iter(runs.values()))
     for name, run in runs.items():  # every layout trains alike
         for a, b in zip(run["losses"], first["losses"], strict=True):
@@ -93,7 +96,7 @@ def _check(layouts: dict[str, list[str]], moves: list[tuple[str, str]], argv: An
         shutil.copytree(tmp_path / source / "checkpoint" / f"step-{SAVED_STEP}",
                         dump / "checkpoint" / f"step-{SAVED_STEP}")
         extra = [*layouts[target], *(resumed_extra or {}).get((source, target), [])]
-        (resumed, *_) = run_distributed(_run, 4, argv(dump, *extra))
+        (resumed, *_) = run_distributed(functools.partial(_run, resumed=True), 4, argv(dump, *extra))
         saved = runs[source]["saved"]
         assert resumed["loaded"].keys() == saved.keys(), (source, target)
         import torch

@@ -259,6 +259,7 @@ def _plant(step: Path, data: bytes) -> None:
     (step / CHECKSUMS_FILE).write_text(json.dumps(sums))
 
 
+@pytest.mark.slow
 def test_hostile_checkpoint_stops_every_way_in(tmp_path):
     """A real two-step checkpoint of the tiny model, its newest ``.metadata`` replaced by each
     payload (checksums updated): a resume (with an earlier checkpoint that verifies to fall back

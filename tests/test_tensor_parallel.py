@@ -65,6 +65,7 @@ _MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(_MODELS))
 def test_tensor_parallel_2_by_data_parallel_2_equals_one_process(tmp_path: Path, model: str) -> None:
     """fp32, 10 steps (clipped at norm 1): 4 ranks as data parallel 2 × tensor parallel 2 (loss
@@ -111,6 +112,7 @@ def test_tensor_parallel_2_by_data_parallel_2_equals_one_process(tmp_path: Path,
         assert placed["layers.0.moe.experts.w1"] == (("dp_shard",), ("S(0)",), (4, 32, 64)), placed
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moves_between_tensor_parallel_2_and_data_parallel_2(tmp_path: Path) -> None:
     """fp32, the tiny Llama: a job at data parallel 2 × tensor parallel 2 (4 ranks) saves at
     step 3 of 5 and is resumed from that step at data parallel 2 alone (2 ranks); a job at data
@@ -153,6 +155,7 @@ def _train_lora_and_logits(argv: list[str], tokens: Any) -> dict[str, Any]:
         trainer.close()
 
 
+@pytest.mark.slow
 def test_lora_at_tensor_parallel_2_exports_what_peft_loads(tmp_path: Path) -> None:
     """LoRA on every linear of the tiny Llama from a Hugging Face base, 4 ranks as data parallel
     2 × tensor parallel 2, fp32, 2 steps: each adapter follows its base linear's split (column-wise:

@@ -177,6 +177,7 @@ def _assert_close_losses(ref: list[float], other: list[float], what: str, rtol: 
 INVARIANCE_STEPS = 10
 
 
+@pytest.mark.slow
 def test_world_size_invariance(tmp_path: Path) -> None:
     """Same seed and global batch (4 samples) → same initial full weights and same losses (fp32,
     within 1e-5) for 2 ranks × 2, 1 rank × 4, 1 rank × 1 with 4 accumulation steps, 4 ranks × 1
@@ -373,6 +374,7 @@ def _fail_on_rank1(dump: str) -> dict:
     return {"outcome": outcome}
 
 
+@pytest.mark.slow
 def test_failing_rank_does_not_hang_the_job(tmp_path):
     """A rank that fails mid-run leaves at once, and its peer's collective fails instead of
     waiting for the process-group timeout (600 s). The hang bound is run_distributed's timeout

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from tests.dist_utils import REPO_ROOT, run_command
 
 
@@ -20,6 +22,7 @@ def _research_script(folder):
     return script
 
 
+@pytest.mark.slow
 def test_research_script_on_the_builders_trains(tmp_path):
     script = _research_script(tmp_path)
     steps = 24

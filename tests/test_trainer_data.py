@@ -71,6 +71,7 @@ def _argv(dump: Path, assets: Path, *extra: str) -> list[str]:
             "--training.global_batch_size", "4", *extra]
 
 
+@pytest.mark.slow
 def test_tiktoken_and_parquet_train_and_validate(tmp_path: Path, assets: Path) -> None:
     """Meta's tokenizer format and a streamed Parquet dataset through the trainer: the loss starts
     near uniform over the vocabulary and falls; validation on a Parquet set is finite."""
@@ -101,6 +102,7 @@ def test_tiktoken_and_parquet_train_and_validate(tmp_path: Path, assets: Path) -
         assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, bos=False, eos=False)
 
 
+@pytest.mark.slow
 def test_resume_mid_parquet_is_exact_on_two_ranks_and_one(tmp_path: Path, assets: Path) -> None:
     """8 steps on 2 ranks with checkpoints at 4 and 8; resumed from step 4 on 2 ranks the losses
     of steps 5-8 are bit-identical and every rank reads the same windows; resumed on 1 rank (the
@@ -195,6 +197,7 @@ def _mixture_argv(root: Path, dump: Path) -> list[str]:
     return ["--job.config_file", str(root / "job.toml"), *tiny, "--job.dump_folder", str(dump)]
 
 
+@pytest.mark.slow
 def test_mixture_shares_losses_and_validation_sets(tmp_path: Path, mixture: Path) -> None:
     """A token file, a Parquet folder and a text folder at 0.5 / 0.3 / 0.2 on 2 ranks for 40
     steps: at every step each tokens/NAME in metrics.jsonl is within one sample (seq_len tokens)

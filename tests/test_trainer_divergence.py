@@ -92,6 +92,7 @@ def _finite_checkpoints(folder: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_lr_1e3_stops_with_one_line_and_leaves_only_finite_checkpoints(tmp_path: Path) -> None:
     dump = tmp_path / "job"
     # A save after every step, the latest 2 kept: what is on disk when it stops must be finite.
@@ -129,6 +130,7 @@ def _losses(dump: Path) -> dict[int, float | None]:
     return {r["step"]: r["loss"] for r in _strict_jsonl(dump / "metrics.jsonl")}
 
 
+@pytest.mark.slow
 def test_stop_names_the_step_and_keeps_the_checkpoint_before_it(runs) -> None:
     dump, stop = runs["stop"]
     assert stop["error"].startswith(f"training diverged at step {BAD_BATCH + 1}: the loss (nan)")
@@ -140,6 +142,7 @@ def test_stop_names_the_step_and_keeps_the_checkpoint_before_it(runs) -> None:
     assert [losses[s] for s in range(1, BAD_BATCH + 1)] == [clean[s] for s in range(1, BAD_BATCH + 1)]
 
 
+@pytest.mark.slow
 def test_skip_goes_on_without_the_update(runs) -> None:
     dump, skip = runs["skip"]
     assert skip["error"] is None and skip["step"] == 10
@@ -154,6 +157,7 @@ def test_skip_goes_on_without_the_update(runs) -> None:
     assert _finite_checkpoints(dump / "checkpoint") == [8, 10]
 
 
+@pytest.mark.slow
 def test_rollback_reloads_the_last_checkpoint_and_leaves_the_batch_out(runs) -> None:
     dump, rollback = runs["rollback"]
     assert rollback["error"] is None and rollback["step"] == 10

@@ -100,6 +100,7 @@ def validation_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "windows": windows, "two": two, "one": one, "off": off}
 
 
+@pytest.mark.slow
 def test_validation_runs_at_its_frequency_and_reaches_both_sinks(validation_runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -136,6 +137,7 @@ def test_validation_runs_at_its_frequency_and_reaches_both_sinks(validation_runs
     assert [one_hist[s]["loss"] for s in sorted(one_hist)] == off
 
 
+@pytest.mark.slow
 def test_records_have_stable_keys_and_consistent_values(validation_runs):
     records = read_jsonl(validation_runs["root"] / "two" / "metrics.jsonl")
     flops_per_token = validation_runs["two"][0]["flops_per_token"]
@@ -155,6 +157,7 @@ def test_records_have_stable_keys_and_consistent_values(validation_runs):
         assert h["mfu_pct"] == pytest.approx(100 * h["tflops"] / 0.001)
 
 
+@pytest.mark.slow
 def test_profiler_writes_a_trace_per_rank_per_window(validation_runs):
     traces = validation_runs["root"] / "two" / "profile_traces"
     assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]
@@ -166,6 +169,7 @@ def test_profiler_writes_a_trace_per_rank_per_window(validation_runs):
         assert any(n.startswith("ProfilerStep#") for n in names)
 
 
+@pytest.mark.slow
 def test_gc_is_off_during_training_and_restored_after(validation_runs):
     for result in (*validation_runs["two"], validation_runs["one"]):
         assert result["gc_during"] == [False] * VAL_STEPS

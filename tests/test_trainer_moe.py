@@ -107,6 +107,7 @@ _FIRST_STEP = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(_FIRST_STEP))
 def test_first_step_equals_transformers_and_the_export_loads_in_transformers(tmp_path: Path, case: str) -> None:
     """fp32, a folder made by transformers, a global batch of 4 over the ranks: the first step's
@@ -197,6 +198,7 @@ _MODES = {2: [("default", "full", "op", ["--compile.enable"]),
           4: [("2", "selective", "1", []), ("never", "none", "op", [])]}
 
 
+@pytest.mark.slow
 def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path) -> None:
     """Tiny Qwen3-MoE (8 experts, top-2), fp32, 10 steps of a global batch of 4: one process,
     2 and 4 ranks in every reshard mode and AC mode (with per-block compile and CPU offload on two
@@ -251,6 +253,7 @@ def _history_and_biases(argv: list[str]) -> tuple[list[dict[str, Any]], list[tor
         trainer.close()
 
 
+@pytest.mark.slow
 def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path: Path) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing on routers started unbalanced (every token to
     2 of 8 experts): with moe.bias_update_rate 0.05 the worst layer's max / mean load falls from 4
@@ -356,6 +359,7 @@ def test_bad_moe_settings_are_one_line_before_any_process_group(argv: list[str],
     assert lines == [line], lines
 
 
+@pytest.mark.slow
 def test_lora_on_the_experts_exports_a_peft_folder_transformers_loads(tmp_path: Path) -> None:
     """LoRA on a tiny Qwen3-MoE's attention (q, v) and experts (their stacked weights), 3 steps, 4
     ranks at expert parallel 2 (the adapters split over the expert-parallel ranks with their

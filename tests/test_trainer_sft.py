@@ -85,6 +85,7 @@ def _transformers_loss(root: Path, *, seq_len: int = SEQ) -> float:
     return total / count
 
 
+@pytest.mark.slow
 def test_sft_first_step_loss_equals_transformers_on_two_ranks_with_and_without_accumulation(
         tmp_path: Path, sft: Path) -> None:
     expected = _transformers_loss(sft)
@@ -95,6 +96,7 @@ def test_sft_first_step_loss_equals_transformers_on_two_ranks_with_and_without_a
         assert abs(losses[0] - expected) <= 1e-5 * expected, (local_bs, losses[0], expected)
 
 
+@pytest.mark.slow
 def test_qwen3_multi_turn_reasoning_loss_equals_transformers_on_two_ranks(tmp_path: Path) -> None:
     """The Qwen3-style template (earlier reasoning stripped, a think block on the last turn, tool
     calls), multi-turn conversations with reasoning, 2 ranks, fp32: the first-step loss equals
@@ -117,6 +119,7 @@ def test_qwen3_multi_turn_reasoning_loss_equals_transformers_on_two_ranks(tmp_pa
     assert abs(losses[0] - expected) <= 1e-5 * expected, (losses[0], expected)
 
 
+@pytest.mark.slow
 def test_bfd_packing_resumes_exactly_on_another_world_size(tmp_path: Path, sft: Path) -> None:
     """Best-fit decreasing packing, 4 steps on 2 ranks with a checkpoint at step 2; the checkpoint
     resumed on 1 rank (accumulating 2 micro-batches) gives steps 3 and 4 the losses of the 2-rank
