@@ -267,3 +267,16 @@ def test_the_mixture_of_experts_is_a_package_of_parts() -> None:
     assert moe.is_dir() and not (PACKAGE / "models" / "moe.py").exists() and not (PACKAGE / "moe_balance.py").exists()
     assert {p.stem for p in moe.glob("*.py")} == {"__init__", "router", "experts", "grouped_mm", "layer", "params",
                                                   "balance"}
+
+
+def test_nothing_downstream_of_the_plan_reads_the_parallelism_section() -> None:
+    """The degrees, the reshard mode, offload, loss parallel and the memory budget are read from
+    the config once, by the plan (``job.py``); every later step takes them from the plan."""
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("torchtitan_lite.config") or module == "torchtitan_lite.job":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "parallelism":
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == []

@@ -30,6 +30,7 @@ from torchtitan_lite.config.schema import JobConfig, MoE
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
+from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
 from torchtitan_lite.distributed.lora import LoRASetup
@@ -147,6 +148,14 @@ class JobPlan:
     lora: LoRASetup | None = None
     """Low-rank adapters on the linears ``lora.target_modules`` names, the rest of the model
     frozen, when ``lora.enable``; else None."""
+    loss_parallel: bool = True
+    """Under tensor parallel, the logits stay split over the vocabulary for the loss
+    (``parallelism.disable_loss_parallel`` off)."""
+    async_tensor_parallel: bool = False
+    """``parallelism.enable_async_tensor_parallel``: inductor overlaps tensor-parallel collectives
+    with the matmuls."""
+    memory_budget_gib: float | None = None
+    """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
 
     @property
     def cpu_offload(self) -> bool:
@@ -267,6 +276,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         dims = ParallelDims.resolve(dp_replicate=p.data_parallel_replicate_degree,
                                     dp_shard=p.data_parallel_shard_degree, world_size=world_size,
                                     local_world_size=local_world_size, **degrees)
+        if (problem := dims.unsupported()) is not None:
+            raise ValueError(problem)
         mode = p.reshard_after_forward_mode
         reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard)
     except ValueError as exc:
@@ -316,6 +327,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
         offload="all" if t.enable_cpu_offload else p.cpu_offload, float8=float8, lora=lora,
+        loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
+        memory_budget_gib=p.memory_budget_gib,
     )
 
 
@@ -329,10 +342,9 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
     _require(problem is None, key, tp, f"{problem}; expected a degree that does")
     if tp > 1:
         rowwise = config.model.converters and config.float8.recipe_name not in (None, "tensorwise")
-        for ok, what in ((dims.ep == 1, "expert parallel (parallelism.expert_parallel_degree > 1)"),
-                         (not rowwise, f"float8's {config.float8.recipe_name!r} recipe (float8.recipe_name; "
-                                       "torchao's tensor-parallel styles take tensorwise scales)")):
-            _require(ok, key, tp, f"tensor parallel is not combined with {what} yet; expected 1 with it")
+        _require(not rowwise, key, tp, f"tensor parallel is not combined with float8's {config.float8.recipe_name!r} "
+                 "recipe (float8.recipe_name; torchao's tensor-parallel styles take tensorwise scales) yet; expected 1 "
+                 "with it")
     if p.enable_async_tensor_parallel:
         _require(tp > 1, "parallelism.enable_async_tensor_parallel", True,
                  "it overlaps tensor-parallel collectives: expected false without tensor parallel")
@@ -381,8 +393,8 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
         raise ConfigError(f"{key}: invalid value {overrides.get(key[4:])!r}; {exc}") from None
     ep = config.parallelism.expert_parallel_degree
     if ep > 1:
-        _require(model_args.num_experts % ep == 0, "parallelism.expert_parallel_degree", ep,
-                 f"it must divide the {model_args.num_experts} experts of model {spec.name!r}")
+        problem = expert_parallel_problem(model_args.num_experts, ep)
+        _require(problem is None, "parallelism.expert_parallel_degree", ep, f"{problem} of model {spec.name!r}")
         ac = config.activation_checkpoint
         selective_op = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
         by_parts = compiled_by_parts(config, ep)

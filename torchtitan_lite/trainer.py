@@ -162,7 +162,7 @@ def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple
 
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     try:
-        return auto_budget_bytes(config.parallelism.memory_budget_gib, device_bytes)
+        return auto_budget_bytes(plan.memory_budget_gib, device_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -248,19 +248,18 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
                                                                                  reshard_plan.offload),
         autocast_dtype=plan.autocast_dtype,
         lora=plan.lora,
-        loss_parallel=not config.parallelism.disable_loss_parallel,
-        async_tensor_parallel=config.parallelism.enable_async_tensor_parallel,
+        loss_parallel=plan.loss_parallel,
+        async_tensor_parallel=plan.async_tensor_parallel,
     ))
     model.train()
     return model
 
 
-def build_loss(config: JobConfig) -> LossFn:
+def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     """The summed token loss (:func:`~torchtitan_lite.loss.token_loss_sum`), compiled when
     ``compile.components`` names ``loss`` (but for logits split over tensor-parallel ranks: that
     loss runs its own chunks and all-reduces eagerly)."""
-    p = config.parallelism
-    split_logits = p.tensor_parallel_degree > 1 and not p.disable_loss_parallel
+    split_logits = plan.dims.tp > 1 and plan.loss_parallel
     if config.compile.enable and "loss" in config.compile.components and not split_logits:
         return compile_loss(token_loss_sum, backend=config.compile.backend)
     return token_loss_sum
@@ -422,7 +421,7 @@ class Trainer:
             validator.group = self.mesh.dp_group
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
-        self.loss_fn = build_loss(config)
+        self.loss_fn = build_loss(config, plan)
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,

@@ -30,14 +30,20 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts", "shard_experts"]
+__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_parallel_problem", "local_experts", "shard_experts"]
+
+
+def expert_parallel_problem(num_experts: int, ep: int) -> str | None:
+    """Why ``num_experts`` experts cannot split over ``ep`` ranks, or None: the one place of the rule."""
+    return f"it must divide the {num_experts} experts" if num_experts % ep else None
 
 
 def local_experts(num_experts: int, ep: int, rank: int) -> range:
     """The experts rank ``rank`` of ``ep`` expert-parallel ranks holds (``ValueError`` when ``ep``
     does not divide the experts)."""
-    if num_experts % ep:
-        raise ValueError(f"expert parallel degree {ep} does not divide the {num_experts} experts")
+    problem = expert_parallel_problem(num_experts, ep)
+    if problem is not None:
+        raise ValueError(f"expert parallel degree {ep}: {problem}")
     per_rank = num_experts // ep
     return range(rank * per_rank, (rank + 1) * per_rank)
 

@@ -72,15 +72,15 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
     from torchtitan_lite.distributed.process_group import forget_dtensor_plans
 
     forget_dtensor_plans()
+    problem = dims.unsupported()
+    if problem is not None:
+        raise ValueError(problem)
     names, shape = zip(*dims.mesh_dims, strict=True)
     world = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
     data = tuple(n for n in names if n in _DATA_PARALLEL)
     if "ep" in names:  # the rest of the model is FSDP-sharded over dp_shard = dp_shard_mod_ep × ep
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
-        others = set(names) - {"dp_replicate", "dp_shard_mod_ep", "ep"}
-        if others:
-            raise ValueError(f"expert parallel beside {', '.join(sorted(others))} is not supported yet")
         # dp_shard: the two dimensions flattened (no new process groups beyond the flattened one)
         world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]

@@ -38,6 +38,17 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
 
+    def unsupported(self) -> str | None:
+        """A combination of degrees the build does not run yet, as one line naming the key, or
+        None: expert parallel beside tensor or context parallel (the one place of the rule; the
+        plan refuses it before any process group, the mesh if it gets that far)."""
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1):
+            name = "tp" if self.tp > 1 else "cp"
+            what = "tensor" if name == "tp" else "context"
+            return (f"{DEGREE_KEYS[name]}: invalid value {getattr(self, name)}; {what} parallel is not combined "
+                    f"with expert parallel ({DEGREE_KEYS['ep']} > 1) yet; expected 1 with it")
+        return None
+
     @staticmethod
     def check_degrees(*, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1, ep: int = 1) -> None:
         """Each data-parallel degree is >= 1 or -1 ("the rest of the world"), and not both -1; the

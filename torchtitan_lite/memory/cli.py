@@ -244,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         config = load_job_config(rest)
         plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node)
         model_args, accum = plan.model_args, plan.grad_accum_steps
-        t, p = config.training, config.parallelism
+        t = config.training
         kwargs = job_estimate_kwargs(config, plan)
         auto = plan.reshard_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
         would = not auto and device_bytes is not None and not compiled_by_parts(config, plan.dims.ep)
-        budget, budget_source = auto_budget_bytes(p.memory_budget_gib, device_bytes) if auto or would else (0, "")
+        budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
                      for mode in _modes(configured)]

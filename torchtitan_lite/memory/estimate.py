@@ -542,7 +542,7 @@ def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
         "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
         "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
         "expert_parallel": plan.dims.ep, "tensor_parallel": plan.dims.tp,
-        "loss_parallel": not config.parallelism.disable_loss_parallel,
+        "loss_parallel": plan.loss_parallel,
     }
 
 
