@@ -387,7 +387,7 @@ def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
         plan, device = trainer.plan, trainer.device
         # The same model as the trainer's, plain (fsdp=None) and under autocast for bf16.
         bare = build_sharded_model(plan.spec, plan.model_args, None, device=device, seed=trainer.config.debug.seed,
-                                   fsdp=None, autocast_dtype=plan.autocast_dtype)
+                                   sharded=False, param_dtype=plan.param_dtype)
         bare_opt, bare_sched = build_optimizers(trainer.config, plan, bare)  # the trainer's AdamW and schedule
 
         def bare_steps(n: int, bare: Any = bare, bare_opt: Any = bare_opt, bare_sched: Any = bare_sched,
@@ -434,7 +434,6 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import FSDPOptions
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.loss import token_loss_sum
     from torchtitan_lite.memory.measure import measure_step_memory
@@ -458,9 +457,9 @@ def _worker_memory(opts: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 for mp in opts.param_dtypes.split(","):
                     for offload in (s == "on" for s in opts.cpu_offload.split(",")):
-                        model = build_sharded_model(spec, args, mesh, device=device, seed=0, fsdp=FSDPOptions(
-                            reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
-                            reduce_dtype=torch.float32, cpu_offload=offload))
+                        model = build_sharded_model(spec, args, mesh, device=device, seed=0,
+                                                    reshard_after_forward_mode=mode, param_dtype=getattr(torch, mp),
+                                                    reduce_dtype=torch.float32, cpu_offload=offload)
                         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
                         def loss_fn(model: Any = model) -> torch.Tensor:

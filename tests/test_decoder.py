@@ -120,7 +120,7 @@ def _packed_and_alone(ranks: int) -> dict[str, float]:
         init_distributed(device)
         model = build_sharded_model(spec, spec.model_args("tiny"), fsdp_mesh(device), device=device, seed=0)
     else:
-        model = build_sharded_model(spec, spec.model_args("tiny"), None, device=device, seed=0, fsdp=None)
+        model = build_sharded_model(spec, spec.model_args("tiny"), None, device=device, seed=0, sharded=False)
     tokens = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(5))
     lengths = [[7, 9, 16], [20, 12]]
     docs = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])

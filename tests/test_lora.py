@@ -77,7 +77,7 @@ def _save_base(folder: Path) -> Path:
     from torchtitan_lite.distributed.parallelize import build_sharded_model
 
     spec = get_model_spec("llama3")
-    model = build_sharded_model(spec, spec.model_args("tiny"), None, device=torch.device("cpu"), seed=7, fsdp=None)
+    model = build_sharded_model(spec, spec.model_args("tiny"), None, device=torch.device("cpu"), seed=7, sharded=False)
     hf_storage.save_hf_weights(model, folder, spec=spec)
     return folder
 
@@ -248,7 +248,6 @@ def _measure() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from torchtitan_lite.config.schema import Optimizer
-    from torchtitan_lite.distributed.fsdp import FSDPOptions
     from torchtitan_lite.distributed.lora import LoRASetup
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.memory.measure import measure_step_memory
@@ -265,7 +264,7 @@ def _measure() -> dict[str, Any]:
         plan = LoRASetup.for_model(meta, rank=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                   hf_name=spec.hf.to_hf_name)
     model = build_sharded_model(spec, args, init_device_mesh("cpu", (1,)), device=device, seed=0,
-                                fsdp=FSDPOptions(), lora=plan)
+                                lora=plan)
     optimizer = build_optimizer(model, Optimizer(lr=1e-3))
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
 

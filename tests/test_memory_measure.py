@@ -14,7 +14,6 @@ def _measure(mode: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import fsdp_mesh, init_distributed
-    from torchtitan_lite.distributed.fsdp import FSDPOptions
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.memory.measure import measure_step_memory
     from torchtitan_lite.models import get_model_spec
@@ -25,7 +24,7 @@ def _measure(mode: str) -> dict[str, Any]:
     spec = get_model_spec("llama3")
     args = spec.model_args("debugmodel")
     model = build_sharded_model(spec, args, mesh, device=device, seed=0,
-                                fsdp=FSDPOptions(reshard_after_forward_mode=mode))
+                                reshard_after_forward_mode=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
 

@@ -280,3 +280,30 @@ def test_nothing_downstream_of_the_plan_reads_the_parallelism_section() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "parallelism":
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert found == []
+
+
+def test_the_build_the_estimate_and_auto_take_one_job_shape() -> None:
+    """One description of a job's shape: ``JobShape``. The plan builds it; the model's build, the
+    memory estimate and ``auto`` take it (their keywords, where given, are its fields: no second
+    list of them)."""
+    import dataclasses
+    import inspect
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.job_shape import JobShape
+    from torchtitan_lite.distributed.parallelize import build_sharded_model, parallelize
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.auto import plan_auto_reshard
+    from torchtitan_lite.memory.estimate import estimate_memory
+
+    fields = {f.name for f in dataclasses.fields(JobShape)}
+    for fn in (build_sharded_model, estimate_memory, plan_auto_reshard, parallelize):
+        params = inspect.signature(fn).parameters
+        assert "shape" in params and "JobShape" in str(params["shape"].annotation), fn.__name__
+        assert not fields & set(params), (fn.__name__, fields & set(params))
+    plan = plan_job(load_job_config(["--parallelism.tensor_parallel_degree", "2", "--model.flavor", "tiny",
+                                     "--training.seq_len", "32", "--training.local_batch_size", "2"]), world_size=4)
+    shape = plan.shape
+    assert isinstance(shape, JobShape)
+    assert (shape.world_size, shape.dp_replicate, shape.tensor_parallel, shape.grad_accum_steps, shape.seq_len) == (
+        4, plan.dims.dp_replicate, 2, plan.grad_accum_steps, 32)

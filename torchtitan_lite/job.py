@@ -33,6 +33,7 @@ from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenize
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.dtypes import DTYPES
@@ -156,6 +157,9 @@ class JobPlan:
     with the matmuls."""
     memory_budget_gib: float | None = None
     """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
+    shape: JobShape = JobShape()
+    """The job's shape, one object for the model's build, the memory estimate and ``auto``:
+    degrees, batch, dtypes, sharding, checkpointing, compile, float8, LoRA, optimizer."""
 
     @property
     def cpu_offload(self) -> bool:
@@ -317,8 +321,21 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
+    offload = "all" if t.enable_cpu_offload else p.cpu_offload
+    ac, compile_ = config.activation_checkpoint, config.compile
+    shape = JobShape(
+        world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
+        local_batch_size=t.local_batch_size, seq_len=t.seq_len, grad_accum_steps=grad_accum_steps,
+        param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
+        reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
+        ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option, lora=lora,
+        loss_parallel=not p.disable_loss_parallel, optimizer=config.optimizer.name,
+        optimizer_implementation=config.optimizer.implementation,
+        compile_model=compile_.enable and "model" in compile_.components, compile_backend=compile_.backend,
+        float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
+        sharded=world_size > 1 or offload != "none")
     return JobPlan(
-        world_size=world_size, dims=dims, spec=spec,
+        world_size=world_size, dims=dims, spec=spec, shape=shape,
         model_args=model_args,
         tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=grad_accum_steps,
         reshard_mode=reshard_mode, param_dtype=DTYPES[t.mixed_precision_param],
@@ -326,7 +343,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        offload="all" if t.enable_cpu_offload else p.cpu_offload, float8=float8, lora=lora,
+        offload=offload, float8=float8, lora=lora,
         loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
         memory_budget_gib=p.memory_budget_gib,
     )

@@ -61,7 +61,7 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
-from torchtitan_lite.distributed.parallelize import ParallelizeOptions, build_sharded_model
+from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
@@ -236,21 +236,10 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
     parallelized over ``mesh`` by the family's steps as the plan says (on one process without CPU offload: not sharded,
     under autocast for bf16), then allocated.
     ``reshard_plan``: what ``auto`` chose (its per-unit resharding and checkpointing)."""
-    ac = config.activation_checkpoint
-    model = build_sharded_model(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed,
-                                options=ParallelizeOptions(
-        ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option,
-        ac_policies=None if reshard_plan is None else reshard_plan.ac_policies,
-        compile_model=config.compile.enable and "model" in config.compile.components,
-        compile_backend=config.compile.backend,
-        float8=plan.float8,
-        fsdp=plan.fsdp_options() if reshard_plan is None else plan.fsdp_options(reshard_plan.reshard,
-                                                                                 reshard_plan.offload),
-        autocast_dtype=plan.autocast_dtype,
-        lora=plan.lora,
-        loss_parallel=plan.loss_parallel,
-        async_tensor_parallel=plan.async_tensor_parallel,
-    ))
+    shape = plan.shape if reshard_plan is None else plan.shape.replace(
+        reshard_after_forward_mode=reshard_plan.reshard, cpu_offload=reshard_plan.offload,
+        ac_policies=reshard_plan.ac_policies)
+    model = build_sharded_model(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed, shape=shape)
     model.train()
     return model
 

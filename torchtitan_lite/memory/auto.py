@@ -5,6 +5,7 @@ least added step time (:func:`plan_auto_reshard`). The trainer imports this modu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 
 from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
-from torchtitan_lite.distributed.lora import LoRASetup
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.memory.estimate import (
     GIB,
@@ -23,6 +24,7 @@ from torchtitan_lite.memory.estimate import (
     estimate_here,
     in_child_process,
     job_estimate_kwargs,
+    modelled,
     size_text,
     where_text,
 )
@@ -191,27 +193,13 @@ class AutoReshardPlan:
 def plan_auto_reshard(
     spec: ModelSpec,
     args: Any,
+    shape: JobShape | None = None,
     *,
     budget_bytes: int,
     count_offloaded: bool = False,
     budget_source: str = "",
     timeout_s: float | None = None,
-    world_size: int,
-    dp_replicate: int = 1,
-    local_batch_size: int,
-    seq_len: int,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    cpu_offload: bool | str,
-    optimizer: str = "AdamW",
-    optimizer_implementation: str = "foreach",
-    grad_accum_steps: int = 1,
-    ac_mode: str = "none",
-    selective_ac_option: str | int = "op",
-    lora: LoRASetup | None = None,
-    expert_parallel: int = 1,
-    tensor_parallel: int = 1,
-    loss_parallel: bool = True,
+    **fields: Any,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
     that the estimated peak per rank stays within ``budget_bytes`` at the least added step time.
@@ -268,20 +256,10 @@ def plan_auto_reshard(
     tensor_parallel`` of its other parameters (the data-parallel ranks are the world's over
     ``tensor_parallel``).
     """
-    kwargs: dict[str, Any] = {
-        "budget_bytes": budget_bytes, "count_offloaded": count_offloaded, "budget_source": budget_source,
-        "world_size": world_size,
-        "dp_replicate": dp_replicate, "local_batch_size": local_batch_size, "seq_len": seq_len,
-        "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
-        "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
-        "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
-        "lora": lora, "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel,
-        "loss_parallel": loss_parallel,
-    }
-    check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
-                     seq_len=seq_len, args=args, reshard_after_forward_mode="never", optimizer=optimizer,
-                     optimizer_implementation=optimizer_implementation, grad_accum_steps=grad_accum_steps,
-                     tensor_parallel=tensor_parallel)
+    shape = modelled((shape or JobShape()).replace(**fields))
+    check_arguments(shape.replace(reshard_after_forward_mode="never"), args)
+    kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "count_offloaded": count_offloaded,
+                              "budget_source": budget_source, "shape": shape}
     if not budget_bytes > 0:
         raise ValueError(f"budget_bytes: invalid value {budget_bytes!r}; expected a number > 0")
     import torch.distributed as dist
@@ -509,8 +487,9 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
 
 
 def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
-              **kwargs: Any) -> AutoReshardPlan:
+              shape: JobShape) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
+    kwargs = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     start = time.perf_counter()
     units = _units(spec, args, kwargs["expert_parallel"], kwargs["tensor_parallel"])
     n = len(units)
@@ -529,8 +508,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
 
     def peak(plan: Choice) -> int:
         if plan not in estimates:
-            estimates[plan] = estimate_here(spec, args, reshard_after_forward_mode=plan[0], ac_policies=plan[1],
-                                            cpu_offload=plan[2], **kwargs)
+            estimates[plan] = estimate_here(spec, args, shape.replace(reshard_after_forward_mode=plan[0],
+                                                                      ac_policies=plan[1], cpu_offload=plan[2]))
         return _compared(estimates[plan], count_offloaded)[0]
 
     never_plan: Choice = ((False,) * n, base, base_offload)

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,15 +43,14 @@ import torch
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.fsdp import (
-    FSDPOptions,
     ReshardMode,
     unit_offload,
     validate_reshard_after_forward_mode,
 )
-from torchtitan_lite.distributed.lora import LoRASetup
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
-from torchtitan_lite.distributed.parallelize import ParallelizeOptions, parallelize
+from torchtitan_lite.distributed.parallelize import parallelize
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import no_automatic_gc
 from torchtitan_lite.loss import token_loss_sum
@@ -142,29 +140,7 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
 
-def estimate_memory(
-    spec: ModelSpec,
-    args: Any,
-    *,
-    world_size: int,
-    dp_replicate: int = 1,
-    local_batch_size: int,
-    seq_len: int,
-    reshard_after_forward_mode: ReshardMode,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    cpu_offload: bool | tuple[bool, ...],
-    optimizer: str = "AdamW",
-    optimizer_implementation: str = "foreach",
-    grad_accum_steps: int = 1,
-    ac_mode: str = "none",
-    selective_ac_option: str | int = "op",
-    ac_policies: Sequence[str] | None = None,
-    lora: LoRASetup | None = None,
-    expert_parallel: int = 1,
-    tensor_parallel: int = 1,
-    loss_parallel: bool = True,
-) -> MemoryEstimate:
+def estimate_memory(spec: ModelSpec, args: Any, shape: JobShape | None = None, **fields: Any) -> MemoryEstimate:
     """Per-rank memory by category of training the model ``args`` of family ``spec`` with FSDP2.
 
     Runs one training step of the trainer's kind (``grad_accum_steps`` forward/backward passes
@@ -182,25 +158,25 @@ def estimate_memory(
 
     Raises ``ValueError`` naming the argument when a value is not allowed.
     """
-    check_arguments(world_size=world_size, dp_replicate=dp_replicate, local_batch_size=local_batch_size,
-                     seq_len=seq_len, args=args, reshard_after_forward_mode=reshard_after_forward_mode,
-                     optimizer=optimizer, optimizer_implementation=optimizer_implementation,
-                     grad_accum_steps=grad_accum_steps, tensor_parallel=tensor_parallel)
-    kwargs: dict[str, Any] = {
-        "world_size": world_size, "dp_replicate": dp_replicate, "local_batch_size": local_batch_size,
-        "seq_len": seq_len, "reshard_after_forward_mode": reshard_after_forward_mode,
-        "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "cpu_offload": cpu_offload,
-        "optimizer": optimizer, "optimizer_implementation": optimizer_implementation,
-        "grad_accum_steps": grad_accum_steps, "ac_mode": ac_mode, "selective_ac_option": selective_ac_option,
-        "ac_policies": None if ac_policies is None else tuple(ac_policies), "lora": lora,
-        "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel, "loss_parallel": loss_parallel,
-    }
+    shape = modelled((shape or JobShape()).replace(**fields))
+    check_arguments(shape, args)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         # The fake process group has to be the default one: run where there is none yet.
-        return in_child_process(estimate_here, spec, args, kwargs)
-    return estimate_here(spec, args, **kwargs)
+        return in_child_process(estimate_here, spec, args, {"shape": shape})
+    return estimate_here(spec, args, shape)
+
+
+_NOT_MODELLED = {"compile_model": False, "compile_backend": "inductor", "float8": None,
+                 "async_tensor_parallel": False, "sharded": True}
+"""The fields of a job's shape the estimate does not model, as it takes them (see :func:`not_modelled`)."""
+
+
+def modelled(shape: JobShape) -> JobShape:
+    """``shape`` as the estimate models it: FSDP2 on every rank count, eager, without float8 (see
+    :func:`not_modelled`)."""
+    return shape.replace(**_NOT_MODELLED)
 
 
 def in_child_process(function: Callable[..., Any], spec: ModelSpec, args: Any, kwargs: dict[str, Any], *,
@@ -246,10 +222,12 @@ def _child_main(path: str) -> None:
     Path(path).write_bytes(pickle.dumps(result))
 
 
-def check_arguments(*, world_size: int, dp_replicate: int, local_batch_size: int, seq_len: int,
-                    args: Any, reshard_after_forward_mode: ReshardMode, optimizer: str,
-                    optimizer_implementation: str, grad_accum_steps: int, tensor_parallel: int = 1) -> None:
+def check_arguments(shape: JobShape, args: Any) -> None:
     """Raise ``ValueError`` naming the first argument of :func:`estimate_memory` that is not allowed."""
+    world_size, dp_replicate, local_batch_size = shape.world_size, shape.dp_replicate, shape.local_batch_size
+    seq_len, reshard_after_forward_mode, optimizer = shape.seq_len, shape.reshard_after_forward_mode, shape.optimizer
+    optimizer_implementation, grad_accum_steps = shape.optimizer_implementation, shape.grad_accum_steps
+    tensor_parallel = shape.tensor_parallel
     def positive(name: str, value: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: invalid value {value!r}; expected an integer >= 1")
@@ -422,44 +400,25 @@ _CACHE: dict[Any, MemoryEstimate] = {}
 _CACHE_SIZE = 128
 
 
-def estimate_here(spec: ModelSpec, args: Any, **kwargs: Any) -> MemoryEstimate:
+def estimate_here(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate:
     """:func:`estimate_memory` in this process (which must hold no process group). An estimate
     is a pure function of its arguments: the last :data:`_CACHE_SIZE` are kept, so that the
     ``auto`` planner and the CLI, which ask for some of the same plans, make each one once."""
-    bound = inspect.signature(_estimate_uncached).bind(spec, args, **kwargs)
-    bound.apply_defaults()
-    key = (spec.name, repr(args), tuple((name, repr(value)) for name, value in bound.arguments.items()
-                                        if name not in ("spec", "args")))
+    key = (spec.name, repr(args), repr(shape))
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _estimate_uncached(spec, args, **kwargs)
+        _CACHE[key] = _estimate_uncached(spec, args, shape)
     return dataclasses.replace(_CACHE[key])
 
 
-def _estimate_uncached(
-    spec: ModelSpec,
-    args: Any,
-    *,
-    world_size: int,
-    dp_replicate: int,
-    local_batch_size: int,
-    seq_len: int,
-    reshard_after_forward_mode: ReshardMode,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
-    cpu_offload: bool | tuple[bool, ...],
-    optimizer: str,
-    optimizer_implementation: str,
-    grad_accum_steps: int,
-    ac_mode: str = "none",
-    selective_ac_option: str | int = "op",
-    ac_policies: Sequence[str] | None = None,
-    lora: LoRASetup | None = None,
-    expert_parallel: int = 1,
-    tensor_parallel: int = 1,
-    loss_parallel: bool = True,
-) -> MemoryEstimate:
+def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate:
+    world_size, dp_replicate, local_batch_size = shape.world_size, shape.dp_replicate, shape.local_batch_size
+    seq_len, grad_accum_steps, cpu_offload = shape.seq_len, shape.grad_accum_steps, shape.cpu_offload
+    optimizer, optimizer_implementation = shape.optimizer, shape.optimizer_implementation
+    expert_parallel, tensor_parallel = shape.expert_parallel, shape.tensor_parallel
+    reshard_after_forward_mode, param_dtype, reduce_dtype = (shape.reshard_after_forward_mode, shape.param_dtype,
+                                                             shape.reduce_dtype)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
@@ -472,11 +431,7 @@ def _estimate_uncached(
         # family's own parallelize steps, as the trainer runs them (LoRA: a frozen base, only the
         # adapters get gradients and optimizer state); compile and float8 are not modelled.
         model = spec.meta_model(args)
-        unit_list = parallelize(spec, model, mesh, ParallelizeOptions(
-            ac_mode=ac_mode, selective_ac_option=selective_ac_option, ac_policies=ac_policies, lora=lora,
-            loss_parallel=loss_parallel,
-            fsdp=FSDPOptions(reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=param_dtype,
-                             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)), device=device)
+        unit_list = parallelize(spec, model, mesh, shape, device=device)
         offload_flags = unit_offload(cpu_offload, unit_list)
         offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
                          for module in unit.modules for param in module.parameters()}
@@ -531,19 +486,12 @@ def size_text(nbytes: float) -> str:
 
 
 def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
-    """The keyword arguments of :func:`estimate_memory` (all but the family, the model args and
-    the reshard mode) for a job as the trainer runs it."""
-    t = config.training
-    return {
-        "world_size": plan.world_size, "dp_replicate": plan.dims.dp_replicate,
-        "local_batch_size": t.local_batch_size, "seq_len": t.seq_len, "param_dtype": plan.param_dtype,
-        "reduce_dtype": plan.reduce_dtype, "cpu_offload": plan.offload == "all",
-        "optimizer": config.optimizer.name, "optimizer_implementation": config.optimizer.implementation,
-        "grad_accum_steps": plan.grad_accum_steps, "ac_mode": config.activation_checkpoint.mode,
-        "selective_ac_option": config.activation_checkpoint.selective_ac_option, "lora": plan.lora,
-        "expert_parallel": plan.dims.ep, "tensor_parallel": plan.dims.tp,
-        "loss_parallel": plan.loss_parallel,
-    }
+    """The job's shape (:attr:`JobPlan.shape`) as keywords of :func:`estimate_memory`: the fields
+    the estimate models, but the reshard mode and per-block checkpointing (each estimate names
+    its own), with the units on the device where ``auto`` is to choose their offload."""
+    shape = plan.shape.replace(cpu_offload=False) if plan.shape.cpu_offload == "auto" else plan.shape
+    left_out = {"reshard_after_forward_mode", "ac_policies", *_NOT_MODELLED}
+    return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name not in left_out}
 
 
 def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:

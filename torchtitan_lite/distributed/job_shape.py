@@ -1,0 +1,95 @@
+"""What a training step is made of, as one object: :class:`JobShape`.
+
+The job plan (:func:`torchtitan_lite.job.plan_job`) builds it once from the config and the world;
+the model's build (:func:`~torchtitan_lite.distributed.parallelize.build_sharded_model`), the
+memory estimate (:func:`torchtitan_lite.memory.estimate.estimate_memory`) and ``auto``
+(:func:`torchtitan_lite.memory.auto.plan_auto_reshard`) take it, each reading the fields it
+models. A field added here (a new parallel degree) reaches all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtitan_lite.distributed.float8 import Float8Conversion
+from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode
+from torchtitan_lite.distributed.lora import LoRASetup
+
+__all__ = ["JobShape"]
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """One training step's shape: the world and its degrees, the batch, dtypes, sharding,
+    checkpointing, compile, float8, LoRA and the optimizer."""
+
+    world_size: int = 1
+    """Ranks of the job."""
+    dp_replicate: int = 1
+    """HSDP replicas (the data-parallel shard degree is what the others leave of the world)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree."""
+    expert_parallel: int = 1
+    """Expert-parallel degree."""
+    local_batch_size: int = 1
+    """Samples per rank per micro-batch."""
+    seq_len: int = 2048
+    """Tokens per sample."""
+    grad_accum_steps: int = 1
+    """Micro-batches per rank per optimizer step."""
+    param_dtype: torch.dtype = torch.float32
+    """Dtype of gathered parameters and of compute."""
+    reduce_dtype: torch.dtype = torch.float32
+    """Dtype of gradient reduction."""
+    reshard_after_forward_mode: ReshardMode | str = "default"
+    """A named mode, an integer group size or one bool per FSDP unit (``"auto"`` until planned)."""
+    cpu_offload: bool | tuple[bool, ...] | str = False
+    """Every unit, one bool per unit, or ``"auto"`` (``auto`` chooses per unit)."""
+    ac_mode: str = "none"
+    """``activation_checkpoint.mode``."""
+    selective_ac_option: str | int = "op"
+    """``activation_checkpoint.selective_ac_option``."""
+    ac_policies: tuple[str, ...] | None = None
+    """One of ``none``/``full``/``op`` per block (``auto``'s choice), instead of the two above."""
+    lora: LoRASetup | None = None
+    """Adapters on the linears, the rest frozen."""
+    loss_parallel: bool = True
+    """Under tensor parallel, the logits stay split over the vocabulary for the loss."""
+    optimizer: str = "AdamW"
+    """``optimizer.name``."""
+    optimizer_implementation: str = "foreach"
+    """``optimizer.implementation``."""
+    compile_model: bool = False
+    """Blocks compiled (the build; the estimate models the eager job)."""
+    compile_backend: str = "inductor"
+    """``compile.backend``."""
+    float8: Float8Conversion | None = None
+    """The float8 conversion (the build; the estimate models the job without it)."""
+    async_tensor_parallel: bool = False
+    """Inductor overlaps tensor-parallel collectives with the matmuls (CUDA, compiled blocks)."""
+    sharded: bool = True
+    """FSDP2 shards the model (more than one rank, or CPU offload); else one process trains the
+    plain model, under autocast for a lower compute dtype."""
+
+    def replace(self, **changes: Any) -> JobShape:
+        """The shape with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def fsdp_options(self) -> FSDPOptions | None:
+        """How FSDP2 shards the model (None: it does not)."""
+        if not self.sharded:
+            return None
+        if self.cpu_offload == "auto":
+            raise ValueError("cpu_offload = 'auto' needs the per-unit plan auto chose")
+        return FSDPOptions(reshard_after_forward_mode=self.reshard_after_forward_mode,
+                           param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                           cpu_offload=self.cpu_offload)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The compute dtype of an unsharded model's autocast (None: sharded, or fp32)."""
+        return None if self.sharded or self.param_dtype == torch.float32 else self.param_dtype
