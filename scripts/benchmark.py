@@ -311,7 +311,8 @@ def _worker_overhead(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.trainer import Trainer, clip_grad_norm_
+    from torchtitan_lite.distributed.clip import clip_grad_norm_
+    from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(_job_args(opts)))
     bare = _bare_model(trainer.plan.spec, trainer.plan.model_args, trainer.mesh.fsdp, trainer.device)
@@ -363,8 +364,9 @@ def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.clip import clip_grad_norm_
     from torchtitan_lite.distributed.parallelize import build_sharded_model
-    from torchtitan_lite.trainer import Trainer, build_optimizers, clip_grad_norm_
+    from torchtitan_lite.trainer import Trainer, build_optimizers
 
     def timed(fn: Any, n: int) -> float:
         if torch.cuda.is_available():

@@ -421,7 +421,7 @@ def test_mixed_precision_bf16_compute_fp32_shards_and_reduction(tmp_path):
 def _cpu_offload_rank(dump: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from torchtitan_lite.trainer import clip_grad_norm_
+    from torchtitan_lite.distributed.clip import clip_grad_norm_
 
     baseline = _make_trainer([], Path(dump) / "baseline")
     baseline_losses = [h["loss"] for h in baseline.train()]

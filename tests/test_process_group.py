@@ -205,8 +205,8 @@ def _two_hsdp_runs_in_one_process() -> list[float]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import ParallelDims, build_mesh, free_port, init_distributed
+    from torchtitan_lite.distributed.clip import clip_grad_norm_
     from torchtitan_lite.distributed.fsdp import apply_fsdp
-    from torchtitan_lite.trainer import clip_grad_norm_
 
     norms = []
     for run in range(2):

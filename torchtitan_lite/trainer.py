@@ -22,12 +22,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +57,7 @@ from torchtitan_lite.distributed import (
     set_collective_timeout,
     world_info_from_env,
 )
-from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
+from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import build_sharded_model
@@ -69,6 +68,7 @@ from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
 from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
+from torchtitan_lite.startup_log import log_startup
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.validate import Validator
 
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
     from torchtitan_lite.memory.auto import AutoReshardPlan
 
 __all__ = [
-    "Loader",
     "Trainer",
     "auto_budget",
     "build_checkpointer",
@@ -86,60 +85,14 @@ __all__ = [
     "build_model",
     "build_optimizers",
     "build_validators",
-    "clip_grad_norm_",
     "log_startup",
     "agree_auto_reshard",
     "setup_distributed",
-    "trainer_step_peak",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
 
-Loader = BatchLoader
-"""The training loader: ``next_batch()`` gives this rank's micro-batches of the next global batch;
-``state_dict()`` / ``load_state_dict()`` its exact position."""
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@torch.no_grad()
-def clip_grad_norm_(
-    parameters: list[torch.nn.Parameter], max_norm: float, *, foreach: bool | None = None
-) -> torch.Tensor:
-    """Global L2 gradient norm over sharded (DTensor) or plain gradients; clip when ``max_norm > 0``.
-
-    The norm of DTensor gradients is reduced over the mesh (``full_tensor``), so every rank
-    gets the same global norm; with CPU offload that reduction runs on CPU tensors, which is
-    why the process group then carries a CPU backend.
-    """
-    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}  # DTensors of one mesh are normed and scaled together
-    for p in parameters:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for params in by_mesh.values():
-        with _quiet_redistribute():  # (2-D: one all-reduce per mesh dimension, which DTensor warns about)
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    # (Every parameter's norm once: expert-parallel experts live on a mesh of their own.)
-    total = (
-        norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    )
-    if max_norm > 0:
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
-    return total
-
-
-@contextlib.contextmanager
-def _quiet_redistribute() -> Iterator[None]:
-    """Silence DTensor's advice to flatten a 2-D mesh for a reduction over both dimensions."""
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows | PackedWindows], *,
@@ -287,7 +240,7 @@ def build_optimizers(config: JobConfig, plan: JobPlan,
 
 def build_checkpointer(
     config: JobConfig, plan: JobPlan, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler, loader: Loader,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler, loader: BatchLoader,
 ) -> CheckpointManager | None:
     """The checkpoint manager (None when the job neither saves nor loads checkpoints). Call its
     ``load()`` to resume (or load ``initial_load_path``): it fills the model, optimizer, schedule
@@ -305,67 +258,6 @@ def build_checkpointer(
         hf_extras=HFExportExtras(bos_id=plan.tokenizer.bos_id, eos_id=plan.tokenizer.eos_id,
                                  tokenizer_file=hf_tokenizer_json(plan.tokenizer, convert=convert)),
     )
-
-
-def _describe_data(config: JobConfig, loader: Loader, validators: dict[str | None, Validator]) -> str:
-    v = config.validation
-    text = loader.describe()
-    for name, validator in validators.items():
-        label = v.dataset_path or v.dataset if name is None else repr(name)
-        text += (f"; validation {label}: {validator.num_windows} of {len(validator.windows)} windows every "
-                 f"{v.freq} steps")
-    return text
-
-
-def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: ParallelMesh, loader: Loader,
-                validators: dict[str | None, Validator], reshard_plan: AutoReshardPlan | None = None,
-                mfu: str = "") -> None:
-    """The start-up lines of the log (rank 0): the job, the model and its parallelism, the data,
-    MFU's reference, checkpointing and compile, float8, LoRA."""
-    if dist.get_rank() != 0:
-        return
-    t, ac = config.training, config.activation_checkpoint
-    logger.info("job: %s", config.job.description)
-    if config.job.print_config:
-        logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
-    n_params = sum(p.numel() for p in model.parameters())
-    sharding = "FSDP2" if plan.shard else "not sharded (one process)" + (
-        f", autocast to {str(plan.autocast_dtype).removeprefix('torch.')}" if plan.autocast_dtype else "")
-    logger.info("model %s %s: %.2fM parameters, vocab %d (%s); mesh %s, %s; global batch %d = %d ranks "
-                "× %d × %d accumulation steps; seq_len %d",
-                config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
-                type(plan.tokenizer).__name__, mesh.describe(),
-                sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
-    logger.info("data: %s", _describe_data(config, loader, validators))
-    if mfu:
-        logger.info("MFU: %s", mfu)
-    added = (f" (auto adds {reshard_plan.recomputed_text()})"
-             if reshard_plan is not None and reshard_plan.recomputed else "")
-    logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
-                added, ", ".join(config.compile.components) if config.compile.enable else "off")
-    if getattr(plan.model_args, "num_experts", 0):
-        logger.info(_describe_moe(config, plan))
-    if plan.float8 is not None:
-        logger.info(plan.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
-        if getattr(plan.model_args, "num_experts", 0):
-            logger.info("float8: the experts' grouped products stay in %s (torchao's float8 grouped products are "
-                        "not applied here); float8 covers the attention and dense linears",
-                        str(plan.param_dtype).removeprefix("torch."))
-    if plan.lora is not None:
-        logger.info(plan.lora.describe(model))
-
-
-def _describe_moe(config: JobConfig, plan: JobPlan) -> str:
-    """The mixture of experts in one line: layers, experts, routing, balancing, active parameters."""
-    a, e = plan.model_args, config.moe
-    aux = aux_loss_weight(e.aux_loss_coef, a)
-    balance = [f"load-balancing loss × {aux:g}" if aux else "", f"z-loss × {e.z_loss_coef:g}" if e.z_loss_coef else "",
-               f"bias balancing at {e.bias_update_rate:g} per step" if e.bias_update_rate else ""]
-    shared = f", a shared expert of width {a.shared_hidden_dim}" if a.shared_hidden_dim else ""
-    return (f"mixture of experts: {a.moe_layers()} of {a.n_layers} layers, {a.num_experts} experts of width "
-            f"{a.moe_hidden_dim}{shared}, top-{a.top_k} by {a.score_func}; {a.active_params() / 1e6:.2f}M of "
-            f"{a.num_params() / 1e6:.2f}M parameters active per token (MFU counts those); "
-            f"{', '.join(b for b in balance if b) or 'no balancing'}")
 
 
 def _end_training(callback: Callback, trainer: Any, kind: Any, error: BaseException | None, tb: Any) -> None:
@@ -700,19 +592,3 @@ class Trainer:
             self.checkpointer.close()
         self._lock.release()
         destroy_distributed(barrier=clean)
-
-
-def trainer_step_peak(config: JobConfig) -> tuple[int, Trainer]:
-    """:class:`~torchtitan_lite.memory.measure.AllocatorPeak` of one steady-state
-    ``Trainer.train_step`` of the job ``config``: the trainer is built inside the
-    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
-    Returns the peak in bytes and the trainer (its process group still up). For the tests and
-    benchmarks that hold the memory estimate against it."""
-    from torchtitan_lite.memory.measure import AllocatorPeak
-
-    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
-        trainer = Trainer(config)
-        trainer.train_step()
-        with memory.window():
-            trainer.train_step()
-    return memory.peak, trainer
