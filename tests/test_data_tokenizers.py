@@ -189,3 +189,58 @@ def test_a_rebuilt_class_without_transformers_is_one_line_naming_the_fix(tmp_pat
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
     assert build_tokenizer(str(folder)).tokenizer_class is None
+
+
+def _rebuilt_classes() -> list[tuple[str, str | None]]:
+    """Every tokenizer class the installed transformers rebuilds (a ``TokenizersBackend``
+    subclass with an ``__init__`` of its own), with its model kind."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    names = {n for v in TOKENIZER_MAPPING_NAMES.values() for n in (v if isinstance(v, (tuple, list)) else [v]) if n}
+    found = []
+    for name in sorted(names):
+        try:
+            cls = tokenizer_class_from_name(name)
+        except Exception:  # a class whose optional dependency is missing
+            continue
+        if cls is not None and issubclass(cls, TokenizersBackend) and cls is not TokenizersBackend \
+                and "__init__" in cls.__dict__:
+            found.append((name, cls.model.__name__ if cls.model else None))
+    return found
+
+
+@pytest.mark.slow
+def test_every_class_transformers_rebuilds_gives_its_ids_or_one_line(tmp_path):
+    """Each of the installed transformers' rebuilt classes (54 in 5.24) named by a folder of a
+    generic file of its model kind (byte-level BPE, or a Unigram one): our ids equal
+    ``AutoTokenizer``'s on 200 texts, or the folder is refused in one line before any data is
+    read, where transformers cannot build the class from it or its tokenizer cannot encode text
+    (a vocabulary without the unknown token the class's model needs)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "TokenizersBackend"):
+        pytest.skip("transformers before 5 reads tokenizer.json as it is")
+    from tests.tokenizer_folders import sample_texts, write_tokenizer_folder
+
+    classes = _rebuilt_classes()
+    equal, refused = [], []
+    for name, model in classes:
+        style = "t5" if model == "Unigram" else "gpt2"
+        folder = write_tokenizer_folder(tmp_path / name, style, name)
+        try:
+            tok = build_tokenizer(str(folder))
+        except DataError as exc:
+            assert "\n" not in str(exc) and ("cannot encode text" in str(exc) or repr(name) in str(exc)), str(exc)
+            refused.append(name)
+            continue
+        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+        texts = sample_texts(style, 200)
+        for text, ids in zip(texts, tok.encode_batch(texts), strict=True):
+            try:
+                want = hf(text, add_special_tokens=False)["input_ids"]
+            except ValueError:  # (a layout tokenizer: its __call__ takes words, not text)
+                want = hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
+            assert _body(tok, ids) == want, (name, text)
+        equal.append(name)
+    assert len(equal) + len(refused) == len(classes) >= 40
+    assert {"LlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "T5Tokenizer"} <= set(equal), equal

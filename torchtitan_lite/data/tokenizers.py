@@ -113,6 +113,11 @@ class HFTokenizer:
         # Ids of a whole text: what transformers' encode gives without truncation= / padding=.
         self._tok.no_truncation()
         self._tok.no_padding()
+        try:  # (a vocabulary without the unknown token its model needs fails on the first text)
+            self._tok.encode("The quick brown fox: 1, 2, 3. Ünïcödé ✓ 中文 🙂\n\t</s>", add_special_tokens=False)
+        except Exception as exc:  # the library raises its own exception types
+            reason = str(exc).strip() or type(exc).__name__
+            raise DataError(f"{key}: {str(file)!r} cannot encode text ({reason})") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         named = special_tokens(self.config, ("bos_token", "eos_token"))
