@@ -100,6 +100,7 @@ def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
     of the first job made inside this process group (``estimate_memory`` runs it in a child)."""
     import torch.distributed as dist
 
+    from torchtitan_lite.trainer import trainer_step_peak
 
     peaks, shards = {}, {}
     for index, (label, argv) in enumerate(jobs.items()):
@@ -398,20 +399,3 @@ def test_cli_says_what_it_does_not_model(capsys) -> None:
     assert [line.split(" ")[0] for line in lines] == ["model.converters", "compile.enable", "model.attention_mask"]
     assert main(small) == 0
     assert "is not modelled" not in capsys.readouterr().out
-
-
-def trainer_step_peak(config: Any) -> tuple[int, Any]:
-    """:class:`~torchtitan_lite.memory.measure.AllocatorPeak` of one steady-state
-    ``Trainer.train_step`` of the job ``config``: the trainer is built inside the
-    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
-    Returns the peak in bytes and the trainer (its process group still up)."""
-    from torchtitan_lite.distributed import choose_device, world_info_from_env
-    from torchtitan_lite.memory.measure import AllocatorPeak
-    from torchtitan_lite.trainer import Trainer
-
-    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
-        trainer = Trainer(config)
-        trainer.train_step()
-        with memory.window():
-            trainer.train_step()
-    return memory.peak, trainer

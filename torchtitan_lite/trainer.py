@@ -88,6 +88,7 @@ __all__ = [
     "log_startup",
     "agree_auto_reshard",
     "setup_distributed",
+    "trainer_step_peak",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
@@ -592,3 +593,19 @@ class Trainer:
             self.checkpointer.close()
         self._lock.release()
         destroy_distributed(barrier=clean)
+
+
+def trainer_step_peak(config: JobConfig) -> tuple[int, Trainer]:
+    """:class:`~torchtitan_lite.memory.measure.AllocatorPeak` of one steady-state
+    ``Trainer.train_step`` of the job ``config``: the trainer is built inside the
+    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
+    Returns the peak in bytes and the trainer (its process group still up). For the tests and
+    benchmarks that hold the memory estimate against it."""
+    from torchtitan_lite.memory.measure import AllocatorPeak
+
+    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
+        trainer = Trainer(config)
+        trainer.train_step()
+        with memory.window():
+            trainer.train_step()
+    return memory.peak, trainer

@@ -103,7 +103,8 @@ class HFTokenizer:
         self.tokenizer_class = _named_class(self.config)
         if self.tokenizer_class is not None:  # transformers builds this class its own way
             self._tok, named_tokens = _transformers_backend(file, self.tokenizer_class, key=key)
-            # The class's own defaults where the file names none (GPT-2's <|endoftext|> as BOS, …)
+            # The class's own defaults where the file names none (GPT-2's <|endoftext|> as BOS, …);
+            # a token transformers leaves unset is unset here too (no guess from the usual spellings).
             self.config = {**self.config, **named_tokens}
         else:
             try:
