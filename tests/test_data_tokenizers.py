@@ -214,7 +214,7 @@ def _rebuilt_classes() -> list[tuple[str, str | None]]:
 def test_every_class_transformers_rebuilds_gives_its_ids_or_one_line(tmp_path):
     """Each of the installed transformers' rebuilt classes (54 in 5.24) named by a folder of a
     generic file of its model kind (byte-level BPE, or a Unigram one): our ids equal
-    ``AutoTokenizer``'s on 200 texts, or the folder is refused in one line before any data is
+    ``AutoTokenizer``'s on 1,000 texts, or the folder is refused in one line before any data is
     read, where transformers cannot build the class from it or its tokenizer cannot encode text
     (a vocabulary without the unknown token the class's model needs)."""
     transformers = pytest.importorskip("transformers")
@@ -234,7 +234,7 @@ def test_every_class_transformers_rebuilds_gives_its_ids_or_one_line(tmp_path):
             refused.append(name)
             continue
         hf = transformers.AutoTokenizer.from_pretrained(str(folder))
-        texts = sample_texts(style, 200)
+        texts = sample_texts(style)
         for text, ids in zip(texts, tok.encode_batch(texts), strict=True):
             try:
                 want = hf(text, add_special_tokens=False)["input_ids"]

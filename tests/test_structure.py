@@ -217,23 +217,6 @@ def test_every_collective_of_the_loop_validation_and_data_names_its_group() -> N
         probe.unlink()
 
 
-def test_the_trainer_and_the_estimator_build_the_model_through_one_function() -> None:
-    """``build_sharded_model`` (the trainer) and the memory estimator both parallelize through
-    ``parallelize`` (the family's steps); nothing else calls ``apply_fsdp`` or a model class on the
-    meta device."""
-    calls: dict[str, set[str]] = {}
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Call):
-                func = node.func
-                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-                calls.setdefault(called, set()).add(name)
-    assert calls["parallelize"] == {"torchtitan_lite.distributed.parallelize", "torchtitan_lite.memory.estimate"}
-    assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
-    assert calls["build_sharded_model"] == {"torchtitan_lite.trainer"}
-    assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}
-
-
 def _calls(name: str) -> dict[str, set[str]]:
     """Module → the lines that call a function or method called ``name``."""
     found: dict[str, set[str]] = {}
@@ -245,6 +228,18 @@ def _calls(name: str) -> dict[str, set[str]]:
                 if called == name:
                     found.setdefault(module, set()).add(f"{path.name}:{node.lineno}")
     return found
+
+
+def test_the_trainer_and_the_estimator_build_the_model_through_one_function() -> None:
+    """``build_sharded_model`` (the trainer) and the memory estimator both parallelize through
+    ``parallelize`` (the family's steps); nothing else calls ``apply_fsdp`` or a model class on the
+    meta device."""
+    calls = {name: set(found) for name in ("parallelize", "apply_fsdp", "build_sharded_model", "model_cls")
+             if (found := _calls(name))}
+    assert calls["parallelize"] == {"torchtitan_lite.distributed.parallelize", "torchtitan_lite.memory.estimate"}
+    assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
+    assert calls["build_sharded_model"] == {"torchtitan_lite.trainer"}
+    assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}
 
 
 def test_nothing_is_imported_by_a_module_path_string() -> None:
