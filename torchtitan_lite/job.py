@@ -171,26 +171,23 @@ class JobPlan:
         """Whether the model is sharded with FSDP2: more than one rank, or CPU offload (which FSDP2
         does). One process without offload trains the plain model: no unsharded copies, mixed
         precision through autocast (:mod:`~torchtitan_lite.distributed.autocast`)."""
-        return self.world_size > 1 or self.cpu_offload
+        return self.shape.sharded
 
     def fsdp_options(self, reshard_mode: ReshardMode | None = None,
                      offload: tuple[bool, ...] | None = None) -> FSDPOptions | None:
         """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` and
         ``offload`` are the per-unit plans ``auto`` chose (default: :attr:`reshard_mode`, and
         every unit offloaded or none as :attr:`offload` says)."""
-        if not self.shard:
-            return None
-        mode = self.reshard_mode if reshard_mode is None else reshard_mode
         if offload is None and self.offload == "auto":
             raise ValueError("fsdp_options: parallelism.cpu_offload = 'auto' needs the per-unit plan auto chose")
-        cpu_offload = (self.offload == "all") if offload is None else offload
-        return FSDPOptions(reshard_after_forward_mode=mode, param_dtype=self.param_dtype,
-                           reduce_dtype=self.reduce_dtype, cpu_offload=cpu_offload)
+        chosen = {k: v for k, v in (("reshard_after_forward_mode", reshard_mode), ("cpu_offload", offload))
+                  if v is not None}
+        return self.shape.replace(**chosen).fsdp_options()
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The compute dtype of an unsharded model's autocast (None: sharded, or fp32)."""
-        return None if self.shard or self.param_dtype == torch.float32 else self.param_dtype
+        return self.shape.autocast_dtype
 
     @property
     def dp_size(self) -> int:
