@@ -23,7 +23,7 @@ def _ranks(world: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from torchtitan_lite.distributed import init_distributed
-    from torchtitan_lite.distributed.expert_parallel import apply_expert_parallel
+    from torchtitan_lite.distributed.expert_parallel import AllToAllDispatcher
     from torchtitan_lite.models.moe import MoE
 
     init_distributed(torch.device("cpu"))
@@ -34,7 +34,13 @@ def _ranks(world: int) -> dict[str, float]:
         torch.nn.init.normal_(p, std=0.2)
     parallel = MoE.build(DIM, HIDDEN, EXPERTS, TOP_K, shared_hidden_dim=16)
     parallel.load_state_dict(reference.state_dict())
-    (dispatcher,) = apply_expert_parallel(parallel, dist.group.WORLD)
+    # Expert parallel by hand on plain tensors: this rank keeps its experts' slice of each
+    # stacked weight and exchanges tokens through the dispatcher.
+    dispatcher = parallel.dispatcher = AllToAllDispatcher(dist.group.WORLD, EXPERTS)
+    local = dispatcher.local
+    for name in parallel.experts.stacked_weights:
+        whole = getattr(parallel.experts, name)
+        setattr(parallel.experts, name, torch.nn.Parameter(whole.detach()[local.start:local.stop].clone()))
     # Each rank's own tokens (some experts get none on some ranks: 9 tokens, top-2 of 8).
     x = torch.randn(1, 9 + 4 * rank, DIM, generator=torch.Generator().manual_seed(10 + rank))
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(20 + rank))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_lite.models.moe import MoE, expert_counts, grouped_mm_available, load_balancing_loss
+from torchtitan_lite.models.moe import MoE, balancing_loss, expert_counts, grouped_mm_available
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,8 +88,10 @@ def test_load_balancing_loss_equals_transformers() -> None:
     for layer in layers:
         layer(x)
         logits.append(layer.router.gate(x.reshape(-1, DIM)))
-    ours = load_balancing_loss([layer.last_routing.probs for layer in layers],
-                               [layer.last_routing.indices for layer in layers], EXPERTS)
+    # Every layer's router rows at once: their choices counted, their probabilities summed.
+    indices = torch.cat([layer.last_routing.indices for layer in layers])
+    probs = torch.cat([layer.last_routing.probs for layer in layers])
+    ours = balancing_loss(expert_counts(indices, EXPERTS), probs.sum(dim=0), indices.shape[0], EXPERTS)
     theirs = load_balancing_loss_func(tuple(logits), EXPERTS, TOP_K)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 

@@ -26,10 +26,11 @@ from torchtitan_lite.checkpoint.manager import (
     initial_load_used,
     resumable_steps,
 )
-from torchtitan_lite.config.schema import JobConfig, MoE
+from torchtitan_lite.config.schema import JobConfig, MoEConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
+from torchtitan_lite.distributed.compile import compiles_by_parts
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
@@ -307,7 +308,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
-    model_args = _moe_settings(config, spec, model_args)
+    model_args = _moe_settings(config, spec, model_args, dims)
     _tensor_parallel_settings(config, dims, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
@@ -328,7 +329,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option, lora=lora,
         loss_parallel=not p.disable_loss_parallel, optimizer=config.optimizer.name,
         optimizer_implementation=config.optimizer.implementation,
-        compile_model=compile_.enable and "model" in compile_.components, compile_backend=compile_.backend,
+        compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
         sharded=world_size > 1 or offload != "none")
     return JobPlan(
@@ -372,17 +373,17 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
                  "machine has none; expected false")
 
 
-MOE_DEFAULTS = MoE()
+def _compiles_model(config: JobConfig) -> bool:
+    """Whether the job compiles the model's blocks (``compile.enable`` with ``"model"`` in its
+    components)."""
+    return config.compile.enable and "model" in config.compile.components
+
+
+MOE_DEFAULTS = MoEConfig()
 """``[moe]`` as it is when unset (a dense model takes nothing else)."""
 
 
-def compiled_by_parts(config: JobConfig, ep: int) -> bool:
-    """Whether the job's blocks are compiled by their parts (expert parallel with compile): they
-    take neither selective (op) checkpointing nor ``auto``, which may choose it, yet."""
-    return ep > 1 and config.compile.enable
-
-
-def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
+def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: ParallelDims) -> Any:
     """The model's shape with the ``[moe]`` router overrides (``top_k``, ``score_func``);
     :class:`ConfigError`, one line, for an ``[moe]`` setting on a dense model, a top-k the
     experts cannot give, or bias balancing without a router bias."""
@@ -405,13 +406,13 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any) -> Any:
     except ValueError as exc:
         key = "moe.top_k" if "top_k" in str(exc) else "moe.score_func"
         raise ConfigError(f"{key}: invalid value {overrides.get(key[4:])!r}; {exc}") from None
-    ep = config.parallelism.expert_parallel_degree
+    ep = dims.ep
     if ep > 1:
         problem = expert_parallel_problem(model_args.num_experts, ep)
         _require(problem is None, "parallelism.expert_parallel_degree", ep, f"{problem} of model {spec.name!r}")
         ac = config.activation_checkpoint
         selective_op = ac.mode == "selective" and str(ac.selective_ac_option) == "op"
-        by_parts = compiled_by_parts(config, ep)
+        by_parts = compiles_by_parts(compile_model=_compiles_model(config), expert_parallel=ep)
         _require(not (by_parts and selective_op), "activation_checkpoint.mode", ac.mode,
                  "selective (op) checkpointing of blocks compiled by their parts (expert parallel with "
                  "compile.enable) is not available yet; expected 'full' or 'none', or selective_ac_option = N")

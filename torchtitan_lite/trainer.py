@@ -35,8 +35,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.callbacks import Callback, StepState, default_callbacks
+from torchtitan_lite.checkpoint.divergence import Divergence
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
-from torchtitan_lite.checkpoint.manager import CheckpointManager, committed_steps
+from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import (
     IGNORE_INDEX,
@@ -62,7 +63,7 @@ from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.dump_lock import DumpFolderLock
-from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError, TrainingError
+from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
@@ -308,7 +309,9 @@ class Trainer:
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
-        self.step, self.tokens_seen, self._rollbacks = 0, 0, 0
+        self.step, self.tokens_seen = 0, 0
+        self.divergence = Divergence(config.training, checkpointer=self.checkpointer,
+                                     folder_enabled=config.checkpoint.enable, loader=self.loader, rank=self.rank)
         self.stopped_by: str | None = None  # the signal that stopped train() early (checkpoint.save_on_signals)
         # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
         state = None if self.checkpointer is None or config.checkpoint.create_seed_checkpoint \
@@ -433,42 +436,6 @@ class Trainer:
                 values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
         return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
 
-    def _diverged(self, values: dict[str, float]) -> None:
-        """A step whose update was not applied: stop, go on, or roll back
-        (``training.on_nonfinite``). Raises :class:`TrainingError` to stop."""
-        t = self.config.training
-        what = f"step {self.step}: the loss ({values['loss']}) or gradient norm ({values['grad_norm']})"
-        if t.on_nonfinite == "skip":
-            if self.rank == 0:
-                logger.warning("%s is not finite: its update was skipped (training.on_nonfinite = 'skip')", what)
-            return
-        if t.on_nonfinite == "rollback" and self.checkpointer is not None and self._rollbacks < t.max_rollbacks:
-            bad = self.loader.step - 1  # the global batch this step read
-            state = self.checkpointer.rollback()
-            if state is not None:
-                self._rollbacks += 1
-                self.loader.skipped.add(bad)
-                self.step = int(state["step"])
-                self.tokens_seen = int(state.get("tokens_seen", 0))
-                if self.rank == 0:
-                    logger.warning("%s is not finite: rolled back to step %d, leaving out global batch %d "
-                                   "(rollback %d of at most %d)", what, self.step, bad, self._rollbacks,
-                                   t.max_rollbacks)
-                return
-            raise TrainingError(f"training diverged at {what} is not finite; the update was not applied; "
-                                "training.on_nonfinite = 'rollback' found no checkpoint of this run with its "
-                                "optimizer state to go back to (the first is written at checkpoint.interval)")
-        folder = None if self.checkpointer is None else self.checkpointer.folder
-        kept = committed_steps(folder) if folder is not None and self.config.checkpoint.enable else []
-        intact = (f"the checkpoints in {str(folder)!r} (steps {kept}) are from finite steps" if kept
-                  else "no checkpoint was written")
-        if t.on_nonfinite == "rollback":
-            raise TrainingError(f"training diverged at {what} is not finite after {self._rollbacks} rollbacks "
-                                f"(training.max_rollbacks = {t.max_rollbacks}); the update was not applied and "
-                                f"{intact}; lower optimizer.lr or raise training.max_rollbacks")
-        raise TrainingError(f"training diverged at {what} is not finite; the update was not applied and "
-                            f"{intact}; lower optimizer.lr, or set training.on_nonfinite = 'skip' or 'rollback'")
-
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off): the one
         validation set's ``validation_loss`` …, or ``validation/NAME/loss`` and
@@ -554,8 +521,9 @@ class Trainer:
         if values["skipped"]:
             step = self.step
             self.log_metrics(step, values)  # the diverged step is on record (loss null in JSON)
-            self._diverged(values)
-            if self.step != step:  # rolled back: the steps since the checkpoint run again
+            resumed = self.divergence(step, values)
+            if resumed is not None:  # rolled back: the steps since the checkpoint run again
+                self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
                 return StepState(step=step, values=values, rolled_back=True, logged=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

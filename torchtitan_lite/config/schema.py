@@ -357,7 +357,9 @@ class Lora:
 
 
 @dataclass
-class MoE:
+class MoEConfig:
+    """``[moe]``: the mixture-of-experts router and its balancing."""
+
     aux_loss_coef: float | None = None
     """Weight of the load-balancing auxiliary loss in the training loss (transformers' router_aux_loss_coef,
     computed as its load_balancing_loss_func over every MoE layer's tokens of the global batch); unset: the
@@ -530,7 +532,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
-    moe: MoE = field(default_factory=MoE)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)

@@ -38,7 +38,8 @@ from torch.overrides import TorchFunctionMode
 
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
-__all__ = ["Bf16LinearInFp32", "bf16_linear_in_fp32", "compile_blocks", "compile_loss", "is_compiled"]
+__all__ = ["Bf16LinearInFp32", "bf16_linear_in_fp32", "compile_blocks", "compile_loss", "compiles_by_parts",
+           "is_compiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,23 +92,34 @@ def is_compiled(module: nn.Module) -> bool:
     return hasattr(module, "_compiled_with")
 
 
-def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor") -> int:
+def compiles_by_parts(*, compile_model: bool, expert_parallel: int) -> bool:
+    """Whether a job's blocks are compiled by their parts (see :func:`compile_blocks`): compiled
+    blocks whose mixtures of experts exchange tokens with other ranks (expert parallel). Such
+    blocks take neither selective (op) checkpointing nor ``auto``, which may choose it, yet."""
+    return compile_model and expert_parallel > 1
+
+
+def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor", by_parts: bool = False) -> int:
     """Compile each of ``model``'s blocks in place (before ``fully_shard``); returns how many.
 
-    A block whose mixture of experts moves its tokens to other ranks (expert parallel: an
-    all-to-all ``dispatcher``, whose exchange sizes are data and whose experts are an FSDP unit of their
-    own) is compiled by its parts instead, as TorchTitan does: each child, and of the mixture of
-    experts its router, shared experts and experts' products, each its own graph, the exchange
-    and the experts' FSDP hooks between them eager (so is the block's checkpoint).
+    ``by_parts`` (:func:`compiles_by_parts`: expert parallel, whose all-to-all exchange sizes are
+    data and whose experts are an FSDP unit of their own): a block with a mixture of experts is
+    compiled by its parts instead, as TorchTitan does: each child, and of the mixture of experts
+    its router, shared experts and experts' products, each its own graph, the exchange and the
+    experts' FSDP hooks between them eager (so is the block's checkpoint).
 
     ``blocks`` is what :func:`~.fsdp.apply_fsdp` takes. Raises ``ValueError`` (one line) for a
-    block that is already compiled or sharded."""
+    block that is already compiled or sharded, or whose experts exchange tokens with other ranks
+    without ``by_parts``."""
     found = find_blocks(model, blocks)
     for index, block in enumerate(found):
         if is_compiled(block) or type(block).__name__.startswith("FSDP"):
             raise ValueError(f"compile: block {index} is already compiled or sharded; compile the "
                              "blocks once, before apply_fsdp")
         parts = _parts_of(block)
+        if parts and not by_parts:
+            raise ValueError(f"compile: block {index}'s mixture of experts exchanges tokens with other ranks "
+                             "(expert parallel), which one graph cannot hold; compile it with by_parts=True")
         for part in parts or (block,):
             part.__class__ = _compiled_class(type(part), backend)
         if parts:
@@ -116,8 +128,8 @@ def compile_blocks(model: nn.Module, *, blocks: Blocks, backend: str = "inductor
 
 
 def _parts_of(block: nn.Module) -> list[nn.Module]:
-    """What to compile of a block with an expert-parallel mixture of experts (see
-    :func:`compile_blocks`); empty for any other block (compiled whole)."""
+    """The parts a block whose mixture of experts exchanges tokens with other ranks is compiled
+    by (see :func:`compile_blocks`); empty for any other block."""
     from torchtitan_lite.distributed.expert_parallel import AllToAllDispatcher
 
     layers = [child for child in block.children() if isinstance(getattr(child, "dispatcher", None), AllToAllDispatcher)]

@@ -16,7 +16,8 @@ No row is dropped and nothing is padded: the split sizes are the routed counts. 
 ``all_to_all_single`` on CPU, NCCL on GPUs.
 
 The MoE layer calls the dispatcher it is given (``MoE.dispatcher``); model code holds no process
-group. :func:`apply_expert_parallel` gives every MoE layer of a model one, over a process group.
+group. :func:`shard_experts` gives every MoE layer of a model built on the meta device one, over
+the mesh's ``ep`` group, and splits its experts' weights.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_parallel_problem", "local_experts", "shard_experts"]
+__all__ = ["AllToAllDispatcher", "expert_parallel_problem", "local_experts", "shard_experts"]
 
 
 def expert_parallel_problem(num_experts: int, ep: int) -> str | None:
@@ -149,14 +150,6 @@ def _split_experts(model: nn.Module, group: Any,
                 setattr(owner, attr, nn.Parameter(local_weight(weight, layer.dispatcher.local),
                                                   requires_grad=weight.requires_grad))
     return layers
-
-
-def apply_expert_parallel(model: nn.Module, group: Any) -> list[AllToAllDispatcher]:
-    """Give every MoE layer of ``model`` (holding every expert's weights) an
-    :class:`AllToAllDispatcher` over ``group`` and keep only this rank's experts' weights (plain
-    tensors, cut from the whole). Returns the dispatchers."""
-    layers = _split_experts(model, group, lambda weight, local: weight.detach()[local.start:local.stop].clone())
-    return [layer.dispatcher for layer in layers]
 
 
 def shard_experts(model: nn.Module, mesh: Any) -> list[nn.Module]:

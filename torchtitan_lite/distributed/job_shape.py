@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_lite.distributed.compile import compiles_by_parts
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode
 from torchtitan_lite.distributed.lora import LoRASetup
@@ -88,6 +89,11 @@ class JobShape:
         return FSDPOptions(reshard_after_forward_mode=self.reshard_after_forward_mode,
                            param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                            cpu_offload=self.cpu_offload)
+
+    @property
+    def compile_by_parts(self) -> bool:
+        """Blocks compiled by their parts (:func:`~.compile.compiles_by_parts`)."""
+        return compiles_by_parts(compile_model=self.compile_model, expert_parallel=self.expert_parallel)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

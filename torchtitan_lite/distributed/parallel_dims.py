@@ -105,12 +105,6 @@ class ParallelDims:
                              f"context_parallel_degree = {dp_shard * cp}")
         return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=world_size, cp=cp, tp=tp, ep=ep)
 
-    @classmethod
-    def data_parallel(cls, *, world_size: int, dp_replicate: int) -> ParallelDims:
-        """Every rank data parallel, ``dp_replicate`` replicas (which must divide the world) of
-        ``world_size / dp_replicate`` shards: the memory estimator's world."""
-        return cls.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size)
-
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: how many different batches one step reads."""

@@ -69,7 +69,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
                                    selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies)
     if shape.compile_model:
-        compile_blocks(model, blocks=units["blocks"], backend=shape.compile_backend)
+        compile_blocks(model, blocks=units["blocks"], backend=shape.compile_backend, by_parts=shape.compile_by_parts)
     fsdp = shape.fsdp_options()
     if fsdp is None:
         if shape.autocast_dtype is not None:

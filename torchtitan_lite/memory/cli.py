@@ -32,7 +32,7 @@ from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
 from torchtitan_lite.errors import ConfigError, DataError, UserError
-from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, compiled_by_parts, plan_job
+from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, plan_job
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = plan.reshard_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
-        would = not auto and device_bytes is not None and not compiled_by_parts(config, plan.dims.ep)
+        would = not auto and device_bytes is not None and not plan.shape.compile_by_parts
         budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)

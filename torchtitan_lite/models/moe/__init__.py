@@ -15,7 +15,6 @@ from torchtitan_lite.models.moe.balance import (
     RouterBalance,
     aux_loss_weight,
     balancing_loss,
-    load_balancing_loss,
     update_expert_bias,
 )
 from torchtitan_lite.models.moe.experts import GroupedExperts
@@ -26,4 +25,4 @@ from torchtitan_lite.models.moe.router import SCORE_FUNCS, Routing, TopKRouter, 
 
 __all__ = ["SCORE_FUNCS", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoE", "MoEParams", "RouterBalance",
            "Routing", "TopKRouter", "aux_loss_weight", "balancing_loss", "expert_counts",
-           "grouped_mm_available", "load_balancing_loss", "moe_layers", "router_problem", "update_expert_bias"]
+           "grouped_mm_available", "moe_layers", "router_problem", "update_expert_bias"]

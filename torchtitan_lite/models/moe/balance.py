@@ -33,7 +33,7 @@ from torch import nn
 from torchtitan_lite.models.moe.layer import MoE, moe_layers
 from torchtitan_lite.models.moe.router import TopKRouter, expert_counts
 
-__all__ = ["RouterBalance", "aux_loss_weight", "balancing_loss", "load_balancing_loss", "update_expert_bias"]
+__all__ = ["RouterBalance", "aux_loss_weight", "balancing_loss", "update_expert_bias"]
 
 
 @torch.no_grad()
@@ -54,15 +54,6 @@ def balancing_loss(counts: torch.Tensor, probs_sum: torch.Tensor, rows: int, num
     ``probs_sum[e]``. Given the counts of every rank and one rank's probabilities, that rank's
     share of the loss over all of them (:class:`RouterBalance`)."""
     return num_experts * (counts / rows * probs_sum / rows).sum()
-
-
-def load_balancing_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
-    """The load-balancing auxiliary loss as ``transformers`` computes it for Qwen3-MoE
-    (``load_balancing_loss_func`` without an attention mask) over every MoE layer's tokens at
-    once (:func:`balancing_loss`)."""
-    all_indices = torch.cat(indices)
-    return balancing_loss(expert_counts(all_indices, num_experts), torch.cat(probs).sum(dim=0), all_indices.shape[0],
-                          num_experts)
 
 
 def aux_loss_weight(aux_loss_coef: float | None, model_args: Any) -> float:

@@ -86,7 +86,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores, routing = self.router(tokens)
+        gates, routing = self.router(tokens)
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             # (Not from a forward that activation checkpointing recomputes during backward: that
             # routing is read by nobody and would keep the recomputed router's graph alive.)
@@ -101,7 +101,7 @@ class MoE(nn.Module):
         rows = tokens.index_select(0, token_of_row)
         local_rows, local_counts, state = self.dispatcher.dispatch(rows, counts)
         routed = self.dispatcher.combine(self.experts(local_rows, local_counts), state)
-        routed = routed * scores.reshape(-1, 1).index_select(0, order)
+        routed = routed * gates.reshape(-1, 1).index_select(0, order)
         out = torch.zeros_like(tokens).index_add_(0, token_of_row, routed.to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)

@@ -52,7 +52,8 @@ def router_problem(num_experts: int, top_k: int, score_func: str, n_group: int, 
 
 
 class TopKRouter(nn.Module):
-    """``(tokens, dim)`` → the chosen experts' weights ``(tokens, top_k)`` (in ``x``'s dtype) and
+    """``(tokens, dim)`` → the chosen experts' gates ``(tokens, top_k)`` (what each chosen
+    expert's output is multiplied by, in ``x``'s dtype) and
     the :class:`Routing` (see the module's docstring for the two kinds)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
@@ -90,12 +91,12 @@ class TopKRouter(nn.Module):
             choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1),
                                         float("-inf"))
         indices = torch.topk(choice.detach(), self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
+        gates = scores.gather(1, indices)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
         if self.route_scale != 1.0:
-            weights = weights * self.route_scale
-        return weights.to(x.dtype), Routing(logits, probs, indices)
+            gates = gates * self.route_scale
+        return gates.to(x.dtype), Routing(logits, probs, indices)
 
     def init_weights(self, std: float) -> None:
         init.trunc_normal_(self.gate.weight, std=std)
