@@ -262,15 +262,21 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["torchtitan_lite.memory", "torchtitan_lite.estimate"])
-def test_cli_bad_key_exits_2_with_one_line(module: str) -> None:
-    """``python -m torchtitan_lite.memory``, and ``-m torchtitan_lite.estimate``, its earlier name."""
-    done = run_command([sys.executable, "-m", module, "--world_size", "8",
-                        "--job.config_file", "train_configs/debug_model.toml", "--training.stepz", "3"],
-                       cwd=REPO_ROOT, timeout=60)
-    assert done.returncode == 2
-    assert done.stderr.strip().count("\n") == 0, done.stderr
-    assert done.stderr.startswith("error: unknown key 'training.stepz'"), done.stderr
+def test_cli_bad_key_exits_2_with_one_line(monkeypatch, capsys) -> None:
+    """``python -m torchtitan_lite.memory`` (a process of its own), and ``-m
+    torchtitan_lite.estimate``, its earlier name (run as ``__main__`` here)."""
+    import runpy
+
+    argv = ["--world_size", "8", "--job.config_file", "train_configs/debug_model.toml", "--training.stepz", "3"]
+    done = run_command([sys.executable, "-m", "torchtitan_lite.memory", *argv], cwd=REPO_ROOT, timeout=60)
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "argv", ["torchtitan_lite.estimate", *argv])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("torchtitan_lite.estimate", run_name="__main__")
+    for code, err in ((done.returncode, done.stderr), (exited.value.code, capsys.readouterr().err)):
+        assert code == 2
+        assert err.strip().count("\n") == 0, err
+        assert err.startswith("error: unknown key 'training.stepz'"), err
 
 
 @pytest.mark.parametrize("argv, message", [

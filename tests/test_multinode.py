@@ -71,12 +71,8 @@ def test_two_loopback_nodes_form_an_hsdp_mesh_and_match_one_agent(tmp_path):
     assert meshes == [{"dp_replicate": 2, "dp_shard": 2}] * 4
     one_agent = [r["loss"] for r in read_jsonl(tmp_path / "one_agent" / "metrics.jsonl")]
     assert two_nodes == one_agent
-    # And on one node the default is plain FSDP over all 4 ranks, to 1e-5.
-    meshes = run_distributed(_one_node_default_mesh, 4, [*JOB, "--job.dump_folder", str(tmp_path / "fsdp")])
-    assert meshes == [{"dp_shard": 4}] * 4
-    flat = [r["loss"] for r in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")]
-    for a, b in zip(two_nodes, flat, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (two_nodes, flat)
+    # (On one node the default is plain FSDP over all 4 ranks: test_default_replicate_degree_is_one_replica_per_node;
+    # HSDP's losses equal FSDP's: tests/test_checkpoint_manager.py, test_resume_across_layouts.py.)
 
 
 def test_default_replicate_degree_is_one_replica_per_node():

@@ -133,30 +133,30 @@ def _ep(degree: int) -> list[str]:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_expert_parallel_checkpoints_move_between_degrees_exactly(tmp_path: Path, family: str) -> None:
     """Qwen3-MoE and DeepSeek-V3 (8 experts), 4 ranks, fp32, lr 1e-2: expert parallel 1, 2 and
-    4 train alike; moves 1→2, 2→4 (resumed with CPU offload), 4→2 (Qwen3-MoE: resumed under
-    auto with selective checkpointing) and 4→1 load the saved state exactly and repeat the
-    losses. (Expert parallel 4 divided its experts' gradients twice before: 4× too small, which
-    Adam nearly hides in uninterrupted losses and a move between degrees shows.)"""
+    4 train alike; Qwen3-MoE's moves 2→4 (resumed with CPU offload) and 4→2 (resumed under auto
+    with selective checkpointing), DeepSeek-V3's 1→2 and 4→1, load the saved state exactly and
+    repeat the losses. (Expert parallel 4 divided its experts' gradients twice before: 4× too
+    small, which Adam nearly hides in uninterrupted losses and a move between degrees shows.)
+    Every move of both families: scripts/resume_across_degrees.py."""
     from tests.test_expert_parallel import _AUTO
 
     layouts = {"ep1": _ep(1), "ep2": _ep(2), "ep4": _ep(4)}
-    resumed_extra = {("ep2", "ep4"): ["--parallelism.cpu_offload", "all"]}
-    if family == "qwen3_moe":  # (auto's planning costs 6 s a run: one family)
-        resumed_extra[("ep4", "ep2")] = list(_AUTO)
-    _check(layouts, [("ep1", "ep2"), ("ep2", "ep4"), ("ep4", "ep2"), ("ep4", "ep1")], _moe_argv(family), tmp_path,
-           resumed_extra=resumed_extra)
+    if family == "qwen3_moe":
+        moves = {("ep2", "ep4"): ["--parallelism.cpu_offload", "all"], ("ep4", "ep2"): list(_AUTO)}
+    else:
+        moves = {("ep1", "ep2"): [], ("ep4", "ep1"): []}
+    _check(layouts, list(moves), _moe_argv(family), tmp_path, resumed_extra=moves)
 
 
 @pytest.mark.slow
 def test_checkpoints_move_between_tensor_parallel_degrees_and_shard_replicate_splits_exactly(tmp_path: Path) -> None:
     """Tiny Qwen3 (per-head norms, tied embeddings), 4 ranks, fp32, lr 1e-2: FSDP over 4,
     data parallel 2 × tensor parallel 2, and HSDP 2 replicas × 2 shards train alike; moves
-    FSDP → tensor parallel, tensor parallel → HSDP, HSDP → FSDP and tensor parallel → FSDP load
-    the saved state exactly and repeat the losses."""
+    FSDP → tensor parallel, tensor parallel → HSDP and HSDP → FSDP (each layout saves once and
+    loads once) load the saved state exactly and repeat the losses."""
     def argv(dump: Path, *extra: str) -> list[str]:
         return _moe_argv("qwen3")(dump, *extra)
 
     layouts = {"fsdp4": [], "dp2xtp2": ["--parallelism.tensor_parallel_degree", "2"],
                "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2"]}
-    _check(layouts, [("fsdp4", "dp2xtp2"), ("dp2xtp2", "hsdp2x2"), ("hsdp2x2", "fsdp4"), ("dp2xtp2", "fsdp4")],
-           argv, tmp_path)
+    _check(layouts, [("fsdp4", "dp2xtp2"), ("dp2xtp2", "hsdp2x2"), ("hsdp2x2", "fsdp4")], argv, tmp_path)
