@@ -34,7 +34,7 @@ from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "apply_rotary_emb", "block_causal_mask", "decoder_fsdp_units", "document_positions",
+__all__ = ["Decoder", "apply_rotary_emb", "attend", "block_causal_mask", "decoder_fsdp_units", "document_positions",
            "is_moe_layer",
            "precompute_freqs_cis", "rope_bits"]
 
@@ -139,13 +139,7 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q, freqs_cis)
         k = apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif isinstance(mask, torch.Tensor):  # a dense (bs, 1, seq, seq) mask: True attends
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        else:  # a FlexAttention BlockMask
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        out = attend(q, k, v, mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -157,6 +151,21 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, *, enable_gqa: bool = False,
+           scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q`` ``(bs, heads, seq, d)`` over ``k``, ``v`` under ``mask``: None (causal),
+    a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, or a
+    context-parallel :class:`~torchtitan_lite.distributed.context_parallel.ShardedAttention`
+    (anything with ``attend``: this rank's queries over the whole sequence)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    if hasattr(mask, "attend"):
+        return mask.attend(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class TransformerBlock(nn.Module):
@@ -231,6 +240,11 @@ class Decoder(nn.Module):
     ``document_ids`` ``(bs, seq)`` (the packed documents of each row numbered) attention stays
     within each document and RoPE positions restart at each (block-causal)."""
 
+    context_parallel: Any = None
+    """A :class:`~torchtitan_lite.distributed.context_parallel.ContextParallel` when each rank holds
+    a share of every sequence (set by the parallelize step): ``forward`` then takes this rank's
+    tokens and document ids (:meth:`ContextParallel.shard`)."""
+
     def __init__(self, args: Any) -> None:
         super().__init__()
         self.args = args
@@ -249,12 +263,15 @@ class Decoder(nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}"
-            )
+        cp = self.context_parallel
+        seq_len = tokens.shape[1] * (1 if cp is None else cp.degree)
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)
-        if document_ids is None:
+        if cp is not None:  # this rank's share of each sequence: global positions, attention over all of it
+            mask = cp.attention(tokens.shape[1], document_ids, tokens.device)
+            rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[mask.positions]
+        elif document_ids is None:
             rope, mask = rope_bits(self.freqs_cis, tokens.shape[1]), None
         else:
             rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[document_positions(document_ids)]

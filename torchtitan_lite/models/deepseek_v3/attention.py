@@ -46,11 +46,10 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import torchtitan_lite.models.init as init
-from torchtitan_lite.models.decoder import RMSNorm, _flex_attention, apply_rotary_emb
+from torchtitan_lite.models.decoder import RMSNorm, apply_rotary_emb, attend
 
 __all__ = ["LATENT_NORM_EPS", "MLAttention", "MLA_HF_NAMES", "YarnParameters",
            "mla_hf_shapes", "yarn_attention_factor", "yarn_get_mscale", "yarn_inv_freq", "yarn_parameters",
@@ -243,12 +242,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        elif isinstance(mask, torch.Tensor):  # a dense (bs, 1, seq, seq) mask: True attends
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
-        else:  # a FlexAttention BlockMask
-            out = _flex_attention()(q, k, v, block_mask=mask, scale=self.softmax_scale)
+        out = attend(q, k, v, mask, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
     def init_weights(self, out_std: float) -> None:
