@@ -108,3 +108,116 @@ def test_problems_are_one_line() -> None:
     assert context_parallel_problem(seq_len=32, degree=4, method="ulysses", n_heads=8, kv_heads=2) is None
     assert "unknown method 'ring'" in context_parallel_problem(seq_len=32, degree=2, method="ring", n_heads=4,
                                                                kv_heads=4)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer at context parallel 2 and 4 against one process
+# --------------------------------------------------------------------------------------------
+
+
+def _trainer_run(argv: list[str]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        history = trainer.train()
+        weight = trainer.model.tok_embeddings.weight
+        return {"losses": [h["loss"] for h in history], "tokens": history[-1].get("tokens_seen"),
+                "validation": [h["validation_loss"] for h in history if "validation_loss" in h],
+                "mesh": tuple(weight.device_mesh.mesh_dim_names) if isinstance(weight, DTensor) else None}
+    finally:
+        trainer.close()
+
+
+def _job(dump: Any, *extra: str) -> list[str]:
+    from tests.conftest import TINY_ARGS
+
+    return [*TINY_ARGS, "--job.dump_folder", str(dump), "--training.seq_len", "64", "--training.steps", "10",
+            "--training.global_batch_size", "4", "--optimizer.lr", "1e-2", "--validation.enable",
+            "--validation.steps", "2", "--validation.freq", "5", "--metrics.no-enable_tensorboard", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mask", [("llama3", "causal"), ("llama3", "block_causal"),
+                                          ("qwen3_moe", "causal"), ("deepseek_v3", "block_causal")])
+def test_trainer_at_context_parallel_2_and_4_equals_one_process(tmp_path: Any, family: str, mask: str) -> None:
+    """Tiny models, fp32, 10 steps at lr 1e-2, validation every 5: 4 ranks as data parallel 2 ×
+    context parallel 2 (allgather) and as context parallel 4 (ulysses: 4 heads) give one process's
+    training and validation losses within 1e-5 (Qwen3-MoE with its load-balancing loss over the
+    tokens of every rank, DeepSeek-V3's latent attention); the parameters are sharded over
+    dp_shard × cp."""
+    extra = ["--model.name", family, "--model.attention_mask", mask]
+    ((one,),) = [run_distributed(_trainer_run, 1, _job(tmp_path / "one", "--training.local_batch_size", "4",
+                                                        *extra))]
+    runs = {
+        "dp2xcp2": run_distributed(_trainer_run, 4, _job(tmp_path / "dp2cp2", "--training.local_batch_size", "2",
+                                                         "--parallelism.context_parallel_degree", "2", *extra)),
+        "cp4": run_distributed(_trainer_run, 4, _job(tmp_path / "cp4", "--training.local_batch_size", "4",
+                                                     "--parallelism.context_parallel_degree", "4",
+                                                     "--parallelism.context_parallel_method", "ulysses", *extra)),
+    }
+    assert len(one["losses"]) == 10 and len(one["validation"]) == 2
+    for name, ranks in runs.items():
+        for got in ranks:
+            assert got["mesh"] == ("dp_shard_cp",), (name, got["mesh"])
+            assert got["tokens"] == one["tokens"], name
+            for key in ("losses", "validation"):
+                for a, b in zip(got[key], one[key], strict=True):
+                    assert abs(a - b) <= 1e-5 * abs(b), (name, key, got[key], one[key])
+
+
+@pytest.mark.slow
+def test_checkpoint_at_context_parallel_2_resumes_at_1_and_4(tmp_path: Any) -> None:
+    """A checkpoint saved at step 5 of a data parallel 2 × context parallel 2 run, resumed on the
+    same 4 ranks at context parallel 1 (FSDP over 4) and 4: steps 6-10 repeat the uninterrupted
+    run's losses within 1e-5."""
+    import shutil
+
+    save = ["--checkpoint.enable", "--checkpoint.interval", "5", "--validation.no-enable",
+            "--training.local_batch_size", "2"]
+    (saved, *_) = run_distributed(_trainer_run, 4, _job(tmp_path / "cp2", *save,
+                                                         "--parallelism.context_parallel_degree", "2"))
+    assert len(saved["losses"]) == 10
+    for degree, local in (("1", "1"), ("4", "4")):
+        dump = tmp_path / f"cp{degree}"
+        shutil.copytree(tmp_path / "cp2" / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")
+        (resumed, *_) = run_distributed(_trainer_run, 4, _job(dump, *save, "--training.local_batch_size", local,
+                                                               "--parallelism.context_parallel_degree", degree))
+        assert len(resumed["losses"]) == 5, degree
+        for a, b in zip(resumed["losses"], saved["losses"][5:], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (degree, resumed["losses"], saved["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_chat_sft_at_context_parallel_2_equals_one_process(tmp_path: Any, family: str) -> None:
+    """Chat SFT (the family's template: Llama 3's without generation markers, Qwen3's with think
+    blocks), best-fit-decreasing packing, block-causal attention, the loss over the assistant
+    tokens only: 2 ranks at context parallel 2 give one process's losses over 3 steps within 1e-5."""
+    import json
+
+    from tests.test_data_chat import CONVERSATIONS, family_rows, write_chat_tokenizer
+    from tests.test_decoder_hf import hf_llama, hf_qwen3
+    from tests.test_trainer_sft import _argv, _losses
+    from torchtitan_lite.data import HFTokenizer
+
+    path = write_chat_tokenizer(tmp_path / "tokenizer", family)
+    (hf_llama if family == "llama3" else hf_qwen3)(tmp_path / "base", vocab_size=HFTokenizer(path).vocab_size)
+    rows = [{"messages": m} for m in CONVERSATIONS] if family == "llama3" else family_rows("qwen3")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def argv(dump: str, *extra: str) -> list[str]:
+        args = _argv(tmp_path, tmp_path / dump, "--training.packing", "bfd", "--training.seq_len", "128",
+                     "--training.steps", "3", "--optimizer.lr", "1e-3", *extra)
+        return [a if a != "llama3" else family for a in args]
+
+    (one,) = run_distributed(_losses, 1, argv("one", "--training.local_batch_size", "4"))
+    ranks = run_distributed(_losses, 2, argv("cp2", "--training.local_batch_size", "4",
+                                             "--parallelism.context_parallel_degree", "2"))
+    assert len(one) == 3
+    for losses in ranks:
+        for a, b in zip(losses, one, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, one)

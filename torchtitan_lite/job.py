@@ -31,6 +31,7 @@ from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
 from torchtitan_lite.distributed.compile import compiles_by_parts
+from torchtitan_lite.distributed.context_parallel import context_parallel_problem
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
@@ -192,8 +193,14 @@ class JobPlan:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks (every rank: the mesh is all data-parallel)."""
+        """Data-parallel ranks: how many different batches one step reads."""
         return self.dims.dp_size
+
+    @property
+    def token_ranks(self) -> int:
+        """The ranks whose tokens make up one global batch (data parallel × context parallel):
+        what FSDP averages gradients over, and what losses and token counts are summed over."""
+        return self.dims.dp_size * self.dims.cp
 
 
 def model_vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
@@ -310,6 +317,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     model_args = _moe_settings(config, spec, model_args, dims)
     _tensor_parallel_settings(config, dims, model_args)
+    _context_parallel_settings(config, dims, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
     all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
@@ -323,6 +331,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     ac, compile_ = config.activation_checkpoint, config.compile
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
+        context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
         local_batch_size=t.local_batch_size, seq_len=t.seq_len, grad_accum_steps=grad_accum_steps,
         param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
         reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
@@ -345,6 +354,22 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
         memory_budget_gib=p.memory_budget_gib,
     )
+
+
+def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:
+    """Refuse, one line, sequences the context-parallel ranks cannot split with the method asked
+    (training's, and validation's when it runs)."""
+    p = config.parallelism
+    lengths = [("training.seq_len", config.training.seq_len)]
+    if config.validation.enable and config.validation.seq_len > 0:
+        lengths.append(("validation.seq_len", config.validation.seq_len))
+    for key, seq_len in lengths:
+        problem = context_parallel_problem(seq_len=seq_len, degree=dims.cp, method=p.context_parallel_method,
+                                           n_heads=model_args.n_heads, kv_heads=model_args.kv_heads,
+                                           tensor_parallel=dims.tp)
+        if problem is not None:
+            problem = problem.replace("training.seq_len", key)
+            raise ConfigError(f"parallelism.context_parallel_degree: invalid value {dims.cp}; {problem}")
 
 
 def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:

@@ -222,8 +222,8 @@ def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
         aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args),
         z_loss_coef=e.z_loss_coef,
         bias_update_rate=e.bias_update_rate,
-        group=mesh.dp_group,
-        dp_size=plan.dp_size,
+        group=mesh.tokens,
+        dp_size=plan.token_ranks,
     )
 
 
@@ -301,10 +301,14 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.loader.group = self.mesh.dp_group  # the data's collectives: among the data-parallel ranks
         for validator in self.validators.values():
-            validator.group = self.mesh.dp_group
+            validator.group = self.mesh.tokens
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.loss_fn = build_loss(config, plan)
+        # Context parallel: each rank feeds the model its share of every sequence.
+        self.context_parallel = getattr(self.model, "context_parallel", None)
+        for validator in self.validators.values():
+            validator.context_parallel = self.context_parallel
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
@@ -344,19 +348,21 @@ class Trainer:
         source's sum. ``documents``: each micro-batch's document ids (block-causal attention, the
         loader's ``batch_documents``). ``counted``: the labels the loss counts over all ranks when
         some are ignored (packed chat samples); None: every label of every rank."""
-        tokens_this_rank = sum(labels.numel() for _, labels in micro_batches)
+        cp = self.context_parallel
+        tokens_this_rank = sum(labels.numel() for _, labels in micro_batches) // (1 if cp is None else cp.degree)
         # FSDP averages gradients over the ranks: scaled by ranks / counted labels, they are the
         # gradient of the mean over every counted label of the global batch.
-        scale = 1 / tokens_this_rank if counted is None else self.plan.dp_size / max(counted, 1)
+        scale = 1 / tokens_this_rank if counted is None else self.plan.token_ranks / max(counted, 1)
         num_sources = 0 if sources is None else len(self.loader.sources)
         loss_sum = torch.zeros(1 + num_sources, dtype=torch.float64, device=self.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             inputs = inputs.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            if documents is None:
-                logits = self.model(inputs)
-            else:
-                logits = self.model(inputs, documents[i].to(self.device, non_blocking=True))
+            docs = None if documents is None else documents[i].to(self.device, non_blocking=True)
+            if cp is not None:
+                inputs, labels = cp.shard(inputs), cp.shard(labels)
+                docs = None if docs is None else cp.shard(docs)
+            logits = self.model(inputs) if docs is None else self.model(inputs, docs)
             token_loss = self.loss_fn(logits, labels)
             if sources is not None:  # each source's rows' loss, for the metrics: no gradient
                 groups = [(group, len(list(rows))) for group, rows in itertools.groupby(sources[i])]
@@ -399,7 +405,7 @@ class Trainer:
         the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
-        dist.all_reduce(loss_sum, group=self.mesh.dp_group)
+        dist.all_reduce(loss_sum, group=self.mesh.tokens)
         loss, norm = float(loss_sum.reshape(-1)[0].item() / global_tokens), float(grad_norm.item())
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
@@ -422,7 +428,7 @@ class Trainer:
         loss_sum, tokens_this_rank = self.forward_backward(
             micro_batches, sources, documents=self.loader.batch_documents,
             counted=None if counted is None else int(counted[0]))
-        global_tokens = tokens_this_rank * self.plan.dp_size
+        global_tokens = tokens_this_rank * self.plan.token_ranks
         values = self.optimizer_step(loss_sum, global_tokens if counted is None else max(int(counted[0]), 1))
         if self.router_balance is not None:
             values.update(self.router_balance.finish_step(update_bias=not values["skipped"]))

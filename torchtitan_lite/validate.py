@@ -52,7 +52,8 @@ class Validator:
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.group: Any = None  # the data-parallel group its sums are reduced over (None: the default)
+        self.group: Any = None  # the group its sums are reduced over (None: the default): data × context parallel
+        self.context_parallel: Any = None  # with context parallel: each rank's share of every sequence
         self.device = device
         wanted = len(windows) if steps == -1 else steps * global_batch_size
         self.num_windows = min(len(windows), wanted)
@@ -76,7 +77,11 @@ class Validator:
                 inputs, labels, docs = padded_batch(self.windows, indices, self.local_batch_size, self.documents)
                 inputs = inputs.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
-                logits = model(inputs) if docs is None else model(inputs, docs.to(self.device, non_blocking=True))
+                docs = None if docs is None else docs.to(self.device, non_blocking=True)
+                if (cp := self.context_parallel) is not None:
+                    inputs, labels = cp.shard(inputs), cp.shard(labels)
+                    docs = None if docs is None else cp.shard(docs)
+                logits = model(inputs) if docs is None else model(inputs, docs)
                 totals[0] += token_loss_sum(logits, labels).double()
                 totals[1] += (labels != IGNORE_INDEX).sum()
         finally:

@@ -268,8 +268,13 @@ class Parallelism:
     """With tensor parallel on CUDA and compile.enable: overlap the tensor-parallel collectives with the
     matmuls (inductor's micro-pipelined TP over symmetric memory)."""
     context_parallel_degree: int = 1
-    """Ranks each sequence is split over (the mesh's cp dimension). Above 1 only for a model family whose
-    parallelize handles it."""
+    """Ranks each sequence is split over (the mesh's cp dimension), in 2 × degree load-balanced chunks: long
+    sequences whose activations one rank cannot hold. Parameters are sharded over data_parallel_shard_degree ×
+    context_parallel_degree."""
+    context_parallel_method: Literal["allgather", "ulysses"] = "allgather"
+    """How attention sees the whole sequence: allgather (every rank gathers the keys and values: any mask,
+    causal, packed documents, chat SFT) or ulysses (all-to-all from sequence shards to head groups and back:
+    the heads per tensor-parallel rank must divide by the degree)."""
     expert_parallel_degree: int = 1
     """Ranks a mixture-of-experts layer's experts are spread over, borrowed from data_parallel_shard_degree ×
     context_parallel_degree (which it must divide). Above 1 only for a model family whose parallelize

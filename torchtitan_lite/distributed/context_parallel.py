@@ -11,7 +11,9 @@ attention is per token, so it needs nothing more; attention is exact over the wh
   document boundaries are those of the whole sequence.
 - ``allgather``: each rank gathers every rank's keys and values (the gather's backward sums
   their gradients back: a reduce-scatter) and attends its own queries to them: any mask (causal,
-  block-causal for packed documents, and so chat SFT), as Llama 3 was trained.
+  block-causal for packed documents, and so chat SFT), as Llama 3 was trained. The mask is a
+  FlexAttention BlockMask on CUDA (the blocks above the diagonal skipped) and a dense boolean
+  mask elsewhere.
 - ``ulysses`` (DeepSpeed-Ulysses): an all-to-all turns sequence shards of every head into whole
   sequences of ``heads / degree`` heads, each rank attends over the whole sequence with its
   heads, and a second all-to-all turns the result back. It needs the heads (and key/value heads,
@@ -116,9 +118,11 @@ class ContextParallel:
 
     def _gather_sequence(self, x: torch.Tensor, *, dim: int, layout: _Layout) -> torch.Tensor:
         """Every rank's shard of ``x`` along ``dim``, in sequence order (differentiable)."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        import torch.distributed._functional_collectives as funcol
 
-        gathered = all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+        # (all_gather_single_autograd: its name from torch 2.12 on; the earlier one is deprecated there)
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        gathered = gather(x.contiguous(), gather_dim=dim, group=self.group)
         return gathered.index_select(dim, layout.gathered_to_global)
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,39 +157,28 @@ class ShardedAttention:
         layout = self.layout
         k_all = self.cp._gather_sequence(k, dim=2, layout=layout)
         v_all = self.cp._gather_sequence(v, dim=2, layout=layout)
-        if self.documents is None:
-            # Causal: each of this rank's two chunks attends to the keys up to its end
-            # (bottom-right aligned causal masks: no dense mask, the fused kernels where they run).
-            from torch.nn.attention.bias import causal_lower_right
+        return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=self.flex)
 
-            chunk = q.shape[2] // 2
-            outs = []
-            for i in range(2):
-                end = int(self.query_positions[i * chunk]) + chunk
-                qi = q[:, :, i * chunk:(i + 1) * chunk]
-                outs.append(F.scaled_dot_product_attention(
-                    qi, k_all[:, :, :end], v_all[:, :, :end], attn_mask=causal_lower_right(chunk, end),
-                    scale=scale, enable_gqa=enable_gqa))
-            return torch.cat(outs, dim=2)
-        return _masked(q, k_all, v_all, self._document_mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale,
-                       flex=self.flex)
-
-    def _document_mask(self, local: int) -> Any:
-        """Block-causal over the whole sequence for this rank's queries: a query attends to the keys
-        at or before its position in its own document."""
+    def _mask(self, local: int) -> Any:
+        """Causal (block-causal with documents) over the whole sequence for this rank's queries: a
+        query attends to the keys at or before its position (in its own document). A FlexAttention
+        BlockMask on CUDA (the blocks above the diagonal skipped), else a dense boolean mask."""
         documents, positions = self.documents, self.query_positions
-        assert documents is not None
-        total = documents.shape[1]
+        total = local * self.cp.degree
         if self.flex:
             from torch.nn.attention.flex_attention import create_block_mask
 
             def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 qpos = positions[q]
-                return (documents[b, qpos] == documents[b, kv]) & (kv <= qpos)
+                causal = kv <= qpos
+                return causal if documents is None else causal & (documents[b, qpos] == documents[b, kv])
 
-            return create_block_mask(mask_mod, documents.shape[0], None, local, total, device=documents.device)
-        keys = torch.arange(total, device=documents.device)
+            rows = 1 if documents is None else documents.shape[0]
+            return create_block_mask(mask_mod, rows, None, local, total, device=positions.device)
+        keys = torch.arange(total, device=positions.device)
         causal = keys[None, :] <= positions[:, None]  # (local, total)
+        if documents is None:
+            return causal[None, None]
         same = documents.index_select(1, positions)[:, :, None] == documents[:, None, :]
         return (same & causal)[:, None]
 

@@ -36,6 +36,10 @@ class JobShape:
     """Tensor-parallel degree."""
     expert_parallel: int = 1
     """Expert-parallel degree."""
+    context_parallel: int = 1
+    """Context-parallel degree: ranks each sequence is split over."""
+    context_parallel_method: str = "allgather"
+    """``parallelism.context_parallel_method``."""
     local_batch_size: int = 1
     """Samples per rank per micro-batch."""
     seq_len: int = 2048

@@ -22,7 +22,8 @@ class ParallelMesh:
     """The world's mesh (``dims.mesh_dims``, outermost first), the submesh FSDP shards over, and the
     data-parallel group.
 
-    - ``fsdp``: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` for HSDP; the world mesh
+    - ``fsdp``: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` for HSDP (``dp_shard_cp``,
+      ``dp_shard × cp`` flattened, in place of ``dp_shard`` with context parallel); the world mesh
       itself when there is no other dimension.
     - ``dp_group``: the ranks that read different batches of one step and whose losses, token
       counts and validation sums add up: the default (world) group when every dimension is data
@@ -37,6 +38,14 @@ class ParallelMesh:
     experts: DeviceMesh | None = None
     """With expert parallel: the mesh the experts' weights are FSDP-sharded over (``dp_shard_mod_ep``,
     with ``dp_replicate`` for HSDP); the experts themselves split over ``self["ep"]``."""
+    token_group: Any = None
+    """The ranks whose tokens make up one global batch, over which losses and token counts add up:
+    data parallel × context parallel (None: :attr:`dp_group`, when there is no context parallel)."""
+
+    @property
+    def tokens(self) -> Any:
+        """:attr:`token_group`, or :attr:`dp_group` without context parallel."""
+        return self.dp_group if self.token_group is None else self.token_group
 
     @property
     def dp_rank(self) -> int:
@@ -85,6 +94,13 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dist.group.WORLD, experts=experts)
+    if "cp" in names:  # parameters sharded over dp_shard × cp: every rank of a sequence holds a shard
+        replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+        world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        fsdp = world[(*replicate, "dp_shard_cp")] if replicate else world["dp_shard_cp"]
+        dp_group = (world[data]._flatten("dp").get_group() if len(data) == 2 else world[data[0]].get_group())
+        token = dist.group.WORLD if "tp" not in names else world[(*data, "cp")]._flatten("dp_cp").get_group()
+        return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, token_group=token)
     if data == names:  # data parallel only: as FSDP always had it, and every collective on the world
         fsdp, dp_group = world, dist.group.WORLD
     elif len(data) == 1:

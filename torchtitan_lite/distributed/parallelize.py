@@ -5,9 +5,10 @@ memory estimator and ``auto`` alike.
 :func:`parallelize` is the one path, in TorchTitan's order: LoRA adapts the linears first (the
 adapters are then parameters of their blocks like any other: checkpointed, compiled and sharded
 with them), the float8 conversion swaps the blocks' other linears next (so that all that follows
-wraps the converted layers: tensor parallel splits them with torchao's float8 styles), tensor and
-expert parallel split the layers, activation checkpointing wraps each block's forward (so that
-compile traces the checkpoint as part of the block's graph), compile comes next, and
+wraps the converted layers: tensor parallel splits them with torchao's float8 styles), tensor
+parallel splits the layers, context parallel gives the model its share of each sequence
+(:mod:`.context_parallel`), expert parallel splits the experts, activation checkpointing
+wraps each block's forward (so that compile traces the checkpoint as part of the block's graph), compile comes next, and
 ``fully_shard`` last (so that its hooks, which gather and free parameters, stay outside the
 compiled code).
 """
@@ -23,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
+from torchtitan_lite.distributed.context_parallel import ContextParallel
 from torchtitan_lite.distributed.expert_parallel import shard_experts
 from torchtitan_lite.distributed.fsdp import (
     ExpertShards,
@@ -65,6 +67,11 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
         split(model, mesh["tp"], loss_parallel=shape.loss_parallel)
         if shape.async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])
+    if "cp" in dims:
+        if not hasattr(type(model), "context_parallel"):
+            raise ValueError(f"context parallel: {type(model).__name__} does not take a share of each sequence "
+                             "(no context_parallel attribute); expected a Decoder")
+        model.context_parallel = ContextParallel(mesh["cp"].get_group(), method=shape.context_parallel_method)
     experts = shard_experts(model, mesh) if "ep" in dims else None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
                                    selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies)
