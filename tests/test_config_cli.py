@@ -83,8 +83,6 @@ BAD_CONFIGS = [
                  id="tokens-beyond-tokenizer-vocab"),
     pytest.param(_literal("--model.vocab_size", "200"), {}, 2, ["model.vocab_size", "200", "258"],
                  id="vocab-smaller-than-tokenizer"),
-    pytest.param(_literal("--model.flavor", "tiny", "--training.seq_len", "1024"), {}, 2,
-                 ["training.seq_len", "1024", "at most 512"], id="seq-len-beyond-model"),
 ]
 
 
@@ -139,7 +137,6 @@ IN_PROCESS_BAD = [
     (["--job.no-dump_folder"], None, "job.dump_folder"),
     (["--training.steps"], None, "training.steps"),
     (["--training.steps", "0"], None, "training.steps"),
-    (["--training.seq_len", "4096", "--model.flavor", "tiny"], None, "training.seq_len"),
     (["--model.flavor", "huge"], None, "model.flavor"),
     (["--parallelism.reshard_after_forward_mode", "sometimes"], None, "parallelism.reshard_after_forward_mode"),
     (["--parallelism.reshard_after_forward_mode", "2"], 2, "parallelism.reshard_after_forward_mode"),

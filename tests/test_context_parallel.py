@@ -221,3 +221,26 @@ def test_chat_sft_at_context_parallel_2_equals_one_process(tmp_path: Any, family
     for losses in ranks:
         for a, b in zip(losses, one, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, one)
+
+
+def test_a_job_longer_than_the_flavor_gets_a_longer_rotary_table_and_a_note() -> None:
+    """seq_len is not capped by the flavor's max_seq_len: the rotary table follows the job (the
+    model's RoPE scaling kept: Llama 3.1's factors), and a note says the model was trained for less."""
+    import dataclasses
+
+    from tests.conftest import TINY_ARGS
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.models.decoder import precompute_freqs_cis
+
+    plan = plan_job(load_job_config([*TINY_ARGS, "--training.seq_len", "2048"]), world_size=1)
+    assert plan.model_args.max_seq_len == 2048
+    assert plan.notes == ("the job's sequences (2048 tokens) pass the 512 that llama3 tiny was trained for (its "
+                          "max_seq_len): the rotary table follows the job, with the model's RoPE scaling kept",)
+    assert not plan_job(load_job_config(TINY_ARGS), world_size=1).notes
+    from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS
+
+    scaled = dataclasses.replace(LLAMA3_FLAVORS["8B"], rope_scaling="llama3")
+    long = precompute_freqs_cis(scaled.head_dim, 16384, scaled.rope_theta, args=scaled)
+    short = precompute_freqs_cis(scaled.head_dim, 8192, scaled.rope_theta, args=scaled)
+    assert torch.equal(long[:8192], short)  # the same rotations where they overlap: only the table is longer

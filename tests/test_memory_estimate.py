@@ -90,6 +90,9 @@ JOBS: dict[int, dict[str, list[str]]] = {
         # all-gathers recomputed, the reduce-scatters kept; the logits split over the vocabulary).
         "TP 2 x DP 2, selective": _job(1, 128, "float32", "--parallelism.tensor_parallel_degree", "2",
                                        "--training.global_batch_size", "2", *AC["selective op"]),
+        # Context parallel 2 × data parallel 2: half of each sequence per rank, the gathered keys
+        # and values and the mask over the whole sequence.
+        "CP 2 x DP 2": _job(2, 256, "float32", "--parallelism.context_parallel_degree", "2"),
     },
 }
 
@@ -159,8 +162,8 @@ def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_estimate_within_bounds_of_the_allocator_at_four_ranks(tmp_path) -> None:
-    """The same at 4 ranks with an integer reshard mode, HSDP (2 replicas × 2 shards) and tensor
-    parallel 2 × data parallel 2."""
+    """The same at 4 ranks with an integer reshard mode, HSDP (2 replicas × 2 shards), tensor
+    parallel 2 × data parallel 2 and context parallel 2 × data parallel 2."""
     _compare(4, tmp_path)
 
 

@@ -159,6 +159,9 @@ class JobPlan:
     with the matmuls."""
     memory_budget_gib: float | None = None
     """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
+    notes: tuple[str, ...] = ()
+    """Lines the start-up log and the memory CLI print about the job (e.g. a sequence longer than
+    the model was trained for)."""
     shape: JobShape = JobShape()
     """The job's shape, one object for the model's build, the memory estimate and ``auto``:
     degrees, batch, dtypes, sharding, checkpointing, compile, float8, LoRA, optimizer."""
@@ -270,12 +273,13 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     _require(m.flavor in spec.flavors or m.flavor == FROM_CHECKPOINT, "model.flavor", m.flavor,
              f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}{hint}")
     checkpoint_args = _checkpoint_shape(config, spec) if m.flavor == FROM_CHECKPOINT else None
-    max_seq_len = (checkpoint_args or spec.flavors[m.flavor]).max_seq_len
-    _require(t.seq_len <= max_seq_len, "training.seq_len", t.seq_len,
-             f"expected at most {max_seq_len} (max_seq_len of {m.name} {m.flavor})")
-    if v.enable:
-        _require(v.seq_len <= max_seq_len, "validation.seq_len", v.seq_len,
-                 f"expected -1 or 1..{max_seq_len} (max_seq_len of {m.name} {m.flavor})")
+    # The rotary table follows the job's longest sequence (as TorchTitan's does), the model's RoPE
+    # scaling kept; beyond the context the model was trained for, a note says so.
+    trained_for = (checkpoint_args or spec.flavors[m.flavor]).max_seq_len
+    longest = max(t.seq_len, v.seq_len if v.enable else 0)
+    notes = () if longest <= trained_for else (
+        f"the job's sequences ({longest} tokens) pass the {trained_for} that {m.name} {m.flavor} was trained for "
+        "(its max_seq_len): the rotary table follows the job, with the model's RoPE scaling kept",)
     degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree}
     for name, degree in degrees.items():
         _require(degree == 1 or name in spec.parallel_dims, DEGREE_KEYS[name], degree,
@@ -288,7 +292,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         if (problem := dims.unsupported()) is not None:
             raise ValueError(problem)
         mode = p.reshard_after_forward_mode
-        reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard)
+        # (FSDP shards over dp_shard × cp: an integer mode's groups are of those ranks)
+        reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard * dims.cp)
     except ValueError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("parallelism.") else f"parallelism.{message}") from None
@@ -315,6 +320,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
+    if longest > model_args.max_seq_len:
+        model_args = dataclasses.replace(model_args, max_seq_len=longest)
     model_args = _moe_settings(config, spec, model_args, dims)
     _tensor_parallel_settings(config, dims, model_args)
     _context_parallel_settings(config, dims, model_args)
@@ -352,7 +359,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
         offload=offload, float8=float8, lora=lora,
         loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
-        memory_budget_gib=p.memory_budget_gib,
+        memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
 
 

@@ -45,6 +45,8 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
         return
     t, ac = config.training, config.activation_checkpoint
     logger.info("job: %s", config.job.description)
+    for note in plan.notes:
+        logger.info("note: %s", note)
     if config.job.print_config:
         logger.info("config:\n%s", json.dumps(config.to_dict(), indent=2))
     n_params = sum(p.numel() for p in model.parameters())

@@ -527,12 +527,14 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
-        dp_shard = ParallelDims.resolve(
+        resolved = ParallelDims.resolve(
             world_size=kwargs["world_size"],
             dp_replicate=kwargs["dp_replicate"],
             dp_shard=-1,
             tp=kwargs["tensor_parallel"],
-        ).dp_shard
+            cp=kwargs.get("context_parallel", 1),
+        )
+        dp_shard = resolved.dp_shard * resolved.cp  # the ranks FSDP shards over
         trainable = kwargs.get("lora") is None
         costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,

@@ -275,10 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 2
     first = estimates[0]
+    for note in plan.notes:
+        print(f"note: {note}")
     unit = ("GiB", GIB) if max(e.device_peak for e in estimates) >= GIB else ("MiB", 2**20)
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
-          f"{first.dp_replicate} × dp_shard {first.dp_shard}"
+          f"{first.dp_replicate} × dp_shard {first.dp_shard // plan.dims.cp}"
+          + (f" × context parallel {plan.dims.cp} ({plan.shape.context_parallel_method}: each rank holds "
+             f"{plan.shape.seq_len // plan.dims.cp} tokens of every sequence)" if plan.dims.cp > 1 else "")
           + (f" × tensor parallel {plan.dims.tp} (attention and dense feed-forward split over {plan.dims.tp} ranks, "
              f"sequence parallel between them)" if plan.dims.tp > 1 else "")
           + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "

@@ -87,7 +87,7 @@ class MemoryEstimate:
     dp_replicate: int
     """HSDP replicas (1: plain FSDP)."""
     dp_shard: int
-    """Ranks each parameter is sharded over."""
+    """Ranks each parameter is sharded over (data-parallel shard × context parallel)."""
     reshard_after_forward_mode: ReshardMode
     """The reshard mode estimated (a tuple: one bool per unit, as ``auto`` chooses)."""
     param_dtype: str
@@ -245,8 +245,12 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     if world_size % (dp_replicate * tensor_parallel):
         raise ValueError(f"tensor_parallel: invalid value {tensor_parallel}; dp_replicate {dp_replicate} × "
                          f"tensor_parallel must divide world_size {world_size}")
-    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel)
-    validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard)
+    dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel,
+                                cp=shape.context_parallel)
+    validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard * dims.cp)
+    if shape.context_parallel > 1 and seq_len % (2 * shape.context_parallel):
+        raise ValueError(f"seq_len: invalid value {seq_len}; context parallel {shape.context_parallel} splits it "
+                         f"into {2 * shape.context_parallel} equal chunks")
     if optimizer not in ("AdamW", "Adam"):
         raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
     if optimizer_implementation not in ("foreach", "fused", "for-loop"):
@@ -423,7 +427,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
 
     start = time.perf_counter()
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel,
-                                tp=tensor_parallel)
+                                tp=tensor_parallel, cp=shape.context_parallel)
+    local_len = seq_len // dims.cp  # context parallel: this rank's share of each sequence
     device = torch.device("cpu")
     with _fake_world(world_size):
         mesh = build_mesh(device, dims)
@@ -442,7 +447,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
             opt = build_optimizer(model, OptimizerConfig(name=optimizer, implementation=optimizer_implementation))
             local_opt = _LocalOptimizer(opt)
             micro_batches = min(grad_accum_steps, 2)
-            tokens_this_rank = local_batch_size * seq_len * grad_accum_steps
+            tokens_this_rank = local_batch_size * local_len * grad_accum_steps
             offloaded = _OffloadedBytes([p for name, p in model.named_parameters() if name in offloaded_names],
                                         local_opt) if offloaded_names else None
             tracker = _make_tracker(model, local_opt.optimizer, offloaded)
@@ -450,8 +455,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for _ in range(micro_batches):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
-                    inputs = torch.zeros(local_batch_size, seq_len, dtype=torch.long, device=device)
-                    labels = torch.zeros(local_batch_size, seq_len, dtype=torch.long, device=device)
+                    inputs = torch.zeros(local_batch_size, local_len, dtype=torch.long, device=device)
+                    labels = torch.zeros(local_batch_size, local_len, dtype=torch.long, device=device)
                     tracker.track_inputs((inputs, labels))
                     token_loss = token_loss_sum(model(inputs), labels)
                     (token_loss / tokens_this_rank).backward()
@@ -469,7 +474,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
             cpu_peak = tracker.cpu_peak if offloaded is not None else 0
             del tracker, local_opt, opt, model
     return MemoryEstimate(
-        world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+        world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard * dims.cp,
         reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=dtype_name(param_dtype),
         reduce_dtype=dtype_name(reduce_dtype), cpu_offload=cpu_offload, local_batch_size=local_batch_size,
         seq_len=seq_len, grad_accum_steps=grad_accum_steps, optimizer=optimizer,
