@@ -244,3 +244,28 @@ def test_a_job_longer_than_the_flavor_gets_a_longer_rotary_table_and_a_note() ->
     long = precompute_freqs_cis(scaled.head_dim, 16384, scaled.rope_theta, args=scaled)
     short = precompute_freqs_cis(scaled.head_dim, 8192, scaled.rope_theta, args=scaled)
     assert torch.equal(long[:8192], short)  # the same rotations where they overlap: only the table is longer
+
+
+def test_memory_cli_finds_the_longest_seq_len_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--longest_seq_len``: a progress line per estimate, and the answer is the longest tried
+    length that fits the budget (90% of the device) with the next step up not fitting; context
+    parallel 2 fits a longer sequence than 1."""
+    import re
+
+    from torchtitan_lite.memory.cli import main
+
+    found = {}
+    for degree in (1, 2):
+        argv = ["--world_size", "4", "--job.config_file", "train_configs/debug_model.toml", "--device_memory_gib",
+                "1", "--parallelism.context_parallel_degree", str(degree), "--longest_seq_len"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        tried = [(int(n), float(g), v == "fits") for n, g, v in
+                 re.findall(r"^seq_len (\d+): estimated peak ([\d.]+) GiB per rank, (fits|does not fit)$", out, re.M)]
+        assert tried, out
+        answer = int(re.search(r"^longest seq_len that fits: (\d+) tokens", out, re.M).group(1))
+        assert answer == max(n for n, _, ok in tried if ok)
+        assert all(g <= 0.9 for n, g, ok in tried if ok) and all(g > 0.9 for n, g, ok in tried if not ok)
+        assert any(n > answer and not ok for n, _, ok in tried)
+        found[degree] = answer
+    assert found[2] > found[1], found

@@ -80,6 +80,9 @@ class ContextParallel:
         self.group, self.method = group, method
         self.degree, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._layouts: dict[tuple[int, str], _Layout] = {}
+        self.shapes_only = False
+        """Set by the memory estimator (fake tensors): attention without its mask tensor, as on
+        CUDA, where the mask is a BlockMask of a few bytes per block."""
 
     def layout(self, seq_len: int, device: torch.device) -> _Layout:
         """The load-balanced split of a sequence of ``seq_len`` tokens (cached)."""
@@ -157,6 +160,8 @@ class ShardedAttention:
         layout = self.layout
         k_all = self.cp._gather_sequence(k, dim=2, layout=layout)
         v_all = self.cp._gather_sequence(v, dim=2, layout=layout)
+        if self.cp.shapes_only:
+            return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=enable_gqa)
         return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=self.flex)
 
     def _mask(self, local: int) -> Any:
@@ -190,7 +195,7 @@ class ShardedAttention:
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
             enable_gqa = False
         qh, kh, vh = (self._sequence_to_heads(t) for t in (q, k, v))
-        if self.documents is None:
+        if self.documents is None or self.cp.shapes_only:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=enable_gqa)
         else:
             from torchtitan_lite.models.decoder import block_causal_mask

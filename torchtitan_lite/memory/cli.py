@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,91 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory of one device in GiB, to say whether each mode fits; default: this "
                              "machine's first CUDA device, else no verdict")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON")
+    parser.add_argument("--longest_seq_len", action="store_true",
+                        help="instead of the table: search the longest training.seq_len whose configured mode fits "
+                             "the budget (parallelism.memory_budget_gib, else 90%% of the device), in steps that "
+                             "context parallel splits, printing each estimate as it goes")
     return parser
+
+
+def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float,
+                    progress: Any = print) -> tuple[int | None, list[tuple[int, float]]]:
+    """The longest ``training.seq_len`` (a multiple of the step context parallel splits, and of
+    1,024) whose configured reshard mode's estimated device peak stays within ``budget`` bytes,
+    to 1/32 of itself; None when even one step does not fit. Returns it and every
+    ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line per estimate."""
+    from torchtitan_lite.memory.estimate import job_estimate_kwargs
+
+    cp = config.parallelism.context_parallel_degree
+    step = 2 * cp * -(-1024 // (2 * cp))
+    tried: list[tuple[int, float]] = []
+
+    def fits(seq_len: int) -> bool:
+        training = dataclasses.replace(config.training, seq_len=seq_len)
+        job = dataclasses.replace(config, training=training,
+                                  validation=dataclasses.replace(config.validation, enable=False))
+        plan, _ = plan_without_files(job, world_size=world_size, local_world_size=ranks_per_node)
+        mode = plan.reshard_mode if plan.reshard_mode != "auto" else "default"
+        peak = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
+                               **job_estimate_kwargs(job, plan)).device_peak
+        tried.append((seq_len, peak))
+        verdict = "fits" if peak <= budget else "does not fit"
+        progress(f"seq_len {seq_len}: estimated peak {peak / GIB:.2f} GiB per rank, {verdict}")
+        return peak <= budget
+
+    start = max(step, config.training.seq_len // step * step)
+    if fits(start):
+        low, high = start, None
+        while high is None and low < 2**24:
+            if fits(low * 2):
+                low *= 2
+            else:
+                high = low * 2
+    else:
+        low, high = 0, start
+        while low == 0 and high > step:
+            candidate = max(step, high // 2 // step * step)
+            if fits(candidate):
+                low = candidate
+            else:
+                high = candidate
+        if low == 0:
+            return None, tried
+    while high is not None and high - low > max(step, low // 32):
+        middle = (low + high) // 2 // step * step
+        if middle in (low, high):
+            break
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, tried
+
+
+def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_per_node: int,
+                   device_bytes: float | None, device_source: str) -> int:
+    """``--longest_seq_len``: search and print (exit 0)."""
+    from torchtitan_lite.memory.auto import auto_budget_bytes
+
+    if plan.memory_budget_gib is None and device_bytes is None:
+        raise _UsageError("--longest_seq_len: no budget: set parallelism.memory_budget_gib or --device_memory_gib "
+                          "(no CUDA device here)")
+    budget, source = auto_budget_bytes(plan.memory_budget_gib, device_bytes)
+    cp = plan.dims.cp
+    print(f"{config.model.name} {config.model.flavor} on {world_size} ranks (context parallel {cp}"
+          f"{', ' + plan.shape.context_parallel_method if cp > 1 else ''}); budget {budget / GIB:.1f} GiB per rank "
+          f"({source}); device {device_source}", flush=True)
+    start = time.perf_counter()
+    found, tried = longest_seq_len(config, world_size=world_size, ranks_per_node=ranks_per_node, budget=budget,
+                                   progress=lambda line: print(line, flush=True))
+    took = time.perf_counter() - start
+    if found is None:
+        print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "
+              f"({len(tried)} estimates in {took:.0f} s)")
+    else:
+        print(f"longest seq_len that fits: {found} tokens ({found // cp} per rank; {len(tried)} estimates in "
+              f"{took:.0f} s)")
+    return 0
 
 
 def _device_memory(gib: float | None) -> tuple[float | None, str]:
@@ -243,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"--world_size {world_size}")
         config = load_job_config(rest)
         plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node)
+        if own.longest_seq_len:
+            return _print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
+                                  device_bytes=device_bytes, device_source=device_source)
         model_args, accum = plan.model_args, plan.grad_accum_steps
         t = config.training
         kwargs = job_estimate_kwargs(config, plan)
