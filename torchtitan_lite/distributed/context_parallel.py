@@ -74,10 +74,10 @@ class ContextParallel:
     """Sequences split over ``group`` (the mesh's ``cp`` dimension) with ``method`` (see the
     module's docstring)."""
 
-    def __init__(self, group: Any, *, method: str = "allgather") -> None:
+    def __init__(self, group: Any, *, method: str = "allgather", load_balance: bool = True) -> None:
         if method not in CP_METHODS:
             raise ValueError(f"context parallel: unknown method {method!r}; expected one of {CP_METHODS}")
-        self.group, self.method = group, method
+        self.group, self.method, self.load_balance = group, method, load_balance
         self.degree, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._layouts: dict[tuple[int, str], _Layout] = {}
         self.shapes_only = False
@@ -85,7 +85,9 @@ class ContextParallel:
         CUDA, where the mask is a BlockMask of a few bytes per block."""
 
     def layout(self, seq_len: int, device: torch.device) -> _Layout:
-        """The load-balanced split of a sequence of ``seq_len`` tokens (cached)."""
+        """The load-balanced split of a sequence of ``seq_len`` tokens (cached; without
+        ``load_balance``, contiguous: rank ``r`` holds the ``r``-th of ``degree`` chunks, which a
+        causal mask makes the last rank's work ``2 × degree − 1`` times the first's)."""
         key = (seq_len, str(device))
         if key not in self._layouts:
             n = 2 * self.degree
@@ -93,7 +95,10 @@ class ContextParallel:
                 raise ValueError(f"context parallel: a sequence of {seq_len} tokens does not split into {n} equal "
                                  "chunks")
             chunk = seq_len // n
-            starts = [(r * chunk, (n - 1 - r) * chunk) for r in range(self.degree)]
+            if self.load_balance:
+                starts = [(r * chunk, (n - 1 - r) * chunk) for r in range(self.degree)]
+            else:
+                starts = [(2 * r * chunk, (2 * r + 1) * chunk) for r in range(self.degree)]
             owned = torch.stack([torch.cat([torch.arange(a, a + chunk), torch.arange(b, b + chunk)])
                                  for a, b in starts]).to(device)
             order = owned.flatten()  # the global position at each place of the rank-ordered concatenation
@@ -162,7 +167,18 @@ class ShardedAttention:
         v_all = self.cp._gather_sequence(v, dim=2, layout=layout)
         if self.cp.shapes_only:
             return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=enable_gqa)
-        return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=self.flex)
+        if self.flex:
+            return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=True)
+        # Dense masks: each of this rank's two chunks against the keys up to its end only (the
+        # keys after it are masked for all its queries): the work of a causal mask, not of a full one.
+        chunk, outs = q.shape[2] // 2, []
+        for i in range(2):
+            part = slice(i * chunk, (i + 1) * chunk)
+            end = int(self.query_positions[part.stop - 1]) + 1
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, part], k_all[:, :, :end], v_all[:, :, :end], attn_mask=self._dense_mask(part, end),
+                scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(outs, dim=2)
 
     def _mask(self, local: int) -> Any:
         """Causal (block-causal with documents) over the whole sequence for this rank's queries: a
@@ -180,11 +196,16 @@ class ShardedAttention:
 
             rows = 1 if documents is None else documents.shape[0]
             return create_block_mask(mask_mod, rows, None, local, total, device=positions.device)
-        keys = torch.arange(total, device=positions.device)
-        causal = keys[None, :] <= positions[:, None]  # (local, total)
+        return self._dense_mask(slice(0, local), total)
+
+    def _dense_mask(self, queries: slice, keys: int) -> torch.Tensor:
+        """The dense boolean mask of this rank's ``queries`` (a slice of its tokens) over the
+        sequence's first ``keys`` keys."""
+        documents, positions = self.documents, self.query_positions[queries]
+        causal = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
         if documents is None:
             return causal[None, None]
-        same = documents.index_select(1, positions)[:, :, None] == documents[:, None, :]
+        same = documents.index_select(1, positions)[:, :, None] == documents[:, None, :keys]
         return (same & causal)[:, None]
 
     def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool,
