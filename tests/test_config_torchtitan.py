@@ -116,12 +116,16 @@ mode = "memory_budget"
         assert line.startswith("error: ") and feature in line and "does not have" in line, line
     # Degrees of dimensions the model family does not split over: one line each when the job is
     # planned (they are ours now; the family's parallelize decides).
-    for key, value, name in [("context_parallel_degree", 4, "context parallel"),
-                             ("expert_parallel_degree", 2, "expert parallel")]:
+    for key, value, name in [("expert_parallel_degree", 2, "expert parallel")]:
         assert train.main([f"--parallelism.{key}", str(value)]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: parallelism.{key}: invalid value {value}; model 'llama3' does not split over {name} ranks "
-            "(its parallelize handles tensor parallel); expected 1")
+            "(its parallelize handles context parallel, tensor parallel); expected 1")
+    # Context parallel is every family's: a degree the world cannot hold is the mesh's one line.
+    assert train.main(["--parallelism.context_parallel_degree", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: parallelism.context_parallel_degree=4 × parallelism.tensor_parallel_degree=1 = 4 does not divide "
+        "the world size 1")
     # The same keys asking for nothing load without a word.
     notes: list[str] = []
     load_job_config(["--job.config_file", _write(tmp_path, """

@@ -125,6 +125,11 @@ def _fused(value: bool) -> str:
     return "fused" if value else "foreach"
 
 
+def _rotated(value: str) -> str:
+    # TorchTitan's ring rotations (allgather, alltoall) compute what our allgather method does.
+    return "allgather"
+
+
 def _seed(value: int | None) -> int:
     # TorchTitan's unset seed leaves weights and data order unseeded; every run here is seeded.
     return 42 if value is None else value
@@ -201,7 +206,9 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("parallelism.pipeline_parallel_first_stage_less_layers", int, (L,), _any, "", "used only with " + _PP),
     _off("parallelism.pipeline_parallel_last_stage_less_layers", int, (L,), _any, "", "used only with " + _PP),
     _off("parallelism.pipeline_parallel_expert_parallel_overlap", bool, (L,), _any, "", "used only with " + _PP),
-    _off("parallelism.context_parallel_rotate_method", str, VL, _any, "", "used only with " + _CP),
+    _alias("parallelism.context_parallel_rotate_method", str, VL, "parallelism.context_parallel_method", value=_rotated,
+           differs="TorchTitan's ring rotates the keys and values between neighbours; here every rank "
+                   "gathers them once (context_parallel_method = 'allgather'): the same attention"),
     _off("parallelism.context_parallel_load_balancer", str | None, (L,), _any, "", "used only with " + _CP),
     _off("parallelism.expert_tensor_parallel_degree", int, (L,), _in(1), _EP),
     _off("parallelism.expert_parallel_comm_backend", str, (L,), _any, "", "used only with " + _EP),
@@ -213,7 +220,10 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("experimental.pipeline_parallel_schedule_csv", str, (E,), _any, "", "used only with " + _PP),
     _off("experimental.pipeline_parallel_microbatches", int | None, (E,), _any, "", "used only with " + _PP),
     _alias("experimental.context_parallel_degree", int, (E,), "parallelism.context_parallel_degree"),
-    _off("experimental.context_parallel_rotate_method", str, (E,), _any, "", "used only with " + _CP),
+    _alias("experimental.context_parallel_rotate_method", str, (E,), "parallelism.context_parallel_method",
+           value=_rotated,
+           differs="TorchTitan's ring rotates the keys and values between neighbours; here every rank "
+                   "gathers them once (context_parallel_method = 'allgather'): the same attention"),
     _alias("experimental.enable_async_tensor_parallel", bool, (E,), "parallelism.enable_async_tensor_parallel"),
     _off("experimental.enable_compiled_autograd", bool, (E,), _in(False), "compiled autograd"),
     _off("experimental.custom_model_path", str, (E,), _empty, "custom model modules (register a family in "
