@@ -92,6 +92,7 @@ def test_load_balanced_layout() -> None:
     class Solo(ContextParallel):
         def __init__(self, degree: int, rank: int) -> None:
             self.group, self.method, self.degree, self.rank, self._layouts = None, "allgather", degree, rank, {}
+            self.load_balance = True
 
     layout = Solo(4, 1).layout(16, torch.device("cpu"))
     assert layout.owned.tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
@@ -195,17 +196,20 @@ def test_checkpoint_at_context_parallel_2_resumes_at_1_and_4(tmp_path: Any) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_chat_sft_at_context_parallel_2_equals_one_process(tmp_path: Any, family: str) -> None:
-    """Chat SFT (the family's template: Llama 3's without generation markers, Qwen3's with think
-    blocks), best-fit-decreasing packing, block-causal attention, the loss over the assistant
+    """Chat SFT (Llama 3's template without generation markers, Qwen3's training template with
+    them, think blocks), best-fit-decreasing packing, block-causal attention, the loss over the assistant
     tokens only: 2 ranks at context parallel 2 give one process's losses over 3 steps within 1e-5."""
     import json
 
-    from tests.test_data_chat import CONVERSATIONS, family_rows, write_chat_tokenizer
+    from tests.test_data_chat import CONVERSATIONS, TEMPLATES, family_rows, write_chat_tokenizer
     from tests.test_decoder_hf import hf_llama, hf_qwen3
     from tests.test_trainer_sft import _argv, _losses
     from torchtitan_lite.data import HFTokenizer
 
-    path = write_chat_tokenizer(tmp_path / "tokenizer", family)
+    # Llama 3's template (no generation markers: the assistant spans found by rendering) and Qwen3's
+    # training template (its {% generation %} markers say which tokens count).
+    marked = None if family == "llama3" else (TEMPLATES / "qwen3_training.jinja").read_text()
+    path = write_chat_tokenizer(tmp_path / "tokenizer", family, template=marked)
     (hf_llama if family == "llama3" else hf_qwen3)(tmp_path / "base", vocab_size=HFTokenizer(path).vocab_size)
     rows = [{"messages": m} for m in CONVERSATIONS] if family == "llama3" else family_rows("qwen3")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -288,3 +292,27 @@ def test_eight_ranks_data_context_and_tensor_parallel_2_each_equal_one_process(t
         for key in ("losses", "validation"):
             for a, b in zip(got[key], one[key], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], one[key])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--training.seq_len", "30"], "parallelism.context_parallel_degree: invalid value 2; training.seq_len 30 does "
+     "not split into 2 × context_parallel_degree = 4 equal chunks (the load-balanced split); expected a multiple "
+     "of it"),
+    (["--validation.enable", "--validation.seq_len", "18"], "parallelism.context_parallel_degree: invalid value 2; "
+     "validation.seq_len 18 does not split into 2 × context_parallel_degree = 4 equal chunks"),
+    (["--parallelism.context_parallel_method", "ulysses", "--parallelism.tensor_parallel_degree", "2",
+      "--parallelism.context_parallel_degree", "4"], "ulysses splits the attention heads over the context-parallel "
+     "ranks: 2 heads per tensor-parallel rank do not divide by context_parallel_degree 4"),
+    (["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
+     "context parallel is not combined with expert parallel"),
+])
+def test_bad_context_parallel_settings_are_one_line_before_any_process_group(extra: list[str], message: str) -> None:
+    from tests.conftest import TINY_ARGS
+    from torchtitan_lite.config import ConfigError, load_job_config
+    from torchtitan_lite.job import plan_job
+
+    argv = [*TINY_ARGS, "--training.seq_len", "32", "--parallelism.context_parallel_degree", "2", *extra]
+    world = 16 if "--parallelism.tensor_parallel_degree" in extra else 4
+    with pytest.raises(ConfigError) as raised:
+        plan_job(load_job_config(argv), world_size=world)
+    assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)

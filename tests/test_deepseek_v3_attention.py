@@ -262,9 +262,9 @@ def test_block_mask_path_matches_dense_mask(monkeypatch: pytest.MonkeyPatch) -> 
     and compiling it would take most of this file's time budget."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import torchtitan_lite.models.deepseek_v3.attention as attention
+    import torchtitan_lite.models.decoder as decoder
 
-    monkeypatch.setattr(attention, "_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(decoder, "_flex_attention", lambda: flex_attention)
     args = _args(_config(24, CASES["yarn-attention-factor"][1]))
     torch.manual_seed(3)
     module = MLAttention(args)

@@ -339,6 +339,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
         context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
+        device_type=_device_type(),
         local_batch_size=t.local_batch_size, seq_len=t.seq_len, grad_accum_steps=grad_accum_steps,
         param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
         reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
@@ -367,6 +368,8 @@ def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args
     """Refuse, one line, sequences the context-parallel ranks cannot split with the method asked
     (training's, and validation's when it runs)."""
     p = config.parallelism
+    if dims.cp == 1:
+        return
     lengths = [("training.seq_len", config.training.seq_len)]
     if config.validation.enable and config.validation.seq_len > 0:
         lengths.append(("validation.seq_len", config.validation.seq_len))
@@ -403,6 +406,11 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
         _require(torch.cuda.is_available(), "parallelism.enable_async_tensor_parallel", True,
                  "asynchronous tensor parallel runs on CUDA (symmetric memory between the GPUs of a node) and this "
                  "machine has none; expected false")
+
+
+def _device_type() -> str:
+    """Where this job runs: CUDA when this machine has it, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _compiles_model(config: JobConfig) -> bool:

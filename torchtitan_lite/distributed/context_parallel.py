@@ -68,6 +68,8 @@ class _Layout:
     owned: torch.Tensor  # (degree, seq_len / degree)
     gathered_to_global: torch.Tensor  # (seq_len,)
     global_to_gathered: torch.Tensor  # (seq_len,)
+    starts: tuple[tuple[int, int], ...]  # each rank's two chunks' first global positions
+    chunk: int  # tokens per chunk
 
 
 class ContextParallel:
@@ -103,7 +105,7 @@ class ContextParallel:
                                  for a, b in starts]).to(device)
             order = owned.flatten()  # the global position at each place of the rank-ordered concatenation
             self._layouts[key] = _Layout(owned=owned, gathered_to_global=torch.argsort(order),
-                                         global_to_gathered=order)
+                                         global_to_gathered=order, starts=tuple(starts), chunk=chunk)
         return self._layouts[key]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -171,10 +173,9 @@ class ShardedAttention:
             return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=True)
         # Dense masks: each of this rank's two chunks against the keys up to its end only (the
         # keys after it are masked for all its queries): the work of a causal mask, not of a full one.
-        chunk, outs = q.shape[2] // 2, []
-        for i in range(2):
-            part = slice(i * chunk, (i + 1) * chunk)
-            end = int(self.query_positions[part.stop - 1]) + 1
+        chunk, outs = self.layout.chunk, []
+        for i, start in enumerate(self.layout.starts[self.cp.rank]):
+            part, end = slice(i * chunk, (i + 1) * chunk), start + chunk
             outs.append(F.scaled_dot_product_attention(
                 q[:, :, part], k_all[:, :, :end], v_all[:, :, :end], attn_mask=self._dense_mask(part, end),
                 scale=scale, enable_gqa=enable_gqa))

@@ -40,6 +40,9 @@ class JobShape:
     """Context-parallel degree: ranks each sequence is split over."""
     context_parallel_method: str = "allgather"
     """``parallelism.context_parallel_method``."""
+    device_type: str = "cuda"
+    """Where the job runs, for what its attention holds: a context-parallel mask is a BlockMask of
+    next to nothing on CUDA and a dense boolean mask on a CPU."""
     local_batch_size: int = 1
     """Samples per rank per micro-batch."""
     seq_len: int = 2048

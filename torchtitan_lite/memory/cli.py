@@ -121,7 +121,8 @@ def plan_without_files(config: JobConfig, *, world_size: int,
         errors.append(str(exc))
     if errors:
         raise ConfigError("\n".join(errors))
-    return plan, note
+    # The estimate is of a CUDA job (device memory), whatever this machine has.
+    return dataclasses.replace(plan, shape=plan.shape.replace(device_type="cuda")), note
 
 
 def _positive_int(text: str) -> int:
@@ -169,15 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float,
+def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float, cp: int = 1,
                     progress: Any = print) -> tuple[int | None, list[tuple[int, float]]]:
     """The longest ``training.seq_len`` (a multiple of the step context parallel splits, and of
-    1,024) whose configured reshard mode's estimated device peak stays within ``budget`` bytes,
+    1,024; ``cp``: the context-parallel degree) whose configured reshard mode's estimated device
+    peak stays within ``budget`` bytes,
     to 1/32 of itself; None when even one step does not fit. Returns it and every
     ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line per estimate."""
     from torchtitan_lite.memory.estimate import job_estimate_kwargs
 
-    cp = config.parallelism.context_parallel_degree
     step = 2 * cp * -(-1024 // (2 * cp))
     tried: list[tuple[int, float]] = []
 
@@ -238,7 +239,7 @@ def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_p
           f"({source}); device {device_source}", flush=True)
     start = time.perf_counter()
     found, tried = longest_seq_len(config, world_size=world_size, ranks_per_node=ranks_per_node, budget=budget,
-                                   progress=lambda line: print(line, flush=True))
+                                   cp=cp, progress=lambda line: print(line, flush=True))
     took = time.perf_counter() - start
     if found is None:
         print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "

@@ -438,7 +438,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
         model = spec.meta_model(args)
         unit_list = parallelize(spec, model, mesh, shape, device=device)
         if getattr(model, "context_parallel", None) is not None:
-            model.context_parallel.shapes_only = True  # (CUDA's masks are BlockMasks: next to nothing)
+            # CUDA's masks are BlockMasks (next to nothing); a CPU's are dense and counted
+            model.context_parallel.shapes_only = shape.device_type == "cuda"
         offload_flags = unit_offload(cpu_offload, unit_list)
         offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
                          for module in unit.modules for param in module.parameters()}
