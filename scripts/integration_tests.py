@@ -216,6 +216,12 @@ CASES: list[TestCase] = [
     TestCase("hsdp_2x2", "HSDP: 2 replicas x 2 shards on a 2-D mesh",
              [["--parallelism.data_parallel_replicate_degree", "2",
                "--parallelism.data_parallel_shard_degree", "2"]], ngpu=4),
+    TestCase("context_parallel_2x2", "data parallel 2 x context parallel 2: each rank holds half of every "
+             "sequence (head-tail chunks), keys and values gathered, packed documents (block-causal)",
+             [["--parallelism.context_parallel_degree", "2", "--model.attention_mask", "block_causal"]], ngpu=4),
+    TestCase("context_parallel_ulysses_4", "context parallel 4 with Ulysses (all-to-all from sequence to heads)",
+             [["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method", "ulysses"]],
+             ngpu=4),
     TestCase("gradient_accumulation", "global batch 8 = 2 ranks x 2 samples x 2 accumulation steps",
              [["--training.global_batch_size", "8"]]),
     TestCase("checkpoint_resume", "save every 2 steps for 4 steps, then resume from step 4 to step 8",

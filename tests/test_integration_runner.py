@@ -124,7 +124,7 @@ def test_cases_cover_the_required_features() -> None:
     assert {"default_reshard", "reshard_never", "reshard_always", "reshard_int_2", "bf16_mixed_precision",
             "cpu_offload", "hsdp_2x2", "gradient_accumulation", "checkpoint_resume",
             "async_checkpoint_resume", "resume_world_size_2_to_4", "seed_checkpoint", "hf_export_import",
-            "validation"} <= names
+            "validation", "context_parallel_2x2", "context_parallel_ulysses_4"} <= names
     assert len(names) == len(it.CASES)
 
 
