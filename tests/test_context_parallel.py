@@ -303,8 +303,10 @@ def test_eight_ranks_data_context_and_tensor_parallel_2_each_equal_one_process(t
     (["--parallelism.context_parallel_method", "ulysses", "--parallelism.tensor_parallel_degree", "2",
       "--parallelism.context_parallel_degree", "4"], "ulysses splits the attention heads over the context-parallel "
      "ranks: 2 heads per tensor-parallel rank do not divide by context_parallel_degree 4"),
-    (["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
-     "context parallel is not combined with expert parallel"),
+    (["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2",
+      "--parallelism.context_parallel_degree", "4"], "parallelism.expert_parallel_degree: invalid value 2; with "
+     "context parallel the expert-parallel ranks are the parallelism.context_parallel_degree = 4 ranks of a "
+     "sequence and data-parallel ones: expected a multiple of it"),
 ])
 def test_bad_context_parallel_settings_are_one_line_before_any_process_group(extra: list[str], message: str) -> None:
     from tests.conftest import TINY_ARGS
@@ -316,3 +318,24 @@ def test_bad_context_parallel_settings_are_one_line_before_any_process_group(ext
     with pytest.raises(ConfigError) as raised:
         plan_job(load_job_config(argv), world_size=world)
     assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parallel_beside_context_parallel_equals_one_process(tmp_path: Any, family: str) -> None:
+    """4 ranks as data parallel 2 × context parallel 2 with expert parallel 2 (the two ranks of a
+    sequence) and 4 (all of them: tokens of both sequences' halves exchanged), fp32, 10 steps:
+    one process's training and validation losses within 1e-5 (Qwen3-MoE with its load-balancing
+    loss, DeepSeek-V3 with bias balancing)."""
+    extra = ["--model.name", family, "--model.attention_mask", "block_causal"]
+    if family == "deepseek_v3":
+        extra += ["--moe.bias_update_rate", "0.01"]
+    (one,) = run_distributed(_trainer_run, 1, _job(tmp_path / "one", "--training.local_batch_size", "4", *extra))
+    for ep in ("2", "4"):
+        ranks = run_distributed(_trainer_run, 4, _job(tmp_path / f"ep{ep}", "--training.local_batch_size", "2",
+                                                      "--parallelism.context_parallel_degree", "2",
+                                                      "--parallelism.expert_parallel_degree", ep, *extra))
+        for got in ranks:
+            for key in ("losses", "validation"):
+                for a, b in zip(got[key], one[key], strict=True):
+                    assert abs(a - b) <= 1e-5 * abs(b), (ep, key, got[key], one[key])

@@ -16,7 +16,8 @@ def test_degrees_resolve_by_name() -> None:
     # tp innermost: ranks 0 and 1 are one tensor-parallel pair and read the same batch.
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     dims = ParallelDims.resolve(dp_replicate=2, dp_shard=-1, cp=2, tp=2, ep=2, world_size=16)
-    assert dims.mesh_dims == (("dp_replicate", 2), ("dp_shard", 2), ("cp", 2), ("tp", 2))
+    # (expert parallel over dp_shard_in_ep × cp: here the two ranks of a sequence)
+    assert dims.mesh_dims == (("dp_replicate", 2), ("dp_shard_mod_ep", 2), ("dp_shard_in_ep", 1), ("cp", 2), ("tp", 2))
     assert dims.dp_size == 4 and dims.beyond_data_parallel() == {"cp": 2, "tp": 2, "ep": 2}
     # One replica per node (replicate degree 0) shards within a node, less the tensor-parallel ranks.
     dims = ParallelDims.resolve(dp_replicate=0, dp_shard=-1, tp=2, world_size=16, local_world_size=8)

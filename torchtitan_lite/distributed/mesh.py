@@ -57,11 +57,19 @@ class ParallelMesh:
         return self.dims.dp_size
 
     @property
+    def split_dims(self) -> tuple[str, ...]:
+        """The dimensions beyond data parallel the model is split over (``tp``, ``cp``, ``ep``
+        with a degree above 1; ``ep`` may be a flattened dimension of the mesh)."""
+        return tuple(name for name in ("tp", "cp", "ep") if self.dims.degree(name) > 1)
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.world.mesh_dim_names or ())
 
     def __getitem__(self, name: str) -> DeviceMesh:
-        if name not in self.names:
+        """The submesh of dimension ``name``: one the mesh was built with, or ``ep`` flattened
+        from ``dp_shard_in_ep × cp`` (expert parallel beside context parallel)."""
+        if name not in self.names and name not in self.split_dims:
             raise KeyError(f"the mesh has no dimension {name!r} (it has {', '.join(self.names)})")
         return self.world[name]
 
@@ -94,6 +102,17 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dist.group.WORLD, experts=experts)
+    if "cp" in names and dims.ep > 1:
+        # Expert parallel over dp_shard_in_ep × cp (the ep dimension, flattened); the experts'
+        # weights FSDP-sharded over dp_shard_mod_ep, everything else over all three.
+        replicate = ("dp_replicate",) if "dp_replicate" in names else ()
+        world[("dp_shard_in_ep", "cp")]._flatten("ep")
+        world[("dp_shard_mod_ep", "dp_shard_in_ep", "cp")]._flatten("dp_shard_cp")
+        fsdp = world[(*replicate, "dp_shard_cp")] if replicate else world["dp_shard_cp"]
+        experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
+        dp_group = world[(*replicate, "dp_shard_mod_ep", "dp_shard_in_ep")]._flatten("dp").get_group()
+        return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, experts=experts,
+                            token_group=dist.group.WORLD)
     if "cp" in names:  # parameters sharded over dp_shard × cp: every rank of a sequence holds a shard
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         world[("dp_shard", "cp")]._flatten("dp_shard_cp")

@@ -40,13 +40,16 @@ class ParallelDims:
 
     def unsupported(self) -> str | None:
         """A combination of degrees the build does not run yet, as one line naming the key, or
-        None: expert parallel beside tensor or context parallel (the one place of the rule; the
-        plan refuses it before any process group, the mesh if it gets that far)."""
-        if self.ep > 1 and (self.tp > 1 or self.cp > 1):
-            name = "tp" if self.tp > 1 else "cp"
-            what = "tensor" if name == "tp" else "context"
-            return (f"{DEGREE_KEYS[name]}: invalid value {getattr(self, name)}; {what} parallel is not combined "
+        None: expert parallel beside tensor parallel, or over fewer ranks than a sequence is split
+        over (the one place of the rules; the plan refuses them before any process group, the mesh
+        if it gets that far)."""
+        if self.ep > 1 and self.tp > 1:
+            return (f"{DEGREE_KEYS['tp']}: invalid value {self.tp}; tensor parallel is not combined "
                     f"with expert parallel ({DEGREE_KEYS['ep']} > 1) yet; expected 1 with it")
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
+            return (f"{DEGREE_KEYS['ep']}: invalid value {self.ep}; with context parallel the expert-parallel "
+                    f"ranks are the {DEGREE_KEYS['cp']} = {self.cp} ranks of a sequence and data-parallel ones: "
+                    "expected a multiple of it")
         return None
 
     @staticmethod
@@ -130,6 +133,11 @@ class ParallelDims:
             dims = tuple(part for name, size in dims
                          for part in ((("dp_shard_mod_ep", size // self.ep), ("ep", self.ep)) if name == "dp_shard"
                                       else ((name, size),)))
+        elif self.ep > 1:  # ep = dp_shard_in_ep × cp: the context-parallel ranks and some data-parallel ones
+            inner = self.ep // self.cp
+            dims = tuple(part for name, size in dims
+                         for part in ((("dp_shard_mod_ep", size // inner), ("dp_shard_in_ep", inner))
+                                      if name == "dp_shard" else ((name, size),)))
         return dims
 
     def beyond_data_parallel(self) -> dict[str, int]:

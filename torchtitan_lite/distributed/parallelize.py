@@ -61,7 +61,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     units = spec.fsdp_units(model)
     if shape.float8 is not None:  # (before tensor parallel, which splits float8 linears its own way)
         shape.float8.apply(model, blocks=units["blocks"])
-    dims = mesh.names if isinstance(mesh, ParallelMesh) else ()
+    dims = mesh.split_dims if isinstance(mesh, ParallelMesh) else ()
     if "tp" in dims:
         split = spec.tensor_parallel or apply_decoder_tensor_parallel
         split(model, mesh["tp"], loss_parallel=shape.loss_parallel)
@@ -86,7 +86,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
     expert_shards = None if experts is None else ExpertShards(
-        modules=experts, mesh=mesh.experts, gradient_divide_factor=float(mesh.dp_size))
+        modules=experts, mesh=mesh.experts, gradient_divide_factor=float(mesh.dp_size * mesh.dims.cp))
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload,
                experts=expert_shards)

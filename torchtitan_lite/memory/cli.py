@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f" × tensor parallel {plan.dims.tp} (attention and dense feed-forward split over {plan.dims.tp} ranks, "
              f"sequence parallel between them)" if plan.dims.tp > 1 else "")
           + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
-             f"weights per layer, FSDP-sharded over {plan.dims.dp_size // plan.dims.ep} ranks)"
+             f"weights per layer, FSDP-sharded over {plan.token_ranks // plan.dims.ep} ranks)"
              if plan.dims.ep > 1 else ""))
     if vocab_note is not None:
         print(vocab_note)
