@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.test_trainer_data import mixture  # noqa: F401  (the fixture)
 from torchtitan_lite.distributed.context_parallel import ContextParallel, context_parallel_problem
 
 SEQ = 32
@@ -339,3 +340,43 @@ def test_expert_parallel_beside_context_parallel_equals_one_process(tmp_path: An
             for key in ("losses", "validation"):
                 for a, b in zip(got[key], one[key], strict=True):
                     assert abs(a - b) <= 1e-5 * abs(b), (ep, key, got[key], one[key])
+
+
+def _metrics_run(argv: list[str]) -> None:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_mixture_metrics_at_hsdp_by_context_parallel_equal_one_process(tmp_path: Any, mixture: Any) -> None:  # noqa: F811
+    """A mixture of three sources with two named validation sets, 6 steps: HSDP (2 replicas) ×
+    context parallel 2 on 4 ranks logs one process's loss, each source's loss and tokens, and each
+    validation set's loss (within 1e-5): every sum is over the data × context-parallel ranks."""
+    from tests.dist_utils import read_jsonl
+    from tests.test_trainer_data import _mixture_argv
+
+    def argv(dump: str, *extra: str) -> list[str]:
+        return [*_mixture_argv(mixture, tmp_path / dump), "--training.steps", "6", "--validation.freq", "3",
+                "--checkpoint.no-enable", "--metrics.no-enable_tensorboard", *extra]
+
+    run_distributed(_metrics_run, 1, argv("one", "--training.local_batch_size", "4"))
+    run_distributed(_metrics_run, 4, argv("hsdp_cp", "--training.local_batch_size", "2",
+                                          "--parallelism.data_parallel_replicate_degree", "2",
+                                          "--parallelism.context_parallel_degree", "2"))
+    one, got = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "hsdp_cp"))
+    keys = [k for k in one[0] if k == "loss" or k.startswith(("loss/", "tokens/", "validation/"))
+            and (k.endswith("/loss") or k.startswith(("loss/", "tokens/")))]
+    assert any(k.startswith("loss/") for k in keys) and len(one) == len(got)
+    checked = 0
+    for a, b in zip(got, one, strict=True):
+        for key in keys + [k for k in b if k.startswith("validation/") and k.endswith("/loss")]:
+            if b.get(key) is not None:
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a[key], b[key])
+                checked += 1
+    assert checked > 20
