@@ -144,12 +144,13 @@ def _job(dump: Any, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, mask", [("llama3", "causal"), ("llama3", "block_causal"),
+@pytest.mark.parametrize("family, mask", [("llama3", "causal"), ("llama3", "block_causal"), ("qwen3", "causal"),
                                           ("qwen3_moe", "causal"), ("deepseek_v3", "block_causal")])
 def test_trainer_at_context_parallel_2_and_4_equals_one_process(tmp_path: Any, family: str, mask: str) -> None:
     """Tiny models, fp32, 10 steps at lr 1e-2, validation every 5: 4 ranks as data parallel 2 ×
     context parallel 2 (allgather) and as context parallel 4 (ulysses: 4 heads) give one process's
-    training and validation losses within 1e-5 (Qwen3-MoE with its load-balancing loss over the
+    training and validation losses within 1e-5 (Qwen3 with its per-head norms, Qwen3-MoE with its
+    load-balancing loss over the
     tokens of every rank, DeepSeek-V3's latent attention); the parameters are sharded over
     dp_shard × cp."""
     extra = ["--model.name", family, "--model.attention_mask", mask]
