@@ -55,7 +55,8 @@ def context_parallel_problem(*, seq_len: int, degree: int, method: str, n_heads:
     if method == "ulysses" and heads % degree:
         return (f"ulysses splits the attention heads over the context-parallel ranks: {heads} heads"
                 f"{' per tensor-parallel rank' if tensor_parallel > 1 else ''} do not divide by "
-                f"context_parallel_degree {degree}; expected a degree that divides them, or method 'allgather'")
+                f"context_parallel_degree {degree}; expected a degree that divides them, or "
+                "parallelism.context_parallel_method = 'allgather'")
     return None
 
 
@@ -150,6 +151,7 @@ class ShardedAttention:
 
     def __init__(self, cp: ContextParallel, layout: _Layout, documents: torch.Tensor | None, *, flex: bool) -> None:
         self.cp, self.layout, self.documents, self.flex = cp, layout, documents, flex
+        self._block_mask: Any = None  # a CUDA BlockMask, built by the first layer, shared by the others
         self.query_positions = layout.owned[cp.rank]  # (local,) global positions of this rank's tokens
         if documents is None:
             self.positions = self.query_positions
@@ -170,7 +172,9 @@ class ShardedAttention:
         if self.cp.shapes_only:
             return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=enable_gqa)
         if self.flex:
-            return _masked(q, k_all, v_all, self._mask(q.shape[2]), enable_gqa=enable_gqa, scale=scale, flex=True)
+            if self._block_mask is None:
+                self._block_mask = self._mask(q.shape[2])
+            return _masked(q, k_all, v_all, self._block_mask, enable_gqa=enable_gqa, scale=scale, flex=True)
         # Dense masks: each of this rank's two chunks against the keys up to its end only (the
         # keys after it are masked for all its queries): the work of a causal mask, not of a full one.
         chunk, outs = self.layout.chunk, []
@@ -222,7 +226,9 @@ class ShardedAttention:
         else:
             from torchtitan_lite.models.decoder import block_causal_mask
 
-            mask = block_causal_mask(self.documents, flex=self.flex)
+            if self._block_mask is None:  # (one per forward, shared by the layers)
+                self._block_mask = block_causal_mask(self.documents, flex=self.flex)
+            mask = self._block_mask
             out = _masked(qh, kh, vh, mask, enable_gqa=enable_gqa, scale=scale, flex=self.flex)
         return self._heads_to_sequence(out)
 

@@ -74,8 +74,20 @@ class ParallelMesh:
         return self.world[name]
 
     def groups(self) -> list[Any]:
-        """Every process group of the mesh (each dimension's, the data-parallel one)."""
-        return [self.world.get_group(dim) for dim in range(self.world.ndim)] + [self.dp_group]
+        """Every process group collectives run on (what the collective timeouts are set on): each
+        dimension's, the FSDP mesh's (flattened ones included), the experts', the expert-parallel
+        one, the data-parallel and the token groups; each once."""
+        found = [self.world.get_group(dim) for dim in range(self.world.ndim)]
+        found += [self.fsdp.get_group(dim) for dim in range(self.fsdp.ndim)]
+        if self.experts is not None:
+            found += [self.experts.get_group(dim) for dim in range(self.experts.ndim)]
+        if "ep" in self.split_dims:
+            found.append(self["ep"].get_group())
+        found += [self.dp_group, self.tokens]
+        unique: dict[int, Any] = {}
+        for group in found:
+            unique.setdefault(id(group), group)
+        return list(unique.values())
 
     def describe(self) -> dict[str, int]:
         """Each dimension's size, outermost first (for the log)."""

@@ -536,7 +536,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         )
         dp_shard = resolved.dp_shard * resolved.cp  # the ranks FSDP shards over
         trainable = kwargs.get("lora") is None
-        costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"],
+        # (a rank's tokens: its share of each sequence under context parallel)
+        costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"] // resolved.cp,
                              seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                              reduce_bytes=kwargs["reduce_dtype"].itemsize,
                              op_bytes_per_block=max(freed["op"], 0.0), dp_shard=dp_shard,

@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float, cp: int = 1,
                     progress: Any = print) -> tuple[int | None, list[tuple[int, float]]]:
-    """The longest ``training.seq_len`` (a multiple of the step context parallel splits, and of
-    1,024; ``cp``: the context-parallel degree) whose configured reshard mode's estimated device
+    """The longest ``training.seq_len`` (a multiple of the step: 1,024 rounded up to a multiple of
+    ``2 × cp``, the chunks context parallel splits a sequence into) whose configured reshard mode's estimated device
     peak stays within ``budget`` bytes,
     to 1/32 of itself; None when even one step does not fit. Returns it and every
     ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line per estimate."""
@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f" × tensor parallel {plan.dims.tp} (attention and dense feed-forward split over {plan.dims.tp} ranks, "
              f"sequence parallel between them)" if plan.dims.tp > 1 else "")
           + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
-             f"weights per layer, FSDP-sharded over {plan.token_ranks // plan.dims.ep} ranks)"
+             f"weights per layer, FSDP-sharded over {plan.dims.dp_shard * plan.dims.cp // plan.dims.ep} ranks"
+             + (f" and replicated {plan.dims.dp_replicate}×" if plan.dims.dp_replicate > 1 else "") + ")"
              if plan.dims.ep > 1 else ""))
     if vocab_note is not None:
         print(vocab_note)

@@ -524,6 +524,10 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.model.attention_mask == "block_causal":
         lines.append("model.attention_mask = 'block_causal' is not modelled: off CUDA its dense mask adds "
                      "local_batch_size × seq_len² bytes per forward")
+    if plan.dims.cp > 1 and plan.shape.device_type == "cuda":
+        lines.append("context parallel's BlockMask is built once per forward from a dense mask of its queries "
+                     "over the whole sequence (local_batch_size × seq_len² / context_parallel_degree bytes, "
+                     "freed at once), which is not modelled")
     return lines
 
 

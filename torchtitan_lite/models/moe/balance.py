@@ -64,8 +64,8 @@ def aux_loss_weight(aux_loss_coef: float | None, model_args: Any) -> float:
 
 class RouterBalance:
     """The router losses, load counts and bias updates of one model's MoE layers (see the
-    module's docstring). ``group``: the data-parallel process group (None: one process);
-    ``dp_size``: its ranks."""
+    module's docstring). ``group``: the ranks whose tokens make up the global batch (data ×
+    context parallel; None: one process); ``dp_size``: its ranks."""
 
     def __init__(self, model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, group: Any = None, dp_size: int = 1) -> None:
