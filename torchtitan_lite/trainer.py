@@ -360,8 +360,7 @@ class Trainer:
             labels = labels.to(self.device, non_blocking=True)
             docs = None if documents is None else documents[i].to(self.device, non_blocking=True)
             if cp is not None:
-                inputs, labels = cp.shard(inputs), cp.shard(labels)
-                docs = None if docs is None else cp.shard(docs)
+                inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
             logits = self.model(inputs) if docs is None else self.model(inputs, docs)
             token_loss = self.loss_fn(logits, labels)
             if sources is not None:  # each source's rows' loss, for the metrics: no gradient

@@ -79,8 +79,7 @@ class Validator:
                 labels = labels.to(self.device, non_blocking=True)
                 docs = None if docs is None else docs.to(self.device, non_blocking=True)
                 if (cp := self.context_parallel) is not None:
-                    inputs, labels = cp.shard(inputs), cp.shard(labels)
-                    docs = None if docs is None else cp.shard(docs)
+                    inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
                 logits = model(inputs) if docs is None else model(inputs, docs)
                 totals[0] += token_loss_sum(logits, labels).double()
                 totals[1] += (labels != IGNORE_INDEX).sum()

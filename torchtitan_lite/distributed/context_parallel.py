@@ -109,6 +109,11 @@ class ContextParallel:
                                          global_to_gathered=order, starts=tuple(starts), chunk=chunk)
         return self._layouts[key]
 
+    def shard_batch(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """This rank's tokens of each ``(bs, seq)`` tensor (tokens, labels, document ids; None
+        passes through)."""
+        return tuple(None if t is None else self.shard(t) for t in tensors)
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of ``x`` (whole sequences along ``dim``)."""
         positions = self.layout(x.shape[dim], x.device).owned[self.rank]
@@ -173,7 +178,7 @@ class ShardedAttention:
             return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=enable_gqa)
         if self.flex:
             if self._block_mask is None:
-                self._block_mask = self._mask(q.shape[2])
+                self._block_mask = self._flex_mask(q.shape[2])
             return _masked(q, k_all, v_all, self._block_mask, enable_gqa=enable_gqa, scale=scale, flex=True)
         # Dense masks: each of this rank's two chunks against the keys up to its end only (the
         # keys after it are masked for all its queries): the work of a causal mask, not of a full one.
@@ -185,23 +190,20 @@ class ShardedAttention:
                 scale=scale, enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2)
 
-    def _mask(self, local: int) -> Any:
-        """Causal (block-causal with documents) over the whole sequence for this rank's queries: a
-        query attends to the keys at or before its position (in its own document). A FlexAttention
-        BlockMask on CUDA (the blocks above the diagonal skipped), else a dense boolean mask."""
+    def _flex_mask(self, local: int) -> Any:
+        """The CUDA BlockMask of this rank's queries over the whole sequence: a query attends to the
+        keys at or before its position (in its own document); the blocks above the diagonal skipped."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
         documents, positions = self.documents, self.query_positions
-        total = local * self.cp.degree
-        if self.flex:
-            from torch.nn.attention.flex_attention import create_block_mask
 
-            def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                qpos = positions[q]
-                causal = kv <= qpos
-                return causal if documents is None else causal & (documents[b, qpos] == documents[b, kv])
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            qpos = positions[q]
+            causal = kv <= qpos
+            return causal if documents is None else causal & (documents[b, qpos] == documents[b, kv])
 
-            rows = 1 if documents is None else documents.shape[0]
-            return create_block_mask(mask_mod, rows, None, local, total, device=positions.device)
-        return self._dense_mask(slice(0, local), total)
+        rows = 1 if documents is None else documents.shape[0]
+        return create_block_mask(mask_mod, rows, None, local, local * self.cp.degree, device=positions.device)
 
     def _dense_mask(self, queries: slice, keys: int) -> torch.Tensor:
         """The dense boolean mask of this rank's ``queries`` (a slice of its tokens) over the
