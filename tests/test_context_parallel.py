@@ -152,7 +152,7 @@ def test_trainer_at_context_parallel_2_and_4_equals_one_process(tmp_path: Any, f
     training and validation losses within 1e-5 (Qwen3 with its per-head norms, Qwen3-MoE with its
     load-balancing loss over the
     tokens of every rank, DeepSeek-V3's latent attention); the parameters are sharded over
-    dp_shard × cp."""
+    dp_shard × cp. Llama also runs each method at the other degree."""
     extra = ["--model.name", family, "--model.attention_mask", mask]
     ((one,),) = [run_distributed(_trainer_run, 1, _job(tmp_path / "one", "--training.local_batch_size", "4",
                                                         *extra))]
@@ -163,6 +163,13 @@ def test_trainer_at_context_parallel_2_and_4_equals_one_process(tmp_path: Any, f
                                                      "--parallelism.context_parallel_degree", "4",
                                                      "--parallelism.context_parallel_method", "ulysses", *extra)),
     }
+    if family == "llama3":  # both methods at both degrees
+        runs["dp2xcp2-ulysses"] = run_distributed(_trainer_run, 4, _job(
+            tmp_path / "dp2cp2u", "--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2",
+            "--parallelism.context_parallel_method", "ulysses", *extra))
+        runs["cp4-allgather"] = run_distributed(_trainer_run, 4, _job(
+            tmp_path / "cp4a", "--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "4",
+            *extra))
     assert len(one["losses"]) == 10 and len(one["validation"]) == 2
     for name, ranks in runs.items():
         for got in ranks:
