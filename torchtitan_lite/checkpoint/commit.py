@@ -103,6 +103,7 @@ class PendingSave:
     future: Any
     started: float
     folders: StepFolders
+    last: bool = False  # the run's last save: a failure stops the job
     committed: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 

@@ -102,6 +102,7 @@ class CheckpointManager:
         self._pending: PendingSave | None = None
         self.saved_step = -1  # the step of the last save this manager made (committed or in flight)
         self.last_blocked_s = 0.0  # how long the last save held up training
+        self.failed_in_a_row = 0  # saves that failed since the last one committed
         # Background saves talk over their own gloo group: collectives of the training loop on
         # the default group and those of the save thread must never interleave.
         self._async_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -114,13 +115,21 @@ class CheckpointManager:
     def should_save(self, step: int, *, last: bool) -> bool:
         return self.config.enable and (step % self.config.interval == 0 or last)
 
-    def save(self, step: int, train_state: dict[str, Any], *, last: bool = False, sync: bool = False) -> Path:
-        """Write ``step-<step>``; returns its path. Synchronous saves return once it is
-        committed; asynchronous ones once the state is copied to CPU memory (the commit follows
-        when the files are written, at the latest in :meth:`wait`). ``sync``: synchronous even
-        with ``async_mode = "async"`` (a save before exiting). Step 0 (the seed checkpoint) and,
-        with ``last_save_model_only``, the last step save only the model weights, in
-        ``export_dtype``; ``last_save_in_hf`` writes those as Hugging Face safetensors."""
+    def save(self, step: int, train_state: dict[str, Any], *, last: bool = False,
+             sync: bool = False) -> Path | None:
+        """Write ``step-<step>``; returns its path, or None when the save failed and training
+        goes on (see below). Synchronous saves return once it is committed; asynchronous ones
+        once the state is copied to CPU memory (the commit follows when the files are written,
+        at the latest in :meth:`wait`). ``sync``: synchronous even with ``async_mode = "async"``
+        (a save before exiting). Step 0 (the seed checkpoint) and, with
+        ``last_save_model_only``, the last step save only the model weights, in
+        ``export_dtype``; ``last_save_in_hf`` writes those as Hugging Face safetensors.
+
+        A save that fails (a full disk, an I/O error) is one log line naming the folder and the
+        cause; its partial folder is removed and the committed checkpoints stay. Training goes
+        on and the next interval saves again, until ``max_failed_saves`` saves in a row have
+        failed: then, and for a save that must succeed (the seed, the last step, a save before
+        exiting on a signal), it is a :class:`CheckpointError` (exit 4)."""
         self.wait()
         started = time.perf_counter()
         self.saved_step = step
@@ -128,79 +137,120 @@ class CheckpointManager:
         model_only = step == 0 or (last and cfg.last_save_model_only)
         in_hf = model_only and last and cfg.last_save_in_hf
         in_peft = in_hf and self.lora is not None and not self.lora.merge_on_export
+        must_succeed = step == 0 or last or sync
         final = self.folders.final(step)
         rng: list[Any] = [None] * self.world_size
         if step > 0:
             dist.all_gather_object(rng, rng_state())
         if not model_only:
             self.loader.gather_state()  # every rank's data position into the state rank 0 saves
-        staging = self.folders.begin(step)
-        if self.rank == 0:
-            args = getattr(self.storage.model, "args", None)
-            write_json(staging / TRAIN_STATE_FILE, {
-                **train_state, "step": step, "format": "peft" if in_peft else "hf" if in_hf else "dcp",
-                "model_only": model_only, "export_dtype": cfg.export_dtype if model_only else None,
-                "world_size": self.world_size, "model_name": None if self.model_spec is None else self.model_spec.name,
-                "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
-                "config": self.run_config,
-                # a seed checkpoint is weights only: runs from it choose their own data and schedule
-                **({} if step == 0 else {"dataloader": self.loader.state_dict(),
-                                          "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng})})
-        dist.barrier()
-        dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
-        if in_hf:
-            self.storage.save_export(staging, peft=in_peft, dtype=dtype,
-                                     base_name=cfg.initial_load_path if cfg.initial_load_in_hf else None)
-            self.folders.commit(step, started)
-            dist.barrier()
-            return final
-        state = self.storage.dcp_state(model_only=model_only, dtype=dtype)
-        if self._async_group is not None and not sync:
-            response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
-            future = getattr(response, "upload_completion", response)
-            pending = self._pending = PendingSave(step, future, started, self.folders)
-            if self.rank == 0:  # commit from the writing thread once every file is written, not at the
-                future.add_done_callback(pending.commit_when_written)  # next save: a crash in between
-            self.last_blocked_s = time.perf_counter() - started         # would lose a complete checkpoint
-            if self.rank == 0:
-                logger.info("checkpoint step %d: training blocked %.3f s to stage it; writing in the "
-                            "background", step, self.last_blocked_s)
-            return final
-        # dcp.save returns on every rank only after rank 0 has written the metadata, which it
-        # does only after every rank reported its shards written; a rank's failure reaches all.
         try:
+            local: BaseException | None = None
+            staging = self.folders.staging(step)
+            try:
+                self.folders.begin(step)
+                if self.rank == 0:
+                    args = getattr(self.storage.model, "args", None)
+                    write_json(staging / TRAIN_STATE_FILE, {
+                        **train_state, "step": step, "format": "peft" if in_peft else "hf" if in_hf else "dcp",
+                        "model_only": model_only, "export_dtype": cfg.export_dtype if model_only else None,
+                        "world_size": self.world_size,
+                        "model_name": None if self.model_spec is None else self.model_spec.name,
+                        "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
+                        "config": self.run_config,
+                        # a seed checkpoint is weights only: runs from it choose their own data and schedule
+                        **({} if step == 0 else {"dataloader": self.loader.state_dict(),
+                                                  "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng})})
+            except OSError as exc:
+                local = exc
+            _agree(local, self.world_size)  # the barrier before any rank writes
+            dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
+            if in_hf:
+                self.storage.save_export(staging, peft=in_peft, dtype=dtype,
+                                         base_name=cfg.initial_load_path if cfg.initial_load_in_hf else None)
+                self._commit(step, started)
+                return final
+            state = self.storage.dcp_state(model_only=model_only, dtype=dtype)
+            if self._async_group is not None and not sync:
+                response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
+                future = getattr(response, "upload_completion", response)
+                pending = self._pending = PendingSave(step, future, started, self.folders, last=last)
+                if self.rank == 0:  # commit from the writing thread once every file is written, not at the
+                    future.add_done_callback(pending.commit_when_written)  # next save: a crash in between
+                self.last_blocked_s = time.perf_counter() - started         # would lose a complete checkpoint
+                if self.rank == 0:
+                    logger.info("checkpoint step %d: training blocked %.3f s to stage it; writing in the "
+                                "background", step, self.last_blocked_s)
+                return final
+            # dcp.save returns on every rank only after rank 0 has written the metadata, which it
+            # does only after every rank reported its shards written; a rank's failure reaches all.
             dcp.save(state, checkpoint_id=str(staging))
+            local = None
+            try:
+                self.storage.record_checksums(staging)  # (a collective, then rank 0 writes)
+            except OSError as exc:
+                local = exc
+            self._commit(step, started, local)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            raise self._failed(step, exc) from None
-        self.storage.record_checksums(staging)
-        self.folders.commit(step, started)
-        dist.barrier()
+            self._failed(step, exc, must_succeed=must_succeed)
+            return None
         self.last_blocked_s = time.perf_counter() - started
         return final
 
+    def _commit(self, step: int, started: float, local: BaseException | None = None) -> None:
+        """Rank 0 renames the staging folder to ``step-<N>`` unless this rank's part already
+        failed (``local``); every rank learns the outcome."""
+        try:
+            if local is None:
+                self.folders.commit(step, started)
+        except OSError as exc:
+            local = exc
+        _agree(local, self.world_size)
+        self.failed_in_a_row = 0
+
     def wait(self) -> None:
-        """Wait for the background save (if any) to finish and commit it."""
+        """Wait for the background save (if any) to finish and commit it. A failed one is
+        handled as :meth:`save` says (a failed last save raises)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         try:
             pending.future.result()
+            local: BaseException | None = None
+            try:
+                pending.commit_once()
+            except OSError as exc:
+                local = exc
+            _agree(local, self.world_size)
         except (Exception, CheckpointException) as exc:
-            raise self._failed(pending.step, exc) from None
-        pending.commit_once()
+            self._failed(pending.step, exc, must_succeed=pending.last)
+            return
+        self.failed_in_a_row = 0
         # Committed from the writer thread, where no collective can run: its checksums now (until
         # then keep_latest_k keeps the newest checkpoint that has them).
-        self.storage.record_checksums(self.folders.final(pending.step))
+        self.storage.record_checksums(self.folders.final(pending.step), committed=True)
         if self.rank == 0:
             self._prune()
 
-    def _failed(self, step: int, exc: BaseException) -> CheckpointError:
-        """The one-line error of a save that failed (its cause: e.g. "No space left on device");
-        the partial folder is removed. Earlier checkpoints are untouched."""
+    def _failed(self, step: int, exc: BaseException, *, must_succeed: bool) -> None:
+        """A save that failed (its cause: e.g. "No space left on device"): the partial folder is
+        removed, earlier checkpoints are untouched. One line (rank 0) and training goes on,
+        or a :class:`CheckpointError` when the save had to succeed or too many failed in a row."""
         self.folders.discard(step)
+        if self.saved_step == step:
+            self.saved_step = -1  # nothing of this step is saved: a save on a signal tries again
+        self.failed_in_a_row += 1
         kept = committed_steps(self.folder)
-        return CheckpointError(f"saving checkpoint step {step} to {str(self.folder)!r} failed: {failure_reason(exc)}; "
-                               f"the partial folder was removed and the checkpoints {kept or 'before it'} are intact")
+        line = (f"saving checkpoint step {step} to {str(self.folder)!r} failed: {failure_reason(exc)}; "
+                f"the partial folder was removed and the checkpoints {kept or 'before it'} are intact")
+        limit = self.config.max_failed_saves
+        if must_succeed or self.failed_in_a_row >= limit:
+            why = ("" if must_succeed or limit == 1 else
+                   f" ({self.failed_in_a_row} saves in a row failed: checkpoint.max_failed_saves = {limit})")
+            raise CheckpointError(line + why)
+        if self.rank == 0:
+            logger.error("%s; training goes on and the next save tries again (%d of "
+                         "checkpoint.max_failed_saves = %d failed in a row)", line, self.failed_in_a_row, limit)
 
     def _prune(self) -> None:
         prune(self.folder, self.config.keep_latest_k)
@@ -324,6 +374,18 @@ class CheckpointManager:
             # The same world size gets each rank's own generator back; another one gets rank 0's.
             set_rng_state(saved_rng[self.rank] if len(saved_rng) == self.world_size else saved_rng[0])
         return state
+
+
+def _agree(local: BaseException | None, world_size: int) -> None:
+    """Every rank learns whether any rank's part of a save failed (a collective, also the
+    barrier of the step): all raise the first failure, so all take the same next step."""
+    reasons: list[Any] = [None] * world_size
+    dist.all_gather_object(reasons, None if local is None else failure_reason(local))
+    first = next((r for r in reasons if r is not None), None)
+    if local is not None:
+        raise local
+    if first is not None:
+        raise OSError(first)
 
 
 def _check_changes(path: Path, saved: Any, run_config: dict[str, Any] | None, rank: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import zlib
@@ -51,6 +52,8 @@ from torchtitan_lite.checkpoint.safe_reading import (
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.errors import CheckpointError, ConfigError
 from torchtitan_lite.models.spec import ModelSpec
+
+logger = logging.getLogger("torchtitan_lite")
 
 __all__ = ["CHECKSUMS_FILE", "TRAIN_STATE_FILE", "CheckpointStorage", "check_initial_load_path",
            "checkpoint_model_args", "committed_steps", "fsync_dir", "read_train_state", "rng_state",
@@ -233,10 +236,12 @@ class CheckpointStorage:
         optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optimizer": plain_state(optim_sd)}
 
-    def record_checksums(self, folder: Path) -> None:
+    def record_checksums(self, folder: Path, *, committed: bool = False) -> None:
         """Every rank's CRC-32 of the data files it wrote (``__<rank>_*.distcp``), gathered; rank 0
         adds ``.metadata`` and ``train_state.json`` and writes :data:`CHECKSUMS_FILE` (a
-        collective)."""
+        collective), whole or not at all. Rank 0's write failing raises :class:`OSError`, or for
+        a ``committed`` checkpoint (an async save's, recorded after its commit) is one warning:
+        it is then verified without checksums."""
         mine = {p.name: {"size": p.stat().st_size, "crc32": _file_crc32(p)}
                 for p in sorted(folder.glob(f"__{self.rank}_*.distcp"))}
         gathered: list[Any] = [None] * self.world_size
@@ -249,7 +254,16 @@ class CheckpointStorage:
         for name in (".metadata", TRAIN_STATE_FILE):
             if (folder / name).is_file():
                 files[name] = {"size": (folder / name).stat().st_size, "crc32": _file_crc32(folder / name)}
-        write_json(folder / CHECKSUMS_FILE, {"algorithm": "crc32", "files": files})
+        partial = folder / f".{CHECKSUMS_FILE}.partial"
+        try:
+            write_json(partial, {"algorithm": "crc32", "files": files})
+            os.replace(partial, folder / CHECKSUMS_FILE)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            if not committed:
+                raise
+            logger.warning("checkpoint %s: its checksums could not be written (%s); it is verified without them",
+                           folder, failure_reason(exc))
 
     def verify(self, path: Path) -> str | None:
         """Whether the checkpoint ``path`` can be resumed, by every rank alike (a collective):

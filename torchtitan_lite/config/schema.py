@@ -461,6 +461,11 @@ class Checkpoint:
     """Checkpoint folder inside job.dump_folder; each checkpoint is a step-<N> subfolder."""
     interval: int = 500
     """Save every this many steps, and at the last step."""
+    max_failed_saves: int = 3
+    """Saves that may fail in a row (a full disk, an I/O error) while training goes on: each is one log line,
+    its partial folder removed and the committed checkpoints kept, and the next interval saves again; the
+    one that makes this many stops the job (exit 4). 1 stops at the first. The seed, the last step's save
+    and a save on a signal always stop it."""
     keep_latest_k: int = 0
     """Keep only the newest k committed checkpoints (older ones are deleted after a new one is committed); 0
     keeps all."""
@@ -871,6 +876,8 @@ def validate_config(c: JobConfig) -> None:
 
     ck = c.checkpoint
     _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "expected an integer >= 1")
+    _require(ck.max_failed_saves >= 1, "checkpoint.max_failed_saves", ck.max_failed_saves,
+             "expected an integer >= 1")
     _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,
              "expected an integer >= 0 (0 keeps all)")
     _require(ck.load_step >= -1, "checkpoint.load_step", ck.load_step, "expected an integer >= 0, or -1")
