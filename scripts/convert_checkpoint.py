@@ -59,6 +59,7 @@ from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
+from torchtitan_lite.progress import Progress, log_to_stderr
 
 HF_WEIGHTS_FILE = "model.safetensors"
 MODEL_ARGS_KEY = "model_args"
@@ -449,10 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = COMMANDS[args.command]
+    log_to_stderr()
     try:
-        command(Path(args.source), Path(args.output),
-                dtype=DTYPES[args.dtype] if args.dtype else None, model=args.model, flavor=args.flavor,
-                vocab_size=args.vocab_size, overwrite=args.overwrite)
+        with Progress(f"{args.command}: {args.source} -> {args.output}"):
+            command(Path(args.source), Path(args.output),
+                    dtype=DTYPES[args.dtype] if args.dtype else None, model=args.model, flavor=args.flavor,
+                    vocab_size=args.vocab_size, overwrite=args.overwrite)
     except (ConvertError, UserError, ValueError, OSError) as exc:
         print(f"error: {failure_reason(exc)}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, UnsafeCheckpointError) else 2

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_lite.data import build_tokenizer, check_dataset, read_documents, token_dtype_for
+from torchtitan_lite.progress import Progress, log_to_stderr
 
 
 def pretokenize(input_path: str, output: str, *, tokenizer_path: str | None = None,
@@ -72,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer_path", default=None, help="tokenizer.json; default: byte tokenizer")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
+    log_to_stderr()
     try:
-        documents, tokens, dtype = pretokenize(args.input, args.output, tokenizer_path=args.tokenizer_path,
-                                               overwrite=args.overwrite)
+        with Progress(f"pretokenizing {args.input} -> {args.output}"):
+            documents, tokens, dtype = pretokenize(args.input, args.output, tokenizer_path=args.tokenizer_path,
+                                                   overwrite=args.overwrite)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -67,18 +67,20 @@ def test_lock_names_its_holder_and_is_released_when_the_holder_dies(tmp_path: Pa
     again.release()
 
 
-def start_torchrun(args: list[str], **popen: Any) -> subprocess.Popen[str]:
-    """``torchrun --nproc_per_node=2 -m torchtitan_lite.train ARGS`` in a session of its own, one
-    thread per rank, without the launcher variables of the calling process (``popen``: where its
-    output goes). The caller ends it (its workers run in sessions of their own)."""
+def start_torchrun(args: list[str], *, entry: tuple[str, ...] = ("-m", "torchtitan_lite.train"),
+                   extra_env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
+    """``torchrun --nproc_per_node=2 -m torchtitan_lite.train ARGS`` (or another ``entry``) in a
+    session of its own, one thread per rank, without the launcher variables of the calling
+    process (``popen``: where its output goes). The caller ends it (its workers run in sessions
+    of their own)."""
     from torchtitan_lite.distributed import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "-m", "torchtitan_lite.train", *args],
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", *entry, *args],
         cwd=REPO_ROOT, env=env, text=True, start_new_session=True, **popen)
 
 

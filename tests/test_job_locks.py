@@ -3,6 +3,7 @@ launcher (an orphaned rank would train on and hold the locks)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -181,6 +182,58 @@ def test_workers_exit_when_their_launcher_is_killed_and_free_the_lock(tmp_path: 
     lock = DumpFolderLock(dump)  # the lock the orphans would have held is free
     lock.acquire()
     lock.release()
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T: stopped, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_blocked_in_a_collective_exits_within_5_s_of_its_launcher(tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP) as step 3 begins, so rank 0 waits inside a collective (C++,
+    where no Python signal handler runs); the agent is SIGKILLed: rank 0 exits with 76 and its
+    one line within 5 s (the watch thread), not at the collective's timeout (100 s). A stopped
+    process stays stopped until continued: rank 1 is killed here."""
+    dump = tmp_path / "job"
+    stderr = tmp_path / "stderr.txt"
+    _set_child_subreaper(True)
+    workers: list[int] = []
+    try:
+        with stderr.open("w") as err_file:
+            agent = start_torchrun([*TINY_ARGS, "--job.dump_folder", str(dump), "--training.steps", "100000"],
+                                   entry=("tests/kill_at_step.py",), stdout=subprocess.DEVNULL, stderr=err_file,
+                                   extra_env={"KILL_AT_STEP": "3", "KILL_RANK": "1", "KILL_SIGNAL": "SIGSTOP"})
+        try:
+            deadline = time.monotonic() + HANG_S
+            while len(workers) < 2 or not any(_state(pid) == "T" for pid in workers):
+                assert agent.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+                time.sleep(0.05)
+                workers = _children(agent.pid)
+            time.sleep(1.0)  # rank 0 is inside step 3's first collective by now
+            blocked = [pid for pid in workers if _state(pid) != "T"]
+            assert len(blocked) == 1
+        finally:
+            agent.kill()
+            agent.wait()
+        killed = time.monotonic()
+        while True:
+            done, status = os.waitpid(blocked[0], os.WNOHANG)
+            if done or time.monotonic() - killed > 30:
+                break
+            time.sleep(0.02)
+        waited = time.monotonic() - killed
+    finally:
+        for pid in workers:  # the stopped rank, and anything left
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        _set_child_subreaper(False)
+    assert done and os.waitstatus_to_exitcode(status) == LAUNCHER_GONE_EXIT_CODE, (waited, stderr.read_text()[-3000:])
+    assert waited < 5.0, f"rank 0 outlived its launcher by {waited:.1f} s"
+    assert "error: rank 0: the launcher of this worker" in stderr.read_text()
 
 
 def test_a_process_not_started_by_an_elastic_agent_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ It must be within -3% / +10% of the measured peak (issue 27's bound: never more 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -313,12 +314,89 @@ def test_tied_embeddings_count_once_in_the_estimate() -> None:
     assert 0 <= untied.state["optimizer_state"] - tied.state["optimizer_state"] - 2 * share <= 8
 
 
+def _stub_estimates(monkeypatch: pytest.MonkeyPatch, before: Any = None) -> list[ModelArgs]:
+    """The CLI's estimates replaced by empty ones (``before()`` called first), and no auto plan:
+    what a test of the CLI's plan checks is the models it estimates (returned, as they come)."""
+    import torchtitan_lite.memory.auto as auto
+    import torchtitan_lite.memory.cli as cli
+
+    planned: list[ModelArgs] = []
+
+    def stub_estimate(spec: Any, args: ModelArgs, *, reshard_after_forward_mode: Any, **kwargs: Any) -> MemoryEstimate:
+        if before is not None:
+            before()
+        planned.append(args)
+        zeros = dict.fromkeys(CATEGORY_NAMES, 0)
+        return MemoryEstimate(
+            world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"],
+            dp_shard=kwargs["world_size"] // kwargs["dp_replicate"],
+            reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=str(kwargs["param_dtype"]),
+            reduce_dtype=str(kwargs["reduce_dtype"]), cpu_offload=kwargs["cpu_offload"],
+            local_batch_size=kwargs["local_batch_size"], seq_len=kwargs["seq_len"],
+            grad_accum_steps=kwargs["grad_accum_steps"], optimizer=kwargs["optimizer"], peak=0,
+            peak_phase="forward", peak_module="", categories=zeros, device_peak=0, device_peak_phase="forward",
+            device_peak_module="", device_categories=zeros, cpu_peak=0)
+
+    def no_auto_plan(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("not planned in this test")
+
+    monkeypatch.setattr(cli, "estimate_memory", stub_estimate)
+    # What auto would choose (printed given a device size) is not these tests': no real 8B search.
+    monkeypatch.setattr(auto, "plan_auto_reshard", no_auto_plan)
+    return planned
+
+
+def test_cli_plans_torchtitans_8b_job_at_tensor_parallel_2_without_its_dataset(tmp_path, monkeypatch,
+                                                                               capsys) -> None:
+    """TorchTitan's own llama3_8b.toml (dataset 'c4' from the Hub, a tokenizer under ./assets)
+    with tensor_parallel_degree = 2, on a machine with neither: planned, one line for each."""
+    config = tmp_path / "llama3_8b.toml"
+    config.write_text((REPO_ROOT / "tests" / "assets" / "torchtitan" / "2026-02" / "llama3_8b.toml").read_text()
+                      .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    planned = _stub_estimates(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert {(args.dim, args.n_layers, args.vocab_size) for args in planned} == {(4096, 32, 128256)}
+    assert "× tensor parallel 2 (" in out.splitlines()[0], out
+    assert "training.dataset: not on this machine (no local copy set); the estimate reads no data" in out, out
+
+
+def test_cli_reports_progress_while_it_estimates(tmp_path, monkeypatch, capsys) -> None:
+    """The 8B job on one 80 GiB device: a progress line (on stderr) comes while the first
+    estimate is still running: the stubbed estimate returns only once it has seen one."""
+    import threading
+
+    seen = threading.Event()
+
+    def wait_for_a_progress_line() -> None:
+        assert seen.wait(120), "no progress line while estimating"
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "planning the memory of llama3 8B on 1 rank: estimate 1 of" in record.getMessage():
+                seen.set()
+
+    planned = _stub_estimates(monkeypatch, before=wait_for_a_progress_line)
+    log = logging.getLogger("torchtitan_lite")
+    handler, level = Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        monkeypatch.chdir(tmp_path)
+        assert main(["--job.config_file", str(REPO_ROOT / "train_configs" / "llama3_8b.toml"),
+                     "--world_size", "1", "--device_memory_gib", "80"]) == 0
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert seen.is_set() and planned
+
+
 def test_cli_job_whose_tokenizer_and_dataset_are_not_here(tmp_path, monkeypatch, capsys) -> None:
     """The shipped Llama 3.1 8B job (train_configs/llama3_8b.toml) planned on a machine without its
     files: the tokenizer folder and the Parquet mixture do not exist. The model takes the 8B
     flavor's own vocabulary (128256: 8.03B parameters) and one line says so. (The estimate itself
     is stubbed to stay cheap: what is checked is the plan the CLI estimates and reports.)"""
-    import torchtitan_lite.memory.cli as cli
 
     shipped = Path(__file__).resolve().parent.parent / "train_configs" / "llama3_8b.toml"
 
@@ -340,29 +418,7 @@ local_batch_size = 1
 mode = "selective"
 selective_ac_option = "op"
 """)
-    planned: list[ModelArgs] = []
-
-    def stub_estimate(spec: Any, args: ModelArgs, *, reshard_after_forward_mode: Any, **kwargs: Any) -> MemoryEstimate:
-        planned.append(args)
-        zeros = dict.fromkeys(CATEGORY_NAMES, 0)
-        return MemoryEstimate(
-            world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"],
-            dp_shard=kwargs["world_size"] // kwargs["dp_replicate"],
-            reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=str(kwargs["param_dtype"]),
-            reduce_dtype=str(kwargs["reduce_dtype"]), cpu_offload=kwargs["cpu_offload"],
-            local_batch_size=kwargs["local_batch_size"], seq_len=kwargs["seq_len"],
-            grad_accum_steps=kwargs["grad_accum_steps"], optimizer=kwargs["optimizer"], peak=0,
-            peak_phase="forward", peak_module="", categories=zeros, device_peak=0, device_peak_phase="forward",
-            device_peak_module="", device_categories=zeros, cpu_peak=0)
-
-    monkeypatch.setattr(cli, "estimate_memory", stub_estimate)
-    # What auto would choose (printed given a device size) is not this test's: no real 8B search.
-    import torchtitan_lite.memory.auto as auto
-
-    def no_auto_plan(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("not planned in this test")
-
-    monkeypatch.setattr(auto, "plan_auto_reshard", no_auto_plan)
+    planned = _stub_estimates(monkeypatch)
     monkeypatch.chdir(tmp_path)  # the shipped job's relative paths: nothing there
     assert main(["--job.config_file", str(shipped), "--world_size", "8", "--device_memory_gib", "80"]) == 0
     out = capsys.readouterr().out
@@ -388,12 +444,18 @@ selective_ac_option = "op"
     out = capsys.readouterr().out
     assert "vocab 258;" in out and "model.tokenizer_path" not in out
 
-    # Config checks of the datasets still run (those that need no files): every problem at once.
+    # A dataset named by where it is published (nothing downloads it) is planned all the same,
+    # with one line; the config checks that need no files still run: every problem at once.
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--training.dataset", "fineweb"]) == 0
+    assert "training.dataset: not on this machine (no local copy set); the estimate reads no data" in \
+        capsys.readouterr().out
     assert main(["--job.config_file", str(config), "--world_size", "8", "--training.dataset", "fineweb",
-                 "--validation.enable", "--validation.dataset", "text"]) == 2
+                 "--validation.enable", "--validation.dataset", "text", "--parallelism.tensor_parallel_degree",
+                 "3"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and err[0].startswith("error: training.dataset: 'fineweb' is HuggingFaceFW/fineweb"), err
-    assert err[1].startswith("error: validation.dataset_path: validation.dataset='text' needs a path"), err
+    assert len(err) == 2 and err[0].startswith("error: validation.dataset_path: validation.dataset='text' needs a "
+                                               "path"), err
+    assert err[1].startswith("error: parallelism.context_parallel_degree=1 × parallelism.tensor_parallel_degree=3"), err
 
 
 @pytest.mark.slow

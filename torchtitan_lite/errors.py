@@ -28,7 +28,8 @@ This module imports nothing else of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "TrainingError", "UserError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "DataNotHereError", "TrainingError",
+           "UserError"]
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a job stopped by a signal of ``checkpoint.save_on_signals`` after its checkpoint
@@ -46,6 +47,11 @@ class ConfigError(UserError):
     """A configuration value, option or combination that is not allowed."""
 
     exit_code = 2
+
+
+class DataNotHereError(ConfigError):
+    """A dataset named by where it is published (a Hugging Face Hub name) with no local copy set:
+    training cannot start, but a planner that reads no data plans the job all the same."""
 
 
 class DataError(UserError):

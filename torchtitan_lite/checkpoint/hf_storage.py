@@ -52,6 +52,7 @@ from torchtitan_lite.distributed.lora import (
 )
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
+from torchtitan_lite.progress import Progress
 
 __all__ = [
     "CONFIG_FILE",
@@ -474,27 +475,28 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
 
     Raises ``CheckpointError`` before reading any weight if the folder does not fit the model.
     """
-    path = Path(path)
-    adapter = _adapter(spec)
-    args = model.args
-    check_hf_checkpoint(path, spec, args)
-    params = _named_params(model)  # a tied parameter once, under its first name
-    to_load: dict[str, torch.Tensor] = {}
-    for name, param in params.items():
-        to_load.update(_hf_parts(adapter.hf_names(name, args), param.detach()))
-    with torch.no_grad(), quiet_without_process_group():
-        # Each rank reads its own rows of every tensor straight into its shard.
-        try:
-            dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
-        except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-            raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
-    # Permuted weights now hold Hugging Face's row order; each is gathered (the only full
-    # matrix any rank holds, one at a time) and its shard rewritten in our order.
-    for name, param in params.items():
-        index = adapter.row_permutation(name, args, to_hf=False)
-        if index is not None:
-            _permute_into(param.detach(), param.detach(), index)
-    model.init_buffers(buffer_device)
+    with Progress(f"loading the Hugging Face weights of {path}"):
+        path = Path(path)
+        adapter = _adapter(spec)
+        args = model.args
+        check_hf_checkpoint(path, spec, args)
+        params = _named_params(model)  # a tied parameter once, under its first name
+        to_load: dict[str, torch.Tensor] = {}
+        for name, param in params.items():
+            to_load.update(_hf_parts(adapter.hf_names(name, args), param.detach()))
+        with torch.no_grad(), quiet_without_process_group():
+            # Each rank reads its own rows of every tensor straight into its shard.
+            try:
+                dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
+            except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+                raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
+        # Permuted weights now hold Hugging Face's row order; each is gathered (the only full
+        # matrix any rank holds, one at a time) and its shard rewritten in our order.
+        for name, param in params.items():
+            index = adapter.row_permutation(name, args, to_hf=False)
+            if index is not None:
+                _permute_into(param.detach(), param.detach(), index)
+        model.init_buffers(buffer_device)
 
 
 def _file_index_mapping(shapes: Mapping[str, tuple[int, ...]], itemsize: int,
@@ -568,47 +570,48 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
     A linear with LoRA adapters is written merged, ``W + (alpha/rank) · B A`` (each rank merges
     its own rows). The caller handles writing to a temporary folder and renaming it.
     """
-    path = Path(path)
-    adapter = _adapter(spec)
-    args = model.args
-    params = _named_params(model)
-    buffers = _persistent_buffers(model)
-    for name, module in lora_modules(model).items():
-        params[f"{name}.weight"] = plain_tensor(merged_weight(module))
-    for name, module in lora_expert_modules(model).items():
-        for weight in module.stacked_weights:
-            params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
-    export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
-    if not export_dtype.is_floating_point:
-        raise ValueError(f"dtype={export_dtype} is not a floating-point dtype")
-    to_save: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, param in params.items():
-            tensor = param.detach()
-            index = adapter.row_permutation(name, args, to_hf=True)
-            if index is not None:
-                permuted = torch.empty_like(tensor)
-                _permute_into(permuted, tensor, index)
-                tensor = permuted
-            # (Buffers keep their dtype: a router's fp32 bias.)
-            to_save.update(
-                _hf_parts(adapter.hf_names(name, args), tensor if name in buffers else tensor.to(export_dtype))
-            )
-    mapping = _file_index_mapping(adapter.expected_shapes(args), export_dtype.itemsize, max_file_bytes)
-    rank = dist.get_rank() if is_distributed() else 0
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    barrier_if_distributed()
-    writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping,
-                                      save_distributed=True, enable_consolidation=True)
-    with quiet_without_process_group():
-        dcp.save(to_save, storage_writer=writer)
-    del to_save
-    # dcp.save returns on every rank after rank 0 consolidated the shards (its finish step).
-    if rank == 0:
-        shutil.rmtree(path / "sharded", ignore_errors=True)
-        config = adapter.config_for(args, export_dtype)
-        if extras is not None:
-            _write_extras(path, config, extras)
-        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    barrier_if_distributed()
+    with Progress(f"writing the Hugging Face weights to {path}"):
+        path = Path(path)
+        adapter = _adapter(spec)
+        args = model.args
+        params = _named_params(model)
+        buffers = _persistent_buffers(model)
+        for name, module in lora_modules(model).items():
+            params[f"{name}.weight"] = plain_tensor(merged_weight(module))
+        for name, module in lora_expert_modules(model).items():
+            for weight in module.stacked_weights:
+                params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
+        export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
+        if not export_dtype.is_floating_point:
+            raise ValueError(f"dtype={export_dtype} is not a floating-point dtype")
+        to_save: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, param in params.items():
+                tensor = param.detach()
+                index = adapter.row_permutation(name, args, to_hf=True)
+                if index is not None:
+                    permuted = torch.empty_like(tensor)
+                    _permute_into(permuted, tensor, index)
+                    tensor = permuted
+                # (Buffers keep their dtype: a router's fp32 bias.)
+                to_save.update(
+                    _hf_parts(adapter.hf_names(name, args), tensor if name in buffers else tensor.to(export_dtype))
+                )
+        mapping = _file_index_mapping(adapter.expected_shapes(args), export_dtype.itemsize, max_file_bytes)
+        rank = dist.get_rank() if is_distributed() else 0
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        barrier_if_distributed()
+        writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping,
+                                          save_distributed=True, enable_consolidation=True)
+        with quiet_without_process_group():
+            dcp.save(to_save, storage_writer=writer)
+        del to_save
+        # dcp.save returns on every rank after rank 0 consolidated the shards (its finish step).
+        if rank == 0:
+            shutil.rmtree(path / "sharded", ignore_errors=True)
+            config = adapter.config_for(args, export_dtype)
+            if extras is not None:
+                _write_extras(path, config, extras)
+            (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        barrier_if_distributed()

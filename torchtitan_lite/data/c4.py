@@ -15,7 +15,7 @@ from pathlib import Path
 from torchtitan_lite.data import text
 from torchtitan_lite.data.files import files_with_suffix, has_suffix
 from torchtitan_lite.data.windows import Encoder, TokenStream
-from torchtitan_lite.errors import ConfigError, DataError
+from torchtitan_lite.errors import DataError, DataNotHereError
 
 __all__ = ["HUB_ONLY", "KINDS", "find_files", "token_stream"]
 
@@ -35,9 +35,9 @@ HUB_ONLY: dict[str, str] = {"fineweb": "HuggingFaceFW/fineweb", "fineweb_edu": "
 _JSON_LINES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
-def hub_only_error(dataset: str, section: str) -> ConfigError:
+def hub_only_error(dataset: str, section: str) -> DataNotHereError:
     """One line for a Hub-only name: nothing here downloads; what to set instead."""
-    return ConfigError(
+    return DataNotHereError(
         f"{section}.dataset: {dataset!r} is {HUB_ONLY[dataset]} on the Hugging Face Hub, and "
         f"nothing here downloads; download its Parquet files and set {section}.dataset = 'parquet' with "
         f"{section}.dataset_path = their folder (streamed)"
@@ -48,7 +48,7 @@ def find_files(dataset: str, dataset_path: str | None, *, section: str, key: str
     """The JSON-lines files a TorchTitan dataset name reads."""
     default, prefix = _NAMES[dataset]
     if dataset_path is None and default is None:
-        raise ConfigError(
+        raise DataNotHereError(
             f"{section}.dataset: {dataset!r} is TorchTitan's allenai/c4 (en) from the Hugging Face Hub, and "
             f"nothing here downloads; set {key} to a local copy of its JSON-lines shards (the "
             f"en/ folder of {prefix}*.json.gz files; read whole at start-up), or convert them once with "

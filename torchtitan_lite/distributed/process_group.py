@@ -51,6 +51,7 @@ _LAUNCHER_SIGNAL = "SIGUSR2"  # not SIGTERM/SIGUSR1/SIGINT: those are checkpoint
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _launcher_pid = os.getppid()  # this process's parent when it imported us (or forked: see below)
 _watching_launcher = False
+_orphan_exit = threading.Lock()
 
 
 def _record_launcher() -> None:
@@ -73,7 +74,11 @@ def exit_with_launcher() -> bool:
     (``prctl(PR_SET_PDEATHSIG)``) to send this process SIGUSR2 when its parent dies; the
     handler writes one line on stderr and ends the process at once with
     :data:`LAUNCHER_GONE_EXIT_CODE` (76), with no clean-up: the operating system releases the
-    locks, and what a save in progress left is a partial folder, never a committed step.
+    locks, and what a save in progress left is a partial folder, never a committed step. The
+    handler runs only when the main thread next runs Python code, so a daemon thread also
+    checks the parent every :data:`LAUNCHER_POLL_S` seconds and ends the process the same way:
+    a rank blocked in a collective, a background save or I/O (which release the GIL) is gone
+    within :data:`LAUNCHER_GONE_BOUND_S` of its launcher.
     SIGUSR2 while the launcher lives (sent by hand, or the end of the launcher's thread that
     started this process) is ignored. A launcher that died before this call sent nothing: when
     the parent is no longer the one this process had when it imported this module, it exits the
@@ -82,9 +87,9 @@ def exit_with_launcher() -> bool:
     Only on Linux, from the main thread, and only under an elastic agent
     (``TORCHELASTIC_RUN_ID`` in the environment); otherwise, e.g. ``python -m
     torchtitan_lite.train`` without torchrun or any other system, nothing changes and it returns
-    False. Calling it again does nothing. Limits: the handler runs when the main thread next
-    runs Python code (a rank inside a long C++ call exits when that returns; a collective whose
-    peers have exited fails at once); a launcher that dies in the first moments of a worker,
+    False. Calling it again does nothing. Limits: a stopped process (SIGSTOP) stays stopped
+    until it is continued; C++ code that holds the GIL for seconds delays the exit by as much;
+    a launcher that dies in the first moments of a worker,
     before this module is imported, is not noticed here (the worker then fails when it cannot
     reach the launcher's store, within ``comm.init_timeout_seconds``).
     """
@@ -109,7 +114,21 @@ def exit_with_launcher() -> bool:
     _watching_launcher = True
     if _launcher_gone():  # it died before the kernel was asked to tell us
         _exit_orphan()
+    threading.Thread(target=_watch_launcher, name="torchtitan_lite-launcher-watch", daemon=True).start()
     return True
+
+
+LAUNCHER_POLL_S = 0.2
+"""How often the watch thread of :func:`exit_with_launcher` checks that the launcher lives."""
+LAUNCHER_GONE_BOUND_S = 2.0
+"""The stated bound on how long a worker outlives its launcher (the poll, and the time to write
+one line and exit, with room for a loaded machine); the tests hold it at 5 s."""
+
+
+def _watch_launcher() -> None:
+    while not _launcher_gone():
+        time.sleep(LAUNCHER_POLL_S)
+    _exit_orphan()
 
 
 def _launcher_gone() -> bool:
@@ -124,7 +143,10 @@ def _on_launcher_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def _exit_orphan() -> NoReturn:
-    """One line on stderr (written directly: this may run inside a signal handler), then exit."""
+    """One line on stderr (written directly: this may run inside a signal handler), then exit.
+    The handler and the watch thread may both get here: one writes, the other waits for it."""
+    if not _orphan_exit.acquire(timeout=1.0):
+        os._exit(LAUNCHER_GONE_EXIT_CODE)
     line = (f"error: rank {os.environ.get('RANK', '?')}: the launcher of this worker (pid {_launcher_pid}) is "
             f"gone; exiting with code {LAUNCHER_GONE_EXIT_CODE} so that no orphaned rank trains on or holds the "
             "job's locks; start the job again (with checkpoint.enable it resumes from its last checkpoint)\n")

@@ -29,6 +29,7 @@ from torchtitan_lite.memory.estimate import (
     where_text,
 )
 from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.progress import Progress
 
 if TYPE_CHECKING:
     from torchtitan_lite.config.schema import JobConfig
@@ -264,10 +265,12 @@ def plan_auto_reshard(
         raise ValueError(f"budget_bytes: invalid value {budget_bytes!r}; expected a number > 0")
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return in_child_process(plan_here, spec, args, kwargs,
-                                timeout_s=timeout_s)
-    return plan_here(spec, args, **kwargs)
+    # (Reported from here: a child process's log lines would not reach the job's log.)
+    with Progress(f"planning reshard_after_forward_mode 'auto' under {budget_bytes / 2**30:.2f} GiB per rank "
+                  "(memory estimates of candidate plans)"):
+        if dist.is_available() and dist.is_initialized():
+            return in_child_process(plan_here, spec, args, kwargs, timeout_s=timeout_s)
+        return plan_here(spec, args, **kwargs)
 
 
 def job_auto_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
-from torchtitan_lite.errors import ConfigError, DataError, UserError
+from torchtitan_lite.errors import ConfigError, DataError, DataNotHereError, UserError
 from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, plan_job
 from torchtitan_lite.memory.estimate import (
     GIB,
@@ -43,6 +43,7 @@ from torchtitan_lite.memory.estimate import (
     where_text,
 )
 from torchtitan_lite.models import get_model_spec
+from torchtitan_lite.progress import Progress, log_to_stderr
 
 __all__ = ["build_parser", "main", "plan_without_files"]
 
@@ -70,9 +71,18 @@ class _UsageError(ValueError):
 
 def _dataset_config_errors(config: JobConfig) -> list[str]:
     """The source checks of :func:`~torchtitan_lite.job.preflight` that are config checks (a
-    source kind, a path a kind needs or does not read): one line each. What needs the files
-    (a missing or unreadable path, a column) is no concern of an estimate and is skipped."""
-    return [str(exc) for exc in check_sources(config) if isinstance(exc, ConfigError)]
+    source kind, a path a kind does not read): one line each. What needs the files (a missing
+    or unreadable path, a column, a Hub name with no local copy) is no concern of an estimate
+    and is skipped."""
+    return [str(exc) for exc in check_sources(config)
+            if isinstance(exc, ConfigError) and not isinstance(exc, DataNotHereError)]
+
+
+def _data_not_here(config: JobConfig) -> list[str]:
+    """One line per dataset named only by where it is published (no local copy set): planned
+    all the same, since the estimate reads no data."""
+    return [f"{str(exc).split(':', 1)[0]}: not on this machine (no local copy set); the estimate reads no data"
+            for exc in check_sources(config) if isinstance(exc, DataNotHereError)]
 
 
 def _without_tokenizer(config: JobConfig, error: DataError) -> tuple[JobConfig, str]:
@@ -341,24 +351,32 @@ def main(argv: list[str] | None = None) -> int:
         would = not auto and device_bytes is not None and not plan.shape.compile_by_parts
         budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
-        estimates = [estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs)
-                     for mode in _modes(configured)]
-        seconds = sum(e.seconds for e in estimates)
-        plan_auto, auto_error = None, None
-        auto_kwargs = job_auto_kwargs(config, plan)
-        if would and plan.offload == "none":
-            auto_kwargs["cpu_offload"] = "auto"
-        if auto or would:
-            try:
-                plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
-                                              budget_source=budget_source, **auto_kwargs)
-            except ValueError as exc:
-                if auto:
-                    raise
-                auto_error = str(exc)
-        if plan_auto is not None:
-            seconds += plan_auto.seconds
-            estimates.append(plan_auto.estimate)
+        log_to_stderr()
+        with Progress(f"planning the memory of {config.model.name} {config.model.flavor} on {world_size} "
+                      f"rank{'s' if world_size > 1 else ''}",
+                      first_s=1.0) as progress:
+            modes = _modes(configured)
+            estimates = []
+            for index, mode in enumerate(modes):
+                progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "
+                                f"reshard_after_forward_mode {mode!r}")
+                estimates.append(estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs))
+            seconds = sum(e.seconds for e in estimates)
+            plan_auto, auto_error = None, None
+            auto_kwargs = job_auto_kwargs(config, plan)
+            if would and plan.offload == "none":
+                auto_kwargs["cpu_offload"] = "auto"
+            if auto or would:
+                try:
+                    plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
+                                                  budget_source=budget_source, **auto_kwargs)
+                except ValueError as exc:
+                    if auto:
+                        raise
+                    auto_error = str(exc)
+            if plan_auto is not None:
+                seconds += plan_auto.seconds
+                estimates.append(plan_auto.estimate)
     except (UserError, ValueError) as exc:
         for line in str(exc).splitlines() or [""]:  # one line per problem
             print(f"error: {line}", file=sys.stderr)
@@ -380,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
              if plan.dims.ep > 1 else ""))
     if vocab_note is not None:
         print(vocab_note)
+    for absent in _data_not_here(config):
+        print(absent)
     print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.offload]}; "
