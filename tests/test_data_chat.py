@@ -530,3 +530,55 @@ def test_a_missing_chat_template_file_is_found_before_any_process_group(tmp_path
     assert [str(p) for p in check_sources(config)] == [
         f"training.chat_template: invalid value {str(tmp_path / 'nowhere.jinja')!r}; no such file (the path of a "
         ".jinja chat template)"]
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path: Path) -> None:
+    """``training.chat_template_kwargs``: Llama 3.1's ``date_string`` changes every rendering (its
+    system header) and Qwen3's ``enable_thinking = false`` its generation prompt, exactly as
+    ``apply_chat_template(..., **kwargs)`` renders them; the packed windows carry the same ids."""
+    transformers = pytest.importorskip("transformers")
+    messages = CONVERSATIONS[1]
+    path = write_chat_tokenizer(tmp_path / "llama3_1", "llama3_1")
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent))
+    dated = ChatTemplate(HFTokenizer(path), template_kwargs={"date_string": "01 Jan 2026"})
+    ids, _ = dated.encode(messages, loss_on="assistant")
+    expected = hf.apply_chat_template(messages, tokenize=True, date_string="01 Jan 2026")
+    assert ids.tolist() == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert "Today Date: 01 Jan 2026" in dated.render(messages)
+    assert ids.tolist() != ChatTemplate(HFTokenizer(path)).encode(messages, loss_on="assistant")[0].tolist()
+    rows = _rows_file(tmp_path / "rows.jsonl", [{"messages": messages}])
+    windows = packed_windows([rows], HFTokenizer(path), seq_len=len(ids) - 1, loss_on="assistant", truncate="right",
+                             key="training.dataset_path", where="rows", template_kwargs={"date_string": "01 Jan 2026"})
+    assert windows.rows[0, 0].tolist() == ids.tolist()
+
+    path = write_chat_tokenizer(tmp_path / "qwen3", "qwen3")
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent))
+    prompt = [{"role": "user", "content": "2+2?"}]
+    quick = ChatTemplate(HFTokenizer(path), template_kwargs={"enable_thinking": False})
+    rendered = quick.render(prompt, add_generation_prompt=True)
+    assert rendered == hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=False)
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+
+
+def test_chat_template_kwargs_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.errors import ConfigError
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[training.chat_template_kwargs]\nenable_thinking = false\ndate_string = "01 Jan 2026"\n')
+    config = load_job_config(["--job.config_file", str(toml)])
+    assert config.training.chat_template_kwargs == {"enable_thinking": False, "date_string": "01 Jan 2026"}
+    cli = load_job_config(["--training.chat_template_kwargs", '{"enable_thinking": false}'])
+    assert cli.training.chat_template_kwargs == {"enable_thinking": False}
+    for argv, line in [
+        (["--training.chat_template_kwargs", "enable_thinking=false"],
+         "training.chat_template_kwargs: invalid value 'enable_thinking=false'; expected a table (in TOML) or a "
+         "JSON object (on the command line)"),
+        (["--training.chat_template_kwargs", '{"messages": []}'],
+         "training.chat_template_kwargs: invalid value {'messages': []}; expected a table without messages: the "
+         "renderer sets messages, tools, documents, add_generation_prompt itself"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_job_config(argv)
+        assert str(err.value) == line

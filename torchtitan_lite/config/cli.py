@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,12 +346,19 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
     return config
 
 
+def _is_table_key(name: str) -> bool:
+    """Whether ``name`` is one of our keys whose value is a whole table (``training.chat_template_kwargs``)."""
+    section, _, key = name.partition(".")
+    tp = field_types(SECTIONS[section]).get(key) if section in SECTIONS else None
+    return typing.get_origin(tp) is dict
+
+
 def _flatten(table: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
     """``(dotted key, value)`` of a TOML table; nested tables (``[quantize.linear.float8]``) give
     longer keys."""
     out: list[tuple[str, Any]] = []
     for key, value in table.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and not _is_table_key(f"{prefix}{key}"):
             out.extend(_flatten(value, f"{prefix}{key}."))
         else:
             out.append((f"{prefix}{key}", value))

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import types
 import typing
@@ -211,6 +212,11 @@ class Training:
     """For chat data: a .jinja chat template file to render every conversation with, instead of the
     tokenizer's own (chat_template.jinja beside it, else tokenizer_config.json's chat_template): e.g. a
     training template that marks the assistant's text with {% generation %} ... {% endgeneration %}."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """For chat data: variables for the chat template, as apply_chat_template's keyword arguments pass them: a
+    TOML table ([training.chat_template_kwargs] enable_thinking = false; date_string = "01 Jan 2026" for Llama
+    3.1's), or a JSON object on the command line. Not the names the renderer sets itself (messages, tools,
+    documents, add_generation_prompt)."""
     on_bad_row: Literal["stop", "skip"] = "stop"
     """For chat data: a row the chat template refuses (its raise_exception or any template error), whose
     assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one
@@ -615,6 +621,8 @@ def type_name(tp: Any) -> str:
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list[{type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return "table"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -683,6 +691,16 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: invalid value {value!r}; expected a string")
+    if origin is dict:
+        if from_cli and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise ConfigError(f"{key}: invalid value {value!r}; expected a table (in TOML) or a JSON object "
+                          "(on the command line)")
     raise ConfigError(f"{key}: unsupported field type {type_name(tp)}")  # pragma: no cover
 
 
@@ -742,6 +760,10 @@ def _check_sources(c: JobConfig, problems: list[str]) -> None:
                                     ">= 1, or unset")
             elif src.weight != 1.0 or src.max_epochs is not None:
                 problems.append(f"{where}: weight and max_epochs have no effect on a validation set; remove them")
+
+
+CHAT_TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+"""The chat template's variables the renderer sets for every row (never from chat_template_kwargs)."""
 
 
 def validate_config(c: JobConfig) -> None:
@@ -876,6 +898,10 @@ def validate_config(c: JobConfig) -> None:
 
     ck = c.checkpoint
     _require(ck.interval >= 1, "checkpoint.interval", ck.interval, "expected an integer >= 1")
+    reserved = sorted(set(c.training.chat_template_kwargs) & set(CHAT_TEMPLATE_RESERVED))
+    _require(not reserved, "training.chat_template_kwargs", c.training.chat_template_kwargs,
+             f"expected a table without {', '.join(reserved)}: the renderer sets "
+             f"{', '.join(CHAT_TEMPLATE_RESERVED)} itself")
     _require(ck.max_failed_saves >= 1, "checkpoint.max_failed_saves", ck.max_failed_saves,
              "expected an integer >= 1")
     _require(ck.keep_latest_k >= 0, "checkpoint.keep_latest_k", ck.keep_latest_k,

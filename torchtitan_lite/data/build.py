@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.loader import BatchLoader, LoaderSource, rank_samples
@@ -46,11 +46,12 @@ class NamedSource:
     max_epochs: int | None = None
 
 
-def _reading(config: JobConfig) -> dict[str, str]:
+def _reading(config: JobConfig) -> dict[str, Any]:
     """How every source of the job is read (the ``training`` keys that apply to all of them)."""
     t = config.training
     return {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
             "truncate": t.truncate, "chat_template": t.chat_template, "on_bad_row": t.on_bad_row,
+            "chat_template_kwargs": tuple(sorted(t.chat_template_kwargs.items())),
             "packing": t.packing}
 
 

@@ -196,11 +196,11 @@ def pack(lengths: list[int], size: int, *, packing: str) -> list[list[int]]:
 
 def packed_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, loss_on: str, truncate: str, key: str,
                    where: str, chat_template: str | None = None, on_bad_row: str = "stop",
-                   packing: str = "greedy") -> PackedWindows:
+                   packing: str = "greedy", template_kwargs: dict[str, Any] | None = None) -> PackedWindows:
     """Every conversation rendered, tokenized with its label mask, and packed whole into windows
     of ``seq_len + 1`` tokens (``packing``). A bad row is a :class:`DataError` naming it, or
     (``on_bad_row = "skip"``) skipped and counted in the log."""
-    template = ChatTemplate(tokenizer, template_path=chat_template)
+    template = ChatTemplate(tokenizer, template_path=chat_template, template_kwargs=template_kwargs)
     size = seq_len + 1
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     cut = dropped = 0

@@ -373,10 +373,12 @@ _WAYS = ("marks", "non-empty marks", "verbatim", "changes")
 
 class ChatTemplate:
     """A tokenizer's chat templates: renders conversations as ``apply_chat_template`` does and
-    tokenizes them with their label mask. ``template_path``: ``training.chat_template``."""
+    tokenizes them with their label mask. ``template_path``: ``training.chat_template``;
+    ``template_kwargs``: ``training.chat_template_kwargs``, the template's extra variables (as
+    ``apply_chat_template(..., **kwargs)`` passes them: over the special tokens' names)."""
 
     def __init__(self, tokenizer: Tokenizer, *, template_path: str | None = None,
-                 key: str = "model.tokenizer_path") -> None:
+                 key: str = "model.tokenizer_path", template_kwargs: dict[str, Any] | None = None) -> None:
         if not isinstance(tokenizer, HFTokenizer):
             raise DataError(f"{key}: dataset = 'chat' needs a Hugging Face tokenizer.json and its chat template; "
                             f"this job's tokenizer is {type(tokenizer).__name__}")
@@ -388,6 +390,7 @@ class ChatTemplate:
         extra = values.get("extra_special_tokens")
         if isinstance(extra, dict):  # model-specific named tokens (transformers 5 passes them too)
             self.special.update({k: v for k, v in special_tokens(extra, tuple(extra)).items() if v is not None})
+        self.special.update(template_kwargs or {})
 
     def where(self, *, tools: list[Any] | None = None) -> str:
         """The file the template a row uses came from (for errors)."""

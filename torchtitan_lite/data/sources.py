@@ -46,6 +46,8 @@ class SourceSpec:
     """Chat sources: what happens to a conversation longer than a window (``training.truncate``)."""
     chat_template: str | None = None
     """Chat sources: a .jinja template file instead of the tokenizer's (``training.chat_template``)."""
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    """Chat sources: the template's extra variables (``training.chat_template_kwargs``), as items."""
     on_bad_row: str = "stop"
     """Chat sources: stop on a row that cannot be used, or skip it (``training.on_bad_row``)."""
     packing: str = "greedy"
@@ -122,6 +124,7 @@ def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, sour
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
         return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,
                                    key=spec.key, where=spec.where, chat_template=spec.chat_template,
+                                   template_kwargs=dict(spec.chat_template_kwargs),
                                    on_bad_row=spec.on_bad_row, packing=spec.packing)
     return TokenWindows(token_stream(spec, tokenizer, max_tokens=max_tokens), seq_len, seq_len_key=seq_len_key,
                         source=source)
