@@ -549,7 +549,7 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp
     rows = _rows_file(tmp_path / "rows.jsonl", [{"messages": messages}])
     windows = packed_windows([rows], HFTokenizer(path), seq_len=len(ids) - 1, loss_on="assistant", truncate="right",
                              key="training.dataset_path", where="rows", template_kwargs={"date_string": "01 Jan 2026"})
-    assert windows.rows[0, 0].tolist() == ids.tolist()
+    assert windows[0][0].tolist() == ids.tolist()
 
     path = write_chat_tokenizer(tmp_path / "qwen3", "qwen3")
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent))

@@ -183,3 +183,33 @@ def test_shipped_fine_tuning_configs_name_what_is_missing(tmp_path: Path, name: 
     lines = capsys.readouterr().err.strip().splitlines()
     assert [line.split(":")[1].strip() for line in lines] == ["model.tokenizer_path", "training.dataset_path"], lines
     assert "assets/hf/Llama-3.2-1B-Instruct" in lines[0] and "data/chat.jsonl" in lines[1]
+
+
+def _losses_and_log(argv: list[str]) -> tuple[list[float], list[str]]:
+    with captured_log() as lines:
+        losses = _losses(argv)
+    return losses, list(lines)
+
+
+@pytest.mark.slow
+def test_the_chat_cache_is_built_by_every_rank_reused_at_another_world_size_and_changes_no_loss(
+        tmp_path: Path, sft: Path) -> None:
+    """2 ranks build the cache on disjoint shares (even and odd rows); 2 ranks without a cache
+    give the same losses, exactly; 1 process pointed at the cache reads it (builds nothing) and
+    gives the same losses (4 micro-batches for the global batch of 4)."""
+    extra = ["--training.steps", "3", "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "1"]
+    (cached, log), _ = run_distributed(_losses_and_log, 2, _argv(sft, tmp_path / "a", *extra))
+    (folder,) = (tmp_path / "a" / "chat_cache").glob("chat-*")
+    assert sorted(p.name for p in folder.glob("*-rows.npy")) == ["part-0-of-2-rows.npy", "part-1-of-2-rows.npy"]
+    rows = [np.load(folder / f"part-{r}-of-2-rows.npy").tolist() for r in (0, 1)]
+    assert sorted(rows[0] + rows[1]) == list(range(len(CONVERSATIONS)))
+    assert all(n % 2 == 0 for n in rows[0]) and all(n % 2 == 1 for n in rows[1])
+    assert any(line.startswith(f"chat cache {folder} written (2 shares") for line in log), log
+    plain = run_distributed(_losses, 2, _argv(sft, tmp_path / "b", *extra, "--training.chat_cache_dir", ""))[0]
+    assert plain == cached and not (tmp_path / "b" / "chat_cache").exists()
+    (one, log), = run_distributed(_losses_and_log, 1, _argv(sft, tmp_path / "c", *extra, "--training.chat_cache_dir",
+                                                            str(tmp_path / "a" / "chat_cache")))
+    assert not [line for line in log if "chat cache" in line], log
+    assert [p.name for p in (tmp_path / "a" / "chat_cache").iterdir()] == [folder.name]
+    for a, b in zip(one, cached, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (one, cached)

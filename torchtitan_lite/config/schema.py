@@ -217,6 +217,11 @@ class Training:
     TOML table ([training.chat_template_kwargs] enable_thinking = false; date_string = "01 Jan 2026" for Llama
     3.1's), or a JSON object on the command line. Not the names the renderer sets itself (messages, tools,
     documents, add_generation_prompt)."""
+    chat_cache_dir: str = "chat_cache"
+    """For chat data: where the rendered and tokenized conversations are kept (memory-mapped), made once by the
+    ranks of each node on their shares and reused by restarts, other world sizes and other settings of seq_len,
+    truncate and packing; relative to job.dump_folder unless absolute (point jobs on the same data at one
+    folder to share it); "" renders and tokenizes every conversation on every rank at each start."""
     on_bad_row: Literal["stop", "skip"] = "stop"
     """For chat data: a row the chat template refuses (its raise_exception or any template error), whose
     assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one

@@ -52,6 +52,7 @@ def _reading(config: JobConfig) -> dict[str, Any]:
     return {"text_column": t.dataset_text_column, "token_dtype": t.dataset_token_dtype, "loss_on": t.loss_on,
             "truncate": t.truncate, "chat_template": t.chat_template, "on_bad_row": t.on_bad_row,
             "chat_template_kwargs": tuple(sorted(t.chat_template_kwargs.items())),
+            "cache_dir": str(Path(config.job.dump_folder) / t.chat_cache_dir) if t.chat_cache_dir else None,
             "packing": t.packing}
 
 

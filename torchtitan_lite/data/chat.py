@@ -25,20 +25,21 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from torchtitan_lite.data import chat_cache
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files, unreadable_error
 from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import PackedWindows
 from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "ChatTemplate", "conversation", "find_files", "pack", "packed_windows", "read_rows"]
+__all__ = ["KINDS", "ChatTemplate", "conversation", "find_files", "pack", "packed_windows", "read_rows",
+           "share_rows"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -87,6 +88,47 @@ def conversation(record: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
         ], None
     raise RowError(f"expected a 'messages' list of {{role, content}} tables, or 'prompt' and 'completion' strings; "
                    f"got {str(record)[:80]!r}", kind="row")
+
+
+def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1)) -> Iterator[tuple[int, str, Any]]:
+    """The rows ``(number, where, record)`` of the files whose number (counted over the files, in
+    order) is ``index`` modulo ``count`` for ``share = (index, count)``; other rows are only
+    counted (a JSON line not parsed, a Parquet batch's other rows not converted)."""
+    index, count = share
+    number = 0
+    for file in files:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                reader = pq.ParquetFile(str(file))
+                columns = [c for c in ("messages", "tools", "prompt", "completion") if c in reader.schema_arrow.names]
+                row = 0
+                for batch in reader.iter_batches(columns=columns, batch_size=4096):
+                    mine = [i for i in range(batch.num_rows) if (number + i) % count == index]
+                    records = batch.take(mine).to_pylist() if mine else []
+                    for i, record in zip(mine, records, strict=True):
+                        yield number + i, f"{str(file)!r} row {row + i}", record
+                    number, row = number + batch.num_rows, row + batch.num_rows
+            except OSError as exc:
+                raise unreadable_error(key, file, exc) from None
+            continue
+        try:
+            raw = file.read_bytes()
+            if file.name.endswith(".gz"):
+                raw = gzip.decompress(raw)
+        except OSError as exc:
+            raise unreadable_error(key, file, exc) from None
+        for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            if number % count == index:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    raise DataError(f"{key}: {str(file)!r} line {lineno} is not JSON") from None
+                yield number, f"{str(file)!r} line {lineno}", record
+            number += 1
 
 
 def read_rows(files: list[Path], key: str) -> Iterator[tuple[str, Any]]:
@@ -196,61 +238,83 @@ def pack(lengths: list[int], size: int, *, packing: str) -> list[list[int]]:
 
 def packed_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, loss_on: str, truncate: str, key: str,
                    where: str, chat_template: str | None = None, on_bad_row: str = "stop",
-                   packing: str = "greedy", template_kwargs: dict[str, Any] | None = None) -> PackedWindows:
+                   packing: str = "greedy", template_kwargs: dict[str, Any] | None = None,
+                   cache_dir: Path | None = None) -> PackedWindows:
     """Every conversation rendered, tokenized with its label mask, and packed whole into windows
     of ``seq_len + 1`` tokens (``packing``). A bad row is a :class:`DataError` naming it, or
-    (``on_bad_row = "skip"``) skipped and counted in the log."""
+    (``on_bad_row = "skip"``) skipped and counted in the log. With ``cache_dir`` the encodings are
+    made once, by this node's ranks on their shares, and kept there (:mod:`.chat_cache`)."""
     template = ChatTemplate(tokenizer, template_path=chat_template, template_kwargs=template_kwargs)
     size = seq_len + 1
-    encoded: list[tuple[np.ndarray, np.ndarray]] = []
-    cut = dropped = 0
-    skipped: Counter[str] = Counter()
-    first_skipped = ""
-    for row, record in read_rows(files, key):
-        try:
-            messages, tools = conversation(record)
-            ids, counted = template.encode(messages, loss_on=loss_on, tools=tools)
-        except RowError as exc:
-            if on_bad_row != "skip":
-                fix = f"; {_SPANS_FIX}" if exc.kind == "spans" else " (or set training.on_bad_row = 'skip')"
-                raise DataError(f"{key}: {row}: {exc}{fix}") from None
-            skipped[exc.kind] += 1
-            first_skipped = first_skipped or f"{row}: {exc}"
-            continue
-        if len(ids) > size:
-            if truncate == "drop":
-                dropped += 1
-                continue
-            ids, counted, cut = ids[:size], counted[:size], cut + 1
-        encoded.append((ids, counted))
-    if skipped:
+
+    def encode(record: Any) -> tuple[np.ndarray, np.ndarray]:
+        messages, tools = conversation(record)
+        return template.encode(messages, loss_on=loss_on, tools=tools)
+
+    def bad_row_error(row: str, exc: Any) -> DataError:
+        fix = f"; {_SPANS_FIX}" if exc.kind == "spans" else " (or set training.on_bad_row = 'skip')"
+        return DataError(f"{key}: {row}: {exc}{fix}")
+
+    def stop_on(number: int, row: str, exc: Any) -> DataError | None:
+        return None if on_bad_row == "skip" else bad_row_error(row, exc)
+
+    cache_key = None
+    if cache_dir is not None:
+        tokenizer_file = getattr(tokenizer, "path", None)
+        cache_key = chat_cache.cache_key(files, template_sources=dict(template.templates.sources),
+                                         tokenizer_file=None if tokenizer_file is None else Path(tokenizer_file),
+                                         variables={k: v for k, v in template.special.items()}, loss_on=loss_on)
+    chats = chat_cache.encoded_chats(lambda share: share_rows(files, key, share), encode, key=cache_key,
+                                     cache_dir=cache_dir, stop_on_bad_row=stop_on, label="conversations")
+    if chats.first_bad is not None and on_bad_row != "skip":  # found by a build that skipped it
+        _, row, kind, message = chats.first_bad
+        raise bad_row_error(row, RowError(message, kind=kind))
+    if chats.skipped:
         kinds = {"row": "malformed", "template": "refused by the chat template",
                  "spans": "with assistant turns that cannot be found"}
+        first = "" if chats.first_bad is None else f"{chats.first_bad[1]}: {chats.first_bad[3]}"
         logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", key,
-                       sum(skipped.values()), ", ".join(f"{n} {kinds[k]}" for k, n in sorted(skipped.items())),
-                       first_skipped)
-    if cut or dropped:
+                       sum(chats.skipped.values()),
+                       ", ".join(f"{n} {kinds[k]}" for k, n in sorted(chats.skipped.items())), first)
+    lengths = chats.lengths
+    over = lengths > size
+    cut = dropped = 0
+    keep = np.arange(len(lengths))
+    if over.any():
+        if truncate == "drop":
+            dropped = int(over.sum())
+            keep = np.flatnonzero(~over)
+        else:
+            cut = int(over.sum())
         logger.warning("%s: %d conversation(s) longer than seq_len + 1 = %d tokens were %s (training.truncate)",
                        key, cut or dropped, size, "cut at the right" if cut else "dropped")
-    if not encoded:
+    if not len(keep):
         why = [f"{dropped} dropped: training.truncate = 'drop'"] if dropped else []
-        why += [f"{sum(skipped.values())} skipped: training.on_bad_row = 'skip'"] if skipped else []
+        why += [f"{sum(chats.skipped.values())} skipped: training.on_bad_row = 'skip'"] if chats.skipped else []
         raise DataError(f"{key}: {where} holds no conversation that fits seq_len + 1 = {size} tokens"
                         + (f" ({'; '.join(why)})" if why else ""))
-    windows = pack([len(ids) for ids, _ in encoded], size, packing=packing)
-    rows = np.zeros((len(windows), 3, size), dtype=np.int64)
-    padding = 0
-    for w, members in enumerate(windows):
-        used = 0
-        for sample, index in enumerate(members):
-            ids, counted = encoded[index]
-            rows[w, 0, used : used + len(ids)] = ids
-            rows[w, 1, used : used + len(ids)] = counted
-            rows[w, 2, used : used + len(ids)] = sample
-            used += len(ids)
-        rows[w, 2, used:] = len(members)  # padding: a sample of its own, never counted
-        padding += size - used
-    if not rows[:, 1].any():
+    used = np.minimum(lengths, size)
+    windows = pack(used[keep].tolist(), size, packing=packing)
+    members = keep[np.fromiter((i for w in windows for i in w), dtype=np.int64, count=len(keep))]
+    starts = np.zeros(len(windows) + 1, dtype=np.int64)
+    np.cumsum([len(w) for w in windows], out=starts[1:])
+    counted = _counted_labels(chats, keep, used)
+    if counted == 0:
         raise DataError(f"{key}: {where} has no token the loss counts (training.loss_on = {loss_on!r}: no "
                         "assistant turn?)")
-    return PackedWindows(rows, seq_len=seq_len, samples=len(encoded), what="conversations", padding=padding)
+    padding = len(windows) * size - int(used[keep].sum())
+    return PackedWindows(chats, members, starts, used, seq_len=seq_len, what="conversations", padding=padding,
+                         counted=counted)
+
+
+def _counted_labels(chats: chat_cache.EncodedChats, keep: np.ndarray, used: np.ndarray) -> int:
+    """The counted labels of the kept conversations, each within its first ``used`` tokens."""
+    total = sum(int(np.count_nonzero(counted)) for counted in chats.counted)
+    kept = np.zeros(len(chats), dtype=bool)
+    kept[keep] = True
+    for i in np.flatnonzero((chats.lengths > used) | ~kept):  # cut or dropped: recount or take out
+        ids, counted = chats.sample(int(i))
+        total -= int(np.asarray(counted, dtype=np.int64).sum())
+        if kept[i]:
+            total += int(np.asarray(counted[: used[i]], dtype=np.int64).sum())
+    return total

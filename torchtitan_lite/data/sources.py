@@ -48,6 +48,8 @@ class SourceSpec:
     """Chat sources: a .jinja template file instead of the tokenizer's (``training.chat_template``)."""
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     """Chat sources: the template's extra variables (``training.chat_template_kwargs``), as items."""
+    cache_dir: str | None = None
+    """Chat sources: where their encodings are kept (``training.chat_cache_dir``; None: not kept)."""
     on_bad_row: str = "stop"
     """Chat sources: stop on a row that cannot be used, or skip it (``training.on_bad_row``)."""
     packing: str = "greedy"
@@ -125,6 +127,7 @@ def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, sour
         return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,
                                    key=spec.key, where=spec.where, chat_template=spec.chat_template,
                                    template_kwargs=dict(spec.chat_template_kwargs),
+                                   cache_dir=None if spec.cache_dir is None else Path(spec.cache_dir),
                                    on_bad_row=spec.on_bad_row, packing=spec.packing)
     return TokenWindows(token_stream(spec, tokenizer, max_tokens=max_tokens), seq_len, seq_len_key=seq_len_key,
                         source=source)

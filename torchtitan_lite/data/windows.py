@@ -198,23 +198,39 @@ class PackedWindows:
     """Windows of whole samples packed back to back (chat conversations): window ``i`` is a
     ``(3, seq_len + 1)`` array of token ids, whether each token is a counted label (1) or not (0),
     and each token's sample number within the window (padding at the end is a sample of its own,
-    never counted)."""
+    never counted). Made on access from ``source.sample(j)`` (ids and labels of sample ``j``, e.g.
+    memory-mapped), the first ``lengths[j]`` tokens of each: window ``i`` holds the samples
+    ``members[starts[i]:starts[i + 1]]`` in that order."""
 
-    def __init__(self, rows: np.ndarray, *, seq_len: int, samples: int, what: str, padding: int = 0) -> None:
-        self.rows, self.seq_len, self.samples, self.what = rows, seq_len, samples, what
+    def __init__(self, source: Any, members: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, seq_len: int,
+                 what: str, padding: int = 0, counted: int = 0) -> None:
+        self.source, self.members, self.starts, self.lengths = source, members, starts, lengths
+        self.seq_len, self.samples, self.what = seq_len, len(members), what
         self.padding = padding  # tokens of the windows that belong to no sample
+        self.counted = counted  # counted labels over every window
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.starts) - 1
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return self.rows[index].astype(np.int64)
+        size = self.seq_len + 1
+        window = np.zeros((3, size), dtype=np.int64)
+        used = 0
+        members = self.members[self.starts[index]:self.starts[index + 1]]
+        for sample, member in enumerate(members):
+            n = int(self.lengths[member])
+            ids, counted = self.source.sample(int(member))
+            window[0, used:used + n] = ids[:n]
+            window[1, used:used + n] = counted[:n]
+            window[2, used:used + n] = sample
+            used += n
+        window[2, used:] = len(members)
+        return window
 
     def describe(self) -> str:
-        counted = int(self.rows[:, 1].sum())
-        share = self.padding / max(1, self.rows[:, 0].size)
+        share = self.padding / max(1, len(self) * (self.seq_len + 1))
         return (f"{self.samples} {self.what} packed into {len(self)} windows of {self.seq_len + 1} tokens "
-                f"({counted} counted labels, {100 * share:.1f}% padding)")
+                f"({self.counted} counted labels, {100 * share:.1f}% padding)")
 
 
 def window_tensors(rows: np.ndarray,
