@@ -121,6 +121,12 @@ class Run:
     """Extra torchrun options, e.g. ``--max-restarts=2``."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the run."""
+    nodes: int = 1
+    """Loopback nodes: that many torchrun agents (``--nnodes``, a c10d rendezvous on 127.0.0.1),
+    each with ``nproc / nodes`` ranks."""
+    fails: bool = False
+    """The run is meant to end with a non-zero exit (a fault it injects): it passes when it ends
+    by itself within the timeout, with any code but 0; its records still count."""
 
 
 @dataclass
@@ -166,6 +172,31 @@ _CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 _RESTART_STEPS, _RESTART_KILL_AT, _RESTART_INTERVAL = 30, 12, 5
 _RESTART_RUN = ["--training.steps", str(_RESTART_STEPS), "--checkpoint.enable",
                 "--checkpoint.interval", str(_RESTART_INTERVAL)]
+
+
+_FAULT_STEPS, _FAULT_AT, _FAULT_INTERVAL = 12, 7, 3
+_FAULT_RUN = ["--training.steps", str(_FAULT_STEPS), "--checkpoint.enable", "--checkpoint.interval",
+              str(_FAULT_INTERVAL), "--comm.train_timeout_seconds", "10"]
+
+
+def _resumed_like_uninterrupted(runs: list[list[dict[str, Any]]], device: str) -> str | None:
+    """Run 2 stopped at the fault (after step ``_FAULT_AT - 1``); run 3 resumed from the last
+    checkpoint before it and logged the steps after it with the losses of run 1 (the same job
+    uninterrupted): bit for bit on CPU, within the device's tolerance on CUDA."""
+    full, faulted, resumed = runs
+    saved = _FAULT_AT - 1 - (_FAULT_AT - 1) % _FAULT_INTERVAL
+    if [int(r["step"]) for r in faulted][-1:] != [_FAULT_AT - 1]:
+        return f"run 2 logged steps {_span([int(r['step']) for r in faulted])}, expected 1-{_FAULT_AT - 1}"
+    steps = [int(r["step"]) for r in resumed]
+    if steps != list(range(saved + 1, _FAULT_STEPS + 1)):
+        return f"run 3 logged steps {_span(steps)}, expected {saved + 1}-{_FAULT_STEPS} (resumed from step {saved})"
+    reference = {int(r["step"]): r["loss"] for r in full}
+    rtol = 0.0 if device == "cpu" else DEFAULT_RTOL[device]
+    for r in resumed:
+        want = reference[int(r["step"])]
+        if abs(r["loss"] - want) > rtol * abs(want):
+            return f"run 3 step {r['step']}: loss {r['loss']!r}, the uninterrupted run's {want!r}"
+    return None
 
 
 def _restarted_like_uninterrupted(runs: list[list[dict[str, Any]]], device: str) -> str | None:
@@ -255,6 +286,25 @@ CASES: list[TestCase] = [
               Run(_RESTART_RUN, script="tests/kill_at_step.py", torchrun_args=["--max-restarts=2"],
                   env={"KILL_RANK": "1", "KILL_AT_STEP": str(_RESTART_KILL_AT)})],
              check=_restarted_like_uninterrupted),
+    TestCase("node_killed_two_loopback_nodes",
+             f"two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each, HSDP: node 1's agent "
+             f"and ranks SIGKILLed as step {_FAULT_AT} begins; node 0 ends by itself, and the job run again on two "
+             f"nodes resumes from step {_FAULT_AT - 1 - (_FAULT_AT - 1) % _FAULT_INTERVAL} with the losses of the "
+             "same job uninterrupted (bit for bit on CPU)",
+             [Run([*_FAULT_RUN, "--checkpoint.folder", "uninterrupted"], nodes=2),
+              Run(_FAULT_RUN, nodes=2, script="tests/kill_at_step.py", fails=True,
+                  env={"KILL_RANK": "2", "KILL_AT_STEP": str(_FAULT_AT), "KILL_NODE": "1"}),
+              Run(_FAULT_RUN, nodes=2)],
+             ngpu=4, check=_resumed_like_uninterrupted),
+    TestCase("stopped_rank",
+             f"rank 1 SIGSTOPped (alive, silent) as step {_FAULT_AT} begins: rank 0 fails at the collective "
+             "timeout (comm.train_timeout_seconds = 10) and the job ends by itself; run again, it resumes with "
+             "the losses of the same job uninterrupted (bit for bit on CPU)",
+             [Run([*_FAULT_RUN, "--checkpoint.folder", "uninterrupted"]),
+              Run(_FAULT_RUN, script="tests/kill_at_step.py", fails=True,
+                  env={"KILL_RANK": "1", "KILL_AT_STEP": str(_FAULT_AT), "KILL_SIGNAL": "SIGSTOP"}),
+              Run(_FAULT_RUN)],
+             check=_resumed_like_uninterrupted),
     TestCase("debug_model_default", "the README's default job unchanged: debug model, 100 steps on the "
              "embedded corpus (this Python's standard library: baselines are per Python version), validation "
              "at steps 50 and 100, TensorBoard on", [[]], config_file="train_configs/debug_model.toml"),
@@ -403,11 +453,14 @@ class CaseResult:
 
 def launch_command(*, nproc: int, config_file: Path, dump: Path, overrides: Sequence[str],
                    port: int | None = None, script: str | None = None,
-                   torchrun_args: Sequence[str] = ()) -> list[str]:
-    """The torchrun command of one run (``{dump}`` in overrides replaced by the dump folder)."""
+                   torchrun_args: Sequence[str] = (), nodes: int = 1, node_rank: int = 0) -> list[str]:
+    """The torchrun command of one run (``{dump}`` in overrides replaced by the dump folder); with
+    ``nodes`` > 1, the command of loopback node ``node_rank`` (``nproc / nodes`` ranks)."""
+    where = ["--nnodes=1"] if nodes == 1 else [f"--nnodes={nodes}", f"--node_rank={node_rank}",
+                                                "--rdzv-id=integration", "--max-restarts=0"]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port or free_port()}", "--nnodes=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc // nodes}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port or free_port()}", *where,
         *torchrun_args, *([str(REPO_ROOT / script)] if script else ["-m", "torchtitan_lite.train"]),
         "--job.config_file", str(config_file),
         "--job.dump_folder", str(dump),
@@ -439,25 +492,32 @@ def child_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_process(cmd: Sequence[str], *, env: dict[str, str], timeout: float, log_prefix: Path
-                ) -> tuple[int | None, str]:
-    """Run ``cmd`` in its own process group, stdout/stderr to ``<log_prefix>.{stdout,stderr}.log``;
-    on timeout kill the whole group. Returns (exit code, None on timeout; stderr text)."""
+def run_process(cmd: Sequence[str] | Sequence[Sequence[str]], *, env: dict[str, str], timeout: float,
+                log_prefix: Path) -> tuple[int | None, str]:
+    """Run ``cmd`` (or several commands at once: the agents of loopback nodes) each in its own
+    process group, stdout/stderr to ``<log_prefix>.{stdout,stderr}.log``; on timeout kill every
+    group. Returns (exit code: the first non-zero one, 0, or None on timeout; stderr text)."""
+    cmds = [list(cmd)] if isinstance(cmd[0], str) else [list(c) for c in cmd]
     out_path = log_prefix.with_name(log_prefix.name + ".stdout.log")
     err_path = log_prefix.with_name(log_prefix.name + ".stderr.log")
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                  start_new_session=True) for c in cmds]
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
         try:
-            code: int | None = proc.wait(timeout=timeout)
+            for proc in procs:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            code = None
+            codes = [None]
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group: torchrun and every rank
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group: torchrun and every rank
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+    code = None if None in codes else next((c for c in codes if c), 0)
     return code, err_path.read_text(errors="replace")
 
 
@@ -479,17 +539,22 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
     if case.config_file is not None:
         config_file = REPO_ROOT / case.config_file
     for i, run in enumerate(case.runs, 1):
-        cmd = launch_command(nproc=case.nproc(run), config_file=config_file, dump=dump,
-                             overrides=run.overrides, script=run.script, torchrun_args=run.torchrun_args)
+        port = free_port()
+        cmds = [launch_command(nproc=case.nproc(run), config_file=config_file, dump=dump, overrides=run.overrides,
+                               script=run.script, torchrun_args=run.torchrun_args, port=port, nodes=run.nodes,
+                               node_rank=node) for node in range(run.nodes)]
         env_text = "".join(f"{k}={shlex.quote(v)} " for k, v in run.env.items())
-        print(f"[{case.name}] run {i}/{len(case.runs)}: {env_text}{shlex.join(['python', *cmd[1:]])}",
-              flush=True)
-        code, stderr = run_process(cmd, env={**child_env(device), **run.env}, timeout=timeout,
+        for cmd in cmds:
+            print(f"[{case.name}] run {i}/{len(case.runs)}: {env_text}{shlex.join(['python', *cmd[1:]])}",
+                  flush=True)
+        code, stderr = run_process(cmds, env={**child_env(device), **run.env}, timeout=timeout,
                                    log_prefix=dump / f"run{i}")
         if code is None:
             return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} timed out after {timeout:g} s "
                                   f"(process group killed; logs in {dump})")
-        if code != 0:
+        if run.fails and code == 0:
+            return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} injects a fault but exited with 0")
+        if code != 0 and not run.fails:
             return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} exited with code {code}: "
                                   f"{last_error_line(stderr)}")
         metrics = read_jsonl(metrics_path) if metrics_path.exists() else []

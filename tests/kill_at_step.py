@@ -9,7 +9,8 @@ Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 ``KILL_AFTER_COMMIT`` set it also waits (within the same 60 s) until the step before is a
 committed checkpoint folder. ``KILL_SIGNAL`` names another signal than SIGKILL (e.g. SIGTERM, for
 preemption); with ``SIGNAL_DURING_SAVE`` the rank also sends it to itself again as each
-checkpoint save begins. Used by tests/test_process_group_restarts.py, tests/test_preemption.py
+checkpoint save begins. With ``KILL_NODE`` set the rank SIGKILLs its torchrun agent first (a
+whole loopback node lost: the agent's other ranks end with it). Used by tests/test_process_group_restarts.py, tests/test_preemption.py
 and the integration runner's ``restart_after_kill`` case."""
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _train_step_or_die(self: Trainer) -> dict[str, float]:
             committed = Path(self.config.job.dump_folder) / self.config.checkpoint.folder / f"step-{self.step}"
             while not committed.is_dir() and time.monotonic() < deadline:
                 time.sleep(0.05)
+        if os.environ.get("KILL_NODE"):  # the whole node: its agent first (its other ranks follow it)
+            os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
     return _original_train_step(self)
 

@@ -43,6 +43,7 @@ def _one_node_default_mesh(argv: list[str]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.runner  # the runner's node_killed_two_loopback_nodes case launches two loopback nodes too
 def test_two_loopback_nodes_form_an_hsdp_mesh_and_match_one_agent(tmp_path):
     dump = tmp_path / "two_nodes"
     port = free_port()
