@@ -547,7 +547,8 @@ def run_case(case: TestCase, *, device: str, config_file: Path, output_dir: Path
         for cmd in cmds:
             print(f"[{case.name}] run {i}/{len(case.runs)}: {env_text}{shlex.join(['python', *cmd[1:]])}",
                   flush=True)
-        code, stderr = run_process(cmds, env={**child_env(device), **run.env}, timeout=timeout,
+        code, stderr = run_process(cmds[0] if len(cmds) == 1 else cmds, env={**child_env(device), **run.env},
+                                   timeout=timeout,
                                    log_prefix=dump / f"run{i}")
         if code is None:
             return result("FAIL", f"{case.name}: run {i}/{len(case.runs)} timed out after {timeout:g} s "
