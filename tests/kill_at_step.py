@@ -10,8 +10,10 @@ Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 committed checkpoint folder. ``KILL_SIGNAL`` names another signal than SIGKILL (e.g. SIGTERM, for
 preemption); with ``SIGNAL_DURING_SAVE`` the rank also sends it to itself again as each
 checkpoint save begins. With ``KILL_NODE`` set the rank SIGKILLs its torchrun agent first (a
-whole loopback node lost: the agent's other ranks end with it). Used by tests/test_process_group_restarts.py, tests/test_preemption.py
-and the integration runner's ``restart_after_kill`` case."""
+whole loopback node lost: the agent's other ranks end with it). Used by
+tests/test_process_group_restarts.py, tests/test_preemption.py, tests/test_job_locks.py and the
+integration runner's ``restart_after_kill``, ``node_killed_two_loopback_nodes`` and
+``stopped_rank`` cases."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from tests.data_helpers import user_error as _user_error  # the schema → prefl
 from tests.test_data_tiktoken import _one_line
 from torchtitan_lite.config import load_job_config
 from torchtitan_lite.data import BatchLoader, ByteTokenizer, LoaderSource
-from torchtitan_lite.errors import ConfigError, DataError
+from torchtitan_lite.errors import ConfigError, DataError, DataNotHereError
 from torchtitan_lite.job import preflight
 
 pa = pytest.importorskip("pyarrow")
@@ -241,12 +241,12 @@ def test_streamed_dataset_errors_are_one_line(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "bad" / "x.parquet").write_bytes(b"this is not a parquet file at all")
     (tmp_path / "empty").mkdir()
     cases = [
-        (["--training.dataset", "c4"], ConfigError,
+        (["--training.dataset", "c4"], DataNotHereError,  # a ConfigError (exit 2) the planner skips
          ["training.dataset", "'c4'", "download", "'parquet'", "training.dataset_path"]),
         (["--training.dataset", "c4_test"], DataError,
          ["training.dataset_path", "'tests/assets/c4_test'", "TorchTitan's default", "working directory"]),
-        (["--training.dataset", "fineweb"], ConfigError, ["HuggingFaceFW/fineweb", "'parquet'", "dataset_path"]),
-        (["--validation.enable", "--validation.dataset", "c4_validation"], ConfigError,
+        (["--training.dataset", "fineweb"], DataNotHereError, ["HuggingFaceFW/fineweb", "'parquet'", "dataset_path"]),
+        (["--validation.enable", "--validation.dataset", "c4_validation"], DataNotHereError,
          ["validation.dataset", "'c4_validation'", "validation.dataset_path"]),
         (["--training.dataset", "parquet", "--training.dataset_path", str(good),
           "--training.dataset_text_column", "body"], DataError,
