@@ -70,7 +70,7 @@ def write_tokenizer(folder: Path, template: str) -> Path:
 
 def padding(windows: PackedWindows) -> float:
     """The share of the windows' tokens that belong to no conversation."""
-    return windows.padding / windows.rows[:, 0].size
+    return windows.padding / (len(windows) * (windows.seq_len + 1))
 
 
 def main() -> None:

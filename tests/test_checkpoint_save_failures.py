@@ -75,8 +75,8 @@ def test_a_checkpoint_folder_on_a_read_only_mount_is_refused_before_training(tmp
 
 
 @contextlib.contextmanager
-def _full_disk(steps: set[int]):
-    """Rank 1's DCP files of the saves of ``steps`` cannot be written (ENOSPC, as on a full disk)."""
+def _full_disk(steps: set[int], rank: str = "1"):
+    """Rank ``rank``'s DCP files of the saves of ``steps`` cannot be written (ENOSPC, as on a full disk)."""
     import os
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -84,7 +84,7 @@ def _full_disk(steps: set[int]):
     original = FileSystemWriter.write_data
 
     def full_disk(self: Any, plan: Any, planner: Any) -> Any:
-        if os.environ["RANK"] == "1" and any(f".step-{s}.partial" in str(self.path) for s in steps):
+        if os.environ.get("RANK", "0") == rank and any(f".step-{s}.partial" in str(self.path) for s in steps):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         return original(self, plan, planner)
 
@@ -177,3 +177,22 @@ def test_a_full_disk_is_one_line_training_goes_on_and_too_many_failures_exit_4(t
         "(2 saves in a row failed: checkpoint.max_failed_saves = 2)"), always.stderr
     assert [r["step"] for r in read_jsonl(tmp_path / "always" / "metrics.jsonl")][-1] == stop
     assert list((tmp_path / "always" / "checkpoint").iterdir()) == []
+
+
+def _seed_on_a_full_disk(dump: str) -> Any:
+    from tests.dist_utils import run_main
+
+    with _full_disk({0}, rank="0"):
+        return run_main([[*TINY_ARGS, "--job.dump_folder", dump, "--checkpoint.create_seed_checkpoint",
+                          "--checkpoint.enable", "--checkpoint.async_mode", "async"]])[0]
+
+
+def test_a_seed_checkpoint_that_cannot_be_written_exits_4_even_with_async_saves(tmp_path: Path) -> None:
+    """The seed is the whole job: its failed save stops it (exit 4, one line), never a log line
+    and exit 0, whatever ``async_mode`` says."""
+    (result,) = run_distributed(_seed_on_a_full_disk, 1, str(tmp_path / "job"))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 4 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(f"error: saving checkpoint step 0 to {str(tmp_path / 'job' / 'checkpoint')!r} "
+                               "failed: No space left on device (errno 28)"), lines
+    assert not list((tmp_path / "job" / "checkpoint").iterdir())

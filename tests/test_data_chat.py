@@ -582,3 +582,22 @@ def test_chat_template_kwargs_in_toml_and_on_the_command_line(tmp_path: Path) ->
         with pytest.raises(ConfigError) as err:
             load_job_config(argv)
         assert str(err.value) == line
+
+
+def test_a_chat_cache_that_cannot_be_written_is_one_warning_and_changes_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_chat_tokenizer(tmp_path / "llama3", "llama3")
+    rows = _rows_file(tmp_path / "rows.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("a file where the cache folder would be")
+    kwargs = {"seq_len": 255, "loss_on": "assistant", "truncate": "right", "key": "training.dataset_path",
+              "where": "rows"}
+    with caplog.at_level("WARNING", logger="torchtitan_lite"):
+        cached = packed_windows([rows], HFTokenizer(path), cache_dir=blocked / "cache", **kwargs)
+    plain = packed_windows([rows], HFTokenizer(path), **kwargs)
+    warned = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert len(warned) == 1 and "encoding every conversation on this rank" in warned[0], warned
+    assert len(cached) == len(plain) and all((cached[i] == plain[i]).all() for i in range(len(plain)))
+    assert cached.describe() == plain.describe()
+    with pytest.raises(IndexError):
+        plain[len(plain)]

@@ -516,7 +516,7 @@ class Trainer:
         """Write the initialised weights as ``step-0`` (one process); returns its path."""
         if self.checkpointer is None or not self.config.checkpoint.create_seed_checkpoint:
             raise RuntimeError("save_seed_checkpoint needs checkpoint.create_seed_checkpoint = true")
-        return str(self.checkpointer.save(0, {"tokens_seen": 0}))
+        return str(self.checkpointer.save(0, {"tokens_seen": 0}, sync=True))
 
     def _timed_step(self) -> StepState:
         """One step, timed; a step whose update was not applied is logged at once and handled by

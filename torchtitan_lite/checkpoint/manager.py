@@ -37,6 +37,7 @@ from torchtitan_lite.checkpoint.storage import (
     CHECKSUMS_FILE,
     TRAIN_STATE_FILE,
     CheckpointStorage,
+    SaveFailed,
     check_initial_load_path,
     checkpoint_model_args,
     committed_steps,
@@ -161,7 +162,7 @@ class CheckpointManager:
                         # a seed checkpoint is weights only: runs from it choose their own data and schedule
                         **({} if step == 0 else {"dataloader": self.loader.state_dict(),
                                                   "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng})})
-            except OSError as exc:
+            except Exception as exc:  # agreed below: every rank takes the same path
                 local = exc
             _agree(local, self.world_size)  # the barrier before any rank writes
             dtype = DTYPES[cfg.export_dtype] if last else torch.float32  # the seed keeps fp32
@@ -174,7 +175,7 @@ class CheckpointManager:
             if self._async_group is not None and not sync:
                 response = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._async_group)
                 future = getattr(response, "upload_completion", response)
-                pending = self._pending = PendingSave(step, future, started, self.folders, last=last)
+                pending = self._pending = PendingSave(step, future, started, self.folders, last=must_succeed)
                 if self.rank == 0:  # commit from the writing thread once every file is written, not at the
                     future.add_done_callback(pending.commit_when_written)  # next save: a crash in between
                 self.last_blocked_s = time.perf_counter() - started         # would lose a complete checkpoint
@@ -188,10 +189,12 @@ class CheckpointManager:
             local = None
             try:
                 self.storage.record_checksums(staging)  # (a collective, then rank 0 writes)
-            except OSError as exc:
+            except SaveFailed:
+                raise
+            except OSError as exc:  # rank 0's write
                 local = exc
             self._commit(step, started, local)
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        except (SaveFailed, CheckpointException) as exc:  # failures every rank saw (DCP's is a BaseException)
             self._failed(step, exc, must_succeed=must_succeed)
             return None
         self.last_blocked_s = time.perf_counter() - started
@@ -222,7 +225,7 @@ class CheckpointManager:
             except OSError as exc:
                 local = exc
             _agree(local, self.world_size)
-        except (Exception, CheckpointException) as exc:
+        except (SaveFailed, CheckpointException) as exc:
             self._failed(pending.step, exc, must_succeed=pending.last)
             return
         self.failed_in_a_row = 0
@@ -382,10 +385,8 @@ def _agree(local: BaseException | None, world_size: int) -> None:
     reasons: list[Any] = [None] * world_size
     dist.all_gather_object(reasons, None if local is None else failure_reason(local))
     first = next((r for r in reasons if r is not None), None)
-    if local is not None:
-        raise local
     if first is not None:
-        raise OSError(first)
+        raise SaveFailed(failure_reason(local) if local is not None else first)
 
 
 def _check_changes(path: Path, saved: Any, run_config: dict[str, Any] | None, rank: int) -> None:

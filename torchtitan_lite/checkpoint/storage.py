@@ -55,7 +55,12 @@ from torchtitan_lite.models.spec import ModelSpec
 
 logger = logging.getLogger("torchtitan_lite")
 
-__all__ = ["CHECKSUMS_FILE", "TRAIN_STATE_FILE", "CheckpointStorage", "check_initial_load_path",
+
+class SaveFailed(OSError):
+    """A part of a save failed on some rank and every rank knows it (the message is its cause):
+    the save is abandoned alike everywhere."""
+
+__all__ = ["CHECKSUMS_FILE", "TRAIN_STATE_FILE", "CheckpointStorage", "SaveFailed", "check_initial_load_path",
            "checkpoint_model_args", "committed_steps", "fsync_dir", "read_train_state", "rng_state",
            "set_rng_state", "weights_only", "write_json"]
 
@@ -242,10 +247,22 @@ class CheckpointStorage:
         collective), whole or not at all. Rank 0's write failing raises :class:`OSError`, or for
         a ``committed`` checkpoint (an async save's, recorded after its commit) is one warning:
         it is then verified without checksums."""
-        mine = {p.name: {"size": p.stat().st_size, "crc32": _file_crc32(p)}
-                for p in sorted(folder.glob(f"__{self.rank}_*.distcp"))}
+        mine: dict[str, Any] | str
+        try:
+            mine = {p.name: {"size": p.stat().st_size, "crc32": _file_crc32(p)}
+                    for p in sorted(folder.glob(f"__{self.rank}_*.distcp"))}
+        except OSError as exc:  # gathered as its reason: every rank learns it
+            mine = failure_reason(exc)
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
+        unread = next((part for part in gathered if isinstance(part, str)), None)
+        if unread is not None:
+            if not committed:
+                raise SaveFailed(unread)
+            if self.rank == 0:
+                logger.warning("checkpoint %s: its checksums could not be recorded (%s); it is verified without "
+                               "them", folder, unread)
+            return
         if self.rank != 0:
             return
         files: dict[str, Any] = {}

@@ -15,11 +15,14 @@ them) each encode the rows ``i`` with ``i % n == local rank`` into a staging fol
 launch, report progress, and wait for each other through the filesystem (no process group
 exists yet); the last part written, local rank 0 writes the manifest and renames the folder
 into place (a concurrent builder that finds it there drops its own). A rank that meets a bad
-row under ``on_bad_row = "stop"`` writes its error there, and every rank stops with it.
+row under ``on_bad_row = "stop"`` writes its error there, and every rank stops with it. A cache
+that cannot be written (a full or read-only disk) or a share that never comes (no progress for
+10 minutes) is one warning, and each rank then encodes every conversation itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -179,15 +182,21 @@ def _share() -> tuple[int, int]:
 def _launch_id() -> str:
     """What the ranks of one launch on one node share without talking: the host and the launch."""
     parts = [socket.gethostname(), os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_PORT", ""),
-             os.environ.get("TORCHELASTIC_RESTART_COUNT", "")]
-    if len(parts[1] + parts[2]) == 0:
-        parts.append(str(os.getpid()))
+             os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), os.environ.get("GROUP_RANK", ""),
+             str(os.getppid())]  # the agent (or launcher): one per launch, shared by the local ranks
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        parts.append(str(os.getpid()))  # one process alone
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
 def _save_part(folder: Path, name: str, part: _Part) -> None:
+    """The part's arrays and what it skipped, on disk (fsynced: a cache is never renamed into place
+    over files a crash could still cut short)."""
     for field in ("tokens", "counted", "offsets", "rows"):
-        np.save(folder / f"{name}-{field}.npy", getattr(part, field))
+        with open(folder / f"{name}-{field}.npy", "wb") as fh:
+            np.save(fh, getattr(part, field))
+            fh.flush()
+            os.fsync(fh.fileno())
     (folder / f"{name}.json").write_text(json.dumps({"skipped": part.skipped, "first_bad": part.first_bad}))
 
 
@@ -221,9 +230,27 @@ def encoded_chats(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any
     final = cache_dir / f"chat-{key}"
     if (final / "manifest.json").is_file():
         return _load(final)
+    try:
+        return _build(rows, encode, final=final, key=key, cache_dir=cache_dir, stop_on_bad_row=stop_on_bad_row,
+                      label=label)
+    except _CacheUnusable as exc:
+        logger.warning("chat cache %s not used (%s): encoding every conversation on this rank", final, exc)
+        return encoded_chats(rows, encode, key=None, cache_dir=None, stop_on_bad_row=stop_on_bad_row, label=label)
+
+
+class _CacheUnusable(Exception):
+    """The cache folder cannot be written or a peer's share never came: encode without it."""
+
+
+def _build(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any]]],
+           encode: Callable[[Any], tuple[np.ndarray, np.ndarray]], *, final: Path, key: str, cache_dir: Path,
+           stop_on_bad_row: Callable[[int, str, Exception], DataError | None], label: str) -> EncodedChats:
     index, count = _share()
     staging = cache_dir / f".chat-{key}.{_launch_id()}.building"
-    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _CacheUnusable(f"{staging}: {exc.strerror or exc}") from None
     name = f"part-{index}-of-{count}"
     started = time.perf_counter()
     with Progress(f"chat cache {final.name}: encoding share {index + 1} of {count} of the {label}") as progress:
@@ -233,8 +260,13 @@ def encoded_chats(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any
         except _BadRow as bad:
             (staging / f"{name}.error").write_text(str(bad.error))
             raise bad.error from None
-        _save_part(staging, name, part)
-        (staging / f"{name}.done").write_text(json.dumps({"seconds": time.perf_counter() - started}))
+        try:
+            _save_part(staging, name, part)
+            (staging / f"{name}.done").write_text(json.dumps({"seconds": time.perf_counter() - started}))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                (staging / f"{name}.unusable").write_text(str(exc))  # the peers stop waiting for it
+            raise _CacheUnusable(f"writing {staging / name}: {exc.strerror or exc}") from None
         progress.update("waiting for the other shares")
         names = [f"part-{i}-of-{count}" for i in range(count)]
         _wait_for(staging, final, names)
@@ -251,19 +283,30 @@ def encoded_chats(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any
             "first_bad": min(firsts) if firsts else None, "seconds": time.perf_counter() - started}))
         try:
             os.replace(staging, final)
-        except OSError:  # another launch put the same cache in place first
+        except OSError as exc:  # another launch put the same cache in place first, or it cannot be renamed
             shutil.rmtree(staging, ignore_errors=True)
-        logger.info("chat cache %s written (%d shares, %.1f s)", final, count, time.perf_counter() - started)
+            if not (final / "manifest.json").is_file():
+                raise _CacheUnusable(f"renaming {staging}: {exc.strerror or exc}") from None
+        else:
+            logger.info("chat cache %s written (%d shares, %.1f s)", final, count, time.perf_counter() - started)
+    waited = time.monotonic()
     while not (final / "manifest.json").is_file():  # the other ranks: until local rank 0 has renamed it
         _check_errors(staging)
+        if not staging.is_dir() or time.monotonic() - waited > _WAIT_WITHOUT_PROGRESS_S:
+            if not (final / "manifest.json").is_file():
+                raise _CacheUnusable("local rank 0 did not put it in place")
         time.sleep(0.05)
     return _load(final)
 
 
 def _check_errors(staging: Path) -> None:
+    """A peer's bad row stops this rank with the same error; a peer that could not write its
+    share makes the cache unusable here too."""
     if staging.is_dir():
         for error in sorted(staging.glob("*.error")):
             raise DataError(error.read_text())
+        for unusable in sorted(staging.glob("*.unusable")):
+            raise _CacheUnusable(f"a peer could not write its share: {unusable.read_text()}")
 
 
 def _wait_for(staging: Path, final: Path, names: list[str]) -> None:
@@ -277,10 +320,12 @@ def _wait_for(staging: Path, final: Path, names: list[str]) -> None:
         done = {n for n in names if (staging / f"{n}.done").is_file()}
         if len(done) == len(names):
             return
-        moved = [f.stat().st_mtime for n in names for f in (staging / f"{n}.alive", staging / f"{n}.done")
-                 if f.is_file()]
+        moved = []
+        for n in names:
+            for f in (staging / f"{n}.alive", staging / f"{n}.done"):
+                with contextlib.suppress(FileNotFoundError):
+                    moved.append(f.stat().st_mtime)
         if time.time() - max([started, *moved]) > _WAIT_WITHOUT_PROGRESS_S:
             missing = ", ".join(sorted(set(names) - done))
-            raise DataError(f"chat cache {str(final)!r}: the shares {missing} were not written within "
-                            f"{_WAIT_WITHOUT_PROGRESS_S:.0f} s of the last one (a rank stopped?); run the job again")
+            raise _CacheUnusable(f"the shares {missing} made no progress for {_WAIT_WITHOUT_PROGRESS_S:.0f} s")
         time.sleep(0.05)

@@ -213,6 +213,9 @@ class PackedWindows:
         return len(self.starts) - 1
 
     def __getitem__(self, index: int) -> np.ndarray:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} of {len(self)}")
+        index %= len(self)
         size = self.seq_len + 1
         window = np.zeros((3, size), dtype=np.int64)
         used = 0
