@@ -17,6 +17,7 @@ prompt that ends inside a think block, DeepSeek's tool tags)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -601,3 +602,26 @@ def test_a_chat_cache_that_cannot_be_written_is_one_warning_and_changes_nothing(
     assert cached.describe() == plain.describe()
     with pytest.raises(IndexError):
         plain[len(plain)]
+
+
+def test_a_chat_cache_build_removes_the_leftovers_of_dead_builds(tmp_path: Path) -> None:
+    """A staging folder whose launcher is gone (a crashed build) is removed by the next build; one
+    whose launcher lives (this process), and a finished cache, are kept."""
+    import json as json_
+
+    path = write_chat_tokenizer(tmp_path / "llama3", "llama3")
+    rows = _rows_file(tmp_path / "rows.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    cache = tmp_path / "cache"
+    dead, alive = cache / ".chat-0.dead.building", cache / ".chat-0.alive.building"
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for folder, pid in ((dead, int(gone.stdout)), (alive, os.getpid())):
+        folder.mkdir(parents=True)
+        (folder / "owner.json").write_text(json_.dumps({"host": socket.gethostname(), "pid": pid}))
+    packed_windows([rows], HFTokenizer(path), seq_len=255, loss_on="assistant", truncate="right",
+                   key="training.dataset_path", where="rows", cache_dir=cache)
+    assert not dead.exists() and alive.exists()
+    assert len(list(cache.glob("chat-*/manifest.json"))) == 1

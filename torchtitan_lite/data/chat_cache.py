@@ -17,7 +17,8 @@ exists yet); the last part written, local rank 0 writes the manifest and renames
 into place (a concurrent builder that finds it there drops its own). A rank that meets a bad
 row under ``on_bad_row = "stop"`` writes its error there, and every rank stops with it. A cache
 that cannot be written (a full or read-only disk) or a share that never comes (no progress for
-10 minutes) is one warning, and each rank then encodes every conversation itself.
+10 minutes) is one warning, and each rank then encodes every conversation itself. The staging
+folders of builds on this host whose launcher has died are removed by the next build.
 """
 
 from __future__ import annotations
@@ -249,6 +250,10 @@ def _build(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any]]],
     staging = cache_dir / f".chat-{key}.{_launch_id()}.building"
     try:
         staging.mkdir(parents=True, exist_ok=True)
+        if index == 0:
+            launcher = os.getppid() if "LOCAL_WORLD_SIZE" in os.environ else os.getpid()  # torchrun's agent, or us
+            (staging / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": launcher}))
+            _remove_abandoned(cache_dir, keep=staging)
     except OSError as exc:
         raise _CacheUnusable(f"{staging}: {exc.strerror or exc}") from None
     name = f"part-{index}-of-{count}"
@@ -297,6 +302,27 @@ def _build(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any]]],
                 raise _CacheUnusable("local rank 0 did not put it in place")
         time.sleep(0.05)
     return _load(final)
+
+
+def _remove_abandoned(cache_dir: Path, *, keep: Path) -> None:
+    """Staging folders of builds on this host whose launcher (the ``owner.json`` pid) is gone: a
+    crashed or stopped build's leftovers, removed."""
+    host = socket.gethostname()
+    for folder in cache_dir.glob(".chat-*.building"):
+        if folder == keep:
+            continue
+        try:
+            owner = json.loads((folder / "owner.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host") != host or not isinstance(owner.get("pid"), int):
+            continue
+        try:
+            os.kill(owner["pid"], 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's): not ours to touch
 
 
 def _check_errors(staging: Path) -> None:
