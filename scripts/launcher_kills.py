@@ -36,7 +36,8 @@ _ARGS = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local
          "--checkpoint.keep_latest_k", "2", "--validation.no-enable", "--metrics.no-enable_tensorboard"]
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -65,7 +66,7 @@ def one_round(folder: Path, rng: random.Random) -> dict[str, object]:
             raise RuntimeError(f"the job did not start (exit {agent.poll()})")
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 4.0))
-    workers = _children(agent.pid)
+    workers = children(agent.pid)
     step = sum(1 for line in metrics.read_text().splitlines() if line.strip())
     agent.kill()
     agent.wait()

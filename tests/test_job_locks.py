@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.launcher_kills import children
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, read_jsonl, run_distributed
 from tests.test_dump_lock import start_torchrun
@@ -111,20 +112,6 @@ def test_a_second_job_into_a_busy_absolute_checkpoint_folder_exits_and_leaves_th
     assert len(losses) == 4 and losses == [r["loss"] for r in read_jsonl(root / "solo" / "metrics.jsonl")]
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _set_child_subreaper(on: bool) -> None:
     """Orphaned descendants of this process are handed to it (and can be waited for) while on."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -151,10 +138,10 @@ def test_workers_exit_when_their_launcher_is_killed_and_free_the_lock(tmp_path: 
             while not metrics.is_file() or not metrics.read_text().strip():  # a step was trained
                 assert agent.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
                 time.sleep(0.05)
-            workers = _children(agent.pid)
+            workers = children(agent.pid)
             assert len(workers) == 2, workers
         finally:
-            workers = workers or _children(agent.pid)
+            workers = workers or children(agent.pid)
             agent.kill()  # SIGKILL to the agent alone: its workers run in sessions of their own
             agent.wait()
         deadline = time.monotonic() + 30
@@ -211,7 +198,7 @@ def test_a_worker_blocked_in_a_collective_exits_within_5_s_of_its_launcher(tmp_p
             while len(workers) < 2 or not any(_state(pid) == "T" for pid in workers):
                 assert agent.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
                 time.sleep(0.05)
-                workers = _children(agent.pid)
+                workers = children(agent.pid)
             time.sleep(1.0)  # rank 0 is inside step 3's first collective by now
             blocked = [pid for pid in workers if _state(pid) != "T"]
             assert len(blocked) == 1

@@ -135,32 +135,8 @@ def read_rows(files: list[Path], key: str) -> Iterator[tuple[str, Any]]:
     """Every row of the files, in order, with where it is (``'f.jsonl' line 3``, ``'f.parquet' row
     2``). A file that cannot be read, or a line that is not JSON, is a :class:`DataError` naming
     the file and the line."""
-    for file in files:
-        if file.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                table = pq.read_table(str(file))
-            except OSError as exc:
-                raise unreadable_error(key, file, exc) from None
-            columns = [c for c in ("messages", "tools", "prompt", "completion") if c in table.column_names]
-            for row, record in enumerate(table.select(columns).to_pylist()):
-                yield f"{str(file)!r} row {row}", record
-            continue
-        try:
-            raw = file.read_bytes()
-            if file.name.endswith(".gz"):
-                raw = gzip.decompress(raw)
-        except OSError as exc:
-            raise unreadable_error(key, file, exc) from None
-        for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise DataError(f"{key}: {str(file)!r} line {lineno} is not JSON") from None
-            yield f"{str(file)!r} line {lineno}", record
+    for _, where, record in share_rows(files, key):
+        yield where, record
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,7 +285,7 @@ def packed_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, los
 
 def _counted_labels(chats: chat_cache.EncodedChats, keep: np.ndarray, used: np.ndarray) -> int:
     """The counted labels of the kept conversations, each within its first ``used`` tokens."""
-    total = sum(int(np.count_nonzero(counted)) for counted in chats.counted)
+    total = sum(int(np.count_nonzero(part.counted)) for part in chats.parts)
     kept = np.zeros(len(chats), dtype=bool)
     kept[keep] = True
     for i in np.flatnonzero((chats.lengths > used) | ~kept):  # cut or dropped: recount or take out

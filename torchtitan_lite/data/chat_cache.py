@@ -53,55 +53,54 @@ _WAIT_WITHOUT_PROGRESS_S = 600.0
 """How long a rank waits for a peer's share whose progress file has not moved."""
 
 
-@dataclasses.dataclass
-class EncodedChats:
-    """The encoded conversations of a source, in row order: part ``p``'s conversation ``j`` has
-    ``tokens[p][offsets[p][j]:offsets[p][j + 1]]`` (and its ``counted`` labels) and came from row
-    ``rows[p][j]``. ``skipped``: refused rows by kind; ``first_bad``: (row number, where, kind,
-    message) of the first one."""
-
-    tokens: list[np.ndarray]
-    counted: list[np.ndarray]
-    offsets: list[np.ndarray]
-    rows: list[np.ndarray]
-    skipped: dict[str, int]
-    first_bad: tuple[int, str, str, str] | None
-    cached: str | None = None  # the cache folder it was read from
-
-    def __post_init__(self) -> None:
-        order_rows = np.concatenate(self.rows) if self.rows else np.zeros(0, dtype=np.int64)
-        part = np.concatenate([np.full(len(r), p, dtype=np.int64) for p, r in enumerate(self.rows)]) \
-            if self.rows else np.zeros(0, dtype=np.int64)
-        index = np.concatenate([np.arange(len(r), dtype=np.int64) for r in self.rows]) \
-            if self.rows else np.zeros(0, dtype=np.int64)
-        order = np.argsort(order_rows, kind="stable")
-        self._part, self._index = part[order], index[order]
-        lengths = [np.diff(o) for o in self.offsets]
-        self.lengths = (np.concatenate(lengths)[order] if lengths else np.zeros(0, dtype=np.int64)).astype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Conversation ``i`` (in row order): its token ids and counted labels."""
-        p, j = int(self._part[i]), int(self._index[i])
-        lo, hi = int(self.offsets[p][j]), int(self.offsets[p][j + 1])
-        return self.tokens[p][lo:hi], self.counted[p][lo:hi]
-
-
-# --------------------------------------------------------------------------------------------
-# Encoding a share
-# --------------------------------------------------------------------------------------------
+_ARRAYS = ("tokens", "counted", "offsets", "rows")
+"""What a part holds, one ``.npy`` file each."""
 
 
 @dataclasses.dataclass
 class _Part:
+    """One share's conversations: all their token ids and labels back to back, each one's start
+    (``offsets``, one more than conversations) and row number; what it skipped."""
+
     tokens: np.ndarray
     counted: np.ndarray
     offsets: np.ndarray
     rows: np.ndarray
     skipped: dict[str, int]
     first_bad: tuple[int, str, str, str] | None
+
+
+@dataclasses.dataclass
+class EncodedChats:
+    """The encoded conversations of a source, in row order, from one or more parts (shares):
+    part ``p``'s conversation ``j`` has ``tokens[offsets[j]:offsets[j + 1]]`` (and its ``counted``
+    labels) and came from row ``rows[j]``. ``skipped``: refused rows by kind; ``first_bad``: (row
+    number, where, kind, message) of the first one."""
+
+    parts: list[_Part]
+    skipped: dict[str, int]
+    first_bad: tuple[int, str, str, str] | None
+
+    def __post_init__(self) -> None:
+        order = np.argsort(np.concatenate([part.rows for part in self.parts]), kind="stable")
+        self._part = np.concatenate([np.full(len(part.rows), p, dtype=np.int64)
+                                     for p, part in enumerate(self.parts)])[order]
+        self._index = np.concatenate([np.arange(len(part.rows), dtype=np.int64) for part in self.parts])[order]
+        self.lengths = np.concatenate([np.diff(part.offsets) for part in self.parts])[order].astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Conversation ``i`` (in row order): its token ids and counted labels."""
+        part, j = self.parts[int(self._part[i])], int(self._index[i])
+        lo, hi = int(part.offsets[j]), int(part.offsets[j + 1])
+        return part.tokens[lo:hi], part.counted[lo:hi]
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding a share
+# --------------------------------------------------------------------------------------------
 
 
 class _BadRow(Exception):
@@ -193,7 +192,7 @@ def _launch_id() -> str:
 def _save_part(folder: Path, name: str, part: _Part) -> None:
     """The part's arrays and what it skipped, on disk (fsynced: a cache is never renamed into place
     over files a crash could still cut short)."""
-    for field in ("tokens", "counted", "offsets", "rows"):
+    for field in _ARRAYS:
         with open(folder / f"{name}-{field}.npy", "wb") as fh:
             np.save(fh, getattr(part, field))
             fh.flush()
@@ -203,13 +202,10 @@ def _save_part(folder: Path, name: str, part: _Part) -> None:
 
 def _load(folder: Path) -> EncodedChats:
     manifest = json.loads((folder / "manifest.json").read_text())
-    arrays: dict[str, list[np.ndarray]] = {"tokens": [], "counted": [], "offsets": [], "rows": []}
-    for name in manifest["parts"]:
-        for field in arrays:
-            arrays[field].append(np.load(folder / f"{name}-{field}.npy", mmap_mode="r"))
+    parts = [_Part(**{field: np.load(folder / f"{name}-{field}.npy", mmap_mode="r") for field in _ARRAYS},
+                   skipped={}, first_bad=None) for name in manifest["parts"]]
     first_bad = manifest["first_bad"]
-    return EncodedChats(**arrays, skipped=manifest["skipped"],
-                        first_bad=None if first_bad is None else tuple(first_bad), cached=str(folder))
+    return EncodedChats(parts, manifest["skipped"], None if first_bad is None else tuple(first_bad))
 
 
 def encoded_chats(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any]]],
@@ -227,7 +223,7 @@ def encoded_chats(rows: Callable[[tuple[int, int]], Iterator[tuple[int, str, Any
                                      label=label)
             except _BadRow as bad:
                 raise bad.error from None
-        return EncodedChats([part.tokens], [part.counted], [part.offsets], [part.rows], part.skipped, part.first_bad)
+        return EncodedChats([part], part.skipped, part.first_bad)
     final = cache_dir / f"chat-{key}"
     if (final / "manifest.json").is_file():
         return _load(final)
