@@ -114,12 +114,29 @@ def _worker(rank: int, world_size: int, tasks: Any, results: Any, once: bool) ->
             return                      # connections close, as under torchrun
 
 
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.checkpoint",
+            "torch.distributed.fsdp", "torchtitan_lite.trainer", "torchtitan_lite.train"]
+"""What a rank imports before its first task. Ranks are forked from one server process per test
+worker that imported these once (``forkserver``: started single-threaded, before any process group
+or OpenMP pool exists), so a new rank costs a fork instead of the ~3 CPU-seconds of importing
+torch and the trainer. A forked rank ends with ``os._exit`` (no exit hooks), so the ranks of a
+``fresh`` call, which end as a torchrun worker does, are spawned interpreters."""
+
+
+def _context(*, fresh: bool) -> Any:
+    if fresh:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class _Pool:
-    """``world_size`` spawned ranks kept alive between tests. Any failure or timeout kills them
+    """``world_size`` ranks kept alive between tests. Any failure or timeout kills them
     (a rank may be stuck in a collective), and the next call starts new ones."""
 
     def __init__(self, world_size: int, *, once: bool = False) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(fresh=once)
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]

@@ -11,6 +11,7 @@ import pytest
 from tests.dist_utils import run_command
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_benchmark_collectives_and_memory_on_a_tiny_model(tmp_path):
     # Memory and collectives share one 2-rank launch (world size 1: its first rank). The memory

@@ -58,6 +58,7 @@ def test_async_save_commits_when_written_and_its_group_takes_the_train_timeout(t
         assert rank["save_group_timeouts"] == [datetime.timedelta(seconds=37)]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_a_rank_killed_at_step_9_of_an_async_run_resumes_from_step_8(tmp_path: Path) -> None:
     """Async saves at 4 and 8; rank 1 SIGKILLed as step 9 begins, once step 8's background write

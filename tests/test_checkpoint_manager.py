@@ -165,6 +165,7 @@ def test_keep_latest_k_and_two_rank_resume(tmp_path):
     assert results[0]["start"] == 8 and [h["step"] for h in results[0]["history"]] == [9, 10]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, two_rank_run):
     """SIGKILL one rank of a 2-rank torchrun job while step 10 is being written: step 5 stays

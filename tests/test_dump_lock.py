@@ -90,6 +90,7 @@ def _job(dump: Path) -> list[str]:
             "--checkpoint.interval", "20", "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "10"]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_a_second_job_into_a_busy_folder_exits_at_once_and_leaves_the_first_alone(tmp_path: Path) -> None:
     shared, solo = tmp_path / "shared", tmp_path / "solo"

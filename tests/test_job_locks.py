@@ -177,6 +177,7 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_worker_blocked_in_a_collective_exits_within_5_s_of_its_launcher(tmp_path: Path) -> None:

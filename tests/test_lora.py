@@ -223,6 +223,7 @@ def _estimate_8b(root: str) -> dict[str, Any]:
             "params": plan.model_args.num_params()}
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_estimator_fits_8b_lora_on_one_80_gib_gpu_but_not_a_full_fine_tune(repo_root: Path) -> None:
     """Llama 3.1 8B, seq 4096, selective AC, bf16, one GPU: LoRA rank 16 fits 80 GiB, a full

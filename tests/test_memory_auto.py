@@ -374,6 +374,7 @@ def test_estimate_cli_shows_what_auto_would_choose(peaks, tmp_path, capsys):
 
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_estimate_cli_says_what_auto_would_choose_for_a_job_that_does_not_use_it(tmp_path, capsys):
     """Given a device size, the memory CLI prints the plan auto would pick for a job configured

@@ -161,6 +161,7 @@ def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
     _compare(2, tmp_path)
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_estimate_within_bounds_of_the_allocator_at_four_ranks(tmp_path) -> None:
     """The same at 4 ranks with an integer reshard mode, HSDP (2 replicas × 2 shards), tensor

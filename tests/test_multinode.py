@@ -94,6 +94,7 @@ def test_default_replicate_degree_is_one_replica_per_node():
         ParallelDims.resolve(dp_replicate=-2, dp_shard=-1, world_size=4)
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_launcher_script_runs_a_job_and_slurm_script_parses(tmp_path):
     from tests.dist_utils import run_command

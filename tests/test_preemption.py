@@ -125,6 +125,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(tmp_p
         assert out[f"{how}_folders"] == ["step-12", "step-4", "step-8", "step-8.corrupt"], out[f"{how}_folders"]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_no_checkpoint_that_verifies_is_one_line_and_exit_4(tmp_path: Path) -> None:
     """One process over a 1-rank run's checkpoints: with both damaged, one error line and exit 4
@@ -173,6 +174,7 @@ if [ "$1" = show ]; then echo localhost; else echo "$@" >> "$SCONTROL_LOG"; fi
 """
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_slurm_script_passes_sigterm_on_and_requeues_the_job(tmp_path: Path) -> None:
     """scripts/multinode_trainer.slurm under stand-ins for srun and scontrol (one node, 2 CPU

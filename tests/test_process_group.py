@@ -59,7 +59,7 @@ def _wait_for_step(dump: Path, step: int, procs: list[subprocess.Popen[str]], ti
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "hung"])
+@pytest.mark.parametrize("how", ["killed", pytest.param("hung", marks=pytest.mark.scenario)])
 def test_survivor_exits_with_an_error_within_the_train_timeout(tmp_path, how):
     """Rank 1 is SIGKILLed (or SIGSTOPped: alive but silent) mid-training; rank 0 must exit
     non-zero within comm.train_timeout_seconds (+ EXIT_MARGIN for this 2-core machine) instead of

@@ -92,6 +92,7 @@ def test_attempt_store_times_out_naming_the_ranks_that_never_came() -> None:
                               "(comm.init_timeout_seconds)")
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_restarted_workers_never_read_the_dead_attempts_addresses() -> None:
     """torchrun keeps one store for all attempts. In the restart, rank 0 creates its group 1 s
