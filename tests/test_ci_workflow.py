@@ -239,6 +239,20 @@ def test_ci_run_runs_the_readme_test_command() -> None:
     assert command in shell_lines((REPO_ROOT / ".ci" / "run").read_text())
 
 
+def test_both_ci_entry_points_run_the_scenarios_the_suite_leaves_out() -> None:
+    """The suite (the README's command) deselects ``scenario`` tests (pyproject's addopts); .ci/run
+    and the workflow's tests job run them after it, so CI still runs every test."""
+    import tomllib
+
+    addopts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "not scenario" in addopts
+    scenarios = "python -m pytest -q -n 2 --dist loadscope -m scenario"
+    ci_run = shell_lines((REPO_ROOT / ".ci" / "run").read_text())
+    assert scenarios in ci_run and ci_run.index(scenarios) > ci_run.index(readme_test_command())
+    job = _load(WORKFLOW_DIR / "ci.yaml")["jobs"]["tests"]
+    assert any(scenarios in shell_lines(step["run"]) for step in run_steps(job))
+
+
 def test_integration_job_runs_the_runner_on_cpu_processes() -> None:
     job = _load(WORKFLOW_DIR / "ci.yaml")["jobs"]["integration"]
     assert not any("self-hosted" in label for label in _runs_on(job))
