@@ -96,7 +96,7 @@ class _LocalShardStep:
 
     def _init_group(self, group: dict[str, Any], *lists: list[Any]) -> Any:
         found: list[list[Any]] = [[] for _ in lists]
-        has_complex = super()._init_group(group, *found)  # type: ignore[misc]  # creates missing state
+        has_complex = super()._init_group(group, *found)  # (creates the state a parameter lacks)
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, _steps = found
         if _alike([params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]):
             from torch.distributed.tensor import DTensor
