@@ -157,6 +157,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of ``text`` with the tokenizer's own special tokens added (its post-processor: a
+        Llama folder's BOS), as ``tokenizer(text)`` gives them in transformers."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids of ``text`` as written (special-token spellings are special tokens, no BOS/EOS
         added: how ``apply_chat_template`` tokenizes a rendered conversation), and each token's

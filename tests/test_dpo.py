@@ -1,0 +1,165 @@
+"""Preference tuning (DPO): pairs tokenized and batched as TRL's ``DPOTrainer`` does them, and its
+losses value for value.
+
+TRL (1.16, the dev extra) is the reference: its own ``_prepare_dataset`` (prompt extraction, the
+EOS appended to plain answers, the chat template, the answers starting where prompt and
+prompt + answer stop agreeing) and ``DataCollatorForPreference`` (truncation, padding, the
+completion mask) run on the same rows and tokenizer folder as ours.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_data_chat import write_chat_tokenizer
+from torchtitan_lite.data import HFTokenizer
+from torchtitan_lite.data.chat_template import ChatTemplate, RowError
+from torchtitan_lite.data.preference import encode_pair, pair_rows
+from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.dpo import dpo_losses, sequence_logps
+
+trl = pytest.importorskip("trl")
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _assistant(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+CONVERSATIONAL = [
+    {"prompt": _user("Name a prime."), "chosen": _assistant("7"), "rejected": _assistant("8")},
+    {"prompt": [{"role": "system", "content": "You are terse."}, *_user("2+2?")], "chosen": _assistant("4"),
+     "rejected": _assistant("Four, I believe, but let me think about it for a while longer.")},
+    {"prompt": [*_user("a"), *_assistant("b"), *_user("c")], "chosen": _assistant("d"),
+     "rejected": _assistant("Ünïcödé ✓ 漢字 🚀")},
+    {"prompt": _user("Long " * 30), "chosen": _assistant("Answer " * 25), "rejected": _assistant("x")},
+]
+# No prompt: the messages chosen and rejected share are the prompt (TRL's extract_prompt).
+CONVERSATIONAL_NO_PROMPT = [
+    {"chosen": [*_user("Say hi."), *_assistant("Hi!")], "rejected": [*_user("Say hi."), *_assistant("No.")]},
+    {"chosen": [*_user("a"), *_assistant("b"), *_user("c"), *_assistant("d " * 40)],
+     "rejected": [*_user("a"), *_assistant("b"), *_user("c"), *_assistant("e")]},
+]
+PLAIN = [
+    {"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."},
+    {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5, or maybe six, depending on the day of the week"},
+    {"prompt": "", "chosen": "Hello there.", "rejected": "Go away."},
+]
+PLAIN_NO_PROMPT = [
+    {"chosen": "Q: colour of the sky? A: blue", "rejected": "Q: colour of the sky? A: green"},
+    {"chosen": "Q: a long answer? A: " + "yes " * 20, "rejected": "Q: a long answer? A: no"},
+]
+
+
+def _trl_batch(rows: list[dict[str, Any]], folder: Path, max_length: int, truncation: str) -> dict[str, Any]:
+    """TRL's tokenization (``DPOTrainer._prepare_dataset``, run on its own) and collation."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    args = types.SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode=truncation)
+    prepared = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=hf), Dataset.from_list(rows), hf, args,
+                                           "train")
+    examples = [{k: prepared[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for i in range(len(rows))]
+    return DataCollatorForPreference(pad_token_id=0, max_length=max_length, truncation_mode=truncation)(examples)
+
+
+@pytest.mark.parametrize("family, rows", [("llama3", CONVERSATIONAL), ("qwen3", CONVERSATIONAL),
+                                          ("llama3", CONVERSATIONAL_NO_PROMPT), ("llama3", PLAIN),
+                                          ("llama3", PLAIN_NO_PROMPT)],
+                         ids=["llama3-conversational", "qwen3-conversational", "no-prompt", "plain", "plain-no-prompt"])
+@pytest.mark.parametrize("truncation", ["keep_start", "keep_end"])
+def test_pairs_are_tokenized_and_batched_as_trl_does(tmp_path: Path, family: str, rows: list[dict[str, Any]],
+                                                     truncation: str) -> None:
+    """Chosen rows then rejected rows, prompt tokens not counted, pairs over ``seq_len + 1`` cut
+    as TRL's ``max_length`` cuts them (each set has a pair over it)."""
+    write_chat_tokenizer(tmp_path / "tok", family)
+    tokenizer = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    template = ChatTemplate(tokenizer)
+    pairs = [encode_pair(row, tokenizer, template) for row in rows]
+    seq_len = 23 if rows in (PLAIN, PLAIN_NO_PROMPT) else 63
+    inputs, labels, cut = pair_rows(pairs, seq_len=seq_len, truncation=truncation)
+    theirs = _trl_batch(rows, tmp_path / "tok", seq_len + 1, truncation)
+    ids, mask = theirs["input_ids"].numpy(), theirs["completion_mask"].numpy().astype(bool)
+    width = ids.shape[1]
+    assert width <= seq_len + 1
+    assert inputs.shape == labels.shape == (2 * len(rows), seq_len)
+    assert np.array_equal(inputs[:, : width - 1], ids[:, :-1] * theirs["attention_mask"].numpy()[:, :-1])
+    assert np.array_equal(labels[:, : width - 1], np.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX))
+    assert (labels[:, width - 1:] == IGNORE_INDEX).all()
+    longest = [len(p.prompt) + len(a) for p in pairs for a in (p.chosen, p.rejected)]
+    assert cut == sum(n > seq_len + 1 for n in longest) > 0
+    assert all((row != IGNORE_INDEX).any() for row in labels), "every sequence keeps some answer tokens"
+
+
+def test_a_plain_answer_gets_the_eos_text_once_and_a_bad_row_is_a_row_error(tmp_path: Path) -> None:
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    tokenizer = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    eos = tokenizer.eos_id
+    pair = encode_pair({"prompt": "Hi", "chosen": " there<|eot_id|>", "rejected": " you"}, tokenizer, None)
+    assert pair.chosen[-1] == eos and pair.rejected[-1] == eos
+    assert list(pair.chosen).count(eos) == 1
+    for bad, message in (({"prompt": "Hi", "chosen": " a"}, "expected 'chosen' and 'rejected'"),
+                         ({"prompt": _user("Hi"), "chosen": " a", "rejected": _assistant("b")}, "must both be"),
+                         ({"prompt": "Hi", "chosen": _assistant("a"), "rejected": _assistant("b")}, "'prompt' is not"),
+                         ({"chosen": _user("same"), "rejected": _user("same")}, "'prompt' is not a non-empty")):
+        with pytest.raises(RowError, match=message):
+            encode_pair(bad, tokenizer, ChatTemplate(tokenizer))
+
+
+def test_at_the_first_step_the_sigmoid_loss_is_ln_2_and_every_reward_0() -> None:
+    """Policy = reference: every log-ratio is 0, so the sigmoid loss is ln 2 (to 1e-6), hinge 1,
+    IPO (1 / 2β)², and every reward 0."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11, dtype=torch.float64).float()
+    labels = torch.randint(0, 11, (4, 6))
+    labels[:, :2] = IGNORE_INDEX  # the prompt
+    logps = sequence_logps(logits, labels)
+    expected = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    assert torch.allclose(logps.double(), (expected * (labels != IGNORE_INDEX)).sum(-1), atol=1e-5)
+    chosen, rejected = logps[:2], logps[2:]
+    tokens = (labels != IGNORE_INDEX).sum(-1)
+    beta = 0.1
+    for loss_type, value in (("sigmoid", math.log(2)), ("hinge", 1.0), ("ipo", (1 / (2 * beta)) ** 2)):
+        out = dpo_losses(chosen, rejected, chosen.clone(), rejected.clone(), beta=beta, loss_type=loss_type,
+                         chosen_tokens=tokens[:2], rejected_tokens=tokens[2:])
+        assert torch.allclose(out.loss.double(), torch.full((2,), value, dtype=torch.float64), atol=1e-6), loss_type
+        assert not out.chosen_rewards.any() and not out.rejected_rewards.any()
+
+
+def test_losses_follow_trls_definitions() -> None:
+    """Away from the first step: sigmoid, conservative DPO (label smoothing), hinge and the
+    per-token-averaged IPO against the formulas of TRL 1.16's DPOTrainer (its ``robust`` term for
+    label smoothing's flipped part), and rewards β × log-ratio."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    pc, pr, rc, rr = (torch.randn(5, generator=g) * 3 for _ in range(4))
+    tc, tr = torch.tensor([3, 1, 7, 2, 5]), torch.tensor([4, 2, 1, 6, 3])
+    beta, eps = 0.25, 0.1
+    delta = (pc - rc) - (pr - rr)
+    cases = {
+        ("sigmoid", 0.0): -F.logsigmoid(beta * delta),
+        ("sigmoid", eps): -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta),
+        ("hinge", 0.0): torch.relu(1 - beta * delta),
+        ("ipo", 0.0): ((pc - rc) / tc - (pr - rr) / tr - 1 / (2 * beta)) ** 2,
+    }
+    for (loss_type, smoothing), expected in cases.items():
+        out = dpo_losses(pc, pr, rc, rr, beta=beta, loss_type=loss_type, label_smoothing=smoothing,
+                         chosen_tokens=tc, rejected_tokens=tr)
+        assert torch.allclose(out.loss, expected, atol=1e-6), (loss_type, smoothing)
+        assert torch.allclose(out.chosen_rewards, beta * (pc - rc)) and torch.allclose(out.rejected_rewards,
+                                                                                         beta * (pr - rr))
+    with pytest.raises(ValueError, match="loss_type: 'kto'"):
+        dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="kto")

@@ -1,0 +1,80 @@
+"""Direct preference optimization: the losses of TRL's ``DPOTrainer`` (1.16), value for value.
+
+A micro-batch holds pairs as rows: the chosen sequences first, then the rejected ones
+(:func:`torchtitan_lite.data.preference.pair_rows`). :func:`sequence_logps` sums each row's
+log-probabilities of its counted labels (the answer's tokens) in fp32; :func:`dpo_losses` turns
+the policy's and the reference's sums into each pair's loss and rewards:
+
+- ``chosen_scores = logp_policy(chosen) - logp_reference(chosen)``, the same for rejected, and
+  ``delta = chosen_scores - rejected_scores``;
+- ``sigmoid``: ``-logsigmoid(beta · delta)``; with ``label_smoothing`` ε, conservative DPO
+  ``-(1 - ε) · logsigmoid(beta · delta) - ε · logsigmoid(-beta · delta)``;
+- ``hinge``: ``relu(1 - beta · delta)``;
+- ``ipo``: each score divided by its answer's token count, then ``(delta - 1 / (2 · beta))²``;
+- rewards: ``beta · chosen_scores`` and ``beta · rejected_scores`` (unnormalised, for every type).
+
+At the first step, when the policy is the reference, every score is 0: the sigmoid loss is ln 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.loss import token_loss_sum
+
+__all__ = ["LOSS_TYPES", "PairLosses", "dpo_losses", "sequence_logps"]
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its counted labels (``labels`` not
+    :data:`IGNORE_INDEX`), in fp32: ``(rows,)`` from logits ``(rows, seq, vocab)``. Computed a
+    row at a time by the training loss's chunked cross-entropy (no full fp32 copy of the logits)."""
+    return -torch.stack([token_loss_sum(logits[r:r + 1], labels[r:r + 1]) for r in range(logits.shape[0])])
+
+
+def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's number of counted labels."""
+    return (labels != IGNORE_INDEX).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class PairLosses:
+    """Per pair: the loss and the rewards (``beta`` × the policy's log-ratio to the reference)."""
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+               ref_rejected_logps: torch.Tensor, *, beta: float, loss_type: str = "sigmoid",
+               label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
+               rejected_tokens: torch.Tensor | None = None) -> PairLosses:
+    """Each pair's loss of ``loss_type`` (:data:`LOSS_TYPES`) and its rewards, from the summed
+    log-probabilities of the policy and the reference (the module's text has the definitions).
+    ``ipo`` needs each answer's counted tokens (``chosen_tokens``, ``rejected_tokens``)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: {loss_type!r} is not one of {LOSS_TYPES}")
+    chosen_scores = chosen_logps - ref_chosen_logps
+    rejected_scores = rejected_logps - ref_rejected_logps
+    if loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("loss_type 'ipo' averages over each answer's tokens: give chosen_tokens and "
+                             "rejected_tokens")
+        delta = chosen_scores / chosen_tokens.clamp(min=1) - rejected_scores / rejected_tokens.clamp(min=1)
+        loss = (delta - 1 / (2 * beta)) ** 2
+    else:
+        delta = chosen_scores - rejected_scores
+        if loss_type == "hinge":
+            loss = torch.relu(1 - beta * delta)
+        elif label_smoothing:
+            loss = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
+        else:
+            loss = -F.logsigmoid(beta * delta)
+    return PairLosses(loss, beta * chosen_scores.detach(), beta * rejected_scores.detach())
