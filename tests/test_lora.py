@@ -322,3 +322,37 @@ def test_bad_lora_settings_are_one_line_before_any_process_group(tmp_path: Path,
     lines = [text for text in capsys.readouterr().err.splitlines() if text.strip()]
     assert (code, lines) == (2, [line])
     assert not dist.is_initialized() and not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("family, targets", [("llama3", ["q_proj", "v_proj", "down_proj"]),
+                                             ("qwen3_moe", ["q_proj", "o_proj", "experts"])])
+def test_adapters_disabled_is_the_base_model_exactly(family: str, targets: list[str]) -> None:
+    """DPO's reference under LoRA: inside ``adapters_disabled`` an adapted model (its adapters far
+    from zero, on attention, MLP and stacked expert weights) gives its base's logits bit for bit;
+    outside, its own again; the adapters get no gradient from what runs inside."""
+    import copy
+
+    from torchtitan_lite.distributed.lora import LoRASetup, adapters_disabled, init_lora_weights
+
+    spec = get_model_spec(family)
+    args = spec.model_args("tiny")
+    torch.manual_seed(0)
+    base = spec.model_cls(args)
+    base.init_weights(buffer_device=torch.device("cpu"))
+    model = copy.deepcopy(base)
+    LoRASetup.for_model(model, rank=4, alpha=8, target_modules=targets, hf_name=spec.hf.to_hf_name).apply(model)
+    init_lora_weights(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, adapted = base(tokens), model(tokens)
+    assert not torch.allclose(adapted, expected, atol=1e-3)
+    with adapters_disabled(model):
+        reference = model(tokens)
+    assert torch.equal(reference, expected)
+    assert not reference.requires_grad  # only the frozen base weights took part: no path to an adapter
+    with torch.no_grad():
+        assert torch.equal(model(tokens), adapted)

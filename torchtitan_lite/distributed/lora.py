@@ -28,9 +28,10 @@ family's Hugging Face names give (``spec.hf.to_hf_name``: ``layers.0.attention.w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "LoRASetup",
     "LoRAWeight",
     "adapter_parameter_names",
+    "adapters_disabled",
     "StackedLoRA",
     "apply_lora",
     "expert_stacks",
@@ -124,11 +126,14 @@ def is_lora_experts(module: nn.Module) -> bool:
 def _lora_experts_class(cls: type[nn.Module]) -> type[nn.Module]:
     def expert_weights(self: Any) -> tuple[torch.Tensor, ...]:
         base = super(subclass, self).expert_weights()
+        if not self.lora_enabled:
+            return base
         return tuple(w + getattr(self, f"lora_{name}").delta(self.lora_scaling).to(w.dtype)
                      for name, w in zip(self.stacked_weights, base, strict=True))
 
     subclass = type(f"LoRA{cls.__name__}", (cls,), {
-        "expert_weights": expert_weights, "__module__": cls.__module__, "_lora_experts": True})
+        "expert_weights": expert_weights, "__module__": cls.__module__, "_lora_experts": True,
+        "lora_enabled": True})
     return subclass
 
 
@@ -153,13 +158,16 @@ def is_lora_linear(module: nn.Module) -> bool:
 def _lora_class(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         out = super(subclass, self).forward(x)  # the layer's own W x + b
+        if not self.lora_enabled:
+            return out
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.lora_scaling
 
     def extra_repr(self: Any) -> str:
         return f"{super(subclass, self).extra_repr()}, lora_scaling={self.lora_scaling:g}"
 
     subclass = type(f"LoRA{cls.__name__}", (cls,), {
-        "forward": forward, "extra_repr": extra_repr, "__module__": cls.__module__, "_lora_linear": True})
+        "forward": forward, "extra_repr": extra_repr, "__module__": cls.__module__, "_lora_linear": True,
+        "lora_enabled": True})
     return subclass
 
 
@@ -172,6 +180,21 @@ def _initialising_class(cls: type[nn.Module]) -> type[nn.Module]:
     subclass = type(f"LoRA{cls.__name__}", (cls,), {
         "init_weights": init_weights, "__module__": cls.__module__, "_lora_root": True})
     return subclass
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it, every adapted linear and expert stack of ``model`` computes its base weights
+    alone (the adapters are skipped, not zeroed): the model is its base, with no second copy of
+    the weights, as PEFT's ``disable_adapter()`` makes it (DPO's reference). Outside it, as before."""
+    modules = [*lora_modules(model).values(), *lora_expert_modules(model).values()]
+    for module in modules:
+        module.lora_enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.lora_enabled  # back to the class's True
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
