@@ -163,3 +163,54 @@ def test_losses_follow_trls_definitions() -> None:
                                                                                          beta * (pr - rr))
     with pytest.raises(ValueError, match="loss_type: 'kto'"):
         dpo_losses(pc, pr, rc, rr, beta=beta, loss_type="kto")
+
+
+def test_a_preference_file_becomes_pair_windows_with_bad_rows_and_long_pairs_counted(tmp_path: Path,
+                                                                                      caplog) -> None:
+    """JSON lines and Parquet hold the same pairs and give the same windows (those of
+    :func:`pair_rows`); a malformed row stops the job with one line naming the file and line, or
+    with on_bad_row = 'skip' is counted; a pair whose prompt alone fills the window is dropped
+    under keep_start (TRL drops it too) and kept, cut, under keep_end."""
+    import json
+    import logging
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchtitan_lite.data.preference import pair_windows
+    from torchtitan_lite.errors import DataError
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    tokenizer = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    rows = [*CONVERSATIONAL, {"prompt": _user("p " * 80), "chosen": _assistant("a"), "rejected": _assistant("b")}]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parquet = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    common = {"seq_len": 63, "key": "training.dataset_path", "where": "here"}
+    template = ChatTemplate(tokenizer)
+    pairs = [encode_pair(r, tokenizer, template) for r in rows]
+    over = [sum(len(p.prompt) + len(a) > 64 for a in (p.chosen, p.rejected)) for p in pairs]
+    assert len(pairs[-1].prompt) >= 64 and sum(over[:-1]) >= 1
+    with caplog.at_level(logging.WARNING, logger="torchtitan_lite"):
+        windows = pair_windows([jsonl], tokenizer, **common)
+    assert len(windows) == len(rows) - 1 and windows.dropped == 1 and windows.cut == sum(over[:-1])
+    assert f"{sum(over[:-1])} sequence(s) longer than seq_len + 1 = 64 tokens were cut (keep_start)" in caplog.text
+    from_parquet = pair_windows([parquet], tokenizer, **common)
+    inputs, labels, _ = pair_rows(pairs[:-1], seq_len=63)
+    from torchtitan_lite.data.preference import pair_batch
+
+    for source in (windows, from_parquet):
+        got_inputs, got_labels = pair_batch(np.stack([source[i] for i in range(len(source))]))
+        assert np.array_equal(got_inputs.numpy(), inputs) and np.array_equal(got_labels.numpy(), labels)
+    kept = pair_windows([jsonl], tokenizer, **common, truncation="keep_end")
+    assert len(kept) == len(rows) and kept.dropped == 0 and kept.cut == sum(over)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
+    with pytest.raises(DataError) as stop:
+        pair_windows([bad], tokenizer, **common)
+    assert str(stop.value).startswith(f"training.dataset_path: {str(bad)!r} line 2: expected 'chosen' and 'rejected'")
+    assert str(stop.value).endswith("(or set training.on_bad_row = 'skip')") and "\n" not in str(stop.value)
+    skipped = pair_windows([bad], tokenizer, **common, on_bad_row="skip")
+    assert len(skipped) == 1 and skipped.skipped == 1

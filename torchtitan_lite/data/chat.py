@@ -90,10 +90,16 @@ def conversation(record: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
                    f"got {str(record)[:80]!r}", kind="row")
 
 
-def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1)) -> Iterator[tuple[int, str, Any]]:
+ROW_COLUMNS = ("messages", "tools", "prompt", "completion")
+"""The columns of a Parquet file that a conversation row reads."""
+
+
+def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1), *,
+               columns: tuple[str, ...] = ROW_COLUMNS) -> Iterator[tuple[int, str, Any]]:
     """The rows ``(number, where, record)`` of the files whose number (counted over the files, in
     order) is ``index`` modulo ``count`` for ``share = (index, count)``; other rows are only
-    counted (a JSON line not parsed, a Parquet batch's other rows not converted)."""
+    counted (a JSON line not parsed, a Parquet batch's other rows not converted). Parquet rows
+    hold the ``columns`` the file has."""
     index, count = share
     number = 0
     for file in files:
@@ -102,9 +108,9 @@ def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1)) -> 
 
             try:
                 reader = pq.ParquetFile(str(file))
-                columns = [c for c in ("messages", "tools", "prompt", "completion") if c in reader.schema_arrow.names]
+                present = [c for c in columns if c in reader.schema_arrow.names]
                 row = 0
-                for batch in reader.iter_batches(columns=columns, batch_size=4096):
+                for batch in reader.iter_batches(columns=present, batch_size=4096):
                     mine = [i for i in range(batch.num_rows) if (number + i) % count == index]
                     records = batch.take(mine).to_pylist() if mine else []
                     for i, record in zip(mine, records, strict=True):

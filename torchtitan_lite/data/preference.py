@@ -21,16 +21,24 @@ Only the answers' tokens are counted (:func:`pair_rows`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from torchtitan_lite.data.chat import share_rows
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
-from torchtitan_lite.data.tokenizers import Tokenizer
-from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
+from torchtitan_lite.data.windows import window_tensors
+from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "TRUNCATIONS", "Pair", "encode_pair", "pair_rows", "preference_row"]
+__all__ = ["KINDS", "TRUNCATIONS", "Pair", "PairWindows", "encode_pair", "pair_batch", "pair_rows", "pair_window",
+           "pair_windows", "preference_row"]
+
+logger = logging.getLogger("torchtitan_lite")
 
 KINDS = {"preference": "preference pairs: JSON lines or Parquet rows with prompt, chosen and rejected (lists of "
                        "messages, or strings), TRL's format (dataset_path)"}
@@ -136,30 +144,122 @@ def encode_pair(record: Any, tokenizer: Tokenizer, template: ChatTemplate | None
                 np.asarray(with_rejected[start:], dtype=np.int64))
 
 
-def pair_rows(pairs: list[Pair], *, seq_len: int, pad_id: int = 0,
-              truncation: str = "keep_start") -> tuple[np.ndarray, np.ndarray, int]:
-    """A micro-batch of pairs as rows of ``seq_len`` inputs and labels: the chosen sequences
-    (prompt + chosen answer) first, then the rejected ones, each cut to ``seq_len + 1`` tokens
-    (``truncation``: :data:`TRUNCATIONS`) and padded with ``pad_id``; a label is counted
-    (not :data:`IGNORE_INDEX`) where the token it predicts is an answer's. Returns the inputs, the
-    labels (both ``(2 × pairs, seq_len)``) and how many sequences were cut."""
+def pair_window(pair: Pair, *, seq_len: int, truncation: str = "keep_start", pad_id: int = 0) -> tuple[np.ndarray, int]:
+    """A pair as one window ``(2, 3, seq_len + 1)``: its chosen sequence (prompt + chosen answer),
+    then its rejected one, each in :class:`~torchtitan_lite.data.windows.PackedWindows`' layout
+    (token ids, whether each is counted: the answer's tokens, and the sample number: 0, padding 1),
+    cut to ``seq_len + 1`` tokens (``truncation``: :data:`TRUNCATIONS`) and padded with ``pad_id``.
+    Returns the window and how many of its two sequences were cut."""
     if truncation not in TRUNCATIONS:
         raise ValueError(f"truncation: {truncation!r} is not one of {TRUNCATIONS}")
     size = seq_len + 1
-    tokens = np.full((2 * len(pairs), size), pad_id, dtype=np.int64)
-    counted = np.zeros((2 * len(pairs), size), dtype=bool)
+    window = np.zeros((2, 3, size), dtype=np.int64)
+    window[:, 0] = pad_id
     cut = 0
-    for side in range(2):
-        for i, pair in enumerate(pairs):
-            answer = pair.chosen if side == 0 else pair.rejected
-            ids = np.concatenate([pair.prompt, answer])
-            mask = np.concatenate([np.zeros(len(pair.prompt), dtype=bool), np.ones(len(answer), dtype=bool)])
-            if len(ids) > size:
-                cut += 1
-                keep = slice(None, size) if truncation == "keep_start" else slice(len(ids) - size, None)
-                ids, mask = ids[keep], mask[keep]
-            row = side * len(pairs) + i
-            tokens[row, : len(ids)] = ids
-            counted[row, : len(ids)] = mask
-    labels = np.where(counted[:, 1:], tokens[:, 1:], IGNORE_INDEX)
-    return tokens[:, :-1], labels, cut
+    for side, answer in enumerate((pair.chosen, pair.rejected)):
+        ids = np.concatenate([pair.prompt, answer])
+        counted = np.concatenate([np.zeros(len(pair.prompt), dtype=np.int64), np.ones(len(answer), dtype=np.int64)])
+        if len(ids) > size:
+            cut += 1
+            keep = slice(None, size) if truncation == "keep_start" else slice(len(ids) - size, None)
+            ids, counted = ids[keep], counted[keep]
+        window[side, 0, : len(ids)] = ids
+        window[side, 1, : len(ids)] = counted
+        window[side, 2, len(ids):] = 1
+    return window, cut
+
+
+def pair_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair windows ``(pairs, 2, 3, seq_len + 1)`` as a micro-batch: ``(inputs, labels)`` of
+    ``2 × pairs`` rows, every pair's chosen sequence first, then the rejected ones (a label is
+    counted where the token it predicts is an answer's, as in :func:`window_tensors`)."""
+    rows = np.concatenate([windows[:, 0], windows[:, 1]])
+    inputs, labels, _ = window_tensors(rows, None)
+    return inputs, labels
+
+
+def pair_rows(pairs: list[Pair], *, seq_len: int, pad_id: int = 0,
+              truncation: str = "keep_start") -> tuple[np.ndarray, np.ndarray, int]:
+    """A micro-batch of ``pairs`` (:func:`pair_window`, :func:`pair_batch`) as arrays: the inputs
+    and labels ``(2 × pairs, seq_len)``, and how many sequences were cut."""
+    made = [pair_window(pair, seq_len=seq_len, truncation=truncation, pad_id=pad_id) for pair in pairs]
+    inputs, labels = pair_batch(np.stack([window for window, _ in made]))
+    return inputs.numpy(), labels.numpy(), sum(cut for _, cut in made)
+
+
+class PairWindows:
+    """A source's preference pairs as windows (:func:`pair_window`), made on access: window ``i``
+    is pair ``i``."""
+
+    def __init__(self, pairs: list[Pair], *, seq_len: int, truncation: str, cut: int = 0, dropped: int = 0,
+                 skipped: int = 0) -> None:
+        self.pairs, self.seq_len, self.truncation = pairs, seq_len, truncation
+        self.samples = len(pairs)
+        self.cut, self.dropped, self.skipped = cut, dropped, skipped
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"pair {index} of {len(self)}")
+        return pair_window(self.pairs[index], seq_len=self.seq_len, truncation=self.truncation)[0]
+
+    def describe(self) -> str:
+        notes = [f"{self.cut} sequence(s) cut ({self.truncation})"] if self.cut else []
+        notes += [f"{self.dropped} dropped (the prompt alone fills the window)"] if self.dropped else []
+        notes += [f"{self.skipped} bad row(s) skipped"] if self.skipped else []
+        return f"{self.samples} preference pairs of up to {self.seq_len + 1} tokens" + (
+            f" ({', '.join(notes)})" if notes else "")
+
+
+ROW_COLUMNS = ("prompt", "chosen", "rejected", "tools")
+"""The columns of a Parquet file that a preference row reads."""
+
+
+def pair_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, key: str, where: str,
+                 chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 on_bad_row: str = "stop", truncation: str = "keep_start") -> PairWindows:
+    """Every row of ``files`` (JSON lines or Parquet, :func:`~torchtitan_lite.data.chat.share_rows`)
+    as a pair (:func:`encode_pair`; conversational rows rendered with the tokenizer's chat template,
+    or ``chat_template``). A bad row is a :class:`DataError` naming its file and line, or with
+    ``on_bad_row = "skip"`` skipped and counted; a pair longer than ``seq_len + 1`` tokens is cut
+    (``truncation``) and counted, and with ``keep_start`` one whose prompt alone fills the window
+    is dropped (no answer token would be left), as TRL does; both are logged."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise DataError(f"{key}: dataset = 'preference' needs a Hugging Face tokenizer.json (and, for "
+                        f"conversational pairs, its chat template); this job's tokenizer is {type(tokenizer).__name__}")
+    template: ChatTemplate | None = None
+    size = seq_len + 1
+    pairs: list[Pair] = []
+    skipped: dict[str, int] = {}
+    first_bad = ""
+    cut = dropped = 0
+    for _, row, record in share_rows(files, key, columns=ROW_COLUMNS):
+        try:
+            if template is None and isinstance(record, dict) and isinstance(record.get("chosen"), list):
+                template = ChatTemplate(tokenizer, template_path=chat_template, template_kwargs=template_kwargs)
+            pair = encode_pair(record, tokenizer, template)
+        except RowError as exc:
+            if on_bad_row != "skip":
+                raise DataError(f"{key}: {row}: {exc} (or set training.on_bad_row = 'skip')") from None
+            skipped[exc.kind] = skipped.get(exc.kind, 0) + 1
+            first_bad = first_bad or f"{row}: {exc}"
+            continue
+        if truncation == "keep_start" and len(pair.prompt) >= size:
+            dropped += 1
+            continue
+        cut += sum(len(pair.prompt) + len(answer) > size for answer in (pair.chosen, pair.rejected))
+        pairs.append(pair)
+    if skipped:
+        logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", key,
+                       sum(skipped.values()), ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items())),
+                       first_bad)
+    if cut or dropped:
+        logger.warning("%s: %d sequence(s) longer than seq_len + 1 = %d tokens were cut (%s)%s", key, cut, size,
+                       truncation, f"; {dropped} pair(s) whose prompt alone fills them were dropped" if dropped else "")
+    if not pairs:
+        raise DataError(f"{key}: {where} holds no preference pair that fits seq_len + 1 = {size} tokens"
+                        + (f" ({sum(skipped.values())} skipped: training.on_bad_row = 'skip')" if skipped else ""))
+    return PairWindows(pairs, seq_len=seq_len, truncation=truncation, cut=cut, dropped=dropped,
+                       skipped=sum(skipped.values()))
