@@ -23,7 +23,7 @@ from torchtitan_lite.data import HFTokenizer
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
 from torchtitan_lite.data.preference import encode_pair, pair_rows
 from torchtitan_lite.data.windows import IGNORE_INDEX
-from torchtitan_lite.dpo import dpo_losses, sequence_logps
+from torchtitan_lite.dpo import counted_tokens, dpo_losses, sequence_logps
 
 trl = pytest.importorskip("trl")
 
@@ -129,7 +129,7 @@ def test_at_the_first_step_the_sigmoid_loss_is_ln_2_and_every_reward_0() -> None
     expected = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     assert torch.allclose(logps.double(), (expected * (labels != IGNORE_INDEX)).sum(-1), atol=1e-5)
     chosen, rejected = logps[:2], logps[2:]
-    tokens = (labels != IGNORE_INDEX).sum(-1)
+    tokens = counted_tokens(labels)
     beta = 0.1
     for loss_type, value in (("sigmoid", math.log(2)), ("hinge", 1.0), ("ipo", (1 / (2 * beta)) ** 2)):
         out = dpo_losses(chosen, rejected, chosen.clone(), rejected.clone(), beta=beta, loss_type=loss_type,
@@ -139,9 +139,9 @@ def test_at_the_first_step_the_sigmoid_loss_is_ln_2_and_every_reward_0() -> None
 
 
 def test_losses_follow_trls_definitions() -> None:
-    """Away from the first step: sigmoid, conservative DPO (label smoothing), hinge and the
-    per-token-averaged IPO against the formulas of TRL 1.16's DPOTrainer (its ``robust`` term for
-    label smoothing's flipped part), and rewards β × log-ratio."""
+    """Away from the first step: sigmoid, hinge and the per-token-averaged IPO against the formulas
+    of TRL 1.16's DPOTrainer, conservative DPO (label smoothing ε: the preference label flipped with
+    probability ε) against its paper's, and rewards β × log-ratio."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(1)
@@ -214,3 +214,80 @@ def test_a_preference_file_becomes_pair_windows_with_bad_rows_and_long_pairs_cou
     assert str(stop.value).endswith("(or set training.on_bad_row = 'skip')") and "\n" not in str(stop.value)
     skipped = pair_windows([bad], tokenizer, **common, on_bad_row="skip")
     assert len(skipped) == 1 and skipped.skipped == 1
+
+
+def _hf_folder(folder: Path, family: str, seed: int, tokenizer_folder: Path) -> Any:
+    """The tiny model of ``family`` from ``seed`` (vocabulary widened to the tokenizer's), saved as
+    a Hugging Face folder with the tokenizer beside it; returns our model (fp32, one process)."""
+    import dataclasses
+    import shutil
+
+    from torchtitan_lite.checkpoint import hf_storage
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
+    from torchtitan_lite.models import get_model_spec
+
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.model_args("tiny"), vocab_size=512)
+    model = build_sharded_model(spec, args, None, device=torch.device("cpu"), seed=seed, sharded=False)
+    hf_storage.save_hf_weights(model, folder, spec=spec)
+    for file in tokenizer_folder.iterdir():
+        shutil.copy(file, folder / file.name)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_dpo_step_equals_trls_dpo_trainer(tmp_path: Path, family: str) -> None:
+    """One process, fp32: the policy and the reference are two tiny models (different seeds, so
+    rewards are not 0), the pairs those of the conversational set with the family's template.
+    TRL's ``DPOTrainer.compute_loss`` and ours (pair rows, summed log-probabilities, the loss's
+    mean over the pairs) give the same loss, rewards, log-probabilities and gradient norm within
+    1e-5, for sigmoid, IPO and hinge. (TRL 1.16's sigmoid has no label smoothing and its ``robust``
+    loss is another one, so conservative DPO is held to its formula above.)"""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    write_chat_tokenizer(tmp_path / "tok", family)
+    ours = {name: _hf_folder(tmp_path / name, family, seed, tmp_path / "tok") for name, seed in (("policy", 7),
+                                                                                                 ("reference", 8))}
+    tokenizer = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    rows = CONVERSATIONAL
+    pairs = [encode_pair(row, tokenizer, ChatTemplate(tokenizer)) for row in rows]
+    inputs, labels, _ = pair_rows(pairs, seq_len=63)
+    inputs, labels = torch.from_numpy(inputs), torch.from_numpy(labels)
+    n = len(pairs)
+    with torch.no_grad():
+        ref_logps = sequence_logps(ours["reference"](inputs), labels)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "policy"))
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=n, beta=0.1,
+                           loss_type=[loss_type], max_length=64, report_to=[], use_cpu=True, bf16=False,
+                           logging_steps=1)
+        policy = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / "reference"), dtype=torch.float32)
+        trainer = DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=Dataset.from_list(rows),
+                             processing_class=hf_tokenizer)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
+        theirs = trainer.compute_loss(trainer.model, batch)
+        theirs.backward()
+        their_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1e9)
+        metrics = {k: v[-1] for k, v in trainer._metrics["eval" if not trainer.model.training else "train"].items()}
+
+        model = ours["policy"]
+        model.zero_grad(set_to_none=True)
+        logps = sequence_logps(model(inputs), labels)
+        tokens = counted_tokens(labels)
+        out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=0.1, loss_type=loss_type,
+                         chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+        loss = out.loss.mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        label = loss_type
+        assert abs(loss.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item())), (label, loss, theirs)
+        assert abs(norm.item() - their_norm.item()) <= 1e-5 * their_norm.item(), (label, norm, their_norm)
+        assert abs(out.chosen_rewards.mean().item() - metrics["rewards/chosen"]) <= 1e-5, label
+        assert abs(out.rejected_rewards.mean().item() - metrics["rewards/rejected"]) <= 1e-5, label
+        assert abs(logps[:n].mean().item() - metrics["logps/chosen"]) <= 1e-5 * abs(metrics["logps/chosen"]), label
+        accuracy = (out.chosen_rewards > out.rejected_rewards).float().mean().item()
+        assert accuracy == pytest.approx(metrics["rewards/accuracies"]) and metrics["rewards/chosen"] != 0

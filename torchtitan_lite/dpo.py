@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.loss import token_loss_sum
 
-__all__ = ["LOSS_TYPES", "PairLosses", "dpo_losses", "sequence_logps"]
+__all__ = ["LOSS_TYPES", "PairLosses", "counted_tokens", "dpo_losses", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
