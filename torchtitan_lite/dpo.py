@@ -18,15 +18,21 @@ At the first step, when the policy is the reference, every score is 0: the sigmo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.loss import token_loss_sum
 
-__all__ = ["LOSS_TYPES", "PairLosses", "counted_tokens", "dpo_losses", "sequence_logps"]
+__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceStep", "counted_tokens", "dpo_losses",
+           "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -78,3 +84,67 @@ def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_cho
         else:
             loss = -F.logsigmoid(beta * delta)
     return PairLosses(loss, beta * chosen_scores.detach(), beta * rejected_scores.detach())
+
+
+@dataclass(frozen=True)
+class DPOSetup:
+    """A job's preference tuning (``[dpo]`` on ``training.dataset = "preference"``), resolved by the plan."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "copy"
+    """``adapters_off`` (the LoRA model with its adapters skipped) or ``copy`` (a frozen copy)."""
+
+
+METRICS = ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/accuracy", "dpo/margin", "dpo/logps_chosen",
+           "dpo/logps_rejected")
+"""Each step's means over the global batch's pairs, with TRL's meanings (``rewards/chosen`` …)."""
+
+
+class PreferenceStep:
+    """One global batch of pairs, forward and backward: every micro-batch's chosen and rejected
+    rows through the policy (one forward) and through the reference (no gradient), the loss of
+    each pair, its gradient scaled to the mean over every pair of the global batch (FSDP averages
+    gradients over the ``ranks``), and the sums behind :data:`METRICS`."""
+
+    def __init__(self, setup: DPOSetup, *, reference: nn.Module | Callable[[], Any], ranks: int,
+                 group: Any = None) -> None:
+        self.setup, self.ranks, self.group = setup, ranks, group
+        self._reference = reference
+
+    @contextlib.contextmanager
+    def _as_reference(self, model: nn.Module) -> Iterator[nn.Module]:
+        if isinstance(self._reference, nn.Module):
+            yield self._reference
+        else:  # a context that makes the policy its own reference (LoRA's adapters off)
+            with self._reference():
+                yield model
+
+    def forward_backward(self, model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                         global_pairs: int, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+        """Returns this rank's summed pair loss (fp64, detached: the trainer reduces it and divides
+        by ``global_pairs``) and the step's :data:`METRICS` (every rank the same)."""
+        s = self.setup
+        scale = self.ranks / max(global_pairs, 1)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
+        for inputs, labels in micro_batches:
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            n = inputs.shape[0] // 2
+            tokens = counted_tokens(labels)
+            with torch.no_grad(), self._as_reference(model) as reference:
+                ref_logps = sequence_logps(reference(inputs), labels)
+            logps = sequence_logps(model(inputs), labels)
+            out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
+                             label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+            (out.loss.sum() * scale).backward()
+            loss_sum += out.loss.detach().sum().double()
+            chosen, rejected = out.chosen_rewards.double(), out.rejected_rewards.double()
+            sums += torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(),
+                                 (chosen - rejected).sum(), logps[:n].detach().double().sum(),
+                                 logps[n:].detach().double().sum()])
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=self.group)
+        means = (sums / max(global_pairs, 1)).tolist()
+        return loss_sum, dict(zip(METRICS, means, strict=True))

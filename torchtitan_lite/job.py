@@ -26,7 +26,7 @@ from torchtitan_lite.checkpoint.manager import (
     initial_load_used,
     resumable_steps,
 )
-from torchtitan_lite.config.schema import JobConfig, MoEConfig
+from torchtitan_lite.config.schema import DPO, JobConfig, MoEConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
@@ -38,6 +38,7 @@ from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_
 from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
+from torchtitan_lite.dpo import DPOSetup
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
 from torchtitan_lite.models import MODEL_SPECS, get_model_spec
@@ -151,6 +152,8 @@ class JobPlan:
     lora: LoRASetup | None = None
     """Low-rank adapters on the linears ``lora.target_modules`` names, the rest of the model
     frozen, when ``lora.enable``; else None."""
+    dpo: DPOSetup | None = None
+    """Preference tuning when ``training.dataset = "preference"`` (``[dpo]``), else None."""
     loss_parallel: bool = True
     """Under tensor parallel, the logits stay split over the vocabulary for the loss
     (``parallelism.disable_loss_parallel`` off)."""
@@ -334,6 +337,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
+    dpo = _dpo_plan(config, dims, lora, model_args)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
     shape = JobShape(
@@ -358,10 +362,45 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
         schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        offload=offload, float8=float8, lora=lora,
+        offload=offload, float8=float8, lora=lora, dpo=dpo,
         loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
         memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
+
+
+def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any) -> DPOSetup | None:
+    """The job's preference tuning: ``[dpo]`` when ``training.dataset = "preference"`` (None
+    otherwise); one :class:`ConfigError` line for a setting it cannot take."""
+    d, t = config.dpo, config.training
+    preference = t.dataset == "preference"
+    if not preference:
+        changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(DPO(), f.name)]
+        _require(not changed, f"dpo.{changed[0]}" if changed else "dpo", getattr(d, changed[0]) if changed else None,
+                 f"[dpo] applies to training.dataset = 'preference' (this job's is {t.dataset!r})")
+        _require(not any(s.dataset == "preference" for s in t.datasets), "training.datasets", "preference",
+                 "preference pairs train with DPO on their own: set training.dataset = 'preference' (a mixture of "
+                 "preference sources is not supported yet)")
+        return None
+    _require(not t.datasets, "training.datasets", [s.name for s in t.datasets],
+             "training.dataset = 'preference' reads one source (a mixture is not supported yet)")
+    _require(not config.validation.enable, "validation.enable", True,
+             "a DPO job (training.dataset = 'preference') has no validation yet: set validation.enable = false")
+    _require(dims.cp == 1, "parallelism.context_parallel_degree", dims.cp,
+             "DPO sums each sequence's log-probabilities on one rank: expected 1")
+    _require(not getattr(model_args, "num_experts", 0), "model.name", config.model.name,
+             "DPO of a mixture of experts (its router losses and balancing) is not supported yet")
+    _require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
+    _require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
+    _require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,
+             f"conservative DPO is a sigmoid loss (dpo.loss_type is {d.loss_type!r}): expected 0")
+    reference = ("adapters_off" if lora is not None else "copy") if d.reference == "auto" else d.reference
+    _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
+             "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
+    ck = config.checkpoint
+    _require(reference != "copy" or ck.initial_load_path is None or ck.initial_load_in_hf, "dpo.reference", reference,
+             "a frozen copy is loaded from a Hugging Face folder (checkpoint.initial_load_in_hf = true) or made from "
+             "debug.seed; a DCP initial_load_path is not supported yet")
+    return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
 
 
 def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:

@@ -219,6 +219,9 @@ class MetricsLogger:
         if r.get("moe/load_max_over_mean") is not None:  # a mixture of experts: the worst layer's load, the aux loss
             aux = r.get("moe/aux_loss")
             parts.append(f"moe_load {r['moe/load_max_over_mean']:.2f}" + ("" if aux is None else f" aux {aux:.4f}"))
+        if r.get("dpo/accuracy") is not None:  # preference tuning: TRL's reward metrics
+            parts.append(f"acc {r['dpo/accuracy']:.2f}  margin {r['dpo/margin']:.4f}  rewards "
+                         f"{r['dpo/rewards_chosen']:.4f} / {r['dpo/rewards_rejected']:.4f}")
         if r["validation_loss"] is not None:
             ppl = r["validation_perplexity"]
             parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))

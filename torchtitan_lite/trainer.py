@@ -61,7 +61,9 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
+from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.distributed.parallelize import build_sharded_model
+from torchtitan_lite.dpo import PreferenceStep
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
@@ -209,6 +211,26 @@ def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     return token_loss_sum
 
 
+def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
+                     reshard_plan: AutoReshardPlan | None = None) -> PreferenceStep | None:
+    """DPO's step (None unless the plan has ``dpo``: a preference dataset) with its reference: the
+    policy with its LoRA adapters switched off, or a frozen copy of the starting weights built
+    and sharded like the policy (from ``debug.seed``, or the Hugging Face folder
+    ``checkpoint.initial_load_path``: on every start, resumes included), never trained or saved."""
+    if plan.dpo is None:
+        return None
+    if plan.dpo.reference == "adapters_off":
+        reference: nn.Module | Callable[[], Any] = functools.partial(adapters_disabled, model)
+    else:
+        from torchtitan_lite.checkpoint.hf_storage import load_hf_weights
+
+        reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
+        reference.requires_grad_(False)
+        if config.checkpoint.initial_load_path is not None:
+            load_hf_weights(reference, config.checkpoint.initial_load_path, spec=plan.spec)
+    return PreferenceStep(plan.dpo, reference=reference, ranks=plan.token_ranks, group=mesh.tokens)
+
+
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
                          mesh: ParallelMesh) -> RouterBalance | None:
     """The router losses, load metrics and bias balancing of a mixture-of-experts model
@@ -310,6 +332,8 @@ class Trainer:
         for validator in self.validators.values():
             validator.context_parallel = self.context_parallel
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
+        self.preference = build_preference(config, plan, self.model, mesh=self.mesh, device=self.device,
+                                           reshard_plan=self.reshard_plan)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
@@ -422,6 +446,15 @@ class Trainer:
             self.router_balance.start_step()
         micro_batches = self.loader.next_batch()
         data_time = time.perf_counter() - data_start
+        if self.preference is not None:  # DPO: the mean pair loss over the global batch's pairs
+            pairs = self.plan.global_batch_size
+            loss_sum, dpo_values = self.preference.forward_backward(self.model, micro_batches, global_pairs=pairs,
+                                                                    device=self.device)
+            values = {**self.optimizer_step(loss_sum, pairs), **dpo_values}
+            tokens_this_rank = sum(inputs.numel() for inputs, _ in micro_batches)
+            self.step += 1
+            self.tokens_seen += tokens_this_rank * self.plan.token_ranks
+            return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
         sources = self.loader.batch_sources if self.loader.named else None
         counted = self._counted_labels(micro_batches, sources) if self.loader.masked else None
         loss_sum, tokens_this_rank = self.forward_backward(

@@ -187,10 +187,12 @@ class Training:
     dataset: str = "python_stdlib"
     """python_stdlib (embedded default: this Python's standard-library sources, no download),
     python_stdlib_validation (held-out part of it), text (.txt/.jsonl/.jsonl.gz files, tokenized at
-    start-up), tokens (pre-tokenized .bin/.npy files), parquet (.parquet files, streamed) or arrow (a
-    Hugging Face datasets save_to_disk folder or .arrow files, streamed). TorchTitan's names also work with
-    local files: c4_test (its tests/assets/c4_test, from the working directory), c4 and c4_validation
-    (dataset_path = a local copy of allenai/c4's JSON-lines shards; read at start-up)."""
+    start-up), tokens (pre-tokenized .bin/.npy files), chat (conversations for fine-tuning), preference
+    (prompt / chosen / rejected pairs, TRL's format: trains with DPO, [dpo]), parquet (.parquet files,
+    streamed) or arrow (a Hugging Face datasets save_to_disk folder or .arrow files, streamed).
+    TorchTitan's names also work with local files: c4_test (its tests/assets/c4_test, from the working
+    directory), c4 and c4_validation (dataset_path = a local copy of allenai/c4's JSON-lines shards; read
+    at start-up)."""
     dataset_path: str | None = None
     """File or folder read by the text, tokens, parquet and arrow datasets (folders are searched recursively)."""
     dataset_text_column: str = "text"
@@ -370,6 +372,29 @@ class Lora:
     merge_on_export: bool = False
     """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model
     folder) instead of a PEFT adapter folder."""
+
+
+@dataclass
+class DPO:
+    """``[dpo]``: preference tuning (direct preference optimization) on training.dataset = "preference",
+    with TRL's definitions (docs/fine-tuning.md)."""
+
+    beta: float = 0.1
+    """Strength of the pull toward the reference (β): the implicit reward of an answer is β × (its
+    log-probability under the policy − under the reference)."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid: −log σ(β Δ) (the DPO paper's); ipo: (Δ − 1/(2β))² with log-probabilities averaged over each
+    answer's tokens; hinge: max(0, 1 − β Δ); Δ is the chosen answer's log-ratio minus the rejected one's."""
+    label_smoothing: float = 0.0
+    """Conservative DPO (sigmoid only): the chance ε that a pair's preference label is flipped; the loss is
+    −(1 − ε) log σ(β Δ) − ε log σ(−β Δ). 0: plain DPO."""
+    reference: Literal["auto", "adapters_off", "copy"] = "auto"
+    """The reference model: adapters_off (with LoRA: the same model with its adapters switched off, no second
+    copy of the weights), copy (a frozen copy of the starting weights, sharded like the policy, no gradients
+    or optimizer state), auto (adapters_off with LoRA, else copy)."""
+    truncation: Literal["keep_start", "keep_end"] = "keep_start"
+    """A pair longer than seq_len + 1 tokens keeps its start (the end of the answer is cut; a pair whose prompt
+    alone fills the window is dropped) or its end (TRL's truncation_mode); counted and logged."""
 
 
 @dataclass
@@ -553,6 +578,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
+    dpo: DPO = field(default_factory=DPO)
     moe: MoEConfig = field(default_factory=MoEConfig)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

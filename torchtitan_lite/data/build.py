@@ -53,7 +53,7 @@ def _reading(config: JobConfig) -> dict[str, Any]:
             "truncate": t.truncate, "chat_template": t.chat_template, "on_bad_row": t.on_bad_row,
             "chat_template_kwargs": tuple(sorted(t.chat_template_kwargs.items())),
             "cache_dir": str(Path(config.job.dump_folder) / t.chat_cache_dir) if t.chat_cache_dir else None,
-            "packing": t.packing}
+            "packing": t.packing, "pair_truncation": config.dpo.truncation}
 
 
 def training_sources(config: JobConfig) -> list[NamedSource]:

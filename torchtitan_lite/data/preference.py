@@ -29,14 +29,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_lite.data.chat import share_rows
+from torchtitan_lite.data.chat import SUFFIXES, share_rows
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
+from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
 from torchtitan_lite.data.windows import window_tensors
 from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "TRUNCATIONS", "Pair", "PairWindows", "encode_pair", "pair_batch", "pair_rows", "pair_window",
-           "pair_windows", "preference_row"]
+__all__ = ["KINDS", "TRUNCATIONS", "Pair", "PairWindows", "encode_pair", "find_files", "pair_batch", "pair_rows",
+           "pair_window", "pair_windows", "preference_row"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -45,6 +46,11 @@ KINDS = {"preference": "preference pairs: JSON lines or Parquet rows with prompt
 TRUNCATIONS = ("keep_start", "keep_end")
 """How a pair longer than ``seq_len + 1`` tokens is cut (TRL's ``truncation_mode``): its start
 kept (the end of the answer dropped), or its end."""
+
+
+def find_files(dataset: str, dataset_path: str | None, *, section: str, key: str) -> list[Path]:
+    """The preference files ``dataset_path`` names (cheap checks: existence and suffixes)."""
+    return suffix_files(dataset_path, SUFFIXES, key=key, section=section, dataset=dataset, what=KINDS[dataset])
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_lite.data import arrow, c4, chat, stdlib, text, tokens
+from torchtitan_lite.data import arrow, c4, chat, preference, stdlib, text, tokens
 from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import Encoder, PackedWindows, TokenStream, TokenWindows, WindowReader
 from torchtitan_lite.errors import ConfigError
 
 __all__ = ["DATASETS", "STREAMED", "SourceSpec", "check_dataset", "open_reader", "source_windows", "token_stream"]
 
-_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4, chat)
+_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4, chat, preference)
                             for kind in module.KINDS}
 DATASETS: dict[str, str] = {kind: module.KINDS[kind] for kind, module in _MODULES.items()}
 """Every source kind and what it reads (shown in errors and ``--help``)."""
@@ -54,6 +54,8 @@ class SourceSpec:
     """Chat sources: stop on a row that cannot be used, or skip it (``training.on_bad_row``)."""
     packing: str = "greedy"
     """Chat sources: how conversations fill the windows (``training.packing``)."""
+    pair_truncation: str = "keep_start"
+    """Preference sources: how a pair longer than a window is cut (``dpo.truncation``)."""
 
     @property
     def key(self) -> str:
@@ -94,8 +96,9 @@ def token_stream(spec: SourceSpec, tokenizer: Encoder, *, max_tokens: int | None
     files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
     if spec.dataset in tokens.KINDS:
         return tokens.token_stream(files, tokenizer, key=spec.key, where=spec.where, token_dtype=spec.token_dtype)
-    if spec.dataset in chat.KINDS:
-        raise ConfigError(f"{spec.section}.dataset: 'chat' is read as packed conversations, not as a token stream")
+    if spec.dataset in chat.KINDS or spec.dataset in preference.KINDS:
+        what = "packed conversations" if spec.dataset in chat.KINDS else "preference pairs"
+        raise ConfigError(f"{spec.section}.dataset: {spec.dataset!r} is read as {what}, not as a token stream")
     return _MODULES[spec.dataset].token_stream(files, tokenizer, key=spec.key, where=spec.where)
 
 
@@ -119,9 +122,16 @@ def open_reader(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, global_
 
 def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, source: str,
                    seq_len_key: str = "training.seq_len", max_tokens: int | None = None,
-                   ) -> TokenWindows | PackedWindows:
+                   ) -> TokenWindows | PackedWindows | preference.PairWindows:
     """A source read whole into windows of ``seq_len + 1`` tokens: its token stream cut into
-    windows, or (chat) its conversations packed into them. ``source`` names it in errors."""
+    windows, (chat) its conversations packed into them, or (preference) a window per pair.
+    ``source`` names it in errors."""
+    if spec.dataset in preference.KINDS:
+        files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
+        return preference.pair_windows(files, tokenizer, seq_len=seq_len, key=spec.key, where=spec.where,
+                                       chat_template=spec.chat_template,
+                                       template_kwargs=dict(spec.chat_template_kwargs), on_bad_row=spec.on_bad_row,
+                                       truncation=spec.pair_truncation)
     if spec.dataset in chat.KINDS:
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
         return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,

@@ -184,7 +184,7 @@ class WindowReader:
         return {"num_windows": len(self.windows), "seed": self.seed, "shuffle": self.shuffle}
 
     def describe(self) -> str:
-        if isinstance(self.windows, PackedWindows):
+        if not isinstance(self.windows, TokenWindows):  # packed conversations, preference pairs
             return self.windows.describe()
         return f"{len(self.windows.tokens)} tokens, {len(self.windows)} windows of {self.windows.seq_len + 1}"
 
