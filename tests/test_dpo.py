@@ -304,6 +304,23 @@ def _dpo_rank(argv: list[str]) -> list[dict[str, Any]]:
         trainer.close()
 
 
+def _dpo_rank_logits(argv: list[str], tokens: torch.Tensor) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Train; the history and the trained model's logits of ``tokens``."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        history = trainer.train()
+        with torch.no_grad():
+            logits = trainer.model(tokens)
+        from torch.distributed.tensor import DTensor
+
+        return history, (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach().clone()
+    finally:
+        trainer.close()
+
+
 def _dpo_argv(tmp_path: Path, family: str, pairs: Path, *extra: str) -> list[str]:
     return ["--model.name", family, "--model.flavor", "tiny", "--model.tokenizer_path", str(tmp_path / "tok"),
             "--model.vocab_size", "512", "--training.dataset", "preference", "--training.dataset_path", str(pairs),
@@ -364,7 +381,8 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
     """2 ranks, fp32, 40 steps of 8 pairs on 32 pairs that follow a rule: the reward accuracy
     goes from 0.5 or less at the first steps to above 0.9 over the last five and the loss falls; a run
     stopped at step 20 and resumed repeats steps 21-40 within 1e-5. With LoRA, the reference as
-    the adapters switched off trains exactly as with a frozen copy of the base (1e-6)."""
+    the adapters switched off trains exactly as with a frozen copy of the base (1e-6), and its last
+    save, a PEFT adapter folder, loads in PEFT with the trained model's logits (1e-5)."""
     import json
 
     from tests.dist_utils import run_distributed
@@ -392,14 +410,28 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["dpo/accuracy"] - b["dpo/accuracy"]) <= 1e-6, (a, b)
 
     lora = ["--lora.enable", "--lora.rank", "4", "--training.steps", "6", "--optimizer.lr", "1e-2"]
-    off = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, "--job.dump_folder",
-                                                  str(tmp_path / "off")))[0]
+    tokens = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
+    export = ["--checkpoint.enable", "--checkpoint.interval", "6", "--checkpoint.last_save_model_only",
+              "--checkpoint.last_save_in_hf"]
+    off, trained = run_distributed(_dpo_rank_logits, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, *export,
+                                                                 "--job.dump_folder", str(tmp_path / "off")),
+                                   tokens)[0]
     copy = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, "--dpo.reference", "copy",
                                                    "--job.dump_folder", str(tmp_path / "copy")))[0]
     assert off[-1]["dpo/margin"] != 0
     for a, b in zip(off, copy, strict=True):
         for key in ("loss", "grad_norm", "dpo/margin", "dpo/logps_chosen"):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])), (key, a, b)
+    # The last save is a PEFT adapter folder: PEFT on transformers' base gives the trained logits.
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "off" / "checkpoint" / "step-6"
+    assert (folder / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
+    with torch.no_grad():
+        loaded = peft.PeftModel.from_pretrained(base, str(folder)).eval()(tokens).logits
+    assert torch.allclose(loaded, trained, atol=1e-5, rtol=0), float((loaded - trained).abs().max())
 
 
 @pytest.mark.parametrize("extra, message", [
