@@ -233,6 +233,9 @@ def test_lora_at_tensor_parallel_2_exports_what_peft_loads(tmp_path: Path) -> No
      "error: parallelism.tensor_parallel_degree: invalid value 2; tensor parallel is not combined with float8's "
      "'rowwise' recipe (float8.recipe_name; torchao's tensor-parallel styles take tensorwise scales) yet; expected 1 "
      "with it"),
+    (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"],
+     "error: training.seq_len: invalid value 63; tensor parallel 2 splits each sequence over its ranks between the "
+     "blocks (sequence parallel): expected a multiple of 2"),
     (["--parallelism.enable_async_tensor_parallel"],
      "error: parallelism.enable_async_tensor_parallel: invalid value True; it overlaps tensor-parallel collectives: "
      "expected false without tensor parallel"),

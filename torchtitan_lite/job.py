@@ -430,6 +430,12 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
     problem = tensor_parallel_problem(model_args, tp)
     _require(problem is None, key, tp, f"{problem}; expected a degree that does")
     if tp > 1:
+        seq_lens = [("training.seq_len", config.training.seq_len)]
+        if config.validation.enable and config.validation.seq_len > 0:
+            seq_lens.append(("validation.seq_len", config.validation.seq_len))
+        for seq_key, seq_len in seq_lens:
+            _require(seq_len % tp == 0, seq_key, seq_len, f"tensor parallel {tp} splits each sequence over its ranks "
+                     f"between the blocks (sequence parallel): expected a multiple of {tp}")
         rowwise = config.model.converters and config.float8.recipe_name not in (None, "tensorwise")
         _require(not rowwise, key, tp, f"tensor parallel is not combined with float8's {config.float8.recipe_name!r} "
                  "recipe (float8.recipe_name; torchao's tensor-parallel styles take tensorwise scales) yet; expected 1 "
