@@ -463,6 +463,7 @@ def test_bad_dpo_settings_are_one_line_before_any_process_group(tmp_path: Path, 
     assert len(lines) == 1 and lines[0].startswith(message), lines
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_parallel(tmp_path: Path) -> None:
     """4 ranks, fp32, 4 steps: data parallel 2 × tensor parallel 2 (logits split over the
@@ -544,3 +545,33 @@ def test_lora_first_step_with_adapters_off_equals_trl_on_a_peft_model(tmp_path: 
     norm = torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad], 1e9)
     assert abs(first["loss"] - loss.item()) <= 1e-5
     assert abs(first["grad_norm"] - norm.item()) <= 1e-5 * norm.item(), (first["grad_norm"], norm.item())
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_dpo_compiled_and_in_bf16(tmp_path: Path) -> None:
+    """2 ranks, 3 steps: compiled blocks give the eager fp32 losses and rewards within 1e-5, with a
+    frozen copy and with LoRA's adapters switched off (the compiled blocks run both ways); bf16
+    (gathers and compute, fp32 shards) stays within 1e-2 of fp32 and its first step is ln 2."""
+    import json
+
+    from tests.dist_utils import run_distributed
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(8)))
+    common = ["--training.steps", "3", "--training.seq_len", "64", "--optimizer.lr", "1e-2"]
+    lora = ["--lora.enable", "--lora.rank", "4"]
+    runs = {name: run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
+                                                            "--job.dump_folder", str(tmp_path / name)))[0]
+            for name, extra in {"eager": [], "compiled": ["--compile.enable"], "lora": lora,
+                                "lora_compiled": [*lora, "--compile.enable"],
+                                "bf16": ["--training.mixed_precision_param", "bfloat16"]}.items()}
+    for compiled, eager, tolerance in (("compiled", "eager", 1e-5), ("lora_compiled", "lora", 1e-5),
+                                       ("bf16", "eager", 1e-2)):
+        assert runs[eager][-1]["dpo/margin"] != 0
+        for a, b in zip(runs[compiled], runs[eager], strict=True):
+            for key in ("loss", "dpo/margin"):
+                assert abs(a[key] - b[key]) <= tolerance * max(1.0, abs(b[key])), (compiled, key, a, b)
+    assert abs(runs["bf16"][0]["loss"] - math.log(2)) <= 1e-6
