@@ -575,3 +575,57 @@ def test_dpo_compiled_and_in_bf16(tmp_path: Path) -> None:
             for key in ("loss", "dpo/margin"):
                 assert abs(a[key] - b[key]) <= tolerance * max(1.0, abs(b[key])), (compiled, key, a, b)
     assert abs(runs["bf16"][0]["loss"] - math.log(2)) <= 1e-6
+
+
+def _dpo_step_peak(argv: list[str]) -> int:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import trainer_step_peak
+
+    peak, trainer = trainer_step_peak(load_job_config(argv))
+    trainer.metrics.close()
+    return peak
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: Path) -> None:
+    """The debug model's shape, 2 ranks, fp32, 2 pairs (4 rows of 127 tokens) a rank: the memory
+    estimate of a DPO step (the pairs' rows, the reference's forward first: a frozen copy, or LoRA's
+    adapters off) is within -3% / +10% of the allocator's peak of a real trainer step, with and
+    without activation checkpointing; and above the estimate of the same job as if each row were a
+    sample with no reference."""
+    import dataclasses
+    import json
+    import shutil
+
+    from tests.dist_utils import run_distributed
+    from torchtitan_lite.checkpoint import hf_storage
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.models import get_model_spec
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.model_args("debugmodel"), vocab_size=512)
+    model = build_sharded_model(spec, args, None, device=torch.device("cpu"), seed=7, sharded=False)
+    hf_storage.save_hf_weights(model, tmp_path / "policy", spec=spec)
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, tmp_path / "policy" / file.name)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(16) * 8))
+    for name, extra in {"copy": [], "copy, full AC": ["--activation_checkpoint.mode", "full"],
+                        "LoRA, adapters off": ["--lora.enable"]}.items():
+        argv = _dpo_argv(tmp_path, "llama3", pairs, "--model.flavor", "debugmodel", "--training.seq_len", "127",
+                         "--training.steps", "4", *extra, "--job.dump_folder", str(tmp_path / name.replace(" ", "")))
+        config = load_job_config(argv)
+        plan = plan_job(config, world_size=2)
+        kwargs = job_estimate_kwargs(config, plan)
+        estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode, **kwargs)
+        plain = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+                                **{**kwargs, "dpo_reference": None})
+        measured = max(run_distributed(_dpo_step_peak, 2, argv))
+        error = (estimate.peak - measured) / measured
+        assert -0.03 <= error <= 0.10, (name, estimate.peak, measured, error)
+        assert estimate.peak > plain.peak, (name, estimate.peak, plain.peak)

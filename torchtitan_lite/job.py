@@ -352,7 +352,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
-        sharded=world_size > 1 or offload != "none")
+        sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference)
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec, shape=shape,
         model_args=model_args,

@@ -82,6 +82,10 @@ class JobShape:
     sharded: bool = True
     """FSDP2 shards the model (more than one rank, or CPU offload); else one process trains the
     plain model, under autocast for a lower compute dtype."""
+    dpo_reference: str | None = None
+    """Preference tuning (DPO): each sample is a pair (two rows, chosen and rejected) and the
+    reference is ``copy`` (a frozen copy sharded like the model) or ``adapters_off`` (LoRA's adapters
+    switched off); None: not DPO."""
 
     def replace(self, **changes: Any) -> JobShape:
         """The shape with ``changes``."""

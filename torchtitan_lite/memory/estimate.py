@@ -126,7 +126,8 @@ class MemoryEstimate:
     """Highest CPU total of the offloaded state (0 without offload)."""
     state: dict[str, int] = field(default_factory=dict)
     """Persistent state between steps: sharded params, sharded grads (before the optimizer step)
-    and optimizer state."""
+    and optimizer state; with DPO's frozen reference copy, its shards (``reference_params``; the
+    peaks count them among their categories)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
 
@@ -388,6 +389,18 @@ class _LocalOptimizer:
             local.grad = None
 
 
+@contextlib.contextmanager
+def _as_reference(model: torch.nn.Module, reference: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """DPO's reference: the frozen copy, or the model with its LoRA adapters switched off."""
+    if reference is not None:
+        yield reference
+        return
+    from torchtitan_lite.distributed.lora import adapters_disabled
+
+    with adapters_disabled(model):
+        yield model
+
+
 def _local(tensor: Any) -> Any:
     """A DTensor's local shard (sharing its storage); anything else as it is."""
     from torch.distributed.tensor import DTensor
@@ -437,6 +450,13 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
         # adapters get gradients and optimizer state); compile and float8 are not modelled.
         model = spec.meta_model(args)
         unit_list = parallelize(spec, model, mesh, shape, device=device)
+        # DPO: every sample is a pair of rows; a frozen reference copy is built like the model.
+        rows = local_batch_size * (2 if shape.dpo_reference is not None else 1)
+        reference = None
+        if shape.dpo_reference == "copy":
+            reference = spec.meta_model(args)
+            parallelize(spec, reference, mesh, shape, device=device)
+            reference.requires_grad_(False)
         if getattr(model, "context_parallel", None) is not None:
             # CUDA's masks are BlockMasks (next to nothing); a CPU's are dense and counted
             model.context_parallel.shapes_only = shape.device_type == "cuda"
@@ -447,10 +467,14 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
             model.to_empty(device=device)  # fake tensors: shapes only, nothing to initialise
             model.train()
+            reference_bytes = 0
+            if reference is not None:
+                reference.to_empty(device=device)
+                reference_bytes = sum(_nbytes(_local(p)) for p in reference.parameters())
             opt = build_optimizer(model, OptimizerConfig(name=optimizer, implementation=optimizer_implementation))
             local_opt = _LocalOptimizer(opt)
             micro_batches = min(grad_accum_steps, 2)
-            tokens_this_rank = local_batch_size * local_len * grad_accum_steps
+            tokens_this_rank = rows * local_len * grad_accum_steps
             offloaded = _OffloadedBytes([p for name, p in model.named_parameters() if name in offloaded_names],
                                         local_opt) if offloaded_names else None
             tracker = _make_tracker(model, local_opt.optimizer, offloaded)
@@ -461,9 +485,12 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 for _ in range(micro_batches):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
-                    inputs = torch.zeros(local_batch_size, local_len, dtype=torch.long, device=device)
-                    labels = torch.zeros(local_batch_size, local_len, dtype=torch.long, device=device)
+                    inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
+                    labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     tracker.track_inputs((inputs, labels))
+                    if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
+                        with torch.no_grad(), _as_reference(model, reference) as ref:
+                            token_loss_sum(ref(inputs), labels)
                     token_loss = token_loss_sum(model(inputs), labels)
                     (token_loss / tokens_this_rank).backward()
                     loss_sum += token_loss.detach().double()
@@ -478,7 +505,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
             total, phase, module, categories = tracker.total_peak
             device_total, device_phase, device_module, device_categories = tracker.device_peak
             cpu_peak = tracker.cpu_peak if offloaded is not None else 0
-            del tracker, local_opt, opt, model
+            if reference_bytes:  # (the tracker counts the copy's shards itself, from its first forward on)
+                state["reference_params"] = reference_bytes
+            del tracker, local_opt, opt, model, reference
     return MemoryEstimate(
         world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard * dims.cp,
         reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=dtype_name(param_dtype),
