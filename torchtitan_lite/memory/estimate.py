@@ -401,6 +401,15 @@ def _as_reference(model: torch.nn.Module, reference: torch.nn.Module | None) -> 
         yield model
 
 
+def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
+    """``categories`` with ``nbytes`` moved from the activations to the sharded parameters (where
+    the activations hold them)."""
+    if categories.get("activations", 0) < nbytes:
+        return categories
+    return {**categories, "activations": categories["activations"] - nbytes,
+            "sharded_params": categories["sharded_params"] + nbytes}
+
+
 def _local(tensor: Any) -> Any:
     """A DTensor's local shard (sharing its storage); anything else as it is."""
     from torch.distributed.tensor import DTensor
@@ -505,8 +514,12 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
             total, phase, module, categories = tracker.total_peak
             device_total, device_phase, device_module, device_categories = tracker.device_peak
             cpu_peak = tracker.cpu_peak if offloaded is not None else 0
-            if reference_bytes:  # (the tracker counts the copy's shards itself, from its first forward on)
+            if reference_bytes:
+                # The tracker counts the copy's shards from its first forward on, among the
+                # activations (they are not the tracked model's): reported as sharded parameters.
                 state["reference_params"] = reference_bytes
+                categories, device_categories = (_as_sharded_params(c, reference_bytes)
+                                                 for c in (categories, device_categories))
             del tracker, local_opt, opt, model, reference
     return MemoryEstimate(
         world_size=world_size, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard * dims.cp,
