@@ -336,8 +336,9 @@ def _dpo_argv(tmp_path: Path, family: str, pairs: Path, *extra: str) -> list[str
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_two_ranks_first_step_is_ln_2_and_equals_trl(tmp_path: Path, family: str) -> None:
     """2 ranks, fp32, a full fine-tune from a Hugging Face folder with a frozen sharded copy of it
-    as the reference: the first step's loss is ln 2 (to 1e-6), every reward 0, and its loss and
-    gradient norm are those of TRL's DPOTrainer on the same 4 pairs within 1e-5."""
+    as the reference: the first step's sigmoid loss is ln 2 (to 1e-6), every reward 0, and for
+    sigmoid, IPO and hinge its loss and gradient norm are those of TRL's DPOTrainer on the same 4
+    pairs within 1e-5."""
     import json
 
     from datasets import Dataset
@@ -351,20 +352,26 @@ def test_two_ranks_first_step_is_ln_2_and_equals_trl(tmp_path: Path, family: str
     rows = CONVERSATIONAL[:4]
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (first, *_), *_ = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, family, pairs))
-    assert abs(first["loss"] - math.log(2)) <= 1e-6, first
-    assert first["dpo/rewards_chosen"] == 0 and first["dpo/rewards_rejected"] == 0 and first["dpo/margin"] == 0
-
     hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "policy"))
-    models = [AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32) for _ in range(2)]
-    config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, beta=0.1, max_length=64,
-                       report_to=[], use_cpu=True, bf16=False)
-    trainer = DPOTrainer(model=models[0], ref_model=models[1], args=config, train_dataset=Dataset.from_list(rows),
-                         processing_class=hf_tokenizer)
-    loss = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1e9)
-    assert abs(first["loss"] - loss.item()) <= 1e-5 and abs(first["grad_norm"] - norm.item()) <= 1e-5 * norm.item()
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        (first, *_), *_ = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, family, pairs, "--dpo.loss_type",
+                                                                  loss_type, "--job.dump_folder",
+                                                                  str(tmp_path / loss_type)))
+        if loss_type == "sigmoid":
+            assert abs(first["loss"] - math.log(2)) <= 1e-6, first
+        assert first["dpo/rewards_chosen"] == first["dpo/rewards_rejected"] == first["dpo/margin"] == 0, first
+        models = [AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
+                  for _ in range(2)]
+        config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, beta=0.1, max_length=64,
+                           loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False)
+        trainer = DPOTrainer(model=models[0], ref_model=models[1], args=config, train_dataset=Dataset.from_list(rows),
+                             processing_class=hf_tokenizer)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1e9)
+        assert abs(first["loss"] - loss.item()) <= 1e-5 * max(1.0, loss.item()), (loss_type, first, loss)
+        assert abs(first["grad_norm"] - norm.item()) <= 1e-5 * norm.item(), (loss_type, first, norm)
 
 
 def _rule_pairs(count: int) -> list[dict[str, Any]]:
