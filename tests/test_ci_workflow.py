@@ -314,3 +314,12 @@ def test_gpu_workflow_skips_without_cuda_baselines(tmp_path: Path, with_baseline
         assert not notices, result.stdout
     else:
         assert len(notices) == 1 and readme_generate_baselines_command() in notices[0], result.stdout
+
+
+def test_ci_run_runs_ruff_with_the_line_length_rule() -> None:
+    """.ci/run checks the code as the workflow does: ruff, whose selected rules include E501."""
+    import tomllib
+
+    assert any(line.startswith("ruff check") for line in shell_lines((REPO_ROOT / ".ci" / "run").read_text()))
+    lint = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["ruff"]
+    assert "E" in lint["lint"]["select"] and lint["line-length"] == 120
