@@ -7,8 +7,8 @@ Writes synthetic preference pairs (a prompt of 5-60 words, answers of 10-120) an
 BPE tokenizer with Llama 3's chat template (:func:`bench_chat_cache.write_data`), then trains the
 model with ``training.dataset = "preference"`` on ``--ranks`` gloo processes, fp32, twice: a full
 fine-tune with a frozen copy as the reference, and LoRA (rank 16 on the attention) with its adapters
-switched off. Each step's reference forward is timed (hooks on the reference model, or around the
-adapters-off context) against the whole step, after two warm-up steps; the slowest rank counts.
+switched off. Each step's reference forward (the forward that runs without gradients, timed by hooks
+on the copy or the model) is set against the whole step, after two warm-up steps; the slowest rank counts.
 """
 
 from __future__ import annotations
@@ -53,27 +53,13 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: An
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
-    step = trainer.preference
-    spent = [0.0]
-    if isinstance(step._reference, torch.nn.Module):
-        began: list[float] = []
-        step._reference.register_forward_pre_hook(lambda *_: began.append(time.perf_counter()))
-        step._reference.register_forward_hook(lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter()
-                                                                                 - began.pop()))
-    else:
-        context = step._reference
-
-        def timed() -> Any:
-            import contextlib
-
-            @contextlib.contextmanager
-            def around() -> Any:
-                with context():
-                    start = time.perf_counter()
-                    yield
-                    spent[0] += time.perf_counter() - start
-            return around()
-        step._reference = timed
+    # The reference's forward is the one that runs without gradients (a frozen copy, or the model
+    # with its adapters off): timed by hooks on whichever module runs it.
+    spent, began = [0.0], []
+    runs_it = trainer.preference.reference if trainer.preference.reference is not None else trainer.model
+    runs_it.register_forward_pre_hook(lambda *_: began.append(time.perf_counter()))
+    runs_it.register_forward_hook(lambda *_: spent.__setitem__(
+        0, spent[0] + (time.perf_counter() - began.pop()) * (not torch.is_grad_enabled())))
     rows = []
     for _ in range(steps):
         spent[0] = 0.0

@@ -19,7 +19,7 @@ At the first step, when the policy is the reference, every score is 0: the sigmo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.loss import token_loss_sum
 
-__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceStep", "counted_tokens", "dpo_losses",
-           "sequence_logps"]
+__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceStep", "as_reference", "counted_tokens",
+           "dpo_losses", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -86,6 +87,17 @@ def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_cho
     return PairLosses(loss, beta * chosen_scores.detach(), beta * rejected_scores.detach())
 
 
+@contextlib.contextmanager
+def as_reference(model: nn.Module, reference: nn.Module | None) -> Iterator[nn.Module]:
+    """DPO's reference model: the frozen copy ``reference``, or (None) ``model`` itself with its
+    LoRA adapters switched off for the duration."""
+    if reference is not None:
+        yield reference
+        return
+    with adapters_disabled(model):
+        yield model
+
+
 @dataclass(frozen=True)
 class DPOSetup:
     """A job's preference tuning (``[dpo]`` on ``training.dataset = "preference"``), resolved by the plan."""
@@ -108,18 +120,10 @@ class PreferenceStep:
     each pair, its gradient scaled to the mean over every pair of the global batch (FSDP averages
     gradients over the ``ranks``), and the sums behind :data:`METRICS`."""
 
-    def __init__(self, setup: DPOSetup, *, reference: nn.Module | Callable[[], Any], ranks: int,
-                 group: Any = None) -> None:
+    def __init__(self, setup: DPOSetup, *, reference: nn.Module | None, ranks: int, group: Any = None) -> None:
+        """``reference``: the frozen copy, or None for the policy with its LoRA adapters off."""
         self.setup, self.ranks, self.group = setup, ranks, group
-        self._reference = reference
-
-    @contextlib.contextmanager
-    def _as_reference(self, model: nn.Module) -> Iterator[nn.Module]:
-        if isinstance(self._reference, nn.Module):
-            yield self._reference
-        else:  # a context that makes the policy its own reference (LoRA's adapters off)
-            with self._reference():
-                yield model
+        self.reference = reference
 
     def forward_backward(self, model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
                          global_pairs: int, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
@@ -133,7 +137,7 @@ class PreferenceStep:
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             n = inputs.shape[0] // 2
             tokens = counted_tokens(labels)
-            with torch.no_grad(), self._as_reference(model) as reference:
+            with torch.no_grad(), as_reference(model, self.reference) as reference:
                 ref_logps = sequence_logps(reference(inputs), labels)
             logps = sequence_logps(model(inputs), labels)
             out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,

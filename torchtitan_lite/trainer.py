@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.callbacks import Callback, StepState, default_callbacks
 from torchtitan_lite.checkpoint.divergence import Divergence
-from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
+from torchtitan_lite.checkpoint.hf_storage import HFExportExtras, load_hf_weights
 from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import (
@@ -61,7 +61,6 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
-from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.distributed.parallelize import build_sharded_model
 from torchtitan_lite.dpo import PreferenceStep
 from torchtitan_lite.dump_lock import DumpFolderLock
@@ -219,11 +218,8 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
     ``checkpoint.initial_load_path``: on every start, resumes included), never trained or saved."""
     if plan.dpo is None:
         return None
-    if plan.dpo.reference == "adapters_off":
-        reference: nn.Module | Callable[[], Any] = functools.partial(adapters_disabled, model)
-    else:
-        from torchtitan_lite.checkpoint.hf_storage import load_hf_weights
-
+    reference = None  # adapters_off: the policy is its own reference
+    if plan.dpo.reference == "copy":
         reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
         reference.requires_grad_(False)
         if config.checkpoint.initial_load_path is not None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from torchtitan_lite.data.mixture import Schedule
+from torchtitan_lite.data.preference import pair_batch
 from torchtitan_lite.data.windows import Documents, as_packed, window_tensors
 from torchtitan_lite.errors import ConfigError, DataError
 
@@ -75,8 +76,6 @@ def micro_batches(rows: np.ndarray, local_batch_size: int, documents: Documents 
     labels)`` micro-batches of ``local_batch_size`` rows, in order, and each micro-batch's
     document ids (None without packed samples or ``documents``: plain causal attention)."""
     if rows.ndim == 4:  # preference pairs (2, 3, seq_len + 1): each micro-batch's chosen rows, then its rejected
-        from torchtitan_lite.data.preference import pair_batch
-
         return [pair_batch(rows[i:i + local_batch_size]) for i in range(0, len(rows), local_batch_size)], None
     inputs, labels, docs = window_tensors(rows, documents)
     pairs = list(zip(inputs.split(local_batch_size), labels.split(local_batch_size), strict=True))

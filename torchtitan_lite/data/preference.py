@@ -32,7 +32,7 @@ import torch
 from torchtitan_lite.data.chat import SUFFIXES, share_rows
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
-from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
+from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
 from torchtitan_lite.data.windows import window_tensors
 from torchtitan_lite.errors import DataError
 
@@ -138,9 +138,8 @@ def encode_pair(record: Any, tokenizer: Tokenizer, template: ChatTemplate | None
 
         prompt_ids, with_chosen, with_rejected = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
     else:
-        eos = tokenizer.config.get("eos_token") if hasattr(tokenizer, "config") else None
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str):
+        eos = special_tokens(tokenizer.config, ("eos_token",)).get("eos_token")
+        if eos is not None:
             chosen = chosen if chosen.endswith(eos) else chosen + eos
             rejected = rejected if rejected.endswith(eos) else rejected + eos
         encode = tokenizer.encode_text

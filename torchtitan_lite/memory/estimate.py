@@ -51,6 +51,7 @@ from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
+from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import token_loss_sum
@@ -389,18 +390,6 @@ class _LocalOptimizer:
             local.grad = None
 
 
-@contextlib.contextmanager
-def _as_reference(model: torch.nn.Module, reference: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
-    """DPO's reference: the frozen copy, or the model with its LoRA adapters switched off."""
-    if reference is not None:
-        yield reference
-        return
-    from torchtitan_lite.distributed.lora import adapters_disabled
-
-    with adapters_disabled(model):
-        yield model
-
-
 def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
     """``categories`` with ``nbytes`` moved from the activations to the sharded parameters (where
     the activations hold them)."""
@@ -498,7 +487,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     tracker.track_inputs((inputs, labels))
                     if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
-                        with torch.no_grad(), _as_reference(model, reference) as ref:
+                        with torch.no_grad(), as_reference(model, reference) as ref:
                             token_loss_sum(ref(inputs), labels)
                     token_loss = token_loss_sum(model(inputs), labels)
                     (token_loss / tokens_this_rank).backward()
