@@ -104,6 +104,9 @@ def test_pairs_are_tokenized_and_batched_as_trl_does(tmp_path: Path, family: str
 
 
 def test_a_plain_answer_gets_the_eos_text_once_and_a_bad_row_is_a_row_error(tmp_path: Path) -> None:
+    """Plain answers end with the EOS text once; malformed rows, and a prompt the chat template
+    refuses to render, are row errors (one line naming the file and line, or skipped and counted:
+    ``training.on_bad_row``)."""
     write_chat_tokenizer(tmp_path / "tok", "llama3")
     tokenizer = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
     eos = tokenizer.eos_id
@@ -116,6 +119,17 @@ def test_a_plain_answer_gets_the_eos_text_once_and_a_bad_row_is_a_row_error(tmp_
                          ({"chosen": _user("same"), "rejected": _user("same")}, "'prompt' is not a non-empty")):
         with pytest.raises(RowError, match=message):
             encode_pair(bad, tokenizer, ChatTemplate(tokenizer))
+    # A prompt the template cannot render (Gemma's rule: roles alternate, a user's first) is a row error.
+    (tmp_path / "alternate.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "<turn>{{ m['role'] }}\n{{ m['content'] }}</turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<turn>model\n{% endif %}")
+    strict = ChatTemplate(tokenizer, template_path=str(tmp_path / "alternate.jinja"))
+    with pytest.raises(RowError, match="fails on it: Conversation roles must alternate") as info:
+        encode_pair({"prompt": [{"role": "system", "content": "s"}], "chosen": _assistant("a"),
+                     "rejected": _assistant("b")}, tokenizer, strict)
+    assert info.value.kind == "template"
 
 
 def test_at_the_first_step_the_sigmoid_loss_is_ln_2_and_every_reward_0() -> None:
@@ -441,11 +455,119 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
     assert torch.allclose(loaded, trained, atol=1e-5, rtol=0), float((loaded - trained).abs().max())
 
 
+@pytest.mark.slow
+def _dpo_rank_offline_wandb(argv: list[str], folder: str) -> list[dict[str, Any]]:
+    import os
+
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=folder)
+    return _dpo_rank(argv)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_a_dpo_mixture_validates_as_trl_evaluates_and_exports_a_hugging_face_folder(tmp_path: Path) -> None:
+    """2 ranks, fp32, a full fine-tune with a frozen copy loaded from a DCP checkpoint: a mixture of
+    two preference sources (3:1) reports each source's pairs and mean pair loss, which make up the
+    step's loss; validation on 5 pairs (2 ranks × 2 a pass: padding pairs left out) after step 3
+    gives TRL's ``DPOTrainer.evaluate`` on the Hugging Face folder that the last save exported (the
+    reference: the starting weights, as a Hugging Face folder), loss and reward metrics within 1e-5.
+    Every DPO metric of ``metrics.jsonl`` is in TensorBoard's scalars and W&B's (offline) history."""
+    import importlib.util
+    import json
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from tests.dist_utils import run_distributed
+
+    wandb = importlib.util.find_spec("wandb") is not None
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
+    (tmp_path / "rules.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(24)))
+    # The starting weights as a DCP checkpoint of this project's (an SFT run's save, say): one step at lr 1e-30.
+    run_distributed(_dpo_rank, 2, [*_dpo_argv(tmp_path, "llama3", tmp_path / "rules.jsonl"), "--optimizer.lr",
+                                   "1e-30", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "sft")])
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL[:3] * 2))
+    val_rows = [*_rule_pairs(27)[24:], *CONVERSATIONAL[:2]]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in val_rows))
+    (tmp_path / "job.toml").write_text(
+        "".join(f'[[training.datasets]]\nname = "{name}"\ndataset = "preference"\n'
+                f'dataset_path = "{tmp_path / (name + ".jsonl")}"\nweight = {weight}\n\n'
+                for name, weight in (("rules", 3), ("chat", 1)))
+        + f'[validation]\nenable = true\nfreq = 3\nsteps = -1\ndataset = "preference"\n'
+          f'dataset_path = "{tmp_path / "val.jsonl"}"\n')
+    argv = _dpo_argv(tmp_path, "llama3", tmp_path / "rules.jsonl", "--training.steps", "3")
+    at = argv.index("--training.dataset")
+    del argv[at:at + 4]  # the TOML's mixture instead
+    argv.remove("--validation.no-enable")
+    argv.remove("--checkpoint.initial_load_in_hf")
+    argv[argv.index("--checkpoint.initial_load_path") + 1] = str(tmp_path / "sft" / "checkpoint" / "step-1")
+    argv = ["--job.config_file", str(tmp_path / "job.toml"), *argv, "--checkpoint.enable", "--checkpoint.interval",
+            "3", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf", "--metrics.enable_tensorboard",
+            *(["--metrics.enable_wandb", "--metrics.wandb_project", "dpo"] if wandb else [])]
+    history = run_distributed(_dpo_rank_offline_wandb, 2, argv, str(tmp_path))[0]
+    # Every DPO metric of metrics.jsonl is in TensorBoard's scalars and W&B's history.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.dist_utils import read_jsonl
+    from tests.test_callbacks import _wandb_records
+
+    records = read_jsonl(tmp_path / "dump" / "metrics.jsonl")
+    keys = [k for k in records[-1] if k.startswith(("dpo/", "validation/dpo/", "pairs/", "loss/"))]
+    assert len(keys) == 2 * 6 + 4, keys
+    (tb,) = (tmp_path / "dump" / "tb").iterdir()
+    scalars = EventAccumulator(str(tb))
+    scalars.Reload()
+    rows: dict[int, dict[str, Any]] = {}
+    if wandb:
+        (file,) = (tmp_path / "dump" / "wandb").glob("offline-run-*/run-*.wandb")
+        for record in _wandb_records(file):
+            if record.WhichOneof("record_type") == "history":
+                rows[int(record.history.step.num)] = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                                      for item in record.history.item}
+    for r in records:
+        for key in keys:
+            if r.get(key) is not None:
+                logged = [e.value for e in scalars.Scalars(key) if e.step == r["step"]]
+                assert logged and abs(logged[0] - r[key]) <= 1e-6 * max(1.0, abs(r[key])), (key, r)
+                assert not wandb or rows[r["step"]][key] == r[key], (key, r)
+    for i, r in enumerate(history):
+        counts = {n: r[f"pairs/{n}"] - (history[i - 1][f"pairs/{n}"] if i else 0) for n in ("rules", "chat")}
+        assert sum(counts.values()) == 4 and counts["rules"] >= counts["chat"], counts
+        mixed = sum(r[f"loss/{n}"] * c for n, c in counts.items() if c) / 4
+        assert abs(mixed - r["loss"]) <= 1e-9, (r, counts)
+    assert history[-1]["pairs/rules"] == 9 and history[-1]["pairs/chat"] == 3, history[-1]
+    ours = history[-1]
+    assert ours["validation_pairs"] == 5 and abs(history[0]["loss"] - math.log(2)) <= 1e-6
+
+    folder = tmp_path / "dump" / "checkpoint" / "step-3"
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "policy"))
+    trained = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
+    config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=len(val_rows), beta=0.1,
+                       max_length=64, report_to=[], use_cpu=True, bf16=False)
+    theirs = DPOTrainer(model=trained, ref_model=start, args=config, train_dataset=Dataset.from_list(val_rows),
+                        eval_dataset=Dataset.from_list(val_rows),
+                        processing_class=tokenizer).evaluate()
+    names = {"loss": "loss", "dpo/rewards_chosen": "rewards/chosen", "dpo/rewards_rejected": "rewards/rejected",
+             "dpo/margin": "rewards/margins", "dpo/accuracy": "rewards/accuracies", "dpo/logps_chosen": "logps/chosen",
+             "dpo/logps_rejected": "logps/rejected"}
+    for ours_name, their_name in names.items():
+        key, their_key = ("validation_loss" if ours_name == "loss" else f"validation/{ours_name}"), f"eval_{their_name}"
+        assert abs(ours[key] - theirs[their_key]) <= 1e-5 * max(1.0, abs(theirs[their_key])), (key, ours, theirs)
+    assert ours["validation/dpo/margin"] != 0
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--training.dataset", "python_stdlib", "--dpo.beta", "0.2"],
      "error: dpo.beta: invalid value 0.2; [dpo] applies to training.dataset = 'preference' (this job's is "
      "'python_stdlib')"),
-    (["--validation.enable"], "error: validation.enable: invalid value True; a DPO job"),
+    (["--validation.enable"], "error: validation.dataset: invalid value ['python_stdlib_validation']; a DPO job "
+                              "validates on preference pairs: expected dataset = 'preference'"),
+    (["--training.dataset", "python_stdlib", "--validation.enable", "--validation.dataset", "preference",
+      "--validation.dataset_path", "PAIRS"], "error: validation.dataset: invalid value ['preference']; preference "
+                                             "pairs are validated by a DPO job"),
     (["--dpo.reference", "adapters_off"], "error: dpo.reference: invalid value 'adapters_off'; switching adapters off "
                                           "needs LoRA"),
     (["--dpo.loss_type", "ipo", "--dpo.label_smoothing", "0.1"], "error: dpo.label_smoothing: invalid value 0.1; "
@@ -462,7 +584,7 @@ def test_bad_dpo_settings_are_one_line_before_any_process_group(tmp_path: Path, 
     _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL))
-    argv = _dpo_argv(tmp_path, "llama3", pairs, *extra)
+    argv = _dpo_argv(tmp_path, "llama3", pairs, *[str(pairs) if e == "PAIRS" else e for e in extra])
     if "python_stdlib" in extra:  # (that dataset reads no path)
         at = argv.index("--training.dataset_path")
         del argv[at:at + 2]
@@ -470,12 +592,33 @@ def test_bad_dpo_settings_are_one_line_before_any_process_group(tmp_path: Path, 
     assert len(lines) == 1 and lines[0].startswith(message), lines
 
 
+def test_a_dpo_mixture_is_of_preference_sources_only(tmp_path: Path, capsys) -> None:
+    import json
+
+    from tests.dist_utils import refused_lines
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL))
+    (tmp_path / "job.toml").write_text(
+        f'[[training.datasets]]\nname = "pairs"\ndataset = "preference"\ndataset_path = "{pairs}"\n\n'
+        '[[training.datasets]]\nname = "code"\ndataset = "python_stdlib"\n')
+    argv = _dpo_argv(tmp_path, "llama3", pairs)
+    at = argv.index("--training.dataset")
+    del argv[at:at + 4]
+    lines = refused_lines(["--job.config_file", str(tmp_path / "job.toml"), *argv], capsys)
+    assert lines == ["error: training.datasets: invalid value ['preference', 'python_stdlib']; a DPO mixture is of "
+                     "preference sources only: expected every dataset = 'preference'"], lines
+
+
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_parallel(tmp_path: Path) -> None:
     """4 ranks, fp32, 4 steps: data parallel 2 × tensor parallel 2 (logits split over the
-    vocabulary), HSDP 2 × 2, full activation checkpointing, CPU offload and reshard never give
-    the losses, gradient norms and rewards of FSDP over the 4 ranks within 1e-5."""
+    vocabulary), HSDP 2 × 2, full activation checkpointing, CPU offload and the reshard modes
+    never, always, 2 and auto give the losses, gradient norms and rewards of FSDP over the 4 ranks
+    (reshard default) within 1e-5."""
     import json
 
     from tests.dist_utils import run_distributed
@@ -494,6 +637,10 @@ def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_pa
         "ac_full": ["--activation_checkpoint.mode", "full"],
         "offload": ["--training.enable_cpu_offload"],
         "never": ["--parallelism.reshard_after_forward_mode", "never"],
+        "always": ["--parallelism.reshard_after_forward_mode", "always"],
+        "int2": ["--parallelism.reshard_after_forward_mode", "2"],
+        # between the estimates of always (5.02 MiB) and never (5.65 MiB): auto checkpoints one block
+        "auto": ["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "0.0052"],
     }
     runs = {name: run_distributed(_dpo_rank, 4, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
                                                             "--job.dump_folder", str(tmp_path / name)))[0]

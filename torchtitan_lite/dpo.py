@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.loss import token_loss_sum
 
@@ -90,9 +91,15 @@ def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_cho
 @contextlib.contextmanager
 def as_reference(model: nn.Module, reference: nn.Module | None) -> Iterator[nn.Module]:
     """DPO's reference model: the frozen copy ``reference``, or (None) ``model`` itself with its
-    LoRA adapters switched off for the duration."""
+    LoRA adapters switched off for the duration. The copy's FSDP units are resharded on the way
+    out: a forward without a backward would leave some gathered (the root's, and every unit's
+    under ``reshard never``) for the rest of the step, and the copy is not needed again until the
+    next micro-batch."""
     if reference is not None:
-        yield reference
+        try:
+            yield reference
+        finally:
+            reshard_all(reference)
         return
     with adapters_disabled(model):
         yield model
@@ -125,30 +132,53 @@ class PreferenceStep:
         self.setup, self.ranks, self.group = setup, ranks, group
         self.reference = reference
 
+    def _losses(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                ) -> tuple[PairLosses, torch.Tensor, torch.Tensor]:
+        """The pairs' losses, the policy's summed log-probabilities of every row, and the sums
+        behind :data:`METRICS` of each pair ``(pairs, len(METRICS))``."""
+        s, n = self.setup, inputs.shape[0] // 2
+        tokens = counted_tokens(labels)
+        with torch.no_grad(), as_reference(model, self.reference) as reference:
+            ref_logps = sequence_logps(reference(inputs), labels)
+        logps = sequence_logps(model(inputs), labels)
+        out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
+                         label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+        chosen, rejected, policy = out.chosen_rewards.double(), out.rejected_rewards.double(), logps.detach().double()
+        metrics = torch.stack([chosen, rejected, (chosen > rejected).double(), chosen - rejected, policy[:n],
+                               policy[n:]], dim=1)
+        return out, logps, metrics
+
     def forward_backward(self, model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                         global_pairs: int, device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+                         global_pairs: int, device: torch.device, sources: list[list[int]] | None = None,
+                         num_sources: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns this rank's summed pair loss (fp64, detached: the trainer reduces it and divides
-        by ``global_pairs``) and the step's :data:`METRICS` (every rank the same)."""
-        s = self.setup
+        by ``global_pairs``) and the step's :data:`METRICS` (every rank the same). With
+        ``sources`` (a mixture: the source of each pair of each micro-batch) the loss is a vector:
+        the sum, then each of the ``num_sources`` sources' sum."""
         scale = self.ranks / max(global_pairs, 1)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        loss_sum = torch.zeros(1 + num_sources if sources is not None else (), dtype=torch.float64, device=device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-        for inputs, labels in micro_batches:
+        for i, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            n = inputs.shape[0] // 2
-            tokens = counted_tokens(labels)
-            with torch.no_grad(), as_reference(model, self.reference) as reference:
-                ref_logps = sequence_logps(reference(inputs), labels)
-            logps = sequence_logps(model(inputs), labels)
-            out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
-                             label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
+            out, _, metrics = self._losses(model, inputs, labels)
             (out.loss.sum() * scale).backward()
-            loss_sum += out.loss.detach().sum().double()
-            chosen, rejected = out.chosen_rewards.double(), out.rejected_rewards.double()
-            sums += torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).double().sum(),
-                                 (chosen - rejected).sum(), logps[:n].detach().double().sum(),
-                                 logps[n:].detach().double().sum()])
+            pair_loss = out.loss.detach().double()
+            if sources is None:
+                loss_sum += pair_loss.sum()
+            else:
+                loss_sum[0] += pair_loss.sum()
+                loss_sum[1:].index_add_(0, torch.tensor(sources[i], device=device), pair_loss)
+            sums += metrics.sum(dim=0)
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
         means = (sums / max(global_pairs, 1)).tolist()
         return loss_sum, dict(zip(METRICS, means, strict=True))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, pairs: int) -> torch.Tensor:
+        """The sums of the loss and of :data:`METRICS` over the first ``pairs`` pairs of one
+        micro-batch (the rest: padding), without gradients: ``(1 + len(METRICS),)`` in fp64."""
+        n = inputs.shape[0] // 2
+        keep = (torch.arange(n, device=inputs.device) < pairs).double()
+        out, _, metrics = self._losses(model, inputs, labels)
+        return torch.cat([(out.loss.double() * keep).sum().reshape(1), (metrics * keep[:, None]).sum(dim=0)])

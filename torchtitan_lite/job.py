@@ -369,22 +369,25 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
 
 
 def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any) -> DPOSetup | None:
-    """The job's preference tuning: ``[dpo]`` when ``training.dataset = "preference"`` (None
-    otherwise); one :class:`ConfigError` line for a setting it cannot take."""
-    d, t = config.dpo, config.training
-    preference = t.dataset == "preference"
-    if not preference:
+    """The job's preference tuning: ``[dpo]`` when ``training.dataset = "preference"``, or a
+    ``[[training.datasets]]`` mixture of preference sources (None otherwise); one
+    :class:`ConfigError` line for a setting it cannot take."""
+    d, t, v = config.dpo, config.training, config.validation
+    train_kinds = [s.dataset for s in t.datasets] or [t.dataset]
+    val_kinds = ([s.dataset for s in v.datasets] or [v.dataset]) if v.enable else []
+    val_key = "validation.datasets" if v.datasets else "validation.dataset"
+    if "preference" not in train_kinds:
         changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(DPO(), f.name)]
         _require(not changed, f"dpo.{changed[0]}" if changed else "dpo", getattr(d, changed[0]) if changed else None,
                  f"[dpo] applies to training.dataset = 'preference' (this job's is {t.dataset!r})")
-        _require(not any(s.dataset == "preference" for s in t.datasets), "training.datasets", "preference",
-                 "preference pairs train with DPO on their own: set training.dataset = 'preference' (a mixture of "
-                 "preference sources is not supported yet)")
+        _require("preference" not in val_kinds, val_key, val_kinds, "preference pairs are validated by a DPO job "
+                 "(training.dataset = 'preference'); expected a text, token or chat source")
         return None
-    _require(not t.datasets, "training.datasets", [s.name for s in t.datasets],
-             "training.dataset = 'preference' reads one source (a mixture is not supported yet)")
-    _require(not config.validation.enable, "validation.enable", True,
-             "a DPO job (training.dataset = 'preference') has no validation yet: set validation.enable = false")
+    train_key = "training.datasets" if t.datasets else "training.dataset"
+    _require(set(train_kinds) == {"preference"}, train_key, train_kinds,
+             "a DPO mixture is of preference sources only: expected every dataset = 'preference'")
+    _require(set(val_kinds) <= {"preference"}, val_key, val_kinds,
+             "a DPO job validates on preference pairs: expected dataset = 'preference'")
     _require(dims.cp == 1, "parallelism.context_parallel_degree", dims.cp,
              "DPO sums each sequence's log-probabilities on one rank: expected 1")
     _require(not getattr(model_args, "num_experts", 0), "model.name", config.model.name,
@@ -396,10 +399,6 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mod
     reference = ("adapters_off" if lora is not None else "copy") if d.reference == "auto" else d.reference
     _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
              "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
-    ck = config.checkpoint
-    _require(reference != "copy" or ck.initial_load_path is None or ck.initial_load_in_hf, "dpo.reference", reference,
-             "a frozen copy is loaded from a Hugging Face folder (checkpoint.initial_load_in_hf = true) or made from "
-             "debug.seed; a DCP initial_load_path is not supported yet")
     return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
 
 

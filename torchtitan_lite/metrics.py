@@ -224,12 +224,18 @@ class MetricsLogger:
                          f"{r['dpo/rewards_chosen']:.4f} / {r['dpo/rewards_rejected']:.4f}")
         if r["validation_loss"] is not None:
             ppl = r["validation_perplexity"]
-            parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))
+            if r.get("validation/dpo/accuracy") is not None:  # preference pairs: the reward accuracy, not perplexity
+                parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_acc {r['validation/dpo/accuracy']:.2f}",
+                               "35"))
+            else:
+                parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))
         # Per source of a mixture: this step's loss and its tokens so far; each validation set's loss.
         for key, value in r.items():
             if key.startswith("loss/"):
-                tokens = r.get(f"tokens/{key[5:]}")
-                parts.append(f"{key[5:]} {_fmt(value, '.4f')} ({_fmt(tokens, ',.0f')} tok)")
+                pairs = r.get(f"pairs/{key[5:]}")  # preference pairs count pairs, not tokens
+                seen = (f"{_fmt(pairs, ',.0f')} pairs" if pairs is not None
+                        else f"{_fmt(r.get(f'tokens/{key[5:]}'), ',.0f')} tok")
+                parts.append(f"{key[5:]} {_fmt(value, '.4f')} ({seen})")
             elif key.startswith("validation/") and key.endswith("/loss"):
                 parts.append(s(f"val[{key[11:-5]}] {_fmt(value, '.4f')}", "35"))
         return "  ".join(parts)

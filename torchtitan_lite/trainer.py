@@ -27,6 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,8 +37,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.callbacks import Callback, StepState, default_callbacks
 from torchtitan_lite.checkpoint.divergence import Divergence
-from torchtitan_lite.checkpoint.hf_storage import HFExportExtras, load_hf_weights
+from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager
+from torchtitan_lite.checkpoint.storage import CheckpointStorage
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import (
     IGNORE_INDEX,
@@ -214,16 +216,19 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
                      reshard_plan: AutoReshardPlan | None = None) -> PreferenceStep | None:
     """DPO's step (None unless the plan has ``dpo``: a preference dataset) with its reference: the
     policy with its LoRA adapters switched off, or a frozen copy of the starting weights built
-    and sharded like the policy (from ``debug.seed``, or the Hugging Face folder
-    ``checkpoint.initial_load_path``: on every start, resumes included), never trained or saved."""
+    and sharded like the policy (from ``debug.seed``, or ``checkpoint.initial_load_path``, a Hugging
+    Face folder or a DCP checkpoint: on every start, resumes included), never trained or saved."""
     if plan.dpo is None:
         return None
     reference = None  # adapters_off: the policy is its own reference
     if plan.dpo.reference == "copy":
         reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
         reference.requires_grad_(False)
-        if config.checkpoint.initial_load_path is not None:
-            load_hf_weights(reference, config.checkpoint.initial_load_path, spec=plan.spec)
+        ck = config.checkpoint
+        if ck.initial_load_path is not None:
+            storage = CheckpointStorage(model=reference, optimizer=None, model_spec=plan.spec, lora=None,
+                                        hf_extras=None)
+            storage.load_weights(Path(ck.initial_load_path), "hf" if ck.initial_load_in_hf else "dcp", {"model"})
     return PreferenceStep(plan.dpo, reference=reference, ranks=plan.token_ranks, group=mesh.tokens)
 
 
@@ -330,6 +335,8 @@ class Trainer:
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.preference = build_preference(config, plan, self.model, mesh=self.mesh, device=self.device,
                                            reshard_plan=self.reshard_plan)
+        for validator in self.validators.values():
+            validator.preference = self.preference
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
@@ -442,16 +449,22 @@ class Trainer:
             self.router_balance.start_step()
         micro_batches = self.loader.next_batch()
         data_time = time.perf_counter() - data_start
+        sources = self.loader.batch_sources if self.loader.named else None
         if self.preference is not None:  # DPO: the mean pair loss over the global batch's pairs
             pairs = self.plan.global_batch_size
-            loss_sum, dpo_values = self.preference.forward_backward(self.model, micro_batches, global_pairs=pairs,
-                                                                    device=self.device)
+            loss_sum, dpo_values = self.preference.forward_backward(
+                self.model, micro_batches, global_pairs=pairs, device=self.device, sources=sources,
+                num_sources=len(self.loader.sources))
             values = {**self.optimizer_step(loss_sum, pairs), **dpo_values}
             tokens_this_rank = sum(inputs.numel() for inputs, _ in micro_batches)
             self.step += 1
             self.tokens_seen += tokens_this_rank * self.plan.token_ranks
+            if sources is not None:  # per source: its pairs so far, and this step's mean loss over its pairs
+                for i, (name, trained) in enumerate(zip(self.loader.names, self.loader.trained, strict=True)):
+                    count = self.loader.batch_counts[i]
+                    values[f"pairs/{name}"] = float(trained)
+                    values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
             return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
-        sources = self.loader.batch_sources if self.loader.named else None
         counted = self._counted_labels(micro_batches, sources) if self.loader.masked else None
         loss_sum, tokens_this_rank = self.forward_backward(
             micro_batches, sources, documents=self.loader.batch_documents,
@@ -472,18 +485,21 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off): the one
-        validation set's ``validation_loss`` …, or ``validation/NAME/loss`` and
-        ``validation/NAME/perplexity`` of each named set."""
+        validation set's ``validation_loss`` …, or ``validation/NAME/loss``,
+        ``validation/NAME/perplexity`` … of each named set."""
         values: dict[str, float] = {}
         for name, validator in self.validators.items():
             result = validator.run(self.model)
             if name is None:
                 values.update(result)
                 continue
-            values[f"validation/{name}/loss"] = result["validation_loss"]
-            values[f"validation/{name}/perplexity"] = result["validation_perplexity"]
-            values[f"validation/{name}/tokens"] = result["validation_tokens"]
-            values["validation_time_s"] = values.get("validation_time_s", 0.0) + result["validation_time_s"]
+            for key, value in result.items():  # validation_loss → validation/NAME/loss, validation/dpo/… too
+                if key == "validation_time_s":
+                    values[key] = values.get(key, 0.0) + value
+                elif key.startswith("validation_"):
+                    values[f"validation/{name}/{key[len('validation_'):]}"] = value
+                else:
+                    values[f"validation/{name}/{key[len('validation/'):]}"] = value
         return values
 
     def train(self) -> list[dict[str, float]]:

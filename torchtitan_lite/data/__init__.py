@@ -6,7 +6,8 @@ Imports point one way, from the base up:
 - :mod:`.tokenizers`;
 - one module per source kind: :mod:`.stdlib` (the embedded default), :mod:`.text` (``.txt`` /
   JSON lines), :mod:`.c4` (TorchTitan's names), :mod:`.tokens` (pre-tokenized files),
-  :mod:`.arrow` (Parquet / Arrow, streamed), :mod:`.chat` (conversations for fine-tuning);
+  :mod:`.arrow` (Parquet / Arrow, streamed), :mod:`.chat` (conversations for fine-tuning),
+  :mod:`.preference` (pairs of answers for DPO);
   :mod:`.sources` maps the kinds' names to them;
 - :mod:`.mixture` (which source each sample comes from) and :mod:`.loader` (the one contract:
   ``next_batch``, micro-batches, ``state_dict`` / ``load_state_dict``);
@@ -27,6 +28,7 @@ from torchtitan_lite.data.build import (
     validation_sources,
 )
 from torchtitan_lite.data.loader import BatchLoader, LoaderSource, check_batch_split, micro_batches
+from torchtitan_lite.data.preference import PairWindows, pair_batch
 from torchtitan_lite.data.sources import (
     DATASETS,
     STREAMED,
@@ -67,6 +69,7 @@ __all__ = [
     "LoaderSource",
     "MAX_INVALID_UTF8_FRACTION",
     "PackedWindows",
+    "PairWindows",
     "STREAMED",
     "SourceSpec",
     "TiktokenTokenizer",
@@ -84,6 +87,7 @@ __all__ = [
     "micro_batches",
     "num_batches",
     "open_reader",
+    "pair_batch",
     "padded_batch",
     "read_documents",
     "read_tiktoken_ranks",

@@ -400,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         print(vocab_note)
     for absent in _data_not_here(config):
         print(absent)
-    print(f"local batch {t.local_batch_size} × seq_len {t.seq_len}, {accum} micro-batch"
+    batch = (f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
+             else f"{t.local_batch_size}")
+    print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.offload]}; "
           f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
@@ -409,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         lo = plan.lora
         print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
               "optimizer state for the adapters only, the base weights frozen")
+    if plan.dpo is not None:
+        print(f"DPO ({plan.dpo.loss_type}): each pair's chosen and rejected rows in one forward, after the "
+              "reference's forward without gradients; the reference is "
+              + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
+                 else "a frozen copy sharded like the model (its shards counted as sharded params)"))
     print(_table(estimates, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"]
     if plan.offload != "none":
