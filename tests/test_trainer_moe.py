@@ -326,7 +326,7 @@ def test_bias_balancing_evens_the_load_and_the_bias_resumes_and_exports(tmp_path
      "expected the default (0.0)"),
     (["--model.name", "qwen3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"],
      "error: parallelism.expert_parallel_degree: invalid value 2; model 'qwen3' does not split over expert parallel "
-     "ranks (its parallelize handles context parallel, tensor parallel); expected 1"),
+     "ranks (its parallelize handles context parallel, pipeline, tensor parallel); expected 1"),
     (["--model.name", "qwen3_moe", "--model.flavor", "tiny", "--moe.bias_update_rate", "0.01"],
      "error: moe.bias_update_rate: invalid value 0.01; the softmax router of model 'qwen3_moe' has no expert bias "
      "to balance; expected 0, or moe.score_func = 'sigmoid'"),

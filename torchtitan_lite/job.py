@@ -38,6 +38,7 @@ from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_
 from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan, pipeline_problem
 from torchtitan_lite.dpo import DPOSetup
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -258,7 +259,7 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
 
 
-_DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel"}
+_DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel", "pp": "pipeline"}
 
 
 def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None = None) -> JobPlan:
@@ -283,7 +284,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     notes = () if longest <= trained_for else (
         f"the job's sequences ({longest} tokens) pass the {trained_for} that {m.name} {m.flavor} was trained for "
         "(its max_seq_len): the rotary table follows the job, with the model's RoPE scaling kept",)
-    degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree}
+    degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+               "pp": p.pipeline_parallel_degree}
     for name, degree in degrees.items():
         _require(degree == 1 or name in spec.parallel_dims, DEGREE_KEYS[name], degree,
                  f"model {m.name!r} does not split over {_DIM_NAMES[name]} ranks (its parallelize handles "
@@ -338,6 +340,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora, model_args)
+    pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
     shape = JobShape(
@@ -352,7 +355,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
-        sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference)
+        sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
+        pipeline=pipeline)
     return JobPlan(
         world_size=world_size, dims=dims, spec=spec, shape=shape,
         model_args=model_args,
@@ -400,6 +404,47 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mod
     _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
              "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
     return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
+
+
+def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, float8: Any, lora: Any,
+                   dpo: Any) -> PipelinePlan | None:
+    """The job's pipeline stages (None without ``parallelism.pipeline_parallel_degree`` > 1); one
+    :class:`ConfigError` line for a split or a combination it cannot run."""
+    p, t = config.parallelism, config.training
+    if dims.pp == 1:
+        return None
+    key = "parallelism.pipeline_parallel_degree"
+    problem = pipeline_problem(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
+                               microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
+                               layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                               first_less=p.pipeline_parallel_first_stage_less_layers,
+                               last_less=p.pipeline_parallel_last_stage_less_layers)
+    if problem is not None:
+        raise ConfigError(problem)
+    _require(not getattr(model_args, "tie_word_embeddings", False), key, dims.pp,
+             f"{config.model.name} {config.model.flavor} ties its embedding to the output projection, which would "
+             "sit on the first and the last stage: expected 1 for it")
+    # Not run through a pipeline yet, each refused here rather than trained wrongly.
+    later = [("validation.enable", config.validation.enable, "validation (a forward-only schedule)"),
+             ("training.datasets", [d.name for d in t.datasets], "a mixture's per-source losses"),
+             ("model.attention_mask", config.model.attention_mask if config.model.attention_mask != "causal" else None,
+              "block-causal attention (document ids through the stages)"),
+             ("model.converters", list(config.model.converters) if float8 is not None else None, "float8"),
+             ("lora.enable", lora is not None, "LoRA"), ("training.dataset", "preference" if dpo else None, "DPO"),
+             ("compile.enable", config.compile.enable, "compiled blocks"),
+             ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
+              if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
+             ("checkpoint.last_save_in_hf", config.checkpoint.last_save_in_hf, "a Hugging Face export"),
+             ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
+              p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their split backward beside FSDP2)")]
+    for name, value, what in later:
+        _require(not value, name, value, f"pipeline parallel ({key} = {dims.pp}) does not run {what} yet; "
+                 "expected it off, or a degree of 1")
+    return pipeline_plan(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
+                         microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
+                         layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                         first_less=p.pipeline_parallel_first_stage_less_layers,
+                         last_less=p.pipeline_parallel_last_stage_less_layers)
 
 
 def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:

@@ -64,6 +64,7 @@ from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import build_sharded_model
+from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
 from torchtitan_lite.dpo import PreferenceStep
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
@@ -232,6 +233,16 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
     return PreferenceStep(plan.dpo, reference=reference, ranks=plan.token_ranks, group=mesh.tokens)
 
 
+def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
+                   loss_fn: LossFn) -> PipelineRunner | None:
+    """The schedule that runs this rank's pipeline stages (None without a pipeline)."""
+    pipeline = plan.shape.pipeline
+    if pipeline is None:
+        return None
+    return PipelineRunner(model, pipeline, pp_rank=mesh.pp_rank, group=mesh.pp_group, device=device,
+                          local_batch_size=config.training.local_batch_size, loss_fn=loss_fn)
+
+
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
                          mesh: ParallelMesh) -> RouterBalance | None:
     """The router losses, load metrics and bias balancing of a mixture-of-experts model
@@ -333,6 +344,8 @@ class Trainer:
         for validator in self.validators.values():
             validator.context_parallel = self.context_parallel
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
+        self.pipeline = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
+                                       loss_fn=self.loss_fn)
         self.preference = build_preference(config, plan, self.model, mesh=self.mesh, device=self.device,
                                            reshard_plan=self.reshard_plan)
         for validator in self.validators.values():
@@ -388,6 +401,9 @@ class Trainer:
             docs = None if documents is None else documents[i].to(self.device, non_blocking=True)
             if cp is not None:
                 inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
+            if self.pipeline is not None:  # every stage's forward and backward, micro-batch by micro-batch
+                loss_sum[0] += self.pipeline.forward_backward(inputs, labels, scale=scale)
+                continue
             logits = self.model(inputs) if docs is None else self.model(inputs, docs)
             token_loss = self.loss_fn(logits, labels)
             if sources is not None:  # each source's rows' loss, for the metrics: no gradient
@@ -429,7 +445,8 @@ class Trainer:
         alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
         loss (or :meth:`forward_backward`'s vector, whose first entry it is), reduced here over
         the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm,
+                                    pipeline_group=self.mesh.pp_group)
         lr = self.lr_scheduler.get_last_lr()[0]
         dist.all_reduce(loss_sum, group=self.mesh.tokens)
         loss, norm = float(loss_sum.reshape(-1)[0].item() / global_tokens), float(grad_norm.item())

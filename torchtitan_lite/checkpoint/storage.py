@@ -238,7 +238,10 @@ class CheckpointStorage:
         model_sd = plain_state(self.model_state())
         if model_only:
             return {"model": {k: v.to(dtype) for k, v in model_sd.items()}}
-        optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        # Flattened: each parameter's state and group settings under its own name, so that a rank
+        # saves (and loads) only its parameters' (pipeline stages hold different ones).
+        optim_sd = get_optimizer_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
         return {"model": model_sd, "optimizer": plain_state(optim_sd)}
 
     def record_checksums(self, folder: Path, *, committed: bool = False) -> None:
@@ -362,14 +365,19 @@ class CheckpointStorage:
         to_load: dict[str, Any] = {}
         if "model" in parts:
             to_load["model"] = model_sd = plain_state(self.model_state(base=base))
-        if "optimizer" in parts:
-            # Only when it is loaded: building the optimizer's state dict creates its state (a
-            # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
-            to_load["optimizer"] = plain_state(get_optimizer_state_dict(self.model, self.optimizer))
-        if not to_load:
+        if not to_load and "optimizer" not in parts:
             return
+        optimizer_options = StateDictOptions(flatten_optimizer_state_dict=True)
         try:
             metadata = reader.read_metadata()
+            if "optimizer" in parts:
+                # Only when it is loaded: building the optimizer's state dict creates its state (a
+                # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
+                # Checkpoints before flattened optimizer states hold its parameter groups as one list.
+                optimizer_options = StateDictOptions(
+                    flatten_optimizer_state_dict="optimizer.param_groups" not in metadata.state_dict_metadata)
+                to_load["optimizer"] = plain_state(get_optimizer_state_dict(self.model, self.optimizer,
+                                                                            options=optimizer_options))
             check_files(path, metadata.storage_data)
             if "model" in to_load:
                 check_model_tensors(path, metadata.state_dict_metadata, model_sd)
@@ -383,7 +391,7 @@ class CheckpointStorage:
             set_model_state_dict(self.model, to_load["model"],
                                  options=StateDictOptions(strict=self.lora is None))
         if "optimizer" in to_load:
-            set_optimizer_state_dict(self.model, self.optimizer, to_load["optimizer"])
+            set_optimizer_state_dict(self.model, self.optimizer, to_load["optimizer"], options=optimizer_options)
 
 
 def check_model_tensors(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:

@@ -292,6 +292,22 @@ class Parallelism:
     """Ranks a mixture-of-experts layer's experts are spread over, borrowed from data_parallel_shard_degree ×
     context_parallel_degree (which it must divide). Above 1 only for a model family whose parallelize
     handles it."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages' ranks (the mesh's outermost dimension, pp): the model's blocks split into stages run by
+    pipeline_parallel_schedule over micro-batches of each local batch (docs/parallelism.md)."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """A schedule of torch.distributed.pipelining: GPipe, 1F1B (one stage per rank), Interleaved1F1B,
+    InterleavedZeroBubble (several stages per rank, looped), ZBVZeroBubble (two per rank, in a V)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Rows of each pipeline micro-batch; it must divide training.local_batch_size (the number of micro-batches
+    is local_batch_size / this, at least the degree for all but GPipe)."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Layers per stage (the embedding and the output counted as first/last_stage_less_layers): sets the stages
+    per rank of looped schedules; unset: one per rank (GPipe, 1F1B), two (the others)."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """Blocks fewer on the first stage, which also embeds the tokens."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """Blocks fewer on the last stage, which also runs the final norm, the output projection and the loss."""
     reshard_after_forward_mode: int | str = "default"
     """default (reshard all units but the last), always, never, an integer N: reshard to groups of N ranks
     (e.g. within a node), or auto: per unit whether to reshard, and per block how much more to recompute

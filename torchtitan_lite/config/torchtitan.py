@@ -9,7 +9,7 @@ listed in :data:`TORCHTITAN_KEYS` as one of:
   differs, e.g. ``optimizer.fused = true`` → ``optimizer.implementation = "fused"``);
 - ``off``: a setting of a feature torchtitan_lite does not have, accepted while it asks for the
   feature to be off or for something that changes nothing here (``tensor_parallel_degree = 1``,
-  ``enable_async_tensor_parallel = false``, the pipeline schedule of a job without pipeline stages); any other
+  ``enable_async_tensor_parallel = false``, empty pipeline split points); any other
   value is one error line saying which feature it asks for;
 - keys spelled as ours with the same meaning are not listed (the schema is the table for those).
 
@@ -196,15 +196,13 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
          "used only with data-loader worker processes"),
     # [parallelism]
     _alias("parallelism.fsdp_reshard_after_forward", str, VL, "parallelism.reshard_after_forward_mode"),
-    _off("parallelism.pipeline_parallel_degree", int, VL, _in(1), _PP),
-    _off("parallelism.pipeline_parallel_split_points", list[str], (V,), _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_layers_per_stage", int | None, VL, _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_schedule", str, VL, _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_schedule_csv", str, VL, _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_microbatch_size", int, VL, _any, "", "used only with " + _PP),
-    _off("parallelism.module_fqns_per_model_part", list[list[str]] | None, (L,), _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_first_stage_less_layers", int, (L,), _any, "", "used only with " + _PP),
-    _off("parallelism.pipeline_parallel_last_stage_less_layers", int, (L,), _any, "", "used only with " + _PP),
+    _off("parallelism.pipeline_parallel_split_points", list[str], (V,), _empty,
+         "pipeline split points by module name (parallelism.pipeline_parallel_layers_per_stage and "
+         "first/last_stage_less_layers split the model here)"),
+    _off("parallelism.pipeline_parallel_schedule_csv", str, VL, _empty, "pipeline schedules read from a CSV file"),
+    _off("parallelism.module_fqns_per_model_part", list[list[str]] | None, (L,), _empty,
+         "pipeline stages named module by module (parallelism.pipeline_parallel_layers_per_stage and "
+         "first/last_stage_less_layers split the model here)"),
     _off("parallelism.pipeline_parallel_expert_parallel_overlap", bool, (L,), _any, "", "used only with " + _PP),
     _alias("parallelism.context_parallel_rotate_method", str, VL, "parallelism.context_parallel_method", value=_rotated,
            differs="TorchTitan's ring rotates the keys and values between neighbours; here every rank "
@@ -214,9 +212,9 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("parallelism.expert_parallel_comm_backend", str, (L,), _any, "", "used only with " + _EP),
     _off("parallelism.enable_compiled_autograd", bool, (V,), _in(False), "compiled autograd"),
     # [experimental] (before v0.1.0 it held the parallelisms still being built)
-    _off("experimental.pipeline_parallel_degree", int, (E,), _in(1), _PP),
+    _alias("experimental.pipeline_parallel_degree", int, (E,), "parallelism.pipeline_parallel_degree"),
     _off("experimental.pipeline_parallel_split_points", list[str], (E,), _any, "", "used only with " + _PP),
-    _off("experimental.pipeline_parallel_schedule", str, (E,), _any, "", "used only with " + _PP),
+    _alias("experimental.pipeline_parallel_schedule", str, (E,), "parallelism.pipeline_parallel_schedule"),
     _off("experimental.pipeline_parallel_schedule_csv", str, (E,), _any, "", "used only with " + _PP),
     _off("experimental.pipeline_parallel_microbatches", int | None, (E,), _any, "", "used only with " + _PP),
     _alias("experimental.context_parallel_degree", int, (E,), "parallelism.context_parallel_degree"),

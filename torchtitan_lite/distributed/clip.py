@@ -15,13 +15,15 @@ __all__ = ["clip_grad_norm_"]
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: list[torch.nn.Parameter], max_norm: float, *, foreach: bool | None = None
+    parameters: list[torch.nn.Parameter], max_norm: float, *, foreach: bool | None = None,
+    pipeline_group: Any = None,
 ) -> torch.Tensor:
     """Global L2 gradient norm over sharded (DTensor) or plain gradients; clip when ``max_norm > 0``.
 
     The norm of DTensor gradients is reduced over the mesh (``full_tensor``), so every rank
     gets the same global norm; with CPU offload that reduction runs on CPU tensors, which is
-    why the process group then carries a CPU backend.
+    why the process group then carries a CPU backend. ``pipeline_group``: the pipeline ranks,
+    each holding other parameters (their squared norms are summed over it).
     """
     by_mesh: dict[Any, list[torch.nn.Parameter]] = {}  # DTensors of one mesh are normed and scaled together
     for p in parameters:
@@ -36,6 +38,12 @@ def clip_grad_norm_(
     total = (
         norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     )
+    if pipeline_group is not None:
+        import torch.distributed as dist
+
+        squared = total.double() ** 2
+        dist.all_reduce(squared, group=pipeline_group)
+        total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)

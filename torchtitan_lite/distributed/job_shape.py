@@ -19,6 +19,7 @@ from torchtitan_lite.distributed.compile import compiles_by_parts
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode
 from torchtitan_lite.distributed.lora import LoRASetup
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan
 
 __all__ = ["JobShape"]
 
@@ -86,6 +87,9 @@ class JobShape:
     """Preference tuning (DPO): each sample is a pair (two rows, chosen and rejected) and the
     reference is ``copy`` (a frozen copy sharded like the model) or ``adapters_off`` (LoRA's adapters
     switched off); None: not DPO."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline parallel: the stages and the schedule; each rank builds its pipeline coordinate's
+    stages only (None: no pipeline)."""
 
     def replace(self, **changes: Any) -> JobShape:
         """The shape with ``changes``."""

@@ -57,6 +57,16 @@ class ParallelMesh:
         return self.dims.dp_size
 
     @property
+    def pp_rank(self) -> int:
+        """Which pipeline stages this rank holds (its pipeline coordinate; 0 without a pipeline)."""
+        return self.dims.pp_rank(dist.get_rank())
+
+    @property
+    def pp_group(self) -> Any:
+        """The pipeline ranks of this rank's data-parallel coordinate (None without a pipeline)."""
+        return self.world["pp"].get_group() if self.dims.pp > 1 else None
+
+    @property
     def split_dims(self) -> tuple[str, ...]:
         """The dimensions beyond data parallel the model is split over (``tp``, ``cp``, ``ep``
         with a degree above 1; ``ep`` may be a flattened dimension of the mesh)."""

@@ -35,6 +35,7 @@ from torchtitan_lite.distributed.fsdp import (
 )
 from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import ParallelMesh
+from torchtitan_lite.distributed.pipeline_parallel import init_stage_weights, prune_to_stages
 from torchtitan_lite.distributed.tensor_parallel import (
     apply_decoder_tensor_parallel,
     enable_async_tensor_parallel,
@@ -55,7 +56,12 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     split over it) → activation checkpointing → compile → FSDP over the mesh's data-parallel
     dimensions, the experts over the expert-data ranks (or autocast on one process, without
     FSDP). ``shape``: the job's (:class:`~torchtitan_lite.distributed.job_shape.JobShape`), of which
-    this reads LoRA, float8, loss parallel, checkpointing, compile and how FSDP shards."""
+    this reads LoRA, float8, loss parallel, checkpointing, compile and how FSDP shards. With a
+    pipeline (``shape.pipeline``) the model is first cut to this rank's stages."""
+    if shape.pipeline is not None:
+        if not isinstance(mesh, ParallelMesh):
+            raise ValueError("parallelize: pipeline parallel needs the job's ParallelMesh (its pp dimension)")
+        prune_to_stages(model, shape.pipeline, mesh.pp_rank)
     if shape.lora is not None:
         shape.lora.apply(model)
     units = spec.fsdp_units(model)
@@ -109,5 +115,8 @@ def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceM
     fsdp = shape.fsdp_options()
     materialize(model, device, units=units, cpu_offload=fsdp.cpu_offload if fsdp is not None else False)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
-    model.init_weights(buffer_device=device)
+    if shape.pipeline is not None:  # the whole model's values for this rank's stages
+        init_stage_weights(model, spec.meta_model(args), buffer_device=device)
+    else:
+        model.init_weights(buffer_device=device)
     return model

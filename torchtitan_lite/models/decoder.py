@@ -262,12 +262,22 @@ class Decoder(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    pipeline_stages: dict[int, Any] | None = None
+    """With pipeline parallel: this rank's stages by index (each a
+    :class:`~torchtitan_lite.distributed.pipeline_parallel.StageLayout`), set by the split that
+    removed the other stages' parts; ``forward(x, stage=i)`` runs stage ``i``."""
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                stage: int | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; with ``stage`` (pipeline parallel) that stage's part only: from
+        the tokens, or the hidden states of the stage before, to the logits, or the hidden states
+        the next stage takes."""
         cp = self.context_parallel
         seq_len = tokens.shape[1] * (1 if cp is None else cp.degree)
         if seq_len > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
-        h = self.tok_embeddings(tokens)
+        part = None if stage is None else self.pipeline_stages[stage]
+        h = self.tok_embeddings(tokens) if part is None or part.first else tokens
         if cp is not None:  # this rank's share of each sequence: global positions, attention over all of it
             mask = cp.attention(tokens.shape[1], document_ids, tokens.device)
             rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[mask.positions]
@@ -276,8 +286,10 @@ class Decoder(nn.Module):
         else:
             rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[document_positions(document_ids)]
             mask = block_causal_mask(document_ids)
-        for layer in self.layers.values():
+        for layer in self.layers.values() if part is None else (self.layers[key] for key in part.layers):
             h = layer(h, rope, mask)
+        if part is not None and not part.last:
+            return h
         return self.output(self.norm(h))
 
     @torch.no_grad()
@@ -323,4 +335,6 @@ def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:
     blocks = list(model.layers.values())
     if model.args.tie_word_embeddings:
         return FSDPLayout(blocks=blocks, last_unit=[model.norm, model.output, model.tok_embeddings])
-    return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks, last_unit=[model.norm, model.output])
+    # (a pipeline stage may hold no embedding, or no norm and output)
+    return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks,
+                      last_unit=None if model.norm is None else [model.norm, model.output])

@@ -43,7 +43,7 @@ def _fill_blockwise(
     local, offset = _local_part(tensor)
     # One draw from the global generator per parameter: identical on every rank.
     base_seed = int(torch.randint(0, _SEED_MODULUS, (1,), dtype=torch.int64).item())
-    if local.numel() == 0:
+    if local.numel() == 0 or local.is_meta:  # (meta: a part of the model another pipeline rank holds)
         return tensor
     full_shape = tuple(tensor.shape)
     if not full_shape:  # a scalar is one row of one element (never sharded)

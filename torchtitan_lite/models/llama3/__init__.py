@@ -11,4 +11,4 @@ __all__ = ["LLAMA3_FLAVORS", "LLAMA3_SPEC", "ModelArgs", "Transformer"]
 
 
 LLAMA3_SPEC = ModelSpec(name="llama3", model_cls=Transformer, args_cls=ModelArgs, flavors=LLAMA3_FLAVORS,
-                        fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp"}))
+                        fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp", "pp"}))

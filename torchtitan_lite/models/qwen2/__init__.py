@@ -10,4 +10,4 @@ from torchtitan_lite.models.spec import ModelSpec
 __all__ = ["QWEN2_FLAVORS", "QWEN2_SPEC", "Qwen2", "Qwen2Args"]
 
 QWEN2_SPEC = ModelSpec(name="qwen2", model_cls=Qwen2, args_cls=Qwen2Args, flavors=QWEN2_FLAVORS,
-                       fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp"}))
+                       fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp", "pp"}))

@@ -11,4 +11,4 @@ __all__ = ["QWEN3_FLAVORS", "QWEN3_SPEC", "Qwen3", "Qwen3Args"]
 
 
 QWEN3_SPEC = ModelSpec(name="qwen3", model_cls=Qwen3, args_cls=Qwen3Args, flavors=QWEN3_FLAVORS,
-                       fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp"}))
+                       fsdp_units=decoder_fsdp_units, hf=ADAPTER, parallel_dims=frozenset({"tp", "cp", "pp"}))

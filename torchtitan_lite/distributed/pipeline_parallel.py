@@ -1,0 +1,257 @@
+"""Pipeline parallel: the decoder's layers split into stages over the ``pp`` ranks, run by a
+schedule of :mod:`torch.distributed.pipelining` (GPipe, 1F1B, the interleaved and zero-bubble ones).
+
+How a model is split (:class:`PipelinePlan`):
+
+- The embedding counts as ``first_stage_less_layers`` layers and the final norm with the output
+  projection (and so the loss) as ``last_stage_less_layers``: the first and last stages get that
+  many fewer blocks. The blocks, plus those two counts, are spread evenly over the stages; a split
+  that is not even is refused in one line (:func:`pipeline_problem`).
+- Single-stage schedules (``GPipe``, ``1F1B``) give each pipeline rank one stage; the looped ones
+  (``Interleaved1F1B``, ``InterleavedZeroBubble``) ``v`` stages, rank ``r`` holding stages ``r``,
+  ``r + p`` …; ``ZBVZeroBubble`` two, in a V (rank ``r`` holds ``r`` and ``2p - 1 - r``).
+  ``pipeline_parallel_layers_per_stage`` sets ``v``; without it, looped schedules take 2.
+- A rank's model is the whole model's class with only its stages' parts (:func:`prune_to_stages`):
+  parameter names stay those of the whole model, so checkpoints move between degrees. Each
+  stage is a view (:class:`StagePart`) that runs the rank's model for that stage.
+- The weights are the whole model's for the seed (:func:`init_stage_weights`): every parameter's
+  initialiser draws from the global generator in the whole model's order, the absent ones too.
+
+The loss is the trainer's: each micro-batch's summed token loss times the step's scale (the mean
+over every counted label of the global batch), so that the gradients do not depend on the degree
+or the schedule; the last stage's sum goes to every pipeline rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart", "init_stage_weights",
+           "pipeline_plan", "pipeline_problem", "prune_to_stages"]
+
+SINGLE_SCHEDULES = ("GPipe", "1F1B")
+LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble",)
+SCHEDULES = (*SINGLE_SCHEDULES, *LOOPED_SCHEDULES, *V_SCHEDULES)
+"""The schedules of :mod:`torch.distributed.pipelining` a job may name (TorchTitan's names)."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One stage: its block names (``layers`` keys), and whether it embeds / ends with the output."""
+
+    index: int
+    layers: tuple[str, ...]
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A job's pipeline: its degree, schedule, micro-batch size and the stages' blocks."""
+
+    degree: int
+    schedule: str
+    microbatch_size: int
+    stages: tuple[StageLayout, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def rank_stages(self, pp_rank: int) -> tuple[StageLayout, ...]:
+        """The stages pipeline rank ``pp_rank`` holds, in the order the schedule wants them."""
+        p, n = self.degree, self.num_stages
+        if self.schedule in V_SCHEDULES:
+            return (self.stages[pp_rank], self.stages[2 * p - 1 - pp_rank])
+        return tuple(self.stages[i] for i in range(pp_rank, n, p))
+
+    def microbatches(self, local_batch_size: int) -> int:
+        return local_batch_size // self.microbatch_size
+
+
+def _stages_per_rank(schedule: str, layers_per_stage: int | None, weight: int, degree: int) -> int | str:
+    """Stages per rank (``weight``: blocks plus the first and last stages' shares), or a problem."""
+    if schedule in SINGLE_SCHEDULES:
+        if layers_per_stage is not None and layers_per_stage * degree != weight:
+            return (f"parallelism.pipeline_parallel_layers_per_stage: invalid value {layers_per_stage}; {schedule} "
+                    f"gives each of the {degree} pipeline ranks one stage of {weight} / {degree} layers (embedding "
+                    "and output counted): expected that, or unset")
+        return 1
+    if schedule in V_SCHEDULES:
+        v = 2
+        if layers_per_stage is not None and layers_per_stage * degree * v != weight:
+            return (f"parallelism.pipeline_parallel_layers_per_stage: invalid value {layers_per_stage}; {schedule} "
+                    f"gives each pipeline rank 2 stages: expected {weight} / {2 * degree} layers, or unset")
+        return v
+    if layers_per_stage is None:
+        return 2
+    if weight % layers_per_stage or (weight // layers_per_stage) % degree:
+        return (f"parallelism.pipeline_parallel_layers_per_stage: invalid value {layers_per_stage}; {weight} layers "
+                f"(embedding and output counted) do not split into stages of {layers_per_stage} that the {degree} "
+                "pipeline ranks share evenly")
+    return weight // layers_per_stage // degree
+
+
+def pipeline_problem(*, n_layers: int, degree: int, schedule: str, microbatch_size: int, local_batch_size: int,
+                     layers_per_stage: int | None = None, first_less: int = 1, last_less: int = 1) -> str | None:
+    """Why these settings cannot split the model or feed the schedule (one line naming the key),
+    or None."""
+    if schedule not in SCHEDULES:
+        return (f"parallelism.pipeline_parallel_schedule: invalid value {schedule!r}; expected one of "
+                f"{', '.join(SCHEDULES)}")
+    if microbatch_size < 1 or local_batch_size % microbatch_size:
+        return (f"parallelism.pipeline_parallel_microbatch_size: invalid value {microbatch_size}; expected a "
+                f"divisor of training.local_batch_size = {local_batch_size}")
+    for key, value in (("first", first_less), ("last", last_less)):
+        if value < 0:
+            return f"parallelism.pipeline_parallel_{key}_stage_less_layers: invalid value {value}; expected >= 0"
+    weight = n_layers + first_less + last_less
+    v = _stages_per_rank(schedule, layers_per_stage, weight, degree)
+    if isinstance(v, str):
+        return v
+    stages = degree * v
+    if weight % stages:
+        return (f"parallelism.pipeline_parallel_degree: invalid value {degree}; {n_layers} blocks + "
+                f"{first_less} (embedding) + {last_less} (output) = {weight} layers do not split evenly into "
+                f"{stages} stages ({schedule}: {v} per rank); change pipeline_parallel_first_stage_less_layers / "
+                "last_stage_less_layers or the degree")
+    per_stage = weight // stages
+    if per_stage <= max(first_less, last_less):
+        return (f"parallelism.pipeline_parallel_degree: invalid value {degree}; {stages} stages of {per_stage} "
+                f"layers would leave the first or last stage without a block")
+    microbatches = local_batch_size // microbatch_size
+    if schedule not in ("GPipe",) and microbatches < degree:
+        return (f"parallelism.pipeline_parallel_microbatch_size: invalid value {microbatch_size}; {schedule} needs "
+                f"at least {degree} micro-batches (the pipeline degree) per local batch, and training.local_batch_size"
+                f" = {local_batch_size} gives {microbatches}")
+    if schedule in LOOPED_SCHEDULES and microbatches % degree:
+        return (f"parallelism.pipeline_parallel_microbatch_size: invalid value {microbatch_size}; {schedule} runs "
+                f"micro-batches in rounds of the degree {degree}: training.local_batch_size / microbatch_size = "
+                f"{microbatches} must be a multiple of it")
+    return None
+
+
+def pipeline_plan(*, n_layers: int, degree: int, schedule: str, microbatch_size: int, local_batch_size: int,
+                  layers_per_stage: int | None = None, first_less: int = 1, last_less: int = 1) -> PipelinePlan:
+    """The stages of a model of ``n_layers`` blocks (:func:`pipeline_problem` as a ``ValueError``)."""
+    problem = pipeline_problem(n_layers=n_layers, degree=degree, schedule=schedule, microbatch_size=microbatch_size,
+                               local_batch_size=local_batch_size, layers_per_stage=layers_per_stage,
+                               first_less=first_less, last_less=last_less)
+    if problem is not None:
+        raise ValueError(problem)
+    weight = n_layers + first_less + last_less
+    v = _stages_per_rank(schedule, layers_per_stage, weight, degree)
+    assert isinstance(v, int)
+    stages = degree * v
+    per_stage = weight // stages
+    layouts, next_layer = [], 0
+    for s in range(stages):
+        count = per_stage - (first_less if s == 0 else 0) - (last_less if s == stages - 1 else 0)
+        layouts.append(StageLayout(index=s, layers=tuple(str(i) for i in range(next_layer, next_layer + count)),
+                                   first=s == 0, last=s == stages - 1))
+        next_layer += count
+    assert next_layer == n_layers
+    return PipelinePlan(degree=degree, schedule=schedule, microbatch_size=microbatch_size, stages=tuple(layouts))
+
+
+def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
+    """Keep only the parts of pipeline rank ``pp_rank``'s stages in ``model`` (a decoder built on
+    the meta device): its blocks, the embedding on the first stage's rank, the final norm and output
+    projection on the last one's. Parameter names are unchanged. Sets ``model.pipeline_stages``."""
+    if getattr(model.args, "tie_word_embeddings", False):
+        raise ValueError("pipeline parallel: tied embeddings (model.tie_word_embeddings) would put one weight "
+                         "on the first and the last stage; expected a model without them")
+    mine = plan.rank_stages(pp_rank)
+    keep = {key for stage in mine for key in stage.layers}
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if not any(stage.first for stage in mine):
+        model.tok_embeddings = None
+    if not any(stage.last for stage in mine):
+        model.norm = None
+        model.output = None
+    model.pipeline_stages = {stage.index: stage for stage in mine}
+
+
+def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: torch.device) -> None:
+    """Initialise a pruned model (:func:`prune_to_stages`) as the whole model would be for the
+    same seed: ``whole`` (the whole model on the meta device) gets the pruned model's modules in
+    place of its own and runs its ``init_weights``; its meta parameters draw their seeds and are
+    left alone (:mod:`torchtitan_lite.models.init`)."""
+    for name in ("tok_embeddings", "norm", "output"):
+        if getattr(model, name) is not None:
+            setattr(whole, name, getattr(model, name))
+    for key, block in model.layers.items():
+        whole.layers[key] = block
+    whole.init_weights(buffer_device=buffer_device)
+    model.init_buffers(buffer_device)
+
+
+class StagePart(nn.Module):
+    """One stage of a rank's pruned model, for :class:`torch.distributed.pipelining.PipelineStage`:
+    its modules (shared with the model, so ``parameters()`` are the stage's) and a forward that
+    runs the model for this stage (through the model's own call, so FSDP's hooks run)."""
+
+    def __init__(self, model: nn.Module, stage: StageLayout) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict({f"layer_{key}": model.layers[key] for key in stage.layers})
+        if stage.first:
+            self.parts["tok_embeddings"] = model.tok_embeddings
+        if stage.last:
+            self.parts["norm"], self.parts["output"] = model.norm, model.output
+        self.index = stage.index
+        object.__setattr__(self, "_model", model)  # not a child: its other stages' parameters are not this one's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model(x, stage=self.index)
+
+
+class PipelineRunner:
+    """Runs one local batch through the schedule: forward and backward of every micro-batch, the
+    loss (each micro-batch's ``loss_fn(logits, labels)`` times the step's scale) on the last stage."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, *, pp_rank: int, group: Any, device: torch.device,
+                 local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        self.plan, self.group, self.loss_fn = plan, group, loss_fn
+        self.scale = 1.0
+        self._sums: list[torch.Tensor] = []
+        self.stages = [PipelineStage(StagePart(model, layout), layout.index, plan.num_stages, device, group=group)
+                       for layout in plan.rank_stages(pp_rank)]
+        self.first = any(layout.first for layout in plan.rank_stages(pp_rank))
+        self.last = any(layout.last for layout in plan.rank_stages(pp_rank))
+        schedule_cls = get_schedule_class(plan.schedule)
+        self.microbatches = plan.microbatches(local_batch_size)
+        kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
+        single = plan.schedule in SINGLE_SCHEDULES
+        self.schedule = schedule_cls(self.stages[0] if single else self.stages, **kwargs)
+        self.device = device
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, labels)
+        self._sums.append(loss.detach().double())
+        return loss * self.scale
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """This local batch's summed token loss (fp64, detached), the same on every pipeline rank;
+        gradients of ``scale`` × that sum accumulate in the stages' parameters."""
+        self.scale, self._sums = scale, []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=labels if self.last else None, return_outputs=False)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        # The last stage's micro-batches, in order (at the first step, the schedule's inference of
+        # the gradients' shapes calls the loss once before them, on placeholder values)
+        for part in self._sums[len(self._sums) - self.microbatches:] if self.last else ():
+            total += part
+        dist.all_reduce(total, group=self.group)
+        return total
