@@ -64,8 +64,11 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
                                                     "parallelism.tensor_parallel_degree > 1 yet"),
     (["--parallelism.pipeline_parallel_schedule", "1f1b"], "parallelism.pipeline_parallel_schedule: invalid value "
                                                            "'1f1b'; expected one of"),
-    (["--validation.enable"], "validation.enable: invalid value True; pipeline parallel "
-                              "(parallelism.pipeline_parallel_degree = 2) does not run validation"),
+    (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
+      "4", "--validation.local_batch_size", "3"], "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
+    (["--model.attention_mask", "block_causal"], "model.attention_mask: invalid value 'block_causal'; pipeline "
+                                                 "parallel (parallelism.pipeline_parallel_degree = 2) does not run "
+                                                 "block-causal attention"),
     (["--model.name", "qwen3_moe"], "parallelism.pipeline_parallel_degree: invalid value 2; model 'qwen3_moe' does "
                                     "not split over pipeline ranks"),
     (["--model.name", "qwen3"], "parallelism.pipeline_parallel_degree: invalid value 2; qwen3 tiny ties its "
@@ -97,6 +100,22 @@ def _losses(argv: list[str]) -> list[tuple[float, float]]:
         trainer.close()
 
 
+def _trained_params(argv: list[str]) -> dict[str, Any]:
+    """Train; this rank's parameters, whole (each stage's gathered over its data-parallel ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        trainer.train()
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for name, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+
+
 def _close(run: list[tuple[float, float]], reference: list[tuple[float, float]], label: str) -> None:
     """Losses within 1e-5; gradient norms within 1e-4 of their size (summed in another order, they
     drift first: 1.1e-5 at step 9 of data parallel 2 × pipeline 2, its loss within 7e-7)."""
@@ -110,17 +129,35 @@ _PP = "--parallelism.pipeline_parallel_degree"
 _SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 
 
+def _history(argv: list[str]) -> list[dict[str, Any]]:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 @pytest.mark.slow
-def test_two_stages_train_as_one_process_does(tmp_path: Path) -> None:
+def test_two_stages_train_and_validate_as_one_process_does(tmp_path: Path) -> None:
     """fp32, 6 steps of the tiny Llama: pipeline 2 with 1F1B (2 ranks) gives one process's losses
-    within 1e-5."""
+    within 1e-5, and its validation (a forward-only schedule over the stages, 3 rows a pass) one
+    process's validation loss at steps 3 and 6."""
     from tests.dist_utils import run_distributed
 
-    common = [*TINY_ARGS, "--training.steps", "6", "--metrics.no-enable_tensorboard"]
-    reference = run_distributed(_losses, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
-    runs = run_distributed(_losses, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])
-    assert runs[0] == runs[1]  # every pipeline rank reports the step's loss
-    _close(runs[0], reference, "pp2 1F1B")
+    common = [*TINY_ARGS, "--training.steps", "6", "--metrics.no-enable_tensorboard", "--validation.enable",
+              "--validation.freq", "3", "--validation.steps", "2", "--validation.local_batch_size", "3"]
+    reference = run_distributed(_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    runs = run_distributed(_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]  # every pipeline rank reports the loss
+    _close([(r["loss"], r["grad_norm"]) for r in runs[0]], [(r["loss"], r["grad_norm"]) for r in reference], "pp2")
+    validated = [(r["step"], r["validation_loss"]) for r in runs[0] if r.get("validation_loss") is not None]
+    expected = [(r["step"], r["validation_loss"]) for r in reference if r.get("validation_loss") is not None]
+    assert [s for s, _ in validated] == [s for s, _ in expected] == [3, 6], (validated, expected)
+    for (_, ours), (_, theirs) in zip(validated, expected, strict=True):
+        assert abs(ours - theirs) <= 1e-5, (validated, expected)
 
 
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
@@ -131,13 +168,16 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
     with GPipe and with Interleaved1F1B (2 stages a rank), data parallel 2 × pipeline 2 (FSDP over
     each stage's ranks) give one process's losses within 1e-5 (gradient norms: 1e-4). A checkpoint
     saved at step 5 by pipeline 2 resumes at pipeline 1 (4 ranks of FSDP) and at pipeline 4 with
-    the later losses of the run that never stopped, within 1e-5."""
+    the later losses of the run that never stopped, within 1e-5; its last save, a Hugging Face
+    folder, gives transformers one process's logits within 1e-5."""
     from tests.dist_utils import run_distributed
 
     common = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.steps", "10",
               "--training.local_batch_size", "4", "--training.global_batch_size", "8",
               "--metrics.no-enable_tensorboard"]
-    reference = run_distributed(_losses, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    export = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_model_only",
+              "--checkpoint.last_save_in_hf"]
+    reference = run_distributed(_losses, 1, [*common, *export, "--job.dump_folder", str(tmp_path / "one")])[0]
     layouts = {
         "pp4 1F1B": (4, [_PP, "4", "--training.local_batch_size", "8"]),
         "pp2 GPipe": (2, [_PP, "2", _SCHEDULE, "GPipe", "--training.local_batch_size", "8"]),
@@ -146,9 +186,30 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
     }
     for label, (ranks, extra) in layouts.items():
         dump = tmp_path / label.replace(" ", "_")
-        run = run_distributed(_losses, ranks, [*common, *extra, "--checkpoint.enable", "--checkpoint.interval", "5",
-                                               "--job.dump_folder", str(dump)])[0]
+        run = run_distributed(_losses, ranks, [*common, *extra, *export, "--job.dump_folder", str(dump)])[0]
         _close(run, reference, label)
+    # The last save of data parallel 2 × pipeline 2, a Hugging Face folder written by both stages,
+    # gives transformers the logits of the weights it trained (gathered from the stages).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
+    from torchtitan_lite.models import get_model_spec
+
+    params: dict[str, torch.Tensor] = {}
+    for part in run_distributed(_trained_params, 4, [*common, *layouts["dp2 x pp2 1F1B"][1], *export,
+                                                     "--job.dump_folder", str(tmp_path / "gathered")]):
+        params.update(part)
+    spec = get_model_spec("llama3")
+    ours = build_sharded_model(spec, spec.model_args("debugmodel"), None, device=torch.device("cpu"), seed=0,
+                               sharded=False)
+    ours.load_state_dict(params)
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "gathered" / "checkpoint" / "step-10"
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)(tokens).logits
+        expected = ours(tokens)
+    assert torch.allclose(theirs, expected, atol=1e-5, rtol=0), float((theirs - expected).abs().max())
     saved = tmp_path / "dp2_x_pp2_1F1B" / "checkpoint" / "step-5"
     for label, (ranks, extra) in {"pp1 (FSDP 4)": (4, ["--training.local_batch_size", "2"]),
                                   "pp4": (4, layouts["pp4 1F1B"][1])}.items():
@@ -157,3 +218,53 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
         run = run_distributed(_losses, ranks, [*common, *extra, "--checkpoint.enable", "--checkpoint.interval", "5",
                                                "--job.dump_folder", str(dump)])[0]
         _close(run, reference[5:], "resumed at " + label)
+
+
+@pytest.mark.slow
+def test_chat_sft_with_masked_labels_at_pipeline_2_equals_one_process(tmp_path: Path) -> None:
+    """Chat SFT (Llama 3's template, the loss over the assistant turns only, from a Hugging Face
+    folder), fp32, 3 steps: pipeline 2 at 2 ranks gives one process's losses within 1e-5, the
+    loss's scale (the global batch's counted labels) applied in every stage's micro-batches."""
+    import json
+
+    from tests.dist_utils import run_distributed
+    from tests.test_data_chat import CONVERSATIONS, write_chat_tokenizer
+    from tests.test_decoder_hf import hf_llama
+    from tests.test_trainer_sft import _argv
+    from torchtitan_lite.data import HFTokenizer
+
+    path = write_chat_tokenizer(tmp_path / "tokenizer", "llama3")
+    hf_llama(tmp_path / "base", vocab_size=HFTokenizer(path).vocab_size)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    common = ["--model.attention_mask", "causal", "--training.steps", "3", "--training.local_batch_size", "2"]
+    reference = run_distributed(_losses, 1, _argv(tmp_path, tmp_path / "one", *common))[0]
+    staged = run_distributed(_losses, 2, _argv(tmp_path, tmp_path / "pp2", *common, _PP, "2"))[0]
+    _close(staged, reference, "chat SFT at pp2")
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora_and_hsdp(tmp_path: Path) -> None:
+    """fp32, 5 steps of the tiny Llama at pipeline 2: full activation checkpointing, CPU offload,
+    reshard never and always, compiled blocks, LoRA (against one process with LoRA) and HSDP 2 ×
+    pipeline 2 (4 ranks) each give one process's losses within 1e-5."""
+    from tests.dist_utils import run_distributed
+
+    common = [*TINY_ARGS, "--training.steps", "5", "--training.global_batch_size", "4",
+              "--metrics.no-enable_tensorboard"]
+    reference = run_distributed(_losses, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    lora = ["--lora.enable", "--lora.rank", "4"]
+    with_lora = run_distributed(_losses, 1, [*common, *lora, "--job.dump_folder", str(tmp_path / "one_lora")])[0]
+    cases = {
+        "full AC": (2, ["--activation_checkpoint.mode", "full"], reference),
+        "CPU offload": (2, ["--training.enable_cpu_offload"], reference),
+        "reshard never": (2, ["--parallelism.reshard_after_forward_mode", "never"], reference),
+        "reshard always": (2, ["--parallelism.reshard_after_forward_mode", "always"], reference),
+        "compiled blocks": (2, ["--compile.enable"], reference),
+        "LoRA": (2, lora, with_lora),
+        "HSDP 2 x pp2": (4, ["--parallelism.data_parallel_replicate_degree", "2"], reference),
+    }
+    for label, (ranks, extra, expected) in cases.items():
+        run = run_distributed(_losses, ranks, [*common, _PP, "2", *extra, "--job.dump_folder",
+                                               str(tmp_path / label.replace(" ", "_"))])[0]
+        _close(run, expected, label)

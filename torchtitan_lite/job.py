@@ -425,16 +425,22 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              f"{config.model.name} {config.model.flavor} ties its embedding to the output projection, which would "
              "sit on the first and the last stage: expected 1 for it")
     # Not run through a pipeline yet, each refused here rather than trained wrongly.
-    later = [("validation.enable", config.validation.enable, "validation (a forward-only schedule)"),
-             ("training.datasets", [d.name for d in t.datasets], "a mixture's per-source losses"),
+    v = config.validation
+    val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
+    _require(not v.enable or val_local % p.pipeline_parallel_microbatch_size == 0, "validation.local_batch_size",
+             val_local, f"validation runs through the stages in micro-batches of "
+             f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
+             "multiple of it")
+    later = [("training.datasets", [d.name for d in t.datasets], "a mixture's per-source losses"),
              ("model.attention_mask", config.model.attention_mask if config.model.attention_mask != "causal" else None,
               "block-causal attention (document ids through the stages)"),
              ("model.converters", list(config.model.converters) if float8 is not None else None, "float8"),
-             ("lora.enable", lora is not None, "LoRA"), ("training.dataset", "preference" if dpo else None, "DPO"),
-             ("compile.enable", config.compile.enable, "compiled blocks"),
+             ("training.dataset", "preference" if dpo else None, "DPO"),
+             ("checkpoint.last_save_in_hf", lora is not None and config.checkpoint.last_save_in_hf
+              and not config.lora.merge_on_export, "a PEFT adapter export (lora.merge_on_export = true writes the "
+              "merged model)"),
              ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
               if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
-             ("checkpoint.last_save_in_hf", config.checkpoint.last_save_in_hf, "a Hugging Face export"),
              ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
               p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their split backward beside FSDP2)")]
     for name, value, what in later:

@@ -234,13 +234,15 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
 
 
 def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
-                   loss_fn: LossFn) -> PipelineRunner | None:
-    """The schedule that runs this rank's pipeline stages (None without a pipeline)."""
+                   loss_fn: LossFn, forward_only: bool = False) -> PipelineRunner | None:
+    """The schedule that runs this rank's pipeline stages (None without a pipeline): training's,
+    or with ``forward_only`` validation's (its local batch)."""
     pipeline = plan.shape.pipeline
     if pipeline is None:
         return None
+    local = plan.val_local_batch_size if forward_only else config.training.local_batch_size
     return PipelineRunner(model, pipeline, pp_rank=mesh.pp_rank, group=mesh.pp_group, device=device,
-                          local_batch_size=config.training.local_batch_size, loss_fn=loss_fn)
+                          local_batch_size=local, loss_fn=loss_fn, forward_only=forward_only)
 
 
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
@@ -346,6 +348,11 @@ class Trainer:
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.pipeline = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
                                        loss_fn=self.loss_fn)
+        if self.pipeline is not None and self.validators:  # one forward-only schedule for every set
+            evaluation = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
+                                        loss_fn=token_loss_sum, forward_only=True)
+            for validator in self.validators.values():
+                validator.pipeline = evaluation
         self.preference = build_preference(config, plan, self.model, mesh=self.mesh, device=self.device,
                                            reshard_plan=self.reshard_plan)
         for validator in self.validators.values():

@@ -63,6 +63,7 @@ class Validator:
         self.group: Any = None  # the group its sums are reduced over (None: the default): data × context parallel
         self.context_parallel: Any = None  # with context parallel: each rank's share of every sequence
         self.preference: PreferenceStep | None = None  # DPO: how pairs are scored (and their reference)
+        self.pipeline: Any = None  # pipeline parallel: the forward-only schedule over the stages
         self.device = device
         wanted = len(windows) if steps == -1 else steps * global_batch_size
         self.num_windows = min(len(windows), wanted)
@@ -100,8 +101,11 @@ class Validator:
                 docs = None if docs is None else docs.to(self.device, non_blocking=True)
                 if (cp := self.context_parallel) is not None:
                     inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
-                logits = model(inputs) if docs is None else model(inputs, docs)
-                totals[0] += token_loss_sum(logits, labels).double()
+                if self.pipeline is not None:
+                    totals[0] += self.pipeline.evaluate(inputs, labels)
+                else:
+                    logits = model(inputs) if docs is None else model(inputs, docs)
+                    totals[0] += token_loss_sum(logits, labels).double()
                 totals[1] += (labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)

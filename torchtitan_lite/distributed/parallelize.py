@@ -15,6 +15,7 @@ compiled code).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -63,7 +64,12 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
             raise ValueError("parallelize: pipeline parallel needs the job's ParallelMesh (its pp dimension)")
         prune_to_stages(model, shape.pipeline, mesh.pp_rank)
     if shape.lora is not None:
-        shape.lora.apply(model)
+        lora = shape.lora
+        if shape.pipeline is not None:  # the linears of this rank's stages
+            present = dict(model.named_modules())
+            lora = dataclasses.replace(lora, linears=tuple(n for n in lora.linears if n in present),
+                                       experts=tuple(n for n in lora.experts if n in present))
+        lora.apply(model)
     units = spec.fsdp_units(model)
     if shape.float8 is not None:  # (before tensor parallel, which splits float8 linears its own way)
         shape.float8.apply(model, blocks=units["blocks"])
@@ -116,7 +122,10 @@ def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceM
     materialize(model, device, units=units, cpu_offload=fsdp.cpu_offload if fsdp is not None else False)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     if shape.pipeline is not None:  # the whole model's values for this rank's stages
-        init_stage_weights(model, spec.meta_model(args), buffer_device=device)
+        whole = spec.meta_model(args)
+        if shape.lora is not None:  # (its adapters draw too, after every base weight)
+            shape.lora.apply(whole)
+        init_stage_weights(model, whole, buffer_device=device)
     else:
         model.init_weights(buffer_device=device)
     return model

@@ -219,7 +219,10 @@ class PipelineRunner:
     loss (each micro-batch's ``loss_fn(logits, labels)`` times the step's scale) on the last stage."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, *, pp_rank: int, group: Any, device: torch.device,
-                 local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 forward_only: bool = False) -> None:
+        """``forward_only``: for validation (:meth:`evaluate`), GPipe's order (looped over the
+        rank's stages for several), whatever the training schedule."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -230,11 +233,11 @@ class PipelineRunner:
                        for layout in plan.rank_stages(pp_rank)]
         self.first = any(layout.first for layout in plan.rank_stages(pp_rank))
         self.last = any(layout.last for layout in plan.rank_stages(pp_rank))
-        schedule_cls = get_schedule_class(plan.schedule)
+        single = len(self.stages) == 1
+        name = ("GPipe" if single else "LoopedBFS") if forward_only else plan.schedule
         self.microbatches = plan.microbatches(local_batch_size)
         kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
-        single = plan.schedule in SINGLE_SCHEDULES
-        self.schedule = schedule_cls(self.stages[0] if single else self.stages, **kwargs)
+        self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
         self.device = device
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -248,6 +251,9 @@ class PipelineRunner:
         self.scale, self._sums = scale, []
         args = (inputs,) if self.first else ()
         self.schedule.step(*args, target=labels if self.last else None, return_outputs=False)
+        return self._total()
+
+    def _total(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         # The last stage's micro-batches, in order (at the first step, the schedule's inference of
         # the gradients' shapes calls the loss once before them, on placeholder values)
@@ -255,3 +261,11 @@ class PipelineRunner:
             total += part
         dist.all_reduce(total, group=self.group)
         return total
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This local batch's summed token loss, forward only (fp64, every pipeline rank)."""
+        self.scale, self._sums = 1.0, []
+        args = (inputs,) if self.first else ()
+        self.schedule.eval(*args, target=labels if self.last else None)
+        return self._total()
