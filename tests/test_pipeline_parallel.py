@@ -65,7 +65,8 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
     (["--parallelism.pipeline_parallel_schedule", "1f1b"], "parallelism.pipeline_parallel_schedule: invalid value "
                                                            "'1f1b'; expected one of"),
     (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
-      "4", "--validation.local_batch_size", "3"], "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
+      "4", "--validation.local_batch_size", "3"],
+     "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
     (["--model.attention_mask", "block_causal"], "model.attention_mask: invalid value 'block_causal'; pipeline "
                                                  "parallel (parallelism.pipeline_parallel_degree = 2) does not run "
                                                  "block-causal attention"),
