@@ -30,6 +30,9 @@ def test_a_model_splits_into_even_stages_with_the_embedding_and_output_counted()
     flat = pipeline_plan(n_layers=4, degree=2, schedule="GPipe", microbatch_size=2, local_batch_size=2,
                          first_less=0, last_less=0)
     assert _layers(flat) == [(("0", "1"), True, False), (("2", "3"), False, True)] and flat.microbatches(2) == 1
+    # A stage may hold only the embedding, or only the norm and output.
+    thin = pipeline_plan(n_layers=6, degree=4, schedule="Interleaved1F1B", microbatch_size=1, local_batch_size=4)
+    assert _layers(thin)[0] == ((), True, False) and _layers(thin)[-1] == ((), False, True)
     three = pipeline_plan(n_layers=10, degree=2, schedule="Interleaved1F1B", microbatch_size=1, local_batch_size=4,
                           layers_per_stage=2)
     assert len(three.stages) == 6 and [[s.index for s in three.rank_stages(r)] for r in range(2)] == [[0, 2, 4],
@@ -43,8 +46,9 @@ def test_a_model_splits_into_even_stages_with_the_embedding_and_output_counted()
                              "training.local_batch_size = 4"),
     ({"n_layers": 5}, "parallelism.pipeline_parallel_degree: invalid value 2; 5 blocks + 1 (embedding) + 1 (output) "
                       "= 7 layers do not split evenly into 2 stages"),
-    ({"degree": 4, "n_layers": 2}, "parallelism.pipeline_parallel_degree: invalid value 4; 4 stages of 1 layers "
-                                   "would leave the first or last stage without a block"),
+    ({"degree": 4, "n_layers": 3, "first_less": 2, "last_less": 3}, "parallelism.pipeline_parallel_degree: invalid "
+                                                                     "value 4; 4 stages of 2 layers cannot hold the "
+                                                                     "first stage's 2 and the last stage's 3"),
     ({"microbatch_size": 4}, "parallelism.pipeline_parallel_microbatch_size: invalid value 4; 1F1B needs at least "
                              "2 micro-batches"),
     ({"schedule": "Interleaved1F1B", "layers_per_stage": 3}, "parallelism.pipeline_parallel_layers_per_stage: "

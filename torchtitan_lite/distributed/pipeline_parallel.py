@@ -123,9 +123,10 @@ def pipeline_problem(*, n_layers: int, degree: int, schedule: str, microbatch_si
                 f"{stages} stages ({schedule}: {v} per rank); change pipeline_parallel_first_stage_less_layers / "
                 "last_stage_less_layers or the degree")
     per_stage = weight // stages
-    if per_stage <= max(first_less, last_less):
+    if per_stage < max(first_less, last_less) or (stages == 1 and per_stage < first_less + last_less):
         return (f"parallelism.pipeline_parallel_degree: invalid value {degree}; {stages} stages of {per_stage} "
-                f"layers would leave the first or last stage without a block")
+                f"layers cannot hold the first stage's {first_less} and the last stage's {last_less} (embedding, "
+                "output): lower first/last_stage_less_layers")
     microbatches = local_batch_size // microbatch_size
     if schedule not in ("GPipe",) and microbatches < degree:
         return (f"parallelism.pipeline_parallel_microbatch_size: invalid value {microbatch_size}; {schedule} needs "
