@@ -71,9 +71,6 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
     (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
       "4", "--validation.local_batch_size", "3"],
      "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
-    (["--model.attention_mask", "block_causal"], "model.attention_mask: invalid value 'block_causal'; pipeline "
-                                                 "parallel (parallelism.pipeline_parallel_degree = 2) does not run "
-                                                 "block-causal attention"),
     (["--model.name", "qwen3_moe"], "parallelism.pipeline_parallel_degree: invalid value 2; model 'qwen3_moe' does "
                                     "not split over pipeline ranks"),
     (["--model.name", "qwen3"], "parallelism.pipeline_parallel_degree: invalid value 2; qwen3 tiny ties its "
@@ -226,10 +223,12 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
 
 
 @pytest.mark.slow
-def test_chat_sft_with_masked_labels_at_pipeline_2_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mask", ["block_causal", "causal"])
+def test_chat_sft_with_masked_labels_at_pipeline_2_equals_one_process(tmp_path: Path, mask: str) -> None:
     """Chat SFT (Llama 3's template, the loss over the assistant turns only, from a Hugging Face
     folder), fp32, 3 steps: pipeline 2 at 2 ranks gives one process's losses within 1e-5, the
-    loss's scale (the global batch's counted labels) applied in every stage's micro-batches."""
+    loss's scale (the global batch's counted labels) applied in every stage's micro-batches, with
+    the packed conversations' document ids reaching every stage (block-causal) or not (causal)."""
     import json
 
     from tests.dist_utils import run_distributed
@@ -241,7 +240,7 @@ def test_chat_sft_with_masked_labels_at_pipeline_2_equals_one_process(tmp_path: 
     path = write_chat_tokenizer(tmp_path / "tokenizer", "llama3")
     hf_llama(tmp_path / "base", vocab_size=HFTokenizer(path).vocab_size)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
-    common = ["--model.attention_mask", "causal", "--training.steps", "3", "--training.local_batch_size", "2"]
+    common = ["--model.attention_mask", mask, "--training.steps", "3", "--training.local_batch_size", "2"]
     reference = run_distributed(_losses, 1, _argv(tmp_path, tmp_path / "one", *common))[0]
     staged = run_distributed(_losses, 2, _argv(tmp_path, tmp_path / "pp2", *common, _PP, "2"))[0]
     _close(staged, reference, "chat SFT at pp2")

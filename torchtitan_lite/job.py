@@ -432,8 +432,6 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
              "multiple of it")
     later = [("training.datasets", [d.name for d in t.datasets], "a mixture's per-source losses"),
-             ("model.attention_mask", config.model.attention_mask if config.model.attention_mask != "causal" else None,
-              "block-causal attention (document ids through the stages)"),
              ("model.converters", list(config.model.converters) if float8 is not None else None, "float8"),
              ("training.dataset", "preference" if dpo else None, "DPO"),
              ("checkpoint.last_save_in_hf", lora is not None and config.checkpoint.last_save_in_hf

@@ -409,7 +409,7 @@ class Trainer:
             if cp is not None:
                 inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
             if self.pipeline is not None:  # every stage's forward and backward, micro-batch by micro-batch
-                loss_sum[0] += self.pipeline.forward_backward(inputs, labels, scale=scale)
+                loss_sum[0] += self.pipeline.forward_backward(inputs, labels, scale=scale, documents=docs)
                 continue
             logits = self.model(inputs) if docs is None else self.model(inputs, docs)
             token_loss = self.loss_fn(logits, labels)

@@ -210,9 +210,22 @@ class StagePart(nn.Module):
             self.parts["norm"], self.parts["output"] = model.norm, model.output
         self.index = stage.index
         object.__setattr__(self, "_model", model)  # not a child: its other stages' parameters are not this one's
+        # Block-causal attention: each micro-batch's document ids, in the order the stage runs its
+        # forwards (every schedule runs a stage's micro-batches in order); set by the runner.
+        self.documents: list[torch.Tensor] | None = None
+        self.calls = 0
+        self.inferring = False  # the schedule's first forward infers shapes on placeholder values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model(x, stage=self.index)
+        if self.documents is None:
+            return self._model(x, stage=self.index)
+        if self.inferring:
+            self.inferring = False
+            docs = self.documents[0]
+        else:
+            docs = self.documents[self.calls]
+            self.calls += 1
+        return self._model(x, docs, stage=self.index)
 
 
 class PipelineRunner:
@@ -230,8 +243,8 @@ class PipelineRunner:
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
-        self.stages = [PipelineStage(StagePart(model, layout), layout.index, plan.num_stages, device, group=group)
-                       for layout in plan.rank_stages(pp_rank)]
+        self.parts = [StagePart(model, layout) for layout in plan.rank_stages(pp_rank)]
+        self.stages = [PipelineStage(part, part.index, plan.num_stages, device, group=group) for part in self.parts]
         self.first = any(layout.first for layout in plan.rank_stages(pp_rank))
         self.last = any(layout.last for layout in plan.rank_stages(pp_rank))
         single = len(self.stages) == 1
@@ -246,10 +259,21 @@ class PipelineRunner:
         self._sums.append(loss.detach().double())
         return loss * self.scale
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float) -> torch.Tensor:
+    def _documents(self, documents: torch.Tensor | None) -> None:
+        """Hand each stage the micro-batches' document ids (None: causal attention)."""
+        chunks = None if documents is None else list(documents.tensor_split(self.microbatches))
+        initialized = getattr(self.schedule, "_stage_forward_initialized",
+                              getattr(self.schedule, "_stages_forward_initialized", True))
+        for part in self.parts:
+            part.documents, part.calls, part.inferring = chunks, 0, chunks is not None and not initialized
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float,
+                         documents: torch.Tensor | None = None) -> torch.Tensor:
         """This local batch's summed token loss (fp64, detached), the same on every pipeline rank;
-        gradients of ``scale`` × that sum accumulate in the stages' parameters."""
+        gradients of ``scale`` × that sum accumulate in the stages' parameters. ``documents``:
+        its document ids (block-causal attention), which every stage's attention needs."""
         self.scale, self._sums = scale, []
+        self._documents(documents)
         args = (inputs,) if self.first else ()
         self.schedule.step(*args, target=labels if self.last else None, return_outputs=False)
         return self._total()
@@ -264,9 +288,11 @@ class PipelineRunner:
         return total
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """This local batch's summed token loss, forward only (fp64, every pipeline rank)."""
         self.scale, self._sums = 1.0, []
+        self._documents(documents)
         args = (inputs,) if self.first else ()
         self.schedule.eval(*args, target=labels if self.last else None)
         return self._total()
