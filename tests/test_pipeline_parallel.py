@@ -272,3 +272,26 @@ def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora
         run = run_distributed(_losses, ranks, [*common, _PP, "2", *extra, "--job.dump_folder",
                                                str(tmp_path / label.replace(" ", "_"))])[0]
         _close(run, expected, label)
+
+
+@pytest.mark.slow
+def test_a_mixture_at_pipeline_2_reports_each_sources_loss_as_one_process(tmp_path: Path) -> None:
+    """A mixture of two sources (3:1), fp32, 4 steps at pipeline 2 (2 ranks): the loss and each
+    source's loss (``loss/NAME``, from the last stage's micro-batches) equal one process's within
+    1e-5."""
+    from tests.dist_utils import run_distributed
+
+    (tmp_path / "job.toml").write_text(
+        '[[training.datasets]]\nname = "code"\ndataset = "python_stdlib"\nweight = 3\n\n'
+        '[[training.datasets]]\nname = "held_out"\ndataset = "python_stdlib_validation"\nweight = 1\n')
+    common = ["--job.config_file", str(tmp_path / "job.toml"), *TINY_ARGS, "--training.global_batch_size", "4",
+              "--training.local_batch_size", "4", "--metrics.no-enable_tensorboard"]
+    reference = run_distributed(_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    staged = run_distributed(_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])[0]
+    for ours, theirs in zip(staged, reference, strict=True):
+        for key in ("loss", "loss/code", "loss/held_out"):
+            if theirs[key] is None:
+                assert ours[key] is None, (key, ours, theirs)
+                continue
+            assert abs(ours[key] - theirs[key]) <= 1e-5, (key, ours, theirs)
+    assert any(r["loss/held_out"] is not None for r in reference)

@@ -409,7 +409,10 @@ class Trainer:
             if cp is not None:
                 inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
             if self.pipeline is not None:  # every stage's forward and backward, micro-batch by micro-batch
-                loss_sum[0] += self.pipeline.forward_backward(inputs, labels, scale=scale, documents=docs)
+                part = self.pipeline.forward_backward(inputs, labels, scale=scale, documents=docs,
+                                                      sources=None if sources is None else sources[i],
+                                                      num_sources=num_sources)
+                loss_sum += part if sources is not None else part[0]
                 continue
             logits = self.model(inputs) if docs is None else self.model(inputs, docs)
             token_loss = self.loss_fn(logits, labels)

@@ -102,7 +102,7 @@ class Validator:
                 if (cp := self.context_parallel) is not None:
                     inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
                 if self.pipeline is not None:
-                    totals[0] += self.pipeline.evaluate(inputs, labels, docs)
+                    totals[0] += self.pipeline.evaluate(inputs, labels, docs)[0]
                 else:
                     logits = model(inputs) if docs is None else model(inputs, docs)
                     totals[0] += token_loss_sum(logits, labels).double()

@@ -24,6 +24,7 @@ or the schedule; the last stage's sum goes to every pipeline rank.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +244,7 @@ class PipelineRunner:
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
+        self._sources = 0  # a mixture's sources (their losses follow the sum in each micro-batch's)
         self.parts = [StagePart(model, layout) for layout in plan.rank_stages(pp_rank)]
         self.stages = [PipelineStage(part, part.index, plan.num_stages, device, group=group) for part in self.parts]
         self.first = any(layout.first for layout in plan.rank_stages(pp_rank))
@@ -254,9 +256,24 @@ class PipelineRunner:
         self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
         self.device = device
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not self._sources:
+            loss = self.loss_fn(logits, target)
+            self._sums.append(loss.detach().double().reshape(1))
+            return loss * self.scale
+        # A mixture: the target's last column is each row's source; the loss of each source's
+        # rows (next to each other) is kept for the metrics, without gradient.
+        labels, sources = target[:, :-1], target[:, -1].tolist()
         loss = self.loss_fn(logits, labels)
-        self._sums.append(loss.detach().double())
+        sums = torch.zeros(1 + self._sources, dtype=torch.float64, device=logits.device)
+        sums[0] = loss.detach().double()
+        with torch.no_grad():
+            start = 0
+            for source, rows in itertools.groupby(sources):
+                count = len(list(rows))
+                sums[1 + source] += self.loss_fn(logits[start:start + count], labels[start:start + count]).double()
+                start += count
+        self._sums.append(sums)
         return loss * self.scale
 
     def _documents(self, documents: torch.Tensor | None) -> None:
@@ -268,18 +285,25 @@ class PipelineRunner:
             part.documents, part.calls, part.inferring = chunks, 0, chunks is not None and not initialized
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float,
-                         documents: torch.Tensor | None = None) -> torch.Tensor:
-        """This local batch's summed token loss (fp64, detached), the same on every pipeline rank;
-        gradients of ``scale`` × that sum accumulate in the stages' parameters. ``documents``:
-        its document ids (block-causal attention), which every stage's attention needs."""
+                         documents: torch.Tensor | None = None, sources: list[int] | None = None,
+                         num_sources: int = 0) -> torch.Tensor:
+        """This local batch's summed token loss (fp64, detached, shape ``(1,)``), the same on
+        every pipeline rank; gradients of ``scale`` × that sum accumulate in the stages'
+        parameters. ``documents``: its document ids (block-causal attention), which every
+        stage's attention needs. ``sources``: each row's source in a mixture of ``num_sources``
+        (rows of one source next to each other): the sum is then followed by each source's."""
         self.scale, self._sums = scale, []
+        self._sources = num_sources if sources is not None else 0
         self._documents(documents)
+        target = labels
+        if sources is not None:
+            target = torch.cat([labels, torch.tensor(sources, dtype=labels.dtype, device=labels.device)[:, None]], 1)
         args = (inputs,) if self.first else ()
-        self.schedule.step(*args, target=labels if self.last else None, return_outputs=False)
+        self.schedule.step(*args, target=target if self.last else None, return_outputs=False)
         return self._total()
 
     def _total(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros(1 + self._sources, dtype=torch.float64, device=self.device)
         # The last stage's micro-batches, in order (at the first step, the schedule's inference of
         # the gradients' shapes calls the loss once before them, on placeholder values)
         for part in self._sums[len(self._sums) - self.microbatches:] if self.last else ():
@@ -291,7 +315,7 @@ class PipelineRunner:
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """This local batch's summed token loss, forward only (fp64, every pipeline rank)."""
-        self.scale, self._sums = 1.0, []
+        self.scale, self._sums, self._sources = 1.0, [], 0
         self._documents(documents)
         args = (inputs,) if self.first else ()
         self.schedule.eval(*args, target=labels if self.last else None)
