@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import sys
@@ -41,6 +40,8 @@ def write_pairs(folder: Path, n: int) -> tuple[Path, Path]:
             fh.write(json.dumps({"prompt": prompt, "chosen": [{"role": "assistant", "content": _text(rng, 10, 120)}],
                                  "rejected": [{"role": "assistant", "content": _text(rng, 10, 120)}]}) + "\n")
     return pairs, tokenizer
+
+from bench_ranks import run_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: Any) -> None:
@@ -71,17 +72,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: An
 
 
 def _run(argv: list[str], ranks: int, steps: int) -> dict[str, float]:
-    from torchtitan_lite.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, ranks, port, argv, steps, out)) for r in range(ranks)]
-    for proc in procs:
-        proc.start()
-    results = [out.get(timeout=1200) for _ in procs]
-    for proc in procs:
-        proc.join()
+    results = run_ranks(_rank, ranks, argv, steps, timeout=1200)
     by_step = [max((rows[i] for _, rows in results), key=lambda r: r[0]) for i in range(steps - 2)]
     step_s = sum(r[0] for r in by_step) / len(by_step)
     reference_s = sum(r[1] for r in by_step) / len(by_step)

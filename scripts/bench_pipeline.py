@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -29,6 +28,9 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_ranks import run_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: Any) -> None:
@@ -64,17 +66,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: An
 
 
 def _run(argv: list[str], ranks: int, steps: int) -> dict[str, float]:
-    from torchtitan_lite.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, ranks, port, argv, steps, out)) for r in range(ranks)]
-    for proc in procs:
-        proc.start()
-    results = [out.get(timeout=1800) for _ in procs]
-    for proc in procs:
-        proc.join()
+    results = run_ranks(_rank, ranks, argv, steps, timeout=1800)
     measured = steps - 2
     step_s = sum(max(rows[i][0] for _, rows in results) for i in range(measured)) / measured
     idle = [rows[i][1] / rows[i][0] for _, rows in results for i in range(measured)]
