@@ -182,17 +182,21 @@ def _split_decoder(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> No
     def row(name: str, block: nn.Module, **kwargs: Any) -> Any:
         return _linear_style(block.get_submodule(name), Rowwise, Float8RowwiseParallel, **kwargs)
 
-    parallelize_module(model, tp_mesh, {
+    outer = {
         "tok_embeddings": Rowwise(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": Colwise(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                           use_local_output=not loss_parallel),
-    })
+    }
+    # (a pipeline stage may lack the embedding, or the norm and output)
+    parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
+                                        if getattr(model, name) is not None})
     # The embedding's output (this rank's positions) is a view into a DTensor's local tensor; a
     # compiled block given such a view as its input returns no gradient for it (AOTAutograd
     # replays the view from its base, which autograd does not connect to the embedding): the
     # residual stream starts from a copy (one activation of seq / tp positions).
-    model.tok_embeddings.register_forward_hook(_own_copy)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_own_copy)
     if model.args.tie_word_embeddings:
         # Both split the one weight by vocabulary rows (Shard(0)): tie the split copies again.
         model.output.weight = model.tok_embeddings.weight
