@@ -508,7 +508,8 @@ class Trainer:
                 count = self.loader.batch_counts[i] * seq_len if counted is None else int(counted[1 + i])
                 values[f"tokens/{name}"] = float(tokens)
                 values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
-        return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
+        # (a pipeline rank runs its stages, 1 / degree of the model, over its tokens: tps and MFU per rank)
+        return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank) / self.plan.dims.pp}
 
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off): the one
