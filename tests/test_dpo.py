@@ -347,7 +347,7 @@ def _dpo_argv(tmp_path: Path, family: str, pairs: Path, *extra: str) -> list[str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=pytest.mark.scenario)])
 def test_two_ranks_first_step_is_ln_2_and_equals_trl(tmp_path: Path, family: str) -> None:
     """2 ranks, fp32, a full fine-tune from a Hugging Face folder with a frozen sharded copy of it
     as the reference: the first step's sigmoid loss is ln 2 (to 1e-6), every reward 0, and for

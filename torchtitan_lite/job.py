@@ -440,6 +440,15 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
               if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
              ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
               p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their split backward beside FSDP2)")]
+    if lora is not None:
+        plan = pipeline_plan(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
+                             microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
+                             layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                             first_less=p.pipeline_parallel_first_stage_less_layers,
+                             last_less=p.pipeline_parallel_last_stage_less_layers)
+        _require(all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage needs a block "
+                 "to adapt (a stage of only the embedding or the output would train nothing): lower "
+                 "pipeline_parallel_first/last_stage_less_layers or the degree")
     for name, value, what in later:
         _require(not value, name, value, f"pipeline parallel ({key} = {dims.pp}) does not run {what} yet; "
                  "expected it off, or a degree of 1")

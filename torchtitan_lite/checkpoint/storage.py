@@ -374,8 +374,8 @@ class CheckpointStorage:
                 # Only when it is loaded: building the optimizer's state dict creates its state (a
                 # zero-lr step that counts as Adam's first), which a fresh optimizer must not have.
                 # Checkpoints before flattened optimizer states hold its parameter groups as one list.
-                optimizer_options = StateDictOptions(
-                    flatten_optimizer_state_dict="optimizer.param_groups" not in metadata.state_dict_metadata)
+                nested = any(re.match(r"optimizer\.param_groups\.\d+\.", key) for key in metadata.state_dict_metadata)
+                optimizer_options = StateDictOptions(flatten_optimizer_state_dict=not nested)
                 to_load["optimizer"] = plain_state(get_optimizer_state_dict(self.model, self.optimizer,
                                                                             options=optimizer_options))
             check_files(path, metadata.storage_data)

@@ -213,10 +213,13 @@ TORCHTITAN_KEYS: tuple[TorchTitanKey, ...] = (
     _off("parallelism.enable_compiled_autograd", bool, (V,), _in(False), "compiled autograd"),
     # [experimental] (before v0.1.0 it held the parallelisms still being built)
     _alias("experimental.pipeline_parallel_degree", int, (E,), "parallelism.pipeline_parallel_degree"),
-    _off("experimental.pipeline_parallel_split_points", list[str], (E,), _any, "", "used only with " + _PP),
+    _off("experimental.pipeline_parallel_split_points", list[str], (E,), _empty,
+         "pipeline split points by module name (parallelism.pipeline_parallel_layers_per_stage and "
+         "first/last_stage_less_layers split the model here)"),
     _alias("experimental.pipeline_parallel_schedule", str, (E,), "parallelism.pipeline_parallel_schedule"),
-    _off("experimental.pipeline_parallel_schedule_csv", str, (E,), _any, "", "used only with " + _PP),
-    _off("experimental.pipeline_parallel_microbatches", int | None, (E,), _any, "", "used only with " + _PP),
+    _off("experimental.pipeline_parallel_schedule_csv", str, (E,), _empty, "pipeline schedules read from a CSV file"),
+    _off("experimental.pipeline_parallel_microbatches", int | None, (E,), _empty,
+         "a pipeline micro-batch count (parallelism.pipeline_parallel_microbatch_size sets their rows here)"),
     _alias("experimental.context_parallel_degree", int, (E,), "parallelism.context_parallel_degree"),
     _alias("experimental.context_parallel_rotate_method", str, (E,), "parallelism.context_parallel_method",
            value=_rotated,

@@ -428,6 +428,10 @@ def estimate_here(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate
 
 
 def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate:
+    if shape.pipeline is not None:
+        raise ValueError(f"parallelism.pipeline_parallel_degree: invalid value {shape.pipeline.degree}; the memory "
+                         "estimate does not model pipeline stages yet (each rank's stages and its micro-batches in "
+                         "flight): expected 1 for an estimate")
     world_size, dp_replicate, local_batch_size = shape.world_size, shape.dp_replicate, shape.local_batch_size
     seq_len, grad_accum_steps, cpu_offload = shape.seq_len, shape.grad_accum_steps, shape.cpu_offload
     optimizer, optimizer_implementation = shape.optimizer, shape.optimizer_implementation
