@@ -317,3 +317,15 @@ def refused_lines(argv: list[str], capsys: Any) -> list[str]:
     assert train.main(argv) == 2
     assert not dist.is_initialized()
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def train_history(argv: list[str]) -> list[dict[str, Any]]:
+    """A rank's job: the trainer of ``argv`` trained to its last step; every step's metrics."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

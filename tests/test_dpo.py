@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.dist_utils import train_history
 from tests.test_data_chat import write_chat_tokenizer
 from torchtitan_lite.data import HFTokenizer
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
@@ -307,17 +308,6 @@ def test_a_dpo_step_equals_trls_dpo_trainer(tmp_path: Path, family: str) -> None
         assert accuracy == pytest.approx(metrics["rewards/accuracies"]) and metrics["rewards/chosen"] != 0
 
 
-def _dpo_rank(argv: list[str]) -> list[dict[str, Any]]:
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.trainer import Trainer
-
-    trainer = Trainer(load_job_config(argv))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-
-
 def _dpo_rank_logits(argv: list[str], tokens: torch.Tensor) -> tuple[list[dict[str, Any]], torch.Tensor]:
     """Train; the history and the trained model's logits of ``tokens``."""
     from torchtitan_lite.config import load_job_config
@@ -368,7 +358,7 @@ def test_two_ranks_first_step_is_ln_2_and_equals_trl(tmp_path: Path, family: str
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "policy"))
     for loss_type in ("sigmoid", "ipo", "hinge"):
-        (first, *_), *_ = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, family, pairs, "--dpo.loss_type",
+        (first, *_), *_ = run_distributed(train_history, 2, _dpo_argv(tmp_path, family, pairs, "--dpo.loss_type",
                                                                   loss_type, "--job.dump_folder",
                                                                   str(tmp_path / loss_type)))
         if loss_type == "sigmoid":
@@ -415,7 +405,7 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
     steps = ["--training.steps", "40", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
              "--training.local_batch_size", "4", "--training.global_batch_size", "8", "--training.shuffle",
              "--checkpoint.enable", "--checkpoint.interval", "20"]
-    whole = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *steps))[0]
+    whole = run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *steps))[0]
     accuracy = [r["dpo/accuracy"] for r in whole]
     assert max(accuracy[:2]) <= 0.5 and sum(accuracy[-5:]) / 5 > 0.9, accuracy
     assert sum(r["loss"] for r in whole[-5:]) < sum(r["loss"] for r in whole[:5]) - 1.0, [r["loss"] for r in whole]
@@ -424,7 +414,7 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
     import shutil
 
     shutil.copytree(tmp_path / "dump" / "checkpoint" / "step-20", resumed_dump / "checkpoint" / "step-20")
-    resumed = run_distributed(_dpo_rank, 2, [*_dpo_argv(tmp_path, "llama3", pairs, *steps),
+    resumed = run_distributed(train_history, 2, [*_dpo_argv(tmp_path, "llama3", pairs, *steps),
                                              "--job.dump_folder", str(resumed_dump)])[0]
     assert [r["step"] for r in resumed] == list(range(21, 41))
     for a, b in zip(resumed, whole[20:], strict=True):
@@ -437,7 +427,7 @@ def test_dpo_learns_resumes_exactly_and_lora_adapters_off_is_a_frozen_copy(tmp_p
     off, trained = run_distributed(_dpo_rank_logits, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, *export,
                                                                  "--job.dump_folder", str(tmp_path / "off")),
                                    tokens)[0]
-    copy = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, "--dpo.reference", "copy",
+    copy = run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora, "--dpo.reference", "copy",
                                                    "--job.dump_folder", str(tmp_path / "copy")))[0]
     assert off[-1]["dpo/margin"] != 0
     for a, b in zip(off, copy, strict=True):
@@ -460,7 +450,7 @@ def _dpo_rank_offline_wandb(argv: list[str], folder: str) -> list[dict[str, Any]
     import os
 
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=folder)
-    return _dpo_rank(argv)
+    return train_history(argv)
 
 
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
@@ -486,7 +476,7 @@ def test_a_dpo_mixture_validates_as_trl_evaluates_and_exports_a_hugging_face_fol
     _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
     (tmp_path / "rules.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(24)))
     # The starting weights as a DCP checkpoint of this project's (an SFT run's save, say): one step at lr 1e-30.
-    run_distributed(_dpo_rank, 2, [*_dpo_argv(tmp_path, "llama3", tmp_path / "rules.jsonl"), "--optimizer.lr",
+    run_distributed(train_history, 2, [*_dpo_argv(tmp_path, "llama3", tmp_path / "rules.jsonl"), "--optimizer.lr",
                                    "1e-30", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "sft")])
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL[:3] * 2))
     val_rows = [*_rule_pairs(27)[24:], *CONVERSATIONAL[:2]]
@@ -642,7 +632,7 @@ def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_pa
         # between the estimates of always (5.02 MiB) and never (5.65 MiB): auto checkpoints one block
         "auto": ["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "0.0052"],
     }
-    runs = {name: run_distributed(_dpo_rank, 4, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
+    runs = {name: run_distributed(train_history, 4, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
                                                             "--job.dump_folder", str(tmp_path / name)))[0]
             for name, extra in layouts.items() if name != "dp2xtp2"}
     first = runs["fsdp4"]
@@ -652,9 +642,10 @@ def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_pa
             for key in ("loss", "grad_norm", "dpo/margin", "dpo/rewards_chosen"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (name, key, a, b)
     # Tensor parallel 2 reads half the pairs a step (data parallel 2): against FSDP over 2 ranks.
-    two = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *common, "--training.global_batch_size",
-                                                  "4", "--job.dump_folder", str(tmp_path / "fsdp2")))[0]
-    tp = run_distributed(_dpo_rank, 4, _dpo_argv(tmp_path, "llama3", pairs, *common, *layouts["dp2xtp2"],
+    two = run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *common,
+                                                      "--training.global_batch_size", "4",
+                                                      "--job.dump_folder", str(tmp_path / "fsdp2")))[0]
+    tp = run_distributed(train_history, 4, _dpo_argv(tmp_path, "llama3", pairs, *common, *layouts["dp2xtp2"],
                                                  "--job.dump_folder", str(tmp_path / "dp2xtp2")))[0]
     for a, b in zip(tp, two, strict=True):
         for key in ("loss", "grad_norm", "dpo/margin"):
@@ -684,7 +675,7 @@ def test_lora_first_step_with_adapters_off_equals_trl_on_a_peft_model(tmp_path: 
     lora = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "1e-30",
             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
             "--checkpoint.last_save_in_hf", "--training.seq_len", "64"]
-    (first, *_), *_ = run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora))
+    (first, *_), *_ = run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora))
     adapters = tmp_path / "dump" / "checkpoint" / "step-1"
     assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["grad_norm"] > 0
 
@@ -717,7 +708,7 @@ def test_dpo_compiled_and_in_bf16(tmp_path: Path) -> None:
     pairs.write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(8)))
     common = ["--training.steps", "3", "--training.seq_len", "64", "--optimizer.lr", "1e-2"]
     lora = ["--lora.enable", "--lora.rank", "4"]
-    runs = {name: run_distributed(_dpo_rank, 2, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
+    runs = {name: run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *common, *extra,
                                                             "--job.dump_folder", str(tmp_path / name)))[0]
             for name, extra in {"eager": [], "compiled": ["--compile.enable"], "lora": lora,
                                 "lora_compiled": [*lora, "--compile.enable"],

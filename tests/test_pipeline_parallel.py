@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY_ARGS
+from tests.dist_utils import train_history
 from torchtitan_lite.distributed.pipeline_parallel import pipeline_plan, pipeline_problem
 
 
@@ -131,17 +132,6 @@ _PP = "--parallelism.pipeline_parallel_degree"
 _SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 
 
-def _history(argv: list[str]) -> list[dict[str, Any]]:
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.trainer import Trainer
-
-    trainer = Trainer(load_job_config(argv))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-
-
 @pytest.mark.slow
 def test_two_stages_train_and_validate_as_one_process_does(tmp_path: Path) -> None:
     """fp32, 6 steps of the tiny Llama: pipeline 2 with 1F1B (2 ranks) gives one process's losses
@@ -151,8 +141,8 @@ def test_two_stages_train_and_validate_as_one_process_does(tmp_path: Path) -> No
 
     common = [*TINY_ARGS, "--training.steps", "6", "--metrics.no-enable_tensorboard", "--validation.enable",
               "--validation.freq", "3", "--validation.steps", "2", "--validation.local_batch_size", "3"]
-    reference = run_distributed(_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
-    runs = run_distributed(_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])
+    reference = run_distributed(train_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    runs = run_distributed(train_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])
     assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]]  # every pipeline rank reports the loss
     _close([(r["loss"], r["grad_norm"]) for r in runs[0]], [(r["loss"], r["grad_norm"]) for r in reference], "pp2")
     validated = [(r["step"], r["validation_loss"]) for r in runs[0] if r.get("validation_loss") is not None]
@@ -286,8 +276,8 @@ def test_a_mixture_at_pipeline_2_reports_each_sources_loss_as_one_process(tmp_pa
         '[[training.datasets]]\nname = "held_out"\ndataset = "python_stdlib_validation"\nweight = 1\n')
     common = ["--job.config_file", str(tmp_path / "job.toml"), *TINY_ARGS, "--training.global_batch_size", "4",
               "--training.local_batch_size", "4", "--metrics.no-enable_tensorboard"]
-    reference = run_distributed(_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
-    staged = run_distributed(_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])[0]
+    reference = run_distributed(train_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    staged = run_distributed(train_history, 2, [*common, _PP, "2", "--job.dump_folder", str(tmp_path / "pp2")])[0]
     for ours, theirs in zip(staged, reference, strict=True):
         for key in ("loss", "loss/code", "loss/held_out"):
             if theirs[key] is None:

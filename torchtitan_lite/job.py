@@ -38,7 +38,7 @@ from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_
 from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
-from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan, pipeline_problem
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan
 from torchtitan_lite.dpo import DPOSetup
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import ConfigError, DataError, UserError
@@ -414,13 +414,14 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
     if dims.pp == 1:
         return None
     key = "parallelism.pipeline_parallel_degree"
-    problem = pipeline_problem(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
-                               microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
-                               layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                               first_less=p.pipeline_parallel_first_stage_less_layers,
-                               last_less=p.pipeline_parallel_last_stage_less_layers)
-    if problem is not None:
-        raise ConfigError(problem)
+    try:  # (its ValueError: one line naming the key)
+        plan = pipeline_plan(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
+                             microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
+                             layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                             first_less=p.pipeline_parallel_first_stage_less_layers,
+                             last_less=p.pipeline_parallel_last_stage_less_layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _require(not getattr(model_args, "tie_word_embeddings", False), key, dims.pp,
              f"{config.model.name} {config.model.flavor} ties its embedding to the output projection, which would "
              "sit on the first and the last stage: expected 1 for it")
@@ -440,23 +441,13 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
               if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
              ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
               p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their split backward beside FSDP2)")]
-    if lora is not None:
-        plan = pipeline_plan(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
-                             microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
-                             layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                             first_less=p.pipeline_parallel_first_stage_less_layers,
-                             last_less=p.pipeline_parallel_last_stage_less_layers)
-        _require(all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage needs a block "
-                 "to adapt (a stage of only the embedding or the output would train nothing): lower "
-                 "pipeline_parallel_first/last_stage_less_layers or the degree")
+    _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
+             "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
+             "pipeline_parallel_first/last_stage_less_layers or the degree")
     for name, value, what in later:
         _require(not value, name, value, f"pipeline parallel ({key} = {dims.pp}) does not run {what} yet; "
                  "expected it off, or a degree of 1")
-    return pipeline_plan(n_layers=model_args.n_layers, degree=dims.pp, schedule=p.pipeline_parallel_schedule,
-                         microbatch_size=p.pipeline_parallel_microbatch_size, local_batch_size=t.local_batch_size,
-                         layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                         first_less=p.pipeline_parallel_first_stage_less_layers,
-                         last_less=p.pipeline_parallel_last_stage_less_layers)
+    return plan
 
 
 def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:
