@@ -653,11 +653,13 @@ def test_dpo_under_tensor_parallel_hsdp_checkpointing_and_offload_equals_data_pa
 
 
 @pytest.mark.slow
-def test_lora_first_step_with_adapters_off_equals_trl_on_a_peft_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=pytest.mark.scenario)])
+def test_lora_first_step_with_adapters_off_equals_trl_on_a_peft_model(tmp_path: Path, family: str) -> None:
     """2 ranks, fp32, LoRA (rank 4 on the attention's linears) with the adapters switched off as
-    the reference: our first step's loss and gradient norm equal TRL's DPOTrainer on a PEFT model
-    holding the same adapters (PEFT's reference: the adapters disabled) within 1e-5. The adapters
-    are ours at their init: a one-step run at learning rate 1e-30 exports them as a PEFT folder."""
+    the reference: our first step's loss, rewards and gradient norm equal TRL's DPOTrainer on a PEFT
+    model holding the same adapters (PEFT's reference: the adapters disabled) within 1e-5, for
+    sigmoid, IPO and hinge. The adapters are ours at their init: a one-step run at learning rate
+    1e-30 exports them as a PEFT folder."""
     import json
 
     import peft
@@ -667,29 +669,34 @@ def test_lora_first_step_with_adapters_off_equals_trl_on_a_peft_model(tmp_path: 
 
     from tests.dist_utils import run_distributed
 
-    write_chat_tokenizer(tmp_path / "tok", "llama3")
-    _hf_folder(tmp_path / "policy", "llama3", 7, tmp_path / "tok")
+    write_chat_tokenizer(tmp_path / "tok", family)
+    _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
     rows = _rule_pairs(4)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lora = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "1e-30",
             "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
             "--checkpoint.last_save_in_hf", "--training.seq_len", "64"]
-    (first, *_), *_ = run_distributed(train_history, 2, _dpo_argv(tmp_path, "llama3", pairs, *lora))
-    adapters = tmp_path / "dump" / "checkpoint" / "step-1"
-    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["grad_norm"] > 0
-
-    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(adapters), is_trainable=True)
-    config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, beta=0.1, max_length=65,
-                       report_to=[], use_cpu=True, bf16=False)
-    trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=Dataset.from_list(rows),
-                         processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "policy")))
-    loss = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad], 1e9)
-    assert abs(first["loss"] - loss.item()) <= 1e-5
-    assert abs(first["grad_norm"] - norm.item()) <= 1e-5 * norm.item(), (first["grad_norm"], norm.item())
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        dump = tmp_path / loss_type
+        (first, *_), *_ = run_distributed(train_history, 2, _dpo_argv(tmp_path, family, pairs, *lora, "--dpo.loss_type",
+                                                                       loss_type, "--job.dump_folder", str(dump)))
+        if loss_type == "sigmoid":
+            assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["grad_norm"] > 0
+        base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
+        model = peft.PeftModel.from_pretrained(base, str(dump / "checkpoint" / "step-1"), is_trainable=True)
+        config = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, beta=0.1, max_length=65,
+                           loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False)
+        trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=Dataset.from_list(rows),
+                             processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "policy")))
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for p in trainer.model.parameters() if p.requires_grad], 1e9)
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        assert abs(first["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (loss_type, first, loss)
+        assert abs(first["grad_norm"] - norm.item()) <= 1e-5 * norm.item(), (loss_type, first["grad_norm"], norm)
+        for ours, theirs in (("dpo/rewards_chosen", "rewards/chosen"), ("dpo/rewards_rejected", "rewards/rejected")):
+            assert abs(first[ours] - metrics[theirs]) <= 1e-5, (loss_type, ours, first, metrics)
 
 
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
