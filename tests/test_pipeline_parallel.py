@@ -72,8 +72,9 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
     (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
       "4", "--validation.local_batch_size", "3"],
      "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
-    (["--model.name", "qwen3_moe"], "parallelism.pipeline_parallel_degree: invalid value 2; model 'qwen3_moe' does "
-                                    "not split over pipeline ranks"),
+    (["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
+     "parallelism.pipeline_parallel_degree: invalid value 2; pipeline parallel is not combined with "
+     "parallelism.expert_parallel_degree > 1 yet"),
     (["--model.name", "qwen3"], "parallelism.pipeline_parallel_degree: invalid value 2; qwen3 tiny ties its "
                                 "embedding to the output projection"),
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--model.flavor", "debugmodel",
@@ -262,6 +263,71 @@ def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora
         run = run_distributed(_losses, ranks, [*common, _PP, "2", *extra, "--job.dump_folder",
                                                str(tmp_path / label.replace(" ", "_"))])[0]
         _close(run, expected, label)
+
+
+def _moe_argv(model: str, dump: Path, local_batch_size: int, *extra: str) -> list[str]:
+    return ["--model.name", model, "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "10",
+            "--training.global_batch_size", "8", "--training.local_batch_size", str(local_batch_size),
+            "--training.no-shuffle", "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps",
+            "2", "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard", "--validation.no-enable",
+            "--moe.aux_loss_coef", "0.1", "--job.dump_folder", str(dump), *extra]
+
+
+def _same_moe_history(run: list[dict[str, Any]], reference: list[dict[str, Any]], label: str) -> None:
+    """Losses, router losses and every layer's load within 1e-5; gradient norms within 1e-4."""
+    _close([(r["loss"], r["grad_norm"]) for r in run], [(r["loss"], r["grad_norm"]) for r in reference], label)
+    for ours, theirs in zip(run, reference, strict=True):
+        keys = {key for key in theirs if key.startswith("moe/")}
+        assert keys == {key for key in ours if key.startswith("moe/")} and "moe/aux_loss" in keys, (label, keys)
+        for key in keys:
+            assert abs(ours[key] - theirs[key]) <= 1e-5 * max(1.0, abs(theirs[key])), (label, key, ours, theirs)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: Path) -> None:
+    """fp32, 10 steps, global batch 8 in micro-batches of 2 rows (the load-balancing loss is one
+    over each global micro-batch, so the reference accumulates the same micro-batches).
+
+    Tiny Qwen3-MoE (2 MoE blocks, softmax router, aux 0.1, z-loss 0.01): pipeline 4 with 1F1B,
+    pipeline 2 with Interleaved1F1B and full checkpointing give one process's losses, aux and z
+    losses and every layer's load within 1e-5; data parallel 2 × pipeline 2 those of data
+    parallel 2. Tiny DeepSeek-V3 (a dense block, then 2 MoE blocks of a sigmoid router with bias
+    balancing 0.01, aux 0.1): pipeline 4 with 1F1B, whose first and last stages hold no MoE layer,
+    and pipeline 2 with GPipe, whose checkpoint at step 5 (each stage's router biases) resumes in
+    one process with the later steps of the run that never stopped."""
+    from tests.dist_utils import run_distributed
+
+    qwen = ["--moe.z_loss_coef", "0.01"]
+    reference = run_distributed(train_history, 1, _moe_argv("qwen3_moe", tmp_path / "q1", 2, *qwen))[0]
+    data_parallel = run_distributed(train_history, 2, _moe_argv("qwen3_moe", tmp_path / "qdp2", 2, *qwen))[0]
+    stages = [_PP, "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+    cases = {
+        "Qwen3-MoE pp4 1F1B": (4, _moe_argv("qwen3_moe", tmp_path / "q4", 8, *qwen, _PP, "4",
+                                            "--parallelism.pipeline_parallel_microbatch_size", "2"), reference),
+        "Qwen3-MoE pp2 Interleaved1F1B, full AC": (2, _moe_argv("qwen3_moe", tmp_path / "qi", 8, *qwen, *stages,
+                                                                _SCHEDULE, "Interleaved1F1B",
+                                                                "--activation_checkpoint.mode", "full"), reference),
+        "Qwen3-MoE dp2 x pp2": (4, _moe_argv("qwen3_moe", tmp_path / "qdp2pp2", 4, *qwen, *stages), data_parallel),
+    }
+    for label, (ranks, argv, expected) in cases.items():
+        runs = run_distributed(train_history, ranks, argv)
+        assert all([r["loss"] for r in run] == [r["loss"] for r in runs[0]] for run in runs), label
+        _same_moe_history(runs[0], expected, label)
+
+    deepseek = ["--moe.bias_update_rate", "0.01", "--parallelism.pipeline_parallel_first_stage_less_layers", "0"]
+    reference = run_distributed(train_history, 1, _moe_argv("deepseek_v3", tmp_path / "d1", 2, *deepseek))[0]
+    four = run_distributed(train_history, 4, _moe_argv("deepseek_v3", tmp_path / "d4", 8, *deepseek, _PP, "4",
+                                                       "--parallelism.pipeline_parallel_microbatch_size", "2"))[0]
+    _same_moe_history(four, reference, "DeepSeek-V3 pp4 1F1B")
+    saved = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    two = run_distributed(train_history, 2, _moe_argv("deepseek_v3", tmp_path / "d2", 8, *deepseek, *stages,
+                                                      _SCHEDULE, "GPipe", *saved))[0]
+    _same_moe_history(two, reference, "DeepSeek-V3 pp2 GPipe")
+    shutil.copytree(tmp_path / "d2" / "checkpoint" / "step-5", tmp_path / "resumed" / "checkpoint" / "step-5")
+    resumed = run_distributed(train_history, 1, _moe_argv("deepseek_v3", tmp_path / "resumed", 2, *deepseek,
+                                                          *saved))[0]
+    _same_moe_history(resumed, reference[5:], "DeepSeek-V3 pp2 resumed in one process")
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
-from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight
+from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight, moe_layers
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.startup_log import log_startup
 from torchtitan_lite.stop_signals import StopSignals
@@ -234,33 +234,41 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
 
 
 def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
-                   loss_fn: LossFn, forward_only: bool = False) -> PipelineRunner | None:
+                   loss_fn: LossFn, forward_only: bool = False,
+                   balance: RouterBalance | None = None) -> PipelineRunner | None:
     """The schedule that runs this rank's pipeline stages (None without a pipeline): training's,
-    or with ``forward_only`` validation's (its local batch)."""
+    or with ``forward_only`` validation's (its local batch). ``balance``: a mixture of experts'
+    router losses (:func:`build_router_balance`), which training's last stage adds."""
     pipeline = plan.shape.pipeline
     if pipeline is None:
         return None
     local = plan.val_local_batch_size if forward_only else config.training.local_batch_size
     return PipelineRunner(model, pipeline, pp_rank=mesh.pp_rank, group=mesh.pp_group, device=device,
-                          local_batch_size=local, loss_fn=loss_fn, forward_only=forward_only)
+                          local_batch_size=local, loss_fn=loss_fn, forward_only=forward_only, balance=balance)
 
 
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
                          mesh: ParallelMesh) -> RouterBalance | None:
     """The router losses, load metrics and bias balancing of a mixture-of-experts model
     (``[moe]``; the load-balancing loss's weight defaults to the model's
-    ``router_aux_loss_coef``); None for a dense model."""
+    ``router_aux_loss_coef``); None for a dense model. With pipeline parallel, over the MoE
+    layers of every stage (this rank's run here)."""
     if not getattr(plan.model_args, "num_experts", 0):
         return None
     e = config.moe
-    return RouterBalance(
+    names = None if plan.shape.pipeline is None else list(moe_layers(plan.spec.meta_model(plan.model_args)))
+    balance = RouterBalance(
         model,
         aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args),
         z_loss_coef=e.z_loss_coef,
         bias_update_rate=e.bias_update_rate,
         group=mesh.tokens,
         dp_size=plan.token_ranks,
+        names=names,
+        pipeline_group=mesh.pp_group,
     )
+    balance.set_num_experts(plan.model_args.num_experts)
+    return balance
 
 
 def build_optimizers(config: JobConfig, plan: JobPlan,
@@ -347,7 +355,7 @@ class Trainer:
             validator.context_parallel = self.context_parallel
         self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
         self.pipeline = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
-                                       loss_fn=self.loss_fn)
+                                       loss_fn=self.loss_fn, balance=self.router_balance)
         if self.pipeline is not None and self.validators:  # one forward-only schedule for every set
             evaluation = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
                                         loss_fn=token_loss_sum, forward_only=True)
@@ -411,7 +419,7 @@ class Trainer:
             if self.pipeline is not None:  # every stage's forward and backward, micro-batch by micro-batch
                 part = self.pipeline.forward_backward(inputs, labels, scale=scale, documents=docs,
                                                       sources=None if sources is None else sources[i],
-                                                      num_sources=num_sources)
+                                                      num_sources=num_sources, accumulation=len(micro_batches))
                 loss_sum += part if sources is not None else part[0]
                 continue
             logits = self.model(inputs) if docs is None else self.model(inputs, docs)
@@ -499,7 +507,7 @@ class Trainer:
         global_tokens = tokens_this_rank * self.plan.token_ranks
         values = self.optimizer_step(loss_sum, global_tokens if counted is None else max(int(counted[0]), 1))
         if self.router_balance is not None:
-            values.update(self.router_balance.finish_step(update_bias=not values["skipped"]))
+            values.update(self.router_balance.finish_step(update_bias=not values["skipped"], device=self.device))
         self.step += 1
         self.tokens_seen += global_tokens
         if sources is not None:  # per source: its tokens so far, and this step's mean loss over its samples

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.models.moe.balance import RouterBalance
+
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart", "init_stage_weights",
            "pipeline_plan", "pipeline_problem", "prune_to_stages"]
 
@@ -200,9 +202,13 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
 class StagePart(nn.Module):
     """One stage of a rank's pruned model, for :class:`torch.distributed.pipelining.PipelineStage`:
     its modules (shared with the model, so ``parameters()`` are the stage's) and a forward that
-    runs the model for this stage (through the model's own call, so FSDP's hooks run)."""
+    runs the model for this stage (through the model's own call, so FSDP's hooks run).
 
-    def __init__(self, model: nn.Module, stage: StageLayout) -> None:
+    With a mixture of experts in training (``balance``), a stage's forward also takes and returns
+    the micro-batch's routing so far (:meth:`RouterBalance.routing_state`) beside the hidden
+    states, its MoE layers' added: the last stage's loss reads every layer's."""
+
+    def __init__(self, model: nn.Module, stage: StageLayout, balance: RouterBalance | None = None) -> None:
         super().__init__()
         self.parts = nn.ModuleDict({f"layer_{key}": model.layers[key] for key in stage.layers})
         if stage.first:
@@ -216,17 +222,25 @@ class StagePart(nn.Module):
         self.documents: list[torch.Tensor] | None = None
         self.calls = 0
         self.inferring = False  # the schedule's first forward infers shapes on placeholder values
+        self.inferred = False  # whether the last forward was that one
+        self.balance = balance
+        prefixes = tuple(f"layers.{key}." for key in stage.layers)
+        self.moe_names = [] if balance is None else [name for name in balance.layers if name.startswith(prefixes)]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> Any:
+        self.inferred, self.inferring = self.inferring, False
         if self.documents is None:
-            return self._model(x, stage=self.index)
-        if self.inferring:
-            self.inferring = False
-            docs = self.documents[0]
+            out = self._model(x, stage=self.index)
         else:
-            docs = self.documents[self.calls]
-            self.calls += 1
-        return self._model(x, docs, stage=self.index)
+            docs = self.documents[0 if self.inferred else self.calls]
+            self.calls += 0 if self.inferred else 1
+            out = self._model(x, docs, stage=self.index)
+        if self.balance is None:
+            return out
+        routing = self.balance.routing_state(self.moe_names, routing, device=out.device, record=not self.inferred)
+        if torch.is_grad_enabled() and not routing.requires_grad:  # (the schedule sends every output's gradient)
+            routing.requires_grad_()
+        return out, routing
 
 
 class PipelineRunner:
@@ -235,9 +249,11 @@ class PipelineRunner:
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, *, pp_rank: int, group: Any, device: torch.device,
                  local_batch_size: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, balance: RouterBalance | None = None) -> None:
         """``forward_only``: for validation (:meth:`evaluate`), GPipe's order (looped over the
-        rank's stages for several), whatever the training schedule."""
+        rank's stages for several), whatever the training schedule. ``balance``: a mixture of
+        experts' router losses (training only), added to each micro-batch's loss on the last
+        stage."""
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -245,10 +261,14 @@ class PipelineRunner:
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
         self._sources = 0  # a mixture's sources (their losses follow the sum in each micro-batch's)
-        self.parts = [StagePart(model, layout) for layout in plan.rank_stages(pp_rank)]
+        self.balance = None if forward_only else balance
+        self._accumulation = 1  # the step's loader micro-batches (each split into the schedule's)
+        self.parts = [StagePart(model, layout, self.balance) for layout in plan.rank_stages(pp_rank)]
         self.stages = [PipelineStage(part, part.index, plan.num_stages, device, group=group) for part in self.parts]
         self.first = any(layout.first for layout in plan.rank_stages(pp_rank))
         self.last = any(layout.last for layout in plan.rank_stages(pp_rank))
+        self._last_part = next((part for part, layout in zip(self.parts, plan.rank_stages(pp_rank), strict=True)
+                                if layout.last), None)
         single = len(self.stages) == 1
         name = ("GPipe" if single else "LoopedBFS") if forward_only else plan.schedule
         self.microbatches = plan.microbatches(local_batch_size)
@@ -256,7 +276,18 @@ class PipelineRunner:
         self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
         self.device = device
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if self.balance is None:
+            return self._token_loss(output, target)
+        logits, routing = output
+        assert self._last_part is not None  # (only the last stage computes the loss)
+        inferred = self._last_part.inferred  # (the loss follows the last stage's forward)
+        router = self.balance.state_loss(routing, logits.shape[0] * logits.shape[1],
+                                         self.microbatches * self._accumulation, record=not inferred)
+        loss = self._token_loss(logits, target)
+        return loss if router is None else loss + router
+
+    def _token_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if not self._sources:
             loss = self.loss_fn(logits, target)
             self._sums.append(loss.detach().double().reshape(1))
@@ -282,17 +313,18 @@ class PipelineRunner:
         initialized = getattr(self.schedule, "_stage_forward_initialized",
                               getattr(self.schedule, "_stages_forward_initialized", True))
         for part in self.parts:
-            part.documents, part.calls, part.inferring = chunks, 0, chunks is not None and not initialized
+            part.documents, part.calls, part.inferring = chunks, 0, not initialized
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float,
                          documents: torch.Tensor | None = None, sources: list[int] | None = None,
-                         num_sources: int = 0) -> torch.Tensor:
+                         num_sources: int = 0, accumulation: int = 1) -> torch.Tensor:
         """This local batch's summed token loss (fp64, detached, shape ``(1,)``), the same on
         every pipeline rank; gradients of ``scale`` × that sum accumulate in the stages'
         parameters. ``documents``: its document ids (block-causal attention), which every
         stage's attention needs. ``sources``: each row's source in a mixture of ``num_sources``
-        (rows of one source next to each other): the sum is then followed by each source's."""
-        self.scale, self._sums = scale, []
+        (rows of one source next to each other): the sum is then followed by each source's.
+        ``accumulation``: the step's local batches (router losses average over every micro-batch)."""
+        self.scale, self._sums, self._accumulation = scale, [], accumulation
         self._sources = num_sources if sources is not None else 0
         self._documents(documents)
         target = labels

@@ -13,4 +13,4 @@ __all__ = ["DEEPSEEK_V3_FLAVORS", "DEEPSEEK_V3_SPEC", "DeepseekV3", "DeepseekV3A
 
 DEEPSEEK_V3_SPEC = ModelSpec(name="deepseek_v3", model_cls=DeepseekV3, args_cls=DeepseekV3Args,
                              flavors=DEEPSEEK_V3_FLAVORS, fsdp_units=decoder_fsdp_units, hf=ADAPTER,
-                             parallel_dims=frozenset({"ep", "tp", "cp"}))
+                             parallel_dims=frozenset({"ep", "tp", "cp", "pp"}))

@@ -65,22 +65,36 @@ def aux_loss_weight(aux_loss_coef: float | None, model_args: Any) -> float:
 class RouterBalance:
     """The router losses, load counts and bias updates of one model's MoE layers (see the
     module's docstring). ``group``: the ranks whose tokens make up the global batch (data ×
-    context parallel; None: one process); ``dp_size``: its ranks."""
+    context parallel; None: one process); ``dp_size``: its ranks.
+
+    Pipeline parallel: ``model`` holds only this rank's stages; ``names`` are the MoE layers of
+    the whole model (in forward order) and ``pipeline_group`` its pipeline ranks. Each stage adds
+    its layers' routing to a :meth:`routing_state` that travels with the hidden states, and the
+    last stage turns the whole model's into the micro-batch's loss (:meth:`state_loss`): the
+    load-balancing loss's counts are those of every layer, and its gradient reaches every stage's
+    routers through the pipeline's backward."""
 
     def __init__(self, model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float = 0.0,
-                 bias_update_rate: float = 0.0, group: Any = None, dp_size: int = 1) -> None:
+                 bias_update_rate: float = 0.0, group: Any = None, dp_size: int = 1,
+                 names: list[str] | None = None, pipeline_group: Any = None) -> None:
         self.layers: dict[str, MoE] = moe_layers(model)
-        if not self.layers:
+        self.names = list(self.layers) if names is None else list(names)
+        if not self.names:
             raise ValueError("RouterBalance: the model has no MoE layers")
-        self.num_experts = next(iter(self.layers.values())).router.num_experts
+        if any(name not in self.names for name in self.layers):
+            raise ValueError(f"RouterBalance: MoE layers {sorted(set(self.layers) - set(self.names))} are not "
+                             "among the model's")
+        self.num_experts = next(iter(self.layers.values())).router.num_experts if self.layers else 0
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
-        self.group, self.dp_size = group, dp_size
+        self.group, self.dp_size, self.pipeline_group = group, dp_size, pipeline_group
         self.start_step()
 
     def start_step(self) -> None:
         """Forget the counts and losses of the previous step, and any routing a forward outside
         training (validation) left on the layers."""
-        self._counts: torch.Tensor | None = None  # (layers, experts), this rank's, summed over micro-batches
+        # (every MoE layer of the model, experts): this rank's, summed over micro-batches; the
+        # rows of layers on other pipeline ranks stay 0
+        self._counts: torch.Tensor | None = None
         # This rank's share of each micro-batch's losses, averaged over micro-batches (tensors:
         # read once, at the step's end, not between each forward and its backward).
         self._aux: torch.Tensor | float = 0.0
@@ -88,53 +102,96 @@ class RouterBalance:
         for layer in self.layers.values():
             layer.last_routing = None
 
-    def _routings(self) -> list[Any]:
-        routings = [layer.last_routing for layer in self.layers.values()]
+    def set_num_experts(self, num_experts: int) -> None:
+        """The experts per layer, for a pipeline rank that holds no MoE layer (from the model's args)."""
+        if self.layers and num_experts != self.num_experts:
+            raise ValueError(f"RouterBalance: the layers have {self.num_experts} experts, not {num_experts}")
+        self.num_experts = num_experts
+
+    def routing_state(self, names: list[str], state: torch.Tensor | None, *, device: torch.device,
+                      record: bool = True) -> torch.Tensor:
+        """Read the routing of the forward of layers ``names`` that just ran and add it to
+        ``state`` (None: zeros), a vector of ``2 × experts + 1``: each expert's summed router
+        probabilities (with their gradient), its choices (counts) and the summed squared
+        log-sum-exp of the router logits (z-loss), over the tokens of the micro-batch and the
+        layers so far. ``record``: count the choices in the step's load (not for a forward that
+        only infers shapes)."""
+        e = self.num_experts
+        routings = [self.layers[name].last_routing for name in names]
         if any(r is None for r in routings):
             raise RuntimeError("RouterBalance: an MoE layer has not run a forward since the last read")
-        return routings
+        for name in names:
+            self.layers[name].last_routing = None  # (a recomputing backward sets it again; read from here only)
+        if not routings:
+            return torch.zeros(2 * e + 1, device=device) if state is None else state
+        counts = torch.stack([expert_counts(r, e) for r in routings])
+        if record:
+            if self._counts is None:
+                self._counts = torch.zeros(len(self.names), e, device=counts.device)
+            rows = torch.tensor([self.names.index(name) for name in names], device=counts.device)
+            self._counts.index_add_(0, rows, counts)
+        probs = torch.stack([r.probs.sum(dim=0) for r in routings]).sum(dim=0)
+        if self.z_loss_coef:
+            z = sum(torch.logsumexp(r.logits, dim=-1).square().sum() for r in routings).reshape(1)
+        else:
+            z = probs.new_zeros(1)
+        added = torch.cat([probs, counts.sum(dim=0).to(probs.dtype), z])
+        return added if state is None else state + added
+
+    def state_loss(self, state: torch.Tensor, tokens: int, micro_batches: int, *,
+                   record: bool = True) -> torch.Tensor | None:
+        """This rank's router-loss term of one micro-batch of ``tokens`` tokens (on this rank)
+        from its :meth:`routing_state` over every MoE layer, to add to its loss before backward
+        (already weighted, averaged over the step's ``micro_batches`` and scaled for the gradient
+        averaging over the ranks), or None when both losses are off. ``record``: keep the
+        losses for the step's metrics."""
+        e = self.num_experts
+        loss: torch.Tensor | None = None
+        tokens *= self.dp_size  # every rank's micro-batch has as many tokens
+        if self.aux_loss_coef:
+            total = state[e:2 * e].detach().clone()
+            if self.group is not None:
+                dist.all_reduce(total, group=self.group)
+            rows = tokens * len(self.names)  # over the layers, as transformers concatenates them
+            aux = balancing_loss(total, state[:e], rows, e)
+            if record:
+                self._aux = self._aux + aux.detach() / micro_batches
+            loss = self.aux_loss_coef * aux
+        if self.z_loss_coef:
+            z = state[2 * e] / tokens
+            if record:
+                self._z = self._z + z.detach() / micro_batches
+            loss = self.z_loss_coef * z if loss is None else loss + self.z_loss_coef * z
+        return None if loss is None else loss * (self.dp_size / micro_batches)
 
     def micro_batch_loss(self, micro_batches: int) -> torch.Tensor | None:
         """Read the routing of the forward that just ran (one of ``micro_batches`` of the step):
         count the tokens per expert, and return this rank's router-loss term to add to its
-        loss before backward (already weighted, averaged over the micro-batches and scaled for
-        the gradient averaging over the ranks), or None when both losses are off."""
-        routings = self._routings()
-        for layer in self.layers.values():
-            layer.last_routing = None  # (a recomputing backward sets it again; it is read from here only)
-        counts = torch.stack([expert_counts(r, self.num_experts) for r in routings])
-        self._counts = counts if self._counts is None else self._counts + counts
-        loss: torch.Tensor | None = None
-        tokens = routings[0].indices.shape[0] * self.dp_size  # every rank's micro-batch has as many tokens
-        if self.aux_loss_coef:
-            total = counts.sum(dim=0)
-            if self.group is not None:
-                dist.all_reduce(total, group=self.group)
-            rows = tokens * len(routings)  # over the layers, as transformers concatenates them
-            probs = torch.stack([r.probs.sum(dim=0) for r in routings]).sum(dim=0)
-            aux = balancing_loss(total, probs, rows, self.num_experts)
-            self._aux = self._aux + aux.detach() / micro_batches
-            loss = self.aux_loss_coef * aux
-        if self.z_loss_coef:
-            z = sum(torch.logsumexp(r.logits, dim=-1).square().sum() for r in routings) / tokens
-            self._z = self._z + z.detach() / micro_batches
-            loss = self.z_loss_coef * z if loss is None else loss + self.z_loss_coef * z
-        return None if loss is None else loss * (self.dp_size / micro_batches)
+        loss before backward (:meth:`state_loss`)."""
+        first = self.layers[self.names[0]].last_routing
+        if first is None:
+            raise RuntimeError("RouterBalance: an MoE layer has not run a forward since the last read")
+        state = self.routing_state(self.names, None, device=first.probs.device)
+        return self.state_loss(state, first.indices.shape[0], micro_batches)
 
-    def finish_step(self, *, update_bias: bool) -> dict[str, float]:
+    def finish_step(self, *, update_bias: bool, device: torch.device | None = None) -> dict[str, float]:
         """After the optimizer step: sum the step's counts and losses over the ranks (one
-        all-reduce), move the routers' biases when ``bias_update_rate`` is set and
-        ``update_bias`` (the step was applied), and return the metrics: ``moe/aux_loss``,
-        ``moe/z_loss`` (when on), ``moe/load_max_over_mean`` (the worst layer) and
-        ``moe/load_max_over_mean/<layer>``."""
+        all-reduce, and one over the pipeline ranks), move the routers' biases when
+        ``bias_update_rate`` is set and ``update_bias`` (the step was applied), and return the
+        metrics: ``moe/aux_loss``, ``moe/z_loss`` (when on), ``moe/load_max_over_mean`` (the
+        worst layer) and ``moe/load_max_over_mean/<layer>``. ``device``: where a pipeline rank
+        without MoE layers counts (its zeros)."""
         if self._counts is None:
-            return {}
+            if self.pipeline_group is None:
+                return {}
+            self._counts = torch.zeros(len(self.names), self.num_experts, device=device)
         losses = [torch.as_tensor(v, dtype=torch.float32, device=self._counts.device).reshape(1)
                   for v in (self._aux, self._z)]
         stats = torch.cat([self._counts.flatten(), *losses])
-        if self.group is not None:
-            dist.all_reduce(stats, group=self.group)
-        counts = stats[:-2].view(len(self.layers), self.num_experts)
+        for group in (self.group, self.pipeline_group):
+            if group is not None:
+                dist.all_reduce(stats, group=group)
+        counts = stats[:-2].view(len(self.names), self.num_experts)
         ratios = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).tolist()
         values: dict[str, float] = {}
         if self.aux_loss_coef:
@@ -143,10 +200,10 @@ class RouterBalance:
             values["moe/z_loss"] = float(stats[-1])
         values["moe/load_max_over_mean"] = max(ratios)
         values.update(
-            {f"moe/load_max_over_mean/{name}": ratio for name, ratio in zip(self.layers, ratios, strict=True)}
+            {f"moe/load_max_over_mean/{name}": ratio for name, ratio in zip(self.names, ratios, strict=True)}
         )
         if self.bias_update_rate and update_bias:
-            for layer, layer_counts in zip(self.layers.values(), counts, strict=True):
-                update_expert_bias(layer.router, layer_counts, self.bias_update_rate)
+            for name, layer in self.layers.items():
+                update_expert_bias(layer.router, counts[self.names.index(name)], self.bias_update_rate)
         self.start_step()
         return values

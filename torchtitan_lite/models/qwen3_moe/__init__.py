@@ -12,4 +12,4 @@ __all__ = ["QWEN3_MOE_FLAVORS", "QWEN3_MOE_SPEC", "Qwen3Moe", "Qwen3MoeArgs"]
 
 QWEN3_MOE_SPEC = ModelSpec(name="qwen3_moe", model_cls=Qwen3Moe, args_cls=Qwen3MoeArgs, flavors=QWEN3_MOE_FLAVORS,
                            fsdp_units=decoder_fsdp_units, hf=ADAPTER,
-                           parallel_dims=frozenset({"ep", "tp", "cp"}))
+                           parallel_dims=frozenset({"ep", "tp", "cp", "pp"}))
