@@ -353,22 +353,37 @@ def test_a_mixture_at_pipeline_2_reports_each_sources_loss_as_one_process(tmp_pa
     assert any(r["loss/held_out"] is not None for r in reference)
 
 
-def test_lora_with_a_blockless_stage_and_the_memory_estimate_are_refused_in_one_line(tmp_path: Path,
-                                                                                       capsys: Any) -> None:
+def test_lora_with_a_blockless_stage_is_refused_in_one_line() -> None:
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.errors import ConfigError
     from torchtitan_lite.job import plan_job
-    from torchtitan_lite.memory.cli import main as memory_main
 
     config = load_job_config([*TINY_ARGS, _PP, "4", "--training.local_batch_size", "4", "--lora.enable",
                               "--parallelism.pipeline_parallel_first_stage_less_layers", "1"])
     with pytest.raises(ConfigError, match="with LoRA every stage needs a block to adapt"):
         plan_job(config, world_size=4)
-    assert memory_main([*TINY_ARGS, _PP, "2", "--world_size", "2"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-    assert err == ["error: parallelism.pipeline_parallel_degree: invalid value 2; the memory estimate does not model "
-                   "pipeline stages yet (each rank's stages and its micro-batches in flight): expected 1 for an "
-                   "estimate"], err
+
+
+def test_the_memory_cli_prints_each_pipeline_ranks_stages_and_estimate(tmp_path: Path, capsys: Any) -> None:
+    """Pipeline 2 × data parallel 2 of the debug model, Interleaved1F1B: the CLI names each rank's
+    stages and prints one row per pipeline rank; the first rank (the embedding, and the most
+    micro-batches in flight) holds more activations than the second; the JSON has both."""
+    import json
+
+    from torchtitan_lite.memory.cli import main as memory_main
+
+    out = tmp_path / "plan.json"
+    assert memory_main(["--model.flavor", "debugmodel", "--training.local_batch_size", "4", "--training.seq_len",
+                        "128", _PP, "2", _SCHEDULE, "Interleaved1F1B", "--world_size", "4", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "pipeline 2: Interleaved1F1B, 4 micro-batches of 1 row per local batch, 4 stages" in lines, lines
+    assert "  pp rank 0: stage 0 (embedding, block 0); stage 2 (blocks 3-4)" in lines, lines
+    assert "  pp rank 1: stage 1 (blocks 1-2); stage 3 (block 5, norm, output)" in lines, lines
+    table = lines.index("per pipeline rank, reshard_after_forward_mode 'default', in MiB")
+    assert [line.split()[0] for line in lines[table + 2:table + 4]] == ["0", "1"], lines[table:]
+    ranks = json.loads(out.read_text())["pipeline_ranks"]
+    assert [r["pipeline_rank"] for r in ranks] == [0, 1] and all(r["pipeline_degree"] == 2 for r in ranks)
+    assert ranks[0]["device_categories"]["activations"] > ranks[1]["device_categories"]["activations"]
 
 
 def test_checkpoints_saved_before_the_flattened_optimizer_state_still_load(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart", "init_stage_weights",
-           "pipeline_plan", "pipeline_problem", "prune_to_stages"]
+           "pipeline_plan", "pipeline_problem", "prune_to_stages", "rank_actions"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -163,6 +163,38 @@ def pipeline_plan(*, n_layers: int, degree: int, schedule: str, microbatch_size:
         next_layer += count
     assert next_layer == n_layers
     return PipelinePlan(degree=degree, schedule=schedule, microbatch_size=microbatch_size, stages=tuple(layouts))
+
+
+def rank_actions(plan: PipelinePlan, pp_rank: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """What pipeline rank ``pp_rank`` computes in one run of the schedule over ``microbatches``,
+    in order: ``("F" or "B", stage, micro-batch)`` for each forward and (full) backward. GPipe and
+    1F1B in the order their single-stage schedules run (1F1B: ``degree - rank`` forwards, then
+    a backward before each further forward); the looped ones as :mod:`torch.distributed.pipelining`
+    computes their order. What the memory estimate replays (the micro-batches in flight)."""
+    m, p = microbatches, plan.degree
+    if plan.schedule == "GPipe":
+        return [("F", pp_rank, j) for j in range(m)] + [("B", pp_rank, j) for j in range(m)]
+    if plan.schedule == "1F1B":
+        warmup = min(m, p - pp_rank)
+        actions = [("F", pp_rank, j) for j in range(warmup)]
+        for j in range(m):
+            actions.append(("B", pp_rank, j))
+            if warmup + j < m:
+                actions.append(("F", pp_rank, warmup + j))
+        return actions
+    if plan.schedule not in LOOPED_SCHEDULES or "ZeroBubble" in plan.schedule:
+        raise ValueError(f"rank_actions: the order of {plan.schedule} (split backwards) is not replayed")
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
+
+    rounds = max(1, m // p)
+    # (the schedule computes every rank's order from these fields alone, in its constructor)
+    state = SimpleNamespace(n_local_stages=len(plan.rank_stages(pp_rank)), pp_group_size=p, _n_microbatches=m,
+                            microbatches_per_round=m // rounds, rank=pp_rank)
+    ops = get_schedule_class(plan.schedule)._calculate_single_rank_operations(state, pp_rank)
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return [(kinds[op.computation_type], op.stage_index, op.microbatch_index) for op in ops if op is not None]
 
 
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:

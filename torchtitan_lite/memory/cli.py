@@ -32,12 +32,14 @@ from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan
 from torchtitan_lite.errors import ConfigError, DataError, DataNotHereError, UserError
 from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, plan_job
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
     estimate_memory,
+    estimate_stages,
     job_estimate_kwargs,
     not_modelled,
     where_text,
@@ -316,6 +318,39 @@ def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes:
     return "\n".join(lines)
 
 
+def _pipeline_text(pipeline: PipelinePlan, local_batch_size: int) -> str:
+    """The pipeline's schedule and each rank's stages, one line each."""
+    m = pipeline.microbatches(local_batch_size)
+    lines = [f"pipeline {pipeline.degree}: {pipeline.schedule}, {m} micro-batches of {pipeline.microbatch_size} "
+             f"row{'s' if pipeline.microbatch_size > 1 else ''} per local batch, {pipeline.num_stages} stages"]
+    for rank in range(pipeline.degree):
+        parts = []
+        for stage in pipeline.rank_stages(rank):
+            held = ([f"blocks {stage.layers[0]}-{stage.layers[-1]}" if len(stage.layers) > 1
+                     else f"block {stage.layers[0]}"] if stage.layers else [])
+            held = (["embedding"] if stage.first else []) + held + (["norm, output"] if stage.last else [])
+            parts.append(f"stage {stage.index} ({', '.join(held)})")
+        lines.append(f"  pp rank {rank}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def _stage_table(stages: list[MemoryEstimate], pipeline: PipelinePlan | None, configured: str | int,
+                 device_bytes: float | None, unit: tuple[str, int]) -> str:
+    """Each pipeline rank's estimate in the configured mode: its stages' parameters, its
+    micro-batches in flight."""
+    name, scale = unit
+    head = (f"{'pp rank':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
+            + f"  {'peak in':32} fits")
+    lines = [f"per pipeline rank, reshard_after_forward_mode {configured!r}, in {name}", head]
+    for est in stages:
+        where = where_text(est.device_peak_phase, est.device_peak_module)
+        fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
+        cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
+        lines.append(f"{est.pipeline_rank:<9} " + " ".join(f"{value / scale:8.2f}" for value in cells)
+                     + f"  {where[:32]:32} {fits}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
     from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_kwargs, plan_auto_reshard
@@ -348,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         auto = plan.reshard_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
-        would = not auto and device_bytes is not None and not plan.shape.compile_by_parts
+        would = (not auto and device_bytes is not None and not plan.shape.compile_by_parts
+                 and plan.shape.pipeline is None)
         budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
         configured = plan.reshard_mode
         log_to_stderr()
@@ -361,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "
                                 f"reshard_after_forward_mode {mode!r}")
                 estimates.append(estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs))
+            # With a pipeline, each rank's stages (the configured mode's; the table above: the
+            # worst stage in each mode)
+            stages = [] if plan.shape.pipeline is None else estimate_stages(
+                plan.spec, model_args, reshard_after_forward_mode=configured, **kwargs)
             seconds = sum(e.seconds for e in estimates)
             plan_auto, auto_error = None, None
             auto_kwargs = job_auto_kwargs(config, plan)
@@ -395,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
              f"weights per layer, FSDP-sharded over {plan.dims.dp_shard * plan.dims.cp // plan.dims.ep} ranks"
              + (f" and replicated {plan.dims.dp_replicate}×" if plan.dims.dp_replicate > 1 else "") + ")"
-             if plan.dims.ep > 1 else ""))
+             if plan.dims.ep > 1 else "")
+          + (f" × pipeline {plan.dims.pp}" if plan.dims.pp > 1 else ""))
+    if plan.shape.pipeline is not None:
+        print(_pipeline_text(plan.shape.pipeline, t.local_batch_size))
     if vocab_note is not None:
         print(vocab_note)
     for absent in _data_not_here(config):
@@ -417,7 +460,10 @@ def main(argv: list[str] | None = None) -> int:
               + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
                  else "a frozen copy sharded like the model (its shards counted as sharded params)"))
     print(_table(estimates, configured, device_bytes, unit))
-    notes = ["* = configured mode; categories at the moment of the device peak"]
+    if stages:
+        print(_stage_table(stages, plan.shape.pipeline, configured, device_bytes, unit))
+    notes = ["* = configured mode; categories at the moment of the device peak"
+             + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if stages else "")]
     if plan.offload != "none":
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
@@ -453,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                     "fits": None if device_bytes is None else e.fits(device_bytes),
                 }
                 for e in estimates
+            ],
+            "pipeline_ranks": [
+                {**e.to_dict(), "fits": None if device_bytes is None else e.fits(device_bytes)} for e in stages
             ],
             "auto": None
             if plan_auto is None

@@ -40,6 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+try:  # (FSDP2's interface for a custom all-gather)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherComm
+except ImportError:  # pragma: no cover
+    _AllGatherComm = object  # type: ignore[assignment,misc]
+
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.fsdp import (
@@ -51,6 +56,7 @@ from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, rank_actions
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
@@ -62,7 +68,7 @@ from torchtitan_lite.optim import build_optimizer
 if TYPE_CHECKING:
     from torchtitan_lite.job import JobPlan
 
-__all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "job_estimate_kwargs",
+__all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "estimate_stages", "job_estimate_kwargs",
            "not_modelled", "size_text", "where_text"]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
@@ -131,6 +137,10 @@ class MemoryEstimate:
     peaks count them among their categories)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
+    pipeline_rank: int = 0
+    """With pipeline parallel: the pipeline rank (coordinate) whose stages these figures are of."""
+    pipeline_degree: int = 1
+    """Pipeline ranks (1: no pipeline)."""
 
     def fits(self, device_bytes: int | float) -> bool:
         """Whether the device peak fits in ``device_bytes`` of accelerator memory (tensor bytes
@@ -160,14 +170,32 @@ def estimate_memory(spec: ModelSpec, args: Any, shape: JobShape | None = None, *
 
     Raises ``ValueError`` naming the argument when a value is not allowed.
     """
+    stages = estimate_stages(spec, args, shape, **fields)
+    return max(stages, key=lambda estimate: estimate.device_peak)
+
+
+def estimate_stages(spec: ModelSpec, args: Any, shape: JobShape | None = None,
+                    **fields: Any) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` of each pipeline rank, in pipeline-rank order (one estimate
+    without a pipeline). A pipeline rank's step is its stages' part of the model, sharded over
+    its data-parallel ranks, run through the schedule's order of forwards and backwards
+    (:func:`~torchtitan_lite.distributed.pipeline_parallel.rank_actions`): the micro-batches in
+    flight hold their activations until their backward, and the schedule's receive buffers (one
+    per micro-batch for the activations a stage takes and for the gradients it gets back) are
+    there all along."""
     shape = modelled((shape or JobShape()).replace(**fields))
     check_arguments(shape, args)
     import torch.distributed as dist
 
+    ranks = range(1 if shape.pipeline is None else shape.pipeline.degree)
     if dist.is_available() and dist.is_initialized():
         # The fake process group has to be the default one: run where there is none yet.
-        return in_child_process(estimate_here, spec, args, {"shape": shape})
-    return estimate_here(spec, args, shape)
+        return in_child_process(_estimates_here, spec, args, {"shape": shape, "ranks": list(ranks)})
+    return _estimates_here(spec, args, shape, list(ranks))
+
+
+def _estimates_here(spec: ModelSpec, args: Any, shape: JobShape, ranks: list[int]) -> list[MemoryEstimate]:
+    return [estimate_here(spec, args, shape, pp_rank=rank) for rank in ranks]
 
 
 _NOT_MODELLED = {"compile_model": False, "compile_backend": "inductor", "float8": None,
@@ -247,8 +275,12 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     if world_size % (dp_replicate * tensor_parallel):
         raise ValueError(f"tensor_parallel: invalid value {tensor_parallel}; dp_replicate {dp_replicate} × "
                          f"tensor_parallel must divide world_size {world_size}")
+    pp = 1 if shape.pipeline is None else shape.pipeline.degree
+    if world_size % (dp_replicate * tensor_parallel * pp):
+        raise ValueError(f"pipeline: invalid degree {pp}; dp_replicate {dp_replicate} × tensor_parallel "
+                         f"{tensor_parallel} × pipeline must divide world_size {world_size}")
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel,
-                                cp=shape.context_parallel)
+                                cp=shape.context_parallel, pp=pp)
     validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard * dims.cp)
     if shape.context_parallel > 1 and seq_len % (2 * shape.context_parallel):
         raise ValueError(f"seq_len: invalid value {seq_len}; context parallel {shape.context_parallel} splits it "
@@ -261,12 +293,12 @@ def check_arguments(shape: JobShape, args: Any) -> None:
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
-    """A default process group of ``world_size`` fake ranks (this process is rank 0)."""
+def _fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A default process group of ``world_size`` fake ranks (this process is ``rank``)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -415,23 +447,24 @@ _CACHE: dict[Any, MemoryEstimate] = {}
 _CACHE_SIZE = 128
 
 
-def estimate_here(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate:
-    """:func:`estimate_memory` in this process (which must hold no process group). An estimate
-    is a pure function of its arguments: the last :data:`_CACHE_SIZE` are kept, so that the
-    ``auto`` planner and the CLI, which ask for some of the same plans, make each one once."""
-    key = (spec.name, repr(args), repr(shape))
+def estimate_here(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int = 0) -> MemoryEstimate:
+    """:func:`estimate_memory` in this process (which must hold no process group), of pipeline
+    rank ``pp_rank``'s stages with a pipeline. An estimate is a pure function of its arguments:
+    the last :data:`_CACHE_SIZE` are kept, so that the ``auto`` planner and the CLI, which ask for
+    some of the same plans, make each one once."""
+    key = (spec.name, repr(args), repr(shape), pp_rank)
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _estimate_uncached(spec, args, shape)
+        _CACHE[key] = _estimate_uncached(spec, args, shape, pp_rank)
     return dataclasses.replace(_CACHE[key])
 
 
-def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEstimate:
-    if shape.pipeline is not None:
-        raise ValueError(f"parallelism.pipeline_parallel_degree: invalid value {shape.pipeline.degree}; the memory "
-                         "estimate does not model pipeline stages yet (each rank's stages and its micro-batches in "
-                         "flight): expected 1 for an estimate")
+def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int) -> MemoryEstimate:
+    pipeline = shape.pipeline
+    if pipeline is not None and "ZeroBubble" in pipeline.schedule:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule: invalid value {pipeline.schedule!r}; the memory "
+                         "estimate replays GPipe, 1F1B and Interleaved1F1B: expected one of them for an estimate")
     world_size, dp_replicate, local_batch_size = shape.world_size, shape.dp_replicate, shape.local_batch_size
     seq_len, grad_accum_steps, cpu_offload = shape.seq_len, shape.grad_accum_steps, shape.cpu_offload
     optimizer, optimizer_implementation = shape.optimizer, shape.optimizer_implementation
@@ -442,16 +475,19 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
 
     start = time.perf_counter()
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel,
-                                tp=tensor_parallel, cp=shape.context_parallel)
+                                tp=tensor_parallel, cp=shape.context_parallel, pp=dims_pp(shape))
     local_len = seq_len // dims.cp  # context parallel: this rank's share of each sequence
     device = torch.device("cpu")
-    with _fake_world(world_size):
+    # (pp is the mesh's outermost dimension: this rank is the first of pipeline rank pp_rank's)
+    with _fake_world(world_size, rank=pp_rank * (world_size // dims.pp)):
         mesh = build_mesh(device, dims)
         # Sharding meta parameters needs no fake mode (and is much faster without it). The
         # family's own parallelize steps, as the trainer runs them (LoRA: a frozen base, only the
         # adapters get gradients and optimizer state); compile and float8 are not modelled.
         model = spec.meta_model(args)
         unit_list = parallelize(spec, model, mesh, shape, device=device)
+        if shape.device_type == "cpu":
+            _gloo_all_gathers(model)
         # DPO: every sample is a pair of rows; a frozen reference copy is built like the model.
         rows = local_batch_size * (2 if shape.dpo_reference is not None else 1)
         reference = None
@@ -485,7 +521,10 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
             # auto's estimates was a sixth of their time (the estimates are the same).
             with GarbageCollection(generation=0), tracker:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-                for _ in range(micro_batches):
+                if pipeline is not None:
+                    _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,
+                                   seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank)
+                for _ in range(micro_batches if pipeline is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
@@ -523,7 +562,95 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape) -> MemoryEst
         device_peak=device_total, device_peak_phase=device_phase,
         device_peak_module=device_module, device_categories=device_categories,
         cpu_peak=cpu_peak, state=state, seconds=time.perf_counter() - start,
+        pipeline_rank=pp_rank, pipeline_degree=dims.pp,
     )
+
+
+class _GlooAllGather(_AllGatherComm):
+    """FSDP2's all-gather as gloo runs it: gloo gathers into a buffer of its own the size of
+    the output (on its worker thread), then copies it into FSDP's output and frees it. Seen in
+    the allocator's trace of a pipeline rank's backward at data parallel 2 (the step's peak, one
+    unit's bytes above FSDP's own buffers); NCCL gathers into FSDP's output directly."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        import torch.distributed as dist
+
+        scratch = torch.empty_like(output_tensor) if dist.get_world_size(group) > 1 else None
+        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        del scratch
+        return work
+
+
+def _gloo_all_gathers(model: torch.nn.Module) -> None:
+    """Every FSDP unit of ``model`` gathers as gloo does (:class:`_GlooAllGather`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+            module.set_custom_all_gather(_GlooAllGather())
+
+
+def dims_pp(shape: JobShape) -> int:
+    """The job's pipeline degree (1 without a pipeline)."""
+    return 1 if shape.pipeline is None else shape.pipeline.degree
+
+
+def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, batches: int,
+                   rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float) -> None:
+    """One step's forwards and backwards of pipeline rank ``pp_rank``'s stages, in the
+    schedule's order, over ``batches`` local batches of ``rows`` rows: each micro-batch's stage
+    output (and so its saved activations) lives until its backward. The schedule's receive
+    buffers are made first: for each stage but the first, one per micro-batch for its input;
+    for each stage but the last, one for the gradient of its output. What a rank sends lives
+    until the schedule waits for the send: GPipe waits for its gradient sends once every
+    backward has run, the looped schedules for every send at the end of the step, 1F1B at its
+    next send. The last stage's loss is the trainer's (fp32 summed over the tokens, times
+    ``scale``)."""
+    microbatches = rows // plan.microbatch_size
+    mine = {stage.index: stage for stage in plan.rank_stages(pp_rank)}
+    shape = (plan.microbatch_size, seq_len, dim)
+    received = {(s, j): torch.empty(shape, dtype=dtype) for s, st in mine.items() if not st.first
+                for j in range(microbatches)}
+    returned = {(s, j): torch.empty(shape, dtype=dtype) for s, st in mine.items() if not st.last
+                for j in range(microbatches)}
+    looped = plan.schedule not in ("GPipe", "1F1B")
+    for _ in range(batches):
+        in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        sent: list[torch.Tensor] = []  # sends not waited for yet
+        for kind, s, j in rank_actions(plan, pp_rank, microbatches):
+            stage = mine[s]
+            if kind == "F":
+                # (module-wise stats are not used: forgetting the root's allows its forward again
+                # while other micro-batches' backwards, which look up their blocks', are to come)
+                if model in tracker.memory_tracking:
+                    del tracker.memory_tracking[model]
+                if stage.first:
+                    x = torch.zeros(shape[:2], dtype=torch.long)
+                    tracker.track_inputs((x,))
+                else:
+                    x = received[(s, j)].requires_grad_()
+                out = model(x, stage=s)
+                if stage.last:
+                    labels = torch.zeros(shape[:2], dtype=torch.long)
+                    out = token_loss_sum(out, labels) * scale
+                in_flight[(s, j)] = (out, None if stage.first else x)
+                if looped and not stage.last:
+                    sent.append(out)
+                del x, out
+            else:
+                out, x = in_flight.pop((s, j))
+                out.backward(None if stage.last else returned[(s, j)])
+                if x is not None:  # its gradient, sent to the stage before
+                    if plan.schedule == "1F1B":
+                        sent.clear()
+                    sent.append(x.grad)
+                    x.grad = None
+                del out, x
+        sent.clear()
 
 
 def size_text(nbytes: float) -> str:
