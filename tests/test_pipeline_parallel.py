@@ -64,9 +64,9 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
 @pytest.mark.parametrize("extra, message", [
     (["--parallelism.pipeline_parallel_degree", "3"], "parallelism.pipeline_parallel_degree=3 = 3 does not divide "
                                                       "the world size 4"),
-    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: invalid value 2; "
-                                                    "pipeline parallel is not combined with "
-                                                    "parallelism.tensor_parallel_degree > 1 yet"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: invalid value 2; "
+                                                     "pipeline parallel is not combined with "
+                                                     "parallelism.context_parallel_degree > 1 yet"),
     (["--parallelism.pipeline_parallel_schedule", "1f1b"], "parallelism.pipeline_parallel_schedule: invalid value "
                                                            "'1f1b'; expected one of"),
     (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
@@ -176,6 +176,8 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
         "pp2 GPipe": (2, [_PP, "2", _SCHEDULE, "GPipe", "--training.local_batch_size", "8"]),
         "pp2 Interleaved1F1B": (2, [_PP, "2", _SCHEDULE, "Interleaved1F1B", "--training.local_batch_size", "8"]),
         "dp2 x pp2 1F1B": (4, [_PP, "2"]),
+        "pp2 x tp2 1F1B": (4, [_PP, "2", "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size",
+                               "8"]),
     }
     for label, (ranks, extra) in layouts.items():
         dump = tmp_path / label.replace(" ", "_")
@@ -211,6 +213,24 @@ def test_every_schedule_and_layout_trains_as_one_process_and_checkpoints_move_be
         run = run_distributed(_losses, ranks, [*common, *extra, "--checkpoint.enable", "--checkpoint.interval", "5",
                                                "--job.dump_folder", str(dump)])[0]
         _close(run, reference[5:], "resumed at " + label)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_data_2_x_pipeline_2_x_tensor_2_on_8_ranks_trains_as_one_process(tmp_path: Path) -> None:
+    """fp32, 10 steps of Llama 3's debug model on 8 ranks: data parallel 2 × pipeline 2 (1F1B) ×
+    tensor parallel 2 (sequence parallel between the blocks, the logits split over the
+    vocabulary for the loss) gives one process's losses within 1e-5 (gradient norms 1e-4)."""
+    from tests.dist_utils import run_distributed
+
+    common = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.steps", "10", "--training.global_batch_size",
+              "8", "--metrics.no-enable_tensorboard"]
+    reference = run_distributed(_losses, 1, [*common, "--training.local_batch_size", "8", "--job.dump_folder",
+                                             str(tmp_path / "one")])[0]
+    run = run_distributed(_losses, 8, [*common, "--training.local_batch_size", "4", _PP, "2",
+                                       "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder",
+                                       str(tmp_path / "dp2_pp2_tp2")], timeout=600)[0]
+    _close(run, reference, "dp2 x pp2 x tp2")
 
 
 @pytest.mark.slow
@@ -290,12 +310,13 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
     over each global micro-batch, so the reference accumulates the same micro-batches).
 
     Tiny Qwen3-MoE (2 MoE blocks, softmax router, aux 0.1, z-loss 0.01): pipeline 4 with 1F1B,
-    pipeline 2 with Interleaved1F1B and full checkpointing give one process's losses, aux and z
-    losses and every layer's load within 1e-5; data parallel 2 × pipeline 2 those of data
-    parallel 2. Tiny DeepSeek-V3 (a dense block, then 2 MoE blocks of a sigmoid router with bias
-    balancing 0.01, aux 0.1): pipeline 4 with 1F1B, whose first and last stages hold no MoE layer,
-    and pipeline 2 with GPipe, whose checkpoint at step 5 (each stage's router biases) resumes in
-    one process with the later steps of the run that never stopped."""
+    pipeline 2 with Interleaved1F1B and full checkpointing, and pipeline 2 × tensor parallel 2
+    give one process's losses, aux and z losses and every layer's load within 1e-5; data
+    parallel 2 × pipeline 2 those of data parallel 2. Tiny DeepSeek-V3 (a dense block, then 2
+    MoE blocks of a sigmoid router with bias balancing 0.01, aux 0.1): pipeline 4 with 1F1B,
+    whose first and last stages hold no MoE layer, and pipeline 2 with GPipe, whose checkpoint at
+    step 5 (each stage's router biases) resumes in one process with the later steps of the run
+    that never stopped."""
     from tests.dist_utils import run_distributed
 
     qwen = ["--moe.z_loss_coef", "0.01"]
@@ -309,6 +330,8 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
                                                                 _SCHEDULE, "Interleaved1F1B",
                                                                 "--activation_checkpoint.mode", "full"), reference),
         "Qwen3-MoE dp2 x pp2": (4, _moe_argv("qwen3_moe", tmp_path / "qdp2pp2", 4, *qwen, *stages), data_parallel),
+        "Qwen3-MoE pp2 x tp2": (4, _moe_argv("qwen3_moe", tmp_path / "qtp2", 8, *qwen, *stages,
+                                             "--parallelism.tensor_parallel_degree", "2"), reference),
     }
     for label, (ranks, argv, expected) in cases.items():
         runs = run_distributed(train_history, ranks, argv)

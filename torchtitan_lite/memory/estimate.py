@@ -523,7 +523,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 if pipeline is not None:
                     _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,
-                                   seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank)
+                                   seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank,
+                                   sequence_shards=dims.tp)
                 for _ in range(micro_batches if pipeline is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
@@ -600,7 +601,8 @@ def dims_pp(shape: JobShape) -> int:
 
 
 def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, batches: int,
-                   rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float) -> None:
+                   rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float,
+                   sequence_shards: int = 1) -> None:
     """One step's forwards and backwards of pipeline rank ``pp_rank``'s stages, in the
     schedule's order, over ``batches`` local batches of ``rows`` rows: each micro-batch's stage
     output (and so its saved activations) lives until its backward. The schedule's receive
@@ -613,9 +615,11 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
     microbatches = rows // plan.microbatch_size
     mine = {stage.index: stage for stage in plan.rank_stages(pp_rank)}
     shape = (plan.microbatch_size, seq_len, dim)
-    received = {(s, j): torch.empty(shape, dtype=dtype) for s, st in mine.items() if not st.first
+    # (the hidden states between stages: with tensor parallel, this rank's share of the sequence)
+    hidden = (plan.microbatch_size, seq_len // sequence_shards, dim)
+    received = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.first
                 for j in range(microbatches)}
-    returned = {(s, j): torch.empty(shape, dtype=dtype) for s, st in mine.items() if not st.last
+    returned = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.last
                 for j in range(microbatches)}
     looped = plan.schedule not in ("GPipe", "1F1B")
     for _ in range(batches):

@@ -262,6 +262,10 @@ class Decoder(nn.Module):
             persistent=False,
         )
 
+    sequence_shards: int = 1
+    """Tensor parallel's sequence parallelism: the ranks the hidden states between blocks are
+    split over along the sequence (set by the split)."""
+
     pipeline_stages: dict[int, Any] | None = None
     """With pipeline parallel: this rank's stages by index (each a
     :class:`~torchtitan_lite.distributed.pipeline_parallel.StageLayout`), set by the split that
@@ -273,16 +277,19 @@ class Decoder(nn.Module):
         the tokens, or the hidden states of the stage before, to the logits, or the hidden states
         the next stage takes."""
         cp = self.context_parallel
-        seq_len = tokens.shape[1] * (1 if cp is None else cp.degree)
+        part = None if stage is None else self.pipeline_stages[stage]
+        # (a later pipeline stage takes the hidden states, split over the sequence by tensor
+        # parallel's sequence parallelism)
+        positions = tokens.shape[1] * (1 if part is None or part.first else self.sequence_shards)
+        seq_len = positions * (1 if cp is None else cp.degree)
         if seq_len > self.args.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.args.max_seq_len}")
-        part = None if stage is None else self.pipeline_stages[stage]
         h = self.tok_embeddings(tokens) if part is None or part.first else tokens
         if cp is not None:  # this rank's share of each sequence: global positions, attention over all of it
-            mask = cp.attention(tokens.shape[1], document_ids, tokens.device)
+            mask = cp.attention(positions, document_ids, tokens.device)
             rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[mask.positions]
         elif document_ids is None:
-            rope, mask = rope_bits(self.freqs_cis, tokens.shape[1]), None
+            rope, mask = rope_bits(self.freqs_cis, positions), None
         else:
             rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[document_positions(document_ids)]
             mask = block_causal_mask(document_ids)
