@@ -262,7 +262,8 @@ def test_chat_sft_with_masked_labels_at_pipeline_2_equals_one_process(tmp_path: 
 def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora_and_hsdp(tmp_path: Path) -> None:
     """fp32, 5 steps of the tiny Llama at pipeline 2: full activation checkpointing, CPU offload,
     reshard never and always, compiled blocks, LoRA (against one process with LoRA) and HSDP 2 ×
-    pipeline 2 (4 ranks) each give one process's losses within 1e-5."""
+    pipeline 2 (4 ranks) each give one process's losses within 1e-5; float8 at data parallel 2 ×
+    pipeline 2 (the float8 all-gather) those of data parallel 2 over the same micro-batches."""
     from tests.dist_utils import run_distributed
 
     common = [*TINY_ARGS, "--training.steps", "5", "--training.global_batch_size", "4",
@@ -279,6 +280,12 @@ def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora
         "LoRA": (2, lora, with_lora),
         "HSDP 2 x pp2": (4, ["--parallelism.data_parallel_replicate_degree", "2"], reference),
     }
+    # float8 (emulated) scales each micro-batch's activations by its own amax: the reference
+    # accumulates the same micro-batches (1 row); the weights are all-gathered in float8.
+    float8 = ["--model.converters", "float8", "--float8.emulate", "--float8.enable_fsdp_float8_all_gather",
+              "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+    cases["float8, dp2 x pp2"] = (4, float8, run_distributed(_losses, 2, [
+        *common, *float8, "--training.local_batch_size", "1", "--job.dump_folder", str(tmp_path / "f8_dp2")])[0])
     for label, (ranks, extra, expected) in cases.items():
         run = run_distributed(_losses, ranks, [*common, _PP, "2", *extra, "--job.dump_folder",
                                                str(tmp_path / label.replace(" ", "_"))])[0]

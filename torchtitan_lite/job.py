@@ -432,8 +432,7 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              val_local, f"validation runs through the stages in micro-batches of "
              f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
              "multiple of it")
-    later = [("model.converters", list(config.model.converters) if float8 is not None else None, "float8"),
-             ("training.dataset", "preference" if dpo else None, "DPO"),
+    later = [("training.dataset", "preference" if dpo else None, "DPO"),
              ("checkpoint.last_save_in_hf", lora is not None and config.checkpoint.last_save_in_hf
               and not config.lora.merge_on_export, "a PEFT adapter export (lora.merge_on_export = true writes the "
               "merged model)"),
