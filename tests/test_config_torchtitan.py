@@ -170,6 +170,19 @@ lr_min = 0.1
     assert len(notes) == len(set(notes))
 
 
+def test_a_string_for_a_list_is_a_comma_list_as_in_torchtitans_files(tmp_path):
+    """TorchTitan's early-2025 files write some lists as strings (its llama3_405b.toml:
+    ``converters = "float8"``, ``filter_fqns = "output"``); they read as comma lists, as the
+    command line's do."""
+    config = load_job_config(["--job.config_file", _write(tmp_path, """
+[model]
+converters = "float8"
+[float8]
+filter_fqns = "output, router.gate"
+""")])
+    assert config.model.converters == ["float8"] and config.float8.filter_fqns == ["output", "router.gate"]
+
+
 def test_two_names_of_one_key_must_agree(tmp_path):
     path = _write(tmp_path, "[training]\nbatch_size = 3\nlocal_batch_size = 4\n")
     with pytest.raises(ConfigError, match=r"'training.batch_size' = 3 and 'training.local_batch_size' = 4 .* "

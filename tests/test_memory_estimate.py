@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, run_command, run_distributed
-from torchtitan_lite.config import load_job_config
+from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.job import plan_job
 from torchtitan_lite.memory.cli import main
 from torchtitan_lite.memory.estimate import (
@@ -410,13 +410,19 @@ def _stub_estimates(monkeypatch: pytest.MonkeyPatch, before: Any = None) -> list
 def test_cli_plans_torchtitans_8b_job_at_tensor_parallel_2_without_its_dataset(tmp_path, monkeypatch,
                                                                                capsys) -> None:
     """TorchTitan's own llama3_8b.toml (dataset 'c4' from the Hub, a tokenizer under ./assets)
-    with tensor_parallel_degree = 2, on a machine with neither: planned, one line for each."""
+    with tensor_parallel_degree = 2 and asynchronous tensor parallel, on a machine with neither
+    data nor a GPU: planned as the CUDA job it is, one line for each missing file (training it
+    here is refused: asynchronous tensor parallel needs CUDA)."""
     config = tmp_path / "llama3_8b.toml"
     config.write_text((REPO_ROOT / "tests" / "assets" / "torchtitan" / "2026-02" / "llama3_8b.toml").read_text()
                       .replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    async_tp = ["--parallelism.enable_async_tensor_parallel", "--compile.enable"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="asynchronous tensor parallel runs on CUDA"):
+            plan_job(load_job_config(["--parallelism.tensor_parallel_degree", "2", *async_tp]), world_size=2)
     planned = _stub_estimates(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80"]) == 0
+    assert main(["--job.config_file", str(config), "--world_size", "8", "--device_memory_gib", "80", *async_tp]) == 0
     out = capsys.readouterr().out
     assert {(args.dim, args.n_layers, args.vocab_size) for args in planned} == {(4096, 32, 128256)}
     assert "× tensor parallel 2 (" in out.splitlines()[0], out

@@ -262,8 +262,11 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 _DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel", "pp": "pipeline"}
 
 
-def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None = None) -> JobPlan:
-    """Resolve the job for ``world_size`` ranks (``local_world_size`` per node; None: one node).
+def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None = None,
+             device_type: str | None = None) -> JobPlan:
+    """Resolve the job for ``world_size`` ranks (``local_world_size`` per node; None: one node)
+    on ``device_type`` machines (None: this machine's, CUDA when it has it, else the CPU; the
+    memory CLI plans CUDA jobs anywhere).
 
     Checks what needs the world size or the model family (flavor, sequence lengths against the
     model, parallel degrees, integer reshard mode, batch sizes, seed checkpoint on one process)
@@ -328,7 +331,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     if longest > model_args.max_seq_len:
         model_args = dataclasses.replace(model_args, max_seq_len=longest)
     model_args = _moe_settings(config, spec, model_args, dims)
-    _tensor_parallel_settings(config, dims, model_args)
+    device_type = device_type or _device_type()
+    _tensor_parallel_settings(config, dims, model_args, device_type)
     _context_parallel_settings(config, dims, model_args)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
@@ -346,7 +350,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
         context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
-        device_type=_device_type(),
+        device_type=device_type,
         local_batch_size=t.local_batch_size, seq_len=t.seq_len, grad_accum_steps=grad_accum_steps,
         param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
         reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
@@ -467,7 +471,7 @@ def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args
             raise ConfigError(f"parallelism.context_parallel_degree: invalid value {dims.cp}; {problem}")
 
 
-def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any) -> None:
+def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any, device_type: str) -> None:
     """Refuse, one line each, what tensor parallel cannot split or run with (yet)."""
     from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 
@@ -492,9 +496,7 @@ def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args:
         _require(config.compile.enable, "parallelism.enable_async_tensor_parallel", True,
                  "asynchronous tensor parallel is inductor's rewrite of the compiled blocks: expected "
                  "compile.enable = true with it")
-        import torch
-
-        _require(torch.cuda.is_available(), "parallelism.enable_async_tensor_parallel", True,
+        _require(device_type == "cuda", "parallelism.enable_async_tensor_parallel", True,
                  "asynchronous tensor parallel runs on CUDA (symmetric memory between the GPUs of a node) and this "
                  "machine has none; expected false")
 

@@ -705,7 +705,7 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         return _coerce_tables(key, value, typing.get_args(inner)[0], from_cli=from_cli)
     if origin is list:
         (elem,) = typing.get_args(inner)
-        if from_cli and isinstance(value, str):
+        if isinstance(value, str):  # a comma list (TorchTitan's TOML files write some lists so)
             items: list[Any] = [v.strip() for v in value.split(",") if v.strip()]
         elif isinstance(value, list):
             items = value

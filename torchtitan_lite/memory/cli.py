@@ -122,19 +122,19 @@ def plan_without_files(config: JobConfig, *, world_size: int,
     note = None
     try:
         try:
-            plan = plan_job(config, world_size=world_size, local_world_size=local_world_size)
+            plan = plan_job(config, world_size=world_size, local_world_size=local_world_size, device_type="cuda")
         except DataError as exc:  # plan_job reads no file but the tokenizer
             if config.model.tokenizer_path is None:
                 raise
             planned, note = _without_tokenizer(config, exc)
-            plan = plan_job(planned, world_size=world_size, local_world_size=local_world_size)
+            plan = plan_job(planned, world_size=world_size, local_world_size=local_world_size, device_type="cuda")
             note = f"{note}, {plan.model_args.vocab_size} ids"
     except ConfigError as exc:
         errors.append(str(exc))
     if errors:
         raise ConfigError("\n".join(errors))
-    # The estimate is of a CUDA job (device memory), whatever this machine has.
-    return dataclasses.replace(plan, shape=plan.shape.replace(device_type="cuda")), note
+    # (the estimate is of a CUDA job, device memory, whatever this machine has)
+    return plan, note
 
 
 def _positive_int(text: str) -> int:

@@ -171,7 +171,8 @@ def estimate_memory(spec: ModelSpec, args: Any, shape: JobShape | None = None, *
     Raises ``ValueError`` naming the argument when a value is not allowed.
     """
     stages = estimate_stages(spec, args, shape, **fields)
-    return max(stages, key=lambda estimate: estimate.device_peak)
+    worst = max(stages, key=lambda estimate: estimate.device_peak)
+    return dataclasses.replace(worst, seconds=sum(estimate.seconds for estimate in stages))
 
 
 def estimate_stages(spec: ModelSpec, args: Any, shape: JobShape | None = None,

@@ -144,6 +144,9 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
                     multiple_of=1024, rope_theta=500000.0),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
                      multiple_of=4096, rope_theta=500000.0),
+    # TorchTitan's 405B (its train_configs/llama3_405b.toml): Llama 3.1 405B's shape, no rope scaling.
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                      multiple_of=4096, rope_theta=500000.0),
     # The published Llama 3.1 / 3.2 / 3.3 shapes (3.3 70B is 3.1 70B's shape).
     "3.1-8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
                         multiple_of=1024, rope_theta=500000.0, **_LLAMA31_ROPE),
