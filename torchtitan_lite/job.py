@@ -443,7 +443,8 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
               if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
              ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
-              p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their split backward beside FSDP2)")]
+              p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their weight-gradient pass "
+              "comes after FSDP has resharded the stage)")]
     _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")
