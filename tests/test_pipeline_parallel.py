@@ -72,9 +72,6 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
     (["--validation.enable", "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.local_batch_size",
       "4", "--validation.local_batch_size", "3"],
      "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
-    (["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"],
-     "parallelism.pipeline_parallel_degree: invalid value 2; pipeline parallel is not combined with "
-     "parallelism.expert_parallel_degree > 1 yet"),
     (["--model.name", "qwen3"], "parallelism.pipeline_parallel_degree: invalid value 2; qwen3 tiny ties its "
                                 "embedding to the output projection"),
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--model.flavor", "debugmodel",
@@ -319,7 +316,8 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
     Tiny Qwen3-MoE (2 MoE blocks, softmax router, aux 0.1, z-loss 0.01): pipeline 4 with 1F1B,
     pipeline 2 with Interleaved1F1B and full checkpointing, and pipeline 2 × tensor parallel 2
     give one process's losses, aux and z losses and every layer's load within 1e-5; data
-    parallel 2 × pipeline 2 those of data parallel 2. Tiny DeepSeek-V3 (a dense block, then 2
+    parallel 2 × pipeline 2, also with expert parallel 2 (each stage's experts split over its
+    two data-parallel ranks), those of data parallel 2. Tiny DeepSeek-V3 (a dense block, then 2
     MoE blocks of a sigmoid router with bias balancing 0.01, aux 0.1): pipeline 4 with 1F1B,
     whose first and last stages hold no MoE layer, and pipeline 2 with GPipe, whose checkpoint at
     step 5 (each stage's router biases) resumes in one process with the later steps of the run
@@ -339,6 +337,9 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
         "Qwen3-MoE dp2 x pp2": (4, _moe_argv("qwen3_moe", tmp_path / "qdp2pp2", 4, *qwen, *stages), data_parallel),
         "Qwen3-MoE pp2 x tp2": (4, _moe_argv("qwen3_moe", tmp_path / "qtp2", 8, *qwen, *stages,
                                              "--parallelism.tensor_parallel_degree", "2"), reference),
+        "Qwen3-MoE dp2 x pp2, expert parallel 2": (4, _moe_argv("qwen3_moe", tmp_path / "qep2", 4, *qwen, *stages,
+                                                               "--parallelism.expert_parallel_degree", "2"),
+                                                   data_parallel),
     }
     for label, (ranks, argv, expected) in cases.items():
         runs = run_distributed(train_history, ranks, argv)

@@ -123,7 +123,10 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         # dp_shard: the two dimensions flattened (no new process groups beyond the flattened one)
         world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]
-        return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dist.group.WORLD, experts=experts)
+        # (data parallel is the world, but with a pipeline: then each pipeline rank's share)
+        dp_group = (dist.group.WORLD if dims.pp == 1 else fsdp._flatten("dp").get_group() if replicate
+                    else fsdp.get_group())
+        return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, experts=experts)
     if "cp" in names and dims.ep > 1:
         # Expert parallel over dp_shard_in_ep × cp (the ep dimension, flattened); the experts'
         # weights FSDP-sharded over dp_shard_mod_ep, everything else over all three.
