@@ -281,3 +281,24 @@ def test_block_mask_path_matches_dense_mask(monkeypatch: pytest.MonkeyPatch) -> 
 def test_rejects_unknown_rope_scaling() -> None:
     with pytest.raises(ValueError, match="rope_scaling"):
         DeepseekV3Args(rope_scaling="llama3")
+
+
+def test_attention_as_on_cuda_pads_narrow_values_and_gives_the_same_result() -> None:
+    """The memory estimate of a CUDA job runs latent attention (values narrower than keys) on the
+    fused CPU kernel over zero-padded values: the same output and gradients as the math path."""
+    import torch
+
+    from torchtitan_lite.models.decoder import attend, attention_as_on_cuda
+
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 16, 24, generator=generator, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, 16, 16, generator=generator, requires_grad=True)
+    plain = attend(q, k, v, scale=0.3)
+    grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
+    with attention_as_on_cuda():
+        padded = attend(q, k, v, scale=0.3)
+        padded_grads = torch.autograd.grad(padded.square().sum(), (q, k, v))
+    assert padded.shape == plain.shape == (2, 4, 16, 16)
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(padded_grads, grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

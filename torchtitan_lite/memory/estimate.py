@@ -62,6 +62,7 @@ from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.memory.measure import CATEGORIES, by_category
+from torchtitan_lite.models.decoder import attention_as_on_cuda
 from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.optim import build_optimizer
 
@@ -520,7 +521,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             # No automatic collection inside (as in the trainer); only the young generation is
             # collected first: fake tensors hold no memory, and a full collection before each of
             # auto's estimates was a sixth of their time (the estimates are the same).
-            with GarbageCollection(generation=0), tracker:
+            kernels = attention_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
+            with GarbageCollection(generation=0), tracker, kernels:
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 if pipeline is not None:
                     _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,

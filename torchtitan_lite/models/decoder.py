@@ -20,8 +20,10 @@ Nothing here knows about FSDP: the model can be built on the meta device, sharde
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -153,12 +155,38 @@ class Attention(nn.Module):
                 norm.init_weights()
 
 
+_CUDA_KERNELS_ON_CPU = False
+"""Set by :func:`attention_as_on_cuda` (the memory estimate of a CUDA job, run on CPU)."""
+
+
+@contextlib.contextmanager
+def attention_as_on_cuda() -> Iterator[None]:
+    """Within: attention on CPU tensors whose values are narrower than their keys (DeepSeek's
+    latent attention: 128 against 192) runs the fused kernel on values zero-padded to the keys'
+    width, then drops the padding. PyTorch's CPU kernel takes only equal widths and otherwise
+    falls back to the math path, which keeps the ``heads × seq²`` scores for backward; CUDA's
+    memory-efficient kernel takes unequal widths and keeps only the output and the log-sum-exp.
+    For the memory estimate of a CUDA job (the padded copy of the values and the wider output
+    cost a little more than CUDA holds)."""
+    global _CUDA_KERNELS_ON_CPU
+    before, _CUDA_KERNELS_ON_CPU = _CUDA_KERNELS_ON_CPU, True
+    try:
+        yield
+    finally:
+        _CUDA_KERNELS_ON_CPU = before
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, *, enable_gqa: bool = False,
            scale: float | None = None) -> torch.Tensor:
     """Attention of ``q`` ``(bs, heads, seq, d)`` over ``k``, ``v`` under ``mask``: None (causal),
     a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, or a
     context-parallel :class:`~torchtitan_lite.distributed.context_parallel.ShardedAttention`
     (anything with ``attend``: this rank's queries over the whole sequence)."""
+    if _CUDA_KERNELS_ON_CPU and q.device.type == "cpu" and v.shape[-1] < q.shape[-1] and mask is None:
+        width = v.shape[-1]
+        padded = F.pad(v, (0, q.shape[-1] - width))
+        return F.scaled_dot_product_attention(q, k, padded, is_causal=True, scale=scale,
+                                              enable_gqa=enable_gqa)[..., :width]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if isinstance(mask, torch.Tensor):
