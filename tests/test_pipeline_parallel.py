@@ -314,14 +314,14 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
     over each global micro-batch, so the reference accumulates the same micro-batches).
 
     Tiny Qwen3-MoE (2 MoE blocks, softmax router, aux 0.1, z-loss 0.01): pipeline 4 with 1F1B,
-    pipeline 2 with Interleaved1F1B and full checkpointing, and pipeline 2 × tensor parallel 2
-    give one process's losses, aux and z losses and every layer's load within 1e-5; data
-    parallel 2 × pipeline 2, also with expert parallel 2 (each stage's experts split over its
-    two data-parallel ranks), those of data parallel 2. Tiny DeepSeek-V3 (a dense block, then 2
-    MoE blocks of a sigmoid router with bias balancing 0.01, aux 0.1): pipeline 4 with 1F1B,
-    whose first and last stages hold no MoE layer, and pipeline 2 with GPipe, whose checkpoint at
-    step 5 (each stage's router biases) resumes in one process with the later steps of the run
-    that never stopped."""
+    pipeline 2 with Interleaved1F1B and full checkpointing, with GPipe, and pipeline 2 × tensor
+    parallel 2 give one process's losses, aux and z losses and every layer's load within 1e-5;
+    data parallel 2 × pipeline 2, also with expert parallel 2 (each stage's experts split over
+    its two data-parallel ranks), those of data parallel 2. Tiny DeepSeek-V3 (a dense block, then
+    2 MoE blocks of a sigmoid router with bias balancing 0.01, aux 0.1): pipeline 4 with 1F1B,
+    whose first and last stages hold no MoE layer, pipeline 2 with Interleaved1F1B (4 stages of
+    one layer), and pipeline 2 with GPipe, whose checkpoint at step 5 (each stage's router
+    biases) resumes in one process with the later steps of the run that never stopped."""
     from tests.dist_utils import run_distributed
 
     qwen = ["--moe.z_loss_coef", "0.01"]
@@ -335,6 +335,8 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
                                                                 _SCHEDULE, "Interleaved1F1B",
                                                                 "--activation_checkpoint.mode", "full"), reference),
         "Qwen3-MoE dp2 x pp2": (4, _moe_argv("qwen3_moe", tmp_path / "qdp2pp2", 4, *qwen, *stages), data_parallel),
+        "Qwen3-MoE pp2 GPipe": (2, _moe_argv("qwen3_moe", tmp_path / "qg", 8, *qwen, *stages, _SCHEDULE, "GPipe"),
+                                reference),
         "Qwen3-MoE pp2 x tp2": (4, _moe_argv("qwen3_moe", tmp_path / "qtp2", 8, *qwen, *stages,
                                              "--parallelism.tensor_parallel_degree", "2"), reference),
         "Qwen3-MoE dp2 x pp2, expert parallel 2": (4, _moe_argv("qwen3_moe", tmp_path / "qep2", 4, *qwen, *stages,
@@ -351,6 +353,9 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
     four = run_distributed(train_history, 4, _moe_argv("deepseek_v3", tmp_path / "d4", 8, *deepseek, _PP, "4",
                                                        "--parallelism.pipeline_parallel_microbatch_size", "2"))[0]
     _same_moe_history(four, reference, "DeepSeek-V3 pp4 1F1B")
+    looped = run_distributed(train_history, 2, _moe_argv("deepseek_v3", tmp_path / "di", 8, *deepseek, *stages,
+                                                         _SCHEDULE, "Interleaved1F1B"))[0]
+    _same_moe_history(looped, reference, "DeepSeek-V3 pp2 Interleaved1F1B")
     saved = ["--checkpoint.enable", "--checkpoint.interval", "5"]
     two = run_distributed(train_history, 2, _moe_argv("deepseek_v3", tmp_path / "d2", 8, *deepseek, *stages,
                                                       _SCHEDULE, "GPipe", *saved))[0]
