@@ -366,6 +366,42 @@ def test_mixtures_of_experts_train_through_the_stages_as_one_process(tmp_path: P
     _same_moe_history(resumed, reference[5:], "DeepSeek-V3 pp2 resumed in one process")
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_lora_at_pipeline_2_exports_the_adapters_of_both_stages_as_peft_loads_them(tmp_path: Path) -> None:
+    """LoRA on every linear of the tiny Llama from a Hugging Face base, 5 steps at pipeline 2 (one
+    block a stage): the last save is one PEFT adapter folder holding both stages' adapters, the
+    same keys and values (within 1e-5) as one process's, and PEFT on transformers' base model
+    gives the logits of one process's trained model within 1e-5."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.dist_utils import run_distributed
+    from tests.test_lora import _hf_model, _lora_args, _save_base
+
+    base = _save_base(tmp_path / "base")
+    common = ["--training.global_batch_size", "4", "--training.local_batch_size", "4"]
+    one = run_distributed(_losses, 1, _lora_args(tmp_path / "one", base, *common))[0]
+    staged = run_distributed(_losses, 2, _lora_args(tmp_path / "pp2", base, *common, _PP, "2",
+                                                    "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
+                                                    "--parallelism.pipeline_parallel_last_stage_less_layers", "0"))[0]
+    _close(staged, one, "LoRA at pp2")
+    ours, theirs = (load_file(str(tmp_path / run / "checkpoint" / "step-5" / "adapter_model.safetensors"))
+                    for run in ("pp2", "one"))
+    assert sorted(ours) == sorted(theirs) and any(".layers.0." in k for k in ours) and any(
+        ".layers.1." in k for k in ours), sorted(ours)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        staged_logits = peft.PeftModel.from_pretrained(_hf_model(base), str(tmp_path / "pp2" / "checkpoint" /
+                                                                          "step-5"))(tokens).logits
+        one_logits = peft.PeftModel.from_pretrained(_hf_model(base), str(tmp_path / "one" / "checkpoint" /
+                                                                       "step-5"))(tokens).logits
+    torch.testing.assert_close(staged_logits, one_logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_mixture_at_pipeline_2_reports_each_sources_loss_as_one_process(tmp_path: Path) -> None:
     """A mixture of two sources (3:1), fp32, 4 steps at pipeline 2 (2 ranks): the loss and each

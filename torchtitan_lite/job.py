@@ -437,9 +437,6 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
              "multiple of it")
     later = [("training.dataset", "preference" if dpo else None, "DPO"),
-             ("checkpoint.last_save_in_hf", lora is not None and config.checkpoint.last_save_in_hf
-              and not config.lora.merge_on_export, "a PEFT adapter export (lora.merge_on_export = true writes the "
-              "merged model)"),
              ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
               if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
              ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in

@@ -176,6 +176,12 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, spec: ModelSpec, lo
         for part, full in _experts_to_peft(a, b).items():
             which, adapter_name = _PEFT_PARTS[part]
             tensors[f"{prefixes[which]}.{adapter_name}.weight"] = full.to(dtype or full.dtype).cpu().contiguous()
+    if is_distributed() and getattr(model, "pipeline_stages", None) is not None:
+        # Pipeline parallel: each rank holds its stages' adapters; rank 0 writes them all (the
+        # data-parallel ranks of a stage send the same ones: the adapters are small)
+        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(tensors, parts if dist.get_rank() == 0 else None, dst=0)
+        tensors = {key: value for part in parts for key, value in part.items()}
     if not is_distributed() or dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
