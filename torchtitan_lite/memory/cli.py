@@ -421,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(exc).splitlines() or [""]:  # one line per problem
             print(f"error: {line}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # the estimate's own step failed (a bug to report, not a setting to fix)
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        print(f"error: the memory estimate's step failed: {first_line}", file=sys.stderr)
+        return 1
     first = estimates[0]
     for note in plan.notes:
         print(f"note: {note}")
