@@ -237,6 +237,7 @@ def _moe_job(dtype: str, *extra: str) -> list[str]:
             "--metrics.no-enable_tensorboard", *extra]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_moe_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
     """A mixture of experts (routing, dispatch buffers, grouped expert products and the CPU
@@ -290,6 +291,7 @@ def test_estimate_api() -> None:
         estimate_memory(SPEC, DEBUG, cpu_offload=False, **{**common, "world_size": 0})
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> None:
     """The 8B flavor (Llama-3 vocabulary, seq 8192) at 8 ranks of 80 GiB: with

@@ -436,6 +436,7 @@ def test_lora_with_a_blockless_stage_is_refused_in_one_line() -> None:
         plan_job(config, world_size=4)
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 def test_the_memory_cli_prints_each_pipeline_ranks_stages_and_estimate(tmp_path: Path, capsys: Any) -> None:
     """Pipeline 2 × data parallel 2 of the debug model, Interleaved1F1B: the CLI names each rank's
     stages and prints one row per pipeline rank; the first rank (the embedding, and the most
