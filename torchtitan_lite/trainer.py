@@ -257,7 +257,7 @@ def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
         return None
     e = config.moe
     names = None if plan.shape.pipeline is None else list(moe_layers(plan.spec.meta_model(plan.model_args)))
-    balance = RouterBalance(
+    return RouterBalance(
         model,
         aux_loss_coef=aux_loss_weight(e.aux_loss_coef, plan.model_args),
         z_loss_coef=e.z_loss_coef,
@@ -266,9 +266,8 @@ def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
         dp_size=plan.token_ranks,
         names=names,
         pipeline_group=mesh.pp_group,
+        num_experts=plan.model_args.num_experts,
     )
-    balance.set_num_experts(plan.model_args.num_experts)
-    return balance
 
 
 def build_optimizers(config: JobConfig, plan: JobPlan,

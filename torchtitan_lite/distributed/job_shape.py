@@ -95,6 +95,11 @@ class JobShape:
         """The shape with ``changes``."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def pipeline_degree(self) -> int:
+        """Pipeline ranks (1 without a pipeline)."""
+        return 1 if self.pipeline is None else self.pipeline.degree
+
     def fsdp_options(self) -> FSDPOptions | None:
         """How FSDP2 shards the model (None: it does not)."""
         if not self.sharded:

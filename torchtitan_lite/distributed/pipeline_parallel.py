@@ -35,8 +35,8 @@ from torch import nn
 
 from torchtitan_lite.models.moe.balance import RouterBalance
 
-__all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart", "init_stage_weights",
-           "pipeline_plan", "pipeline_problem", "prune_to_stages", "rank_actions"]
+__all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart",
+           "init_stage_weights", "pipeline_plan", "pipeline_problem", "prune_to_stages", "rank_actions"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")

@@ -308,14 +308,18 @@ def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes:
     lines = [f"estimated memory per rank in {name} (tensor bytes)", head]
     for est in estimates:
         mark = "*" if _label(est.reshard_after_forward_mode) == str(configured) else " "
-        where = where_text(est.device_peak_phase, est.device_peak_module)
-        fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
-        cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
-        if offload:
-            cells.append(est.cpu_peak)
-        lines.append(f"{_label(est.reshard_after_forward_mode) + mark:9} "
-                     + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where[:32]:32} {fits}")
+        lines.append(_row(_label(est.reshard_after_forward_mode) + mark, est, scale, device_bytes, offload))
     return "\n".join(lines)
+
+
+def _row(label: str, est: MemoryEstimate, scale: int, device_bytes: float | None, offload: bool) -> str:
+    """One estimate's line of a table: its categories at the device peak, the peak, where, fits."""
+    where = where_text(est.device_peak_phase, est.device_peak_module)
+    fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
+    cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
+    if offload:
+        cells.append(est.cpu_peak)
+    return f"{label:9} " + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where[:32]:32} {fits}"
 
 
 def _pipeline_text(pipeline: PipelinePlan, local_batch_size: int) -> str:
@@ -334,20 +338,15 @@ def _pipeline_text(pipeline: PipelinePlan, local_batch_size: int) -> str:
     return "\n".join(lines)
 
 
-def _stage_table(stages: list[MemoryEstimate], pipeline: PipelinePlan | None, configured: str | int,
-                 device_bytes: float | None, unit: tuple[str, int]) -> str:
+def _stage_table(stages: list[MemoryEstimate], configured: str | int, device_bytes: float | None,
+                 unit: tuple[str, int]) -> str:
     """Each pipeline rank's estimate in the configured mode: its stages' parameters, its
     micro-batches in flight."""
     name, scale = unit
     head = (f"{'pp rank':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
             + f"  {'peak in':32} fits")
     lines = [f"per pipeline rank, reshard_after_forward_mode {configured!r}, in {name}", head]
-    for est in stages:
-        where = where_text(est.device_peak_phase, est.device_peak_module)
-        fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
-        cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
-        lines.append(f"{est.pipeline_rank:<9} " + " ".join(f"{value / scale:8.2f}" for value in cells)
-                     + f"  {where[:32]:32} {fits}")
+    lines += [_row(str(est.pipeline_rank), est, scale, device_bytes, offload=False) for est in stages]
     return "\n".join(lines)
 
 
@@ -465,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                  else "a frozen copy sharded like the model (its shards counted as sharded params)"))
     print(_table(estimates, configured, device_bytes, unit))
     if stages:
-        print(_stage_table(stages, plan.shape.pipeline, configured, device_bytes, unit))
+        print(_stage_table(stages, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"
              + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if stages else "")]
     if plan.offload != "none":

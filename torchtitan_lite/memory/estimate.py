@@ -56,7 +56,7 @@ from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
-from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, rank_actions
+from torchtitan_lite.distributed.pipeline_parallel import SINGLE_SCHEDULES, PipelinePlan, rank_actions
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
@@ -189,7 +189,7 @@ def estimate_stages(spec: ModelSpec, args: Any, shape: JobShape | None = None,
     check_arguments(shape, args)
     import torch.distributed as dist
 
-    ranks = range(1 if shape.pipeline is None else shape.pipeline.degree)
+    ranks = range(shape.pipeline_degree)
     if dist.is_available() and dist.is_initialized():
         # The fake process group has to be the default one: run where there is none yet.
         return in_child_process(_estimates_here, spec, args, {"shape": shape, "ranks": list(ranks)})
@@ -277,12 +277,8 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     if world_size % (dp_replicate * tensor_parallel):
         raise ValueError(f"tensor_parallel: invalid value {tensor_parallel}; dp_replicate {dp_replicate} × "
                          f"tensor_parallel must divide world_size {world_size}")
-    pp = 1 if shape.pipeline is None else shape.pipeline.degree
-    if world_size % (dp_replicate * tensor_parallel * pp):
-        raise ValueError(f"pipeline: invalid degree {pp}; dp_replicate {dp_replicate} × tensor_parallel "
-                         f"{tensor_parallel} × pipeline must divide world_size {world_size}")
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel,
-                                cp=shape.context_parallel, pp=pp)
+                                cp=shape.context_parallel, pp=shape.pipeline_degree)
     validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard * dims.cp)
     if shape.context_parallel > 1 and seq_len % (2 * shape.context_parallel):
         raise ValueError(f"seq_len: invalid value {seq_len}; context parallel {shape.context_parallel} splits it "
@@ -477,7 +473,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
 
     start = time.perf_counter()
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, ep=expert_parallel,
-                                tp=tensor_parallel, cp=shape.context_parallel, pp=dims_pp(shape))
+                                tp=tensor_parallel, cp=shape.context_parallel, pp=shape.pipeline_degree)
     local_len = seq_len // dims.cp  # context parallel: this rank's share of each sequence
     device = torch.device("cpu")
     # (pp is the mesh's outermost dimension: this rank is the first of pipeline rank pp_rank's)
@@ -598,11 +594,6 @@ def _gloo_all_gathers(model: torch.nn.Module) -> None:
             module.set_custom_all_gather(_GlooAllGather())
 
 
-def dims_pp(shape: JobShape) -> int:
-    """The job's pipeline degree (1 without a pipeline)."""
-    return 1 if shape.pipeline is None else shape.pipeline.degree
-
-
 def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, batches: int,
                    rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float,
                    sequence_shards: int = 1) -> None:
@@ -624,7 +615,7 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                 for j in range(microbatches)}
     returned = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.last
                 for j in range(microbatches)}
-    looped = plan.schedule not in ("GPipe", "1F1B")
+    looped = plan.schedule not in SINGLE_SCHEDULES
     for _ in range(batches):
         in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         sent: list[torch.Tensor] = []  # sends not waited for yet

@@ -68,7 +68,8 @@ class RouterBalance:
     context parallel; None: one process); ``dp_size``: its ranks.
 
     Pipeline parallel: ``model`` holds only this rank's stages; ``names`` are the MoE layers of
-    the whole model (in forward order) and ``pipeline_group`` its pipeline ranks. Each stage adds
+    the whole model (in forward order), ``pipeline_group`` its pipeline ranks and
+    ``num_experts`` the experts per layer (a rank without MoE layers cannot read them). Each stage adds
     its layers' routing to a :meth:`routing_state` that travels with the hidden states, and the
     last stage turns the whole model's into the micro-batch's loss (:meth:`state_loss`): the
     load-balancing loss's counts are those of every layer, and its gradient reaches every stage's
@@ -76,7 +77,8 @@ class RouterBalance:
 
     def __init__(self, model: nn.Module, *, aux_loss_coef: float, z_loss_coef: float = 0.0,
                  bias_update_rate: float = 0.0, group: Any = None, dp_size: int = 1,
-                 names: list[str] | None = None, pipeline_group: Any = None) -> None:
+                 names: list[str] | None = None, pipeline_group: Any = None,
+                 num_experts: int | None = None) -> None:
         self.layers: dict[str, MoE] = moe_layers(model)
         self.names = list(self.layers) if names is None else list(names)
         if not self.names:
@@ -84,7 +86,12 @@ class RouterBalance:
         if any(name not in self.names for name in self.layers):
             raise ValueError(f"RouterBalance: MoE layers {sorted(set(self.layers) - set(self.names))} are not "
                              "among the model's")
-        self.num_experts = next(iter(self.layers.values())).router.num_experts if self.layers else 0
+        held = next(iter(self.layers.values())).router.num_experts if self.layers else None
+        if held is not None and num_experts is not None and held != num_experts:
+            raise ValueError(f"RouterBalance: the layers have {held} experts, not {num_experts}")
+        if held is None and num_experts is None:
+            raise ValueError("RouterBalance: a pipeline rank without MoE layers needs num_experts")
+        self.num_experts: int = held if held is not None else num_experts  # type: ignore[assignment]
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.group, self.dp_size, self.pipeline_group = group, dp_size, pipeline_group
         self.start_step()
@@ -101,12 +108,6 @@ class RouterBalance:
         self._z: torch.Tensor | float = 0.0
         for layer in self.layers.values():
             layer.last_routing = None
-
-    def set_num_experts(self, num_experts: int) -> None:
-        """The experts per layer, for a pipeline rank that holds no MoE layer (from the model's args)."""
-        if self.layers and num_experts != self.num_experts:
-            raise ValueError(f"RouterBalance: the layers have {self.num_experts} experts, not {num_experts}")
-        self.num_experts = num_experts
 
     def routing_state(self, names: list[str], state: torch.Tensor | None, *, device: torch.device,
                       record: bool = True) -> torch.Tensor:
