@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import TINY_ARGS
 from tests.dist_utils import train_history
-from torchtitan_lite.distributed.pipeline_parallel import pipeline_plan, pipeline_problem
+from torchtitan_lite.distributed.pipeline_parallel import pipeline_plan, pipeline_problem, rank_actions
 
 
 def _layers(plan: Any) -> list[tuple[tuple[str, ...], bool, bool]]:
@@ -38,6 +38,34 @@ def test_a_model_splits_into_even_stages_with_the_embedding_and_output_counted()
                           layers_per_stage=2)
     assert len(three.stages) == 6 and [[s.index for s in three.rank_stages(r)] for r in range(2)] == [[0, 2, 4],
                                                                                                        [1, 3, 5]]
+
+
+def test_zero_bubble_orders_split_each_backward_and_keep_fsdp_gathered() -> None:
+    """The orders the memory estimate replays are torch's: a zero-bubble rank runs each stage's
+    micro-batch once forward, once through the input pass and once through the weight pass, the
+    weight pass after the input pass; the job keeps FSDP's units gathered for it (reshard
+    ``never`` in place of ``default``)."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+
+    for schedule in ("ZBVZeroBubble", "InterleavedZeroBubble"):
+        plan = pipeline_plan(n_layers=6, degree=2, schedule=schedule, microbatch_size=1, local_batch_size=4)
+        assert plan.splits_backward
+        for rank in range(2):
+            actions = rank_actions(plan, rank, 4)
+            stages = [s.index for s in plan.rank_stages(rank)]
+            assert sorted(actions) == sorted((kind, s, j) for kind in "FIW" for s in stages for j in range(4))
+            for s in stages:
+                for j in range(4):
+                    assert actions.index(("F", s, j)) < actions.index(("I", s, j)) < actions.index(("W", s, j))
+    assert rank_actions(pipeline_plan(n_layers=6, degree=2, schedule="ZBVZeroBubble", microbatch_size=1,
+                                      local_batch_size=4), 0, 4)[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2),
+                                                                          ("F", 3, 0)]
+    assert not pipeline_plan(n_layers=6, degree=2, schedule="Interleaved1F1B", microbatch_size=1,
+                             local_batch_size=4).splits_backward
+    config = load_job_config([*TINY_ARGS, "--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
+    assert plan_job(config, world_size=4).reshard_mode == "never"
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -74,10 +102,12 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
      "validation.local_batch_size: invalid value 3; validation runs through the stages in micro-batches"),
     (["--model.name", "qwen3"], "parallelism.pipeline_parallel_degree: invalid value 2; qwen3 tiny ties its "
                                 "embedding to the output projection"),
-    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--model.flavor", "debugmodel",
-      "--training.local_batch_size", "4"], "parallelism.pipeline_parallel_schedule: "
-                                                                     "invalid value 'ZBVZeroBubble'; pipeline "
-                                                                     "parallel"),
+    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.reshard_after_forward_mode",
+      "always"], "parallelism.reshard_after_forward_mode: invalid value 'always'; ZBVZeroBubble keeps each stage's "
+                 "parameters gathered"),
+    (["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble", "--activation_checkpoint.mode",
+      "selective"], "activation_checkpoint.selective_ac_option: invalid value 'op'; per-op checkpointing lets each "
+                    "region run one backward, and InterleavedZeroBubble runs two"),
 ])
 def test_the_plan_refuses_what_a_pipeline_cannot_run_in_one_line(extra: list[str], message: str) -> None:
     from torchtitan_lite.config import load_job_config
@@ -287,6 +317,52 @@ def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora
         run = run_distributed(_losses, ranks, [*common, _PP, "2", *extra, "--job.dump_folder",
                                                str(tmp_path / label.replace(" ", "_"))])[0]
         _close(run, expected, label)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_zero_bubble_schedules_train_and_validate_as_one_process(tmp_path: Path) -> None:
+    """fp32, 10 steps of Llama 3's 6-block debug model, validated at steps 5 and 10: the two
+    zero-bubble schedules (each backward split into an input and a weight pass) give one
+    process's losses within 1e-5 and its validation losses: ZBVZeroBubble at pipeline 2 (its
+    stages in a V: validation needs its own forward order), compiled; InterleavedZeroBubble
+    at pipeline 2; data parallel 2 × pipeline 2 with each (FSDP's units gathered from the first
+    forward to the last weight pass, every gradient reduced once after the step), the
+    interleaved one with full checkpointing. Tiny Qwen3-MoE at data parallel 2 × pipeline 2
+    with expert parallel 2 and ZBVZeroBubble: data parallel 2's losses, router losses and loads."""
+    from tests.dist_utils import run_distributed
+
+    common = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.steps", "10",
+              "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+              "--metrics.no-enable_tensorboard", "--validation.enable", "--validation.freq", "5",
+              "--validation.steps", "2", "--validation.local_batch_size", "2"]
+    reference = run_distributed(train_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]
+    zbv, izb = [_SCHEDULE, "ZBVZeroBubble"], [_SCHEDULE, "InterleavedZeroBubble"]
+    cases = {
+        "pp2 ZBVZeroBubble, compiled": (2, [_PP, "2", *zbv, "--training.local_batch_size", "8", "--compile.enable"]),
+        "pp2 InterleavedZeroBubble": (2, [_PP, "2", *izb, "--training.local_batch_size", "8"]),
+        # (validation's global batch stays 2 rows: 1 on each data-parallel rank)
+        "dp2 x pp2 ZBVZeroBubble": (4, [_PP, "2", *zbv, "--validation.local_batch_size", "1"]),
+        "dp2 x pp2 InterleavedZeroBubble, full AC": (4, [_PP, "2", *izb, "--activation_checkpoint.mode", "full",
+                                                         "--validation.local_batch_size", "1"]),
+    }
+    for label, (ranks, extra) in cases.items():
+        runs = run_distributed(train_history, ranks, [*common, *extra, "--job.dump_folder",
+                                                      str(tmp_path / label.replace(" ", "_").replace(",", ""))])
+        assert all([r["loss"] for r in run] == [r["loss"] for r in runs[0]] for run in runs), label
+        _close([(r["loss"], r["grad_norm"]) for r in runs[0]], [(r["loss"], r["grad_norm"]) for r in reference],
+               label)
+        validated = [(r["step"], r["validation_loss"]) for r in runs[0] if r.get("validation_loss") is not None]
+        expected = [(r["step"], r["validation_loss"]) for r in reference if r.get("validation_loss") is not None]
+        assert [step for step, _ in validated] == [step for step, _ in expected] == [5, 10], (label, validated)
+        for (_, ours), (_, theirs) in zip(validated, expected, strict=True):
+            assert abs(ours - theirs) <= 1e-5, (label, validated, expected)
+    qwen = ["--moe.z_loss_coef", "0.01"]
+    data_parallel = run_distributed(train_history, 2, _moe_argv("qwen3_moe", tmp_path / "qdp2", 2, *qwen))[0]
+    run = run_distributed(train_history, 4, _moe_argv("qwen3_moe", tmp_path / "qzbv", 4, *qwen, _PP, "2", *zbv,
+                                                      "--parallelism.pipeline_parallel_microbatch_size", "2",
+                                                      "--parallelism.expert_parallel_degree", "2"))[0]
+    _same_moe_history(run, data_parallel, "Qwen3-MoE dp2 x pp2 ZBVZeroBubble, expert parallel 2")
 
 
 def _moe_argv(model: str, dump: Path, local_batch_size: int, *extra: str) -> list[str]:

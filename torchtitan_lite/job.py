@@ -345,6 +345,17 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora, model_args)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
+    if pipeline is not None and pipeline.splits_backward:  # (its weight pass reads the input pass's gathered weights)
+        _require(reshard_mode in ("default", "never"), "parallelism.reshard_after_forward_mode", reshard_mode,
+                 f"{pipeline.schedule} keeps each stage's parameters gathered from its first forward to its last "
+                 "weight-gradient pass: expected 'default' or 'never'")
+        reshard_mode = "never"
+        ac = config.activation_checkpoint
+        _require(ac.mode != "selective" or str(ac.selective_ac_option).isdigit(),
+                 "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
+                 f"per-op checkpointing lets each region run one backward, and {pipeline.schedule} runs two (the input "
+                 "gradient, then the weight gradient): expected an integer N (every N-th block in full), or "
+                 "activation_checkpoint.mode 'full' or 'none'")
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
     shape = JobShape(
@@ -438,10 +449,7 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              "multiple of it")
     later = [("training.dataset", "preference" if dpo else None, "DPO"),
              ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
-              if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)"),
-             ("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule if "ZeroBubble" in
-              p.pipeline_parallel_schedule else None, "the zero-bubble schedules (their weight-gradient pass "
-              "comes after FSDP has resharded the stage)")]
+              if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)")]
     _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")

@@ -88,6 +88,10 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
                                    selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies)
     if shape.compile_model:
+        if shape.pipeline is not None and shape.pipeline.splits_backward:
+            # A zero-bubble schedule runs each compiled backward twice (input, then weight pass,
+            # on a retained graph), which donated buffers would have freed after the first.
+            torch._functorch.config.donated_buffer = False
         compile_blocks(model, blocks=units["blocks"], backend=shape.compile_backend, by_parts=shape.compile_by_parts)
     fsdp = shape.fsdp_options()
     if fsdp is None:

@@ -35,14 +35,18 @@ from torch import nn
 
 from torchtitan_lite.models.moe.balance import RouterBalance
 
-__all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "PipelinePlan", "PipelineRunner", "StagePart",
-           "init_stage_weights", "pipeline_plan", "pipeline_problem", "prune_to_stages", "rank_actions"]
+__all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
+           "PipelineRunner", "StagePart", "hold_gathered", "init_stage_weights", "pipeline_plan", "pipeline_problem",
+           "prune_to_stages", "rank_actions", "reduce_held"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble",)
 SCHEDULES = (*SINGLE_SCHEDULES, *LOOPED_SCHEDULES, *V_SCHEDULES)
 """The schedules of :mod:`torch.distributed.pipelining` a job may name (TorchTitan's names)."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+"""The zero-bubble schedules: each backward in two passes, the input gradient (sent at once to the
+previous stage) and later the weight gradient, which fills what would be bubbles."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,13 @@ class PipelinePlan:
 
     def microbatches(self, local_batch_size: int) -> int:
         return local_batch_size // self.microbatch_size
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule splits each backward into an input and a weight pass: FSDP must
+        then keep the stages' parameters gathered from the first forward to the last weight pass
+        and reduce their gradients once, after the step (:class:`PipelineRunner`)."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
 
 def _stages_per_rank(schedule: str, layers_per_stage: int | None, weight: int, degree: int) -> int | str:
@@ -167,10 +178,11 @@ def pipeline_plan(*, n_layers: int, degree: int, schedule: str, microbatch_size:
 
 def rank_actions(plan: PipelinePlan, pp_rank: int, microbatches: int) -> list[tuple[str, int, int]]:
     """What pipeline rank ``pp_rank`` computes in one run of the schedule over ``microbatches``,
-    in order: ``("F" or "B", stage, micro-batch)`` for each forward and (full) backward. GPipe and
-    1F1B in the order their single-stage schedules run (1F1B: ``degree - rank`` forwards, then
-    a backward before each further forward); the looped ones as :mod:`torch.distributed.pipelining`
-    computes their order. What the memory estimate replays (the micro-batches in flight)."""
+    in order: ``(kind, stage, micro-batch)``, kind ``F`` a forward, ``B`` a full backward, ``I``
+    and ``W`` a zero-bubble schedule's input and weight passes. GPipe and 1F1B in the order their
+    single-stage schedules run (1F1B: ``degree - rank`` forwards, then a backward before each
+    further forward); the others as :mod:`torch.distributed.pipelining` computes their order.
+    What the memory estimate replays (the micro-batches in flight)."""
     m, p = microbatches, plan.degree
     if plan.schedule == "GPipe":
         return [("F", pp_rank, j) for j in range(m)] + [("B", pp_rank, j) for j in range(m)]
@@ -182,19 +194,23 @@ def rank_actions(plan: PipelinePlan, pp_rank: int, microbatches: int) -> list[tu
             if warmup + j < m:
                 actions.append(("F", pp_rank, warmup + j))
         return actions
-    if plan.schedule not in LOOPED_SCHEDULES or "ZeroBubble" in plan.schedule:
-        raise ValueError(f"rank_actions: the order of {plan.schedule} (split backwards) is not replayed")
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import _ComputationType, get_schedule_class
 
-    rounds = max(1, m // p)
-    # (the schedule computes every rank's order from these fields alone, in its constructor)
-    state = SimpleNamespace(n_local_stages=len(plan.rank_stages(pp_rank)), pp_group_size=p, _n_microbatches=m,
-                            microbatches_per_round=m // rounds, rank=pp_rank)
-    ops = get_schedule_class(plan.schedule)._calculate_single_rank_operations(state, pp_rank)
-    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    return [(kinds[op.computation_type], op.stage_index, op.microbatch_index) for op in ops if op is not None]
+    # (a schedule computes every rank's order in its constructor, from these fields of its stages)
+    n = plan.num_stages
+    stages = [SimpleNamespace(group_size=p, group_rank=pp_rank, num_stages=n, submod=None, stage_index=layout.index,
+                              is_first=layout.first, is_last=layout.last) for layout in plan.rank_stages(pp_rank)]
+    order = get_schedule_class(plan.schedule)(stages, n_microbatches=m, loss_fn=_no_loss,
+                                              scale_grads=False).pipeline_order[pp_rank]
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+             _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+    return [(kinds[op.computation_type], op.stage_index, op.microbatch_index) for op in order if op is not None]
+
+
+def _no_loss(output: Any, target: Any) -> Any:
+    return output
 
 
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
@@ -229,6 +245,39 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
         whole.layers[key] = block
     whole.init_weights(buffer_device=buffer_device)
     model.init_buffers(buffer_device)
+
+
+def hold_gathered(model: nn.Module) -> None:
+    """Before a split-backward step (:attr:`PipelinePlan.splits_backward`) of an FSDP ``model``:
+    every unit stays gathered after its backward (the job reshards none after forward) and
+    accumulates unsharded gradients, reducing none, until :func:`reduce_held`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule)
+    if any(group.post_forward_mesh_info is not None for module in model.modules() if isinstance(module, FSDPModule)
+           for group in module._get_fsdp_state()._fsdp_param_groups):
+        raise ValueError("a split-backward schedule needs every FSDP unit gathered from its forward to its weight "
+                         "pass: expected reshard_after_forward_mode 'never'")
+    model.set_is_last_backward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+
+
+def reduce_held(model: nn.Module) -> None:
+    """After a split-backward step: what FSDP's backward would have done at its end, once for
+    the step (each unit's gradient reduced, its parameters resharded), as
+    :mod:`torch.distributed.pipelining` does for a stage that is its own FSDP root."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    assert isinstance(model, FSDPModule)
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    state = fully_shard.state(model)  # type: ignore[attr-defined]
+    for unit in state._state_ctx.all_states:
+        for group in unit._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 class StagePart(nn.Module):
@@ -275,6 +324,33 @@ class StagePart(nn.Module):
         return out, routing
 
 
+def _forward_only_v(stages: list[Any], **kwargs: Any) -> Any:
+    """Validation's order for stages placed in a V (rank ``r`` holds ``r`` and ``2p - 1 - r``):
+    each rank's first stage over every micro-batch, then its second (LoopedBFS assumes the
+    looped placement, which would send to the wrong ranks)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+    schedule = _PipelineScheduleRuntime(stages, **kwargs)
+    p, n, m = schedule.pp_group_size, schedule._num_stages, kwargs["n_microbatches"]
+    schedule.stage_index_to_group_rank = generate_stage_to_rank_mapping(p, n, style="v")
+    for stage in stages:
+        stage.stage_index_to_group_rank = schedule.stage_index_to_group_rank
+    # (the runtime checks an order with its backwards; they are dropped once its sends and
+    # receives are placed: rank p - 1's two stages would pass a gradient locally)
+    schedule.pipeline_order = {rank: [_Action(s, _ComputationType.FORWARD, j) for s in (rank, n - 1 - rank)
+                                      for j in range(m)] + [_Action(s, _ComputationType.FULL_BACKWARD, j)
+                                                            for s in (n - 1 - rank, rank) for j in reversed(range(m))]
+                               for rank in range(p)}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+    forward = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+               _ComputationType.UNSHARD, _ComputationType.RESHARD)
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type in forward]
+        for rank, actions in schedule.pipeline_order_with_comms.items()}
+    return schedule
+
+
 class PipelineRunner:
     """Runs one local batch through the schedule: forward and backward of every micro-batch, the
     loss (each micro-batch's ``loss_fn(logits, labels)`` times the step's scale) on the last stage."""
@@ -305,8 +381,15 @@ class PipelineRunner:
         name = ("GPipe" if single else "LoopedBFS") if forward_only else plan.schedule
         self.microbatches = plan.microbatches(local_batch_size)
         kwargs = {"n_microbatches": self.microbatches, "loss_fn": self._loss, "scale_grads": False}
-        self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
+        if forward_only and plan.schedule in V_SCHEDULES:
+            self.schedule = _forward_only_v(self.stages, **kwargs)
+        else:
+            self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
         self.device = device
+        from torch.distributed.fsdp import FSDPModule
+
+        # A zero-bubble schedule's weight pass reads the gathered parameters the input pass saw.
+        self._held = model if plan.splits_backward and not forward_only and isinstance(model, FSDPModule) else None
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         if self.balance is None:
@@ -363,7 +446,11 @@ class PipelineRunner:
         if sources is not None:
             target = torch.cat([labels, torch.tensor(sources, dtype=labels.dtype, device=labels.device)[:, None]], 1)
         args = (inputs,) if self.first else ()
+        if self._held is not None:
+            hold_gathered(self._held)
         self.schedule.step(*args, target=target if self.last else None, return_outputs=False)
+        if self._held is not None:
+            reduce_held(self._held)
         return self._total()
 
     def _total(self) -> torch.Tensor:

@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         with Progress(f"planning the memory of {config.model.name} {config.model.flavor} on {world_size} "
                       f"rank{'s' if world_size > 1 else ''}",
                       first_s=1.0) as progress:
-            modes = _modes(configured)
+            # (a zero-bubble schedule runs only with every unit gathered through the step)
+            splits = plan.shape.pipeline is not None and plan.shape.pipeline.splits_backward
+            modes = ["never"] if splits else _modes(configured)
             estimates = []
             for index, mode in enumerate(modes):
                 progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "

@@ -56,7 +56,14 @@ from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
-from torchtitan_lite.distributed.pipeline_parallel import SINGLE_SCHEDULES, PipelinePlan, rank_actions
+from torchtitan_lite.distributed.pipeline_parallel import (
+    SINGLE_SCHEDULES,
+    PipelinePlan,
+    StagePart,
+    hold_gathered,
+    rank_actions,
+    reduce_held,
+)
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
@@ -460,9 +467,6 @@ def estimate_here(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int = 0)
 
 def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int) -> MemoryEstimate:
     pipeline = shape.pipeline
-    if pipeline is not None and "ZeroBubble" in pipeline.schedule:
-        raise ValueError(f"parallelism.pipeline_parallel_schedule: invalid value {pipeline.schedule!r}; the memory "
-                         "estimate replays GPipe, 1F1B and Interleaved1F1B: expected one of them for an estimate")
     world_size, dp_replicate, local_batch_size = shape.world_size, shape.dp_replicate, shape.local_batch_size
     seq_len, grad_accum_steps, cpu_offload = shape.seq_len, shape.grad_accum_steps, shape.cpu_offload
     optimizer, optimizer_implementation = shape.optimizer, shape.optimizer_implementation
@@ -615,10 +619,48 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                 for j in range(microbatches)}
     returned = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.last
                 for j in range(microbatches)}
+    from torch.distributed.fsdp import FSDPModule
+
+    held = plan.splits_backward and isinstance(model, FSDPModule)
+    parts = {s: StagePart(model, stage) for s, stage in mine.items()}
+    with _module_hooks_for_split_backward() if plan.splits_backward else contextlib.nullcontext():
+        _replay(model, plan, pp_rank, tracker, mine=mine, parts=parts, held=held, batches=batches,
+                microbatches=microbatches, shape=shape, received=received, returned=returned, scale=scale)
+
+
+@contextlib.contextmanager
+def _module_hooks_for_split_backward() -> Iterator[None]:
+    """The tracker's module hooks as a split backward needs them. Its hook on a module's inputs
+    waits for all their gradients and holds their autograd nodes until then: a weight pass never
+    computes them, so every micro-batch's graph (and the activations it saved for the input
+    pass) would stay, a leak of the estimate only. Run on the first input's gradient instead
+    (a block's one input), it holds no node."""
+    from unittest import mock
+
+    from torch.autograd.graph import register_multi_grad_hook
+    from torch.distributed._tools import mod_tracker
+
+    def on_first(tensors: Any, fn: Any, *, mode: str = "any") -> Any:
+        return register_multi_grad_hook(tensors, fn, mode="any")
+
+    with mock.patch.object(mod_tracker, "register_multi_grad_hook", on_first):
+        yield
+
+
+def _replay(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, mine: dict[int, Any],
+            parts: dict[int, StagePart], held: bool, batches: int, microbatches: int, shape: tuple[int, int, int],
+            received: dict[tuple[int, int], torch.Tensor], returned: dict[tuple[int, int], torch.Tensor],
+            scale: float) -> None:
+    """:func:`_pipeline_step`'s loop over the schedule's actions."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
     looped = plan.schedule not in SINGLE_SCHEDULES
     for _ in range(batches):
         in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        weight_passes: dict[tuple[int, int], Any] = {}  # after an input pass: what its weight pass reads
         sent: list[torch.Tensor] = []  # sends not waited for yet
+        if held:
+            hold_gathered(model)
         for kind, s, j in rank_actions(plan, pp_rank, microbatches):
             stage = mine[s]
             if kind == "F":
@@ -639,7 +681,19 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                 if looped and not stage.last:
                     sent.append(out)
                 del x, out
-            else:
+            elif kind == "I" and not stage.first:  # (the first stage's backward is all in its weight pass)
+                # The zero-bubble input pass, as the schedule runs it: the input's gradient, the
+                # graph kept for the weight pass (its intermediates' gradients held)
+                out, x = in_flight.pop((s, j))
+                grad = None if stage.last else [returned[(s, j)]]
+                _, groups = stage_backward_input([out], grad, [x], parts[s].parameters())
+                weight_passes[(s, j)] = groups
+                sent.append(x.grad)
+                x.grad = None
+                del out, x, grad
+            elif kind == "W" and not stage.first:
+                stage_backward_weight(parts[s].parameters(), weight_passes.pop((s, j)))
+            elif kind != "I":  # a full backward, or the first stage's weight pass
                 out, x = in_flight.pop((s, j))
                 out.backward(None if stage.last else returned[(s, j)])
                 if x is not None:  # its gradient, sent to the stage before
@@ -649,6 +703,8 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                     x.grad = None
                 del out, x
         sent.clear()
+        if held:
+            reduce_held(model)
 
 
 def size_text(nbytes: float) -> str:
