@@ -462,3 +462,46 @@ def test_trainer_auto_offloads_the_units_a_budget_needs_and_trains_the_same(tmp_
         assert tight["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
         assert loose["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
         assert all(math.isfinite(x) for x in plain["losses"])
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_auto_plans_a_pipeline_ranks_own_units_and_keeps_zero_bubble_units_gathered():
+    """With a pipeline (debugmodel over 2 pipeline ranks × data parallel 2, seq 512, on fake
+    tensors), ``pipeline_rank`` plans that rank's units only and its estimate is that rank's.
+    Under a budget below both ranks' peaks, 1F1B's plans fit it. ZBVZeroBubble's cannot reshard,
+    and full checkpointing raises its peak here (the input pass keeps a block's recomputation
+    for the weight pass, which recomputes it again): the same budget is one error that says so,
+    and a loose one changes nothing."""
+    from torchtitan_lite.memory.estimate import estimate_stages
+
+    job = [*JOB, "--training.seq_len", "512", "--training.local_batch_size", "4",
+           "--parallelism.pipeline_parallel_degree", "2"]
+    for schedule in ("1F1B", "ZBVZeroBubble"):
+        config = load_job_config([*job, "--parallelism.pipeline_parallel_schedule", schedule])
+        plan = plan_job(config, world_size=4)
+        kwargs = job_estimate_kwargs(config, plan)
+        never = [e.peak for e in estimate_stages(SPEC, plan.model_args, **{**kwargs,
+                                                                            "reshard_after_forward_mode": "never"})]
+        tight = int(min(never) * 0.9)
+        if schedule == "ZBVZeroBubble":
+            with pytest.raises(ValueError, match="even with every block fully recomputed .ZBVZeroBubble keeps every "
+                                                 "unit gathered."):
+                plan_auto_reshard(SPEC, plan.model_args, budget_bytes=tight, count_offloaded=True, pipeline_rank=1,
+                                  **kwargs)
+        budget = tight if schedule == "1F1B" else int(max(never) * 1.2)
+        plans = [plan_auto_reshard(SPEC, plan.model_args, budget_bytes=budget, count_offloaded=True,
+                                   pipeline_rank=rank, **kwargs) for rank in range(2)]
+        expected = {"1F1B": [("tok_embeddings", "layers.0", "layers.1", "layers.2"),
+                             ("layers.3", "layers.4", "layers.5", "norm+output")],
+                    # (the V: the first rank holds the first and the last stage)
+                    "ZBVZeroBubble": [("tok_embeddings", "layers.0", "layers.5", "norm+output"),
+                                      ("layers.1", "layers.2", "layers.3", "layers.4")]}[schedule]
+        assert [chosen.units for chosen in plans] == expected
+        for rank, chosen in enumerate(plans):
+            assert chosen.estimate.pipeline_rank == rank
+            assert chosen.never_peak == pytest.approx(never[rank], rel=1e-4)
+            assert chosen.peak + chosen.headroom <= budget, (schedule, rank, chosen.summary())
+            assert f"pp rank {rank}'s stages" in chosen.summary()
+            acted = any(chosen.reshard) or set(chosen.ac_policies) != {"none"}
+            assert acted == (schedule == "1F1B"), chosen.summary()

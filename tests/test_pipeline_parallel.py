@@ -365,6 +365,84 @@ def test_zero_bubble_schedules_train_and_validate_as_one_process(tmp_path: Path)
     _same_moe_history(run, data_parallel, "Qwen3-MoE dp2 x pp2 ZBVZeroBubble, expert parallel 2")
 
 
+def _auto_pipeline_rank(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
+    """Each job's three steps on this rank: its losses, the allocator's peak of the second step,
+    and what ``auto`` chose for this rank and what FSDP and the blocks were told."""
+    import torch
+
+    from tests.fsdp_probes import reshard_kind
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.activation_checkpoint import checkpoint_policy_of
+    from torchtitan_lite.memory.measure import AllocatorPeak
+    from torchtitan_lite.trainer import Trainer
+
+    results = {}
+    for label, argv in jobs.items():
+        with AllocatorPeak(torch.device("cpu")) as memory:
+            trainer = Trainer(load_job_config([*argv, "--job.dump_folder", f"{dump}/{label}"]))
+            losses = [trainer.train_step()["loss"]]
+            with memory.window():
+                losses.append(trainer.train_step()["loss"])
+            losses.append(trainer.train_step()["loss"])
+        plan = trainer.reshard_plan
+        blocks = dict(trainer.model.layers.items())
+        units = {name: trainer.model.get_submodule(name.split("+")[0]) for name in (plan.units if plan else ())}
+        results[label] = {
+            "losses": losses, "peak": memory.peak, "pp_rank": trainer.mesh.pp_rank,
+            "plan": None if plan is None else {"units": plan.units, "reshard": plan.reshard,
+                                               "policies": plan.ac_policies, "peak": plan.peak},
+            "told": {name: reshard_kind(module) for name, module in units.items()},
+            "policies": tuple(checkpoint_policy_of(block) for block in blocks.values()),
+        }
+        trainer.metrics.close()  # the process group stays: the next trainer uses it
+    return results
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_auto_plans_each_pipeline_ranks_own_stages_under_the_budget(tmp_path: Path) -> None:
+    """``reshard_after_forward_mode = "auto"`` at data parallel 2 × pipeline 2 (debug model, seq
+    512, fp32): each pipeline rank plans its own stages (its units, its micro-batches in flight)
+    under one per-rank budget set between the two ranks' peaks without resharding. The first
+    pipeline rank (the embedding and three blocks) must act, the second must not; each rank's
+    FSDP units and blocks get its rank's plan, the losses are those of ``never``, and the
+    allocator's peak of a real step on every rank is within the budget."""
+    from tests.dist_utils import run_distributed
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.job import plan_job
+    from torchtitan_lite.memory.estimate import estimate_stages, job_estimate_kwargs
+
+    job = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size",
+           "4", "--validation.no-enable", "--metrics.no-enable_tensorboard", _PP, "2"]
+    never = [*job, "--parallelism.reshard_after_forward_mode", "never"]
+    config = load_job_config([*never, "--job.dump_folder", "/nonexistent/estimate"])
+    plan = plan_job(config, world_size=4)
+    peaks = [e.peak for e in estimate_stages(plan.spec, plan.model_args, reshard_after_forward_mode="never",
+                                             **job_estimate_kwargs(config, plan))]
+    assert peaks[0] > peaks[1] * 1.2, peaks  # (the first rank holds the embedding's and more activations)
+    budget = (peaks[0] + peaks[1]) / 2 / 2**30
+    auto = [*job, "--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", repr(budget)]
+    ranks = run_distributed(_auto_pipeline_rank, 4, {"never": never, "auto": auto}, str(tmp_path), timeout=600)
+    print(f"\nestimated peaks without resharding {[round(p / 2**20, 2) for p in peaks]} MiB, budget "
+          f"{budget * 1024:.2f} MiB")
+    for rank in ranks:
+        chosen, pp_rank = rank["auto"]["plan"], rank["auto"]["pp_rank"]
+        told = {u: "full" if r else "none" for u, r in zip(chosen["units"], chosen["reshard"], strict=True)}
+        print(f"rank of pp rank {pp_rank}: resharded {[u for u, kind in told.items() if kind == 'full']}, "
+              f"checkpointing {chosen['policies']}, estimated {chosen['peak'] / 2**20:.2f} MiB, measured "
+              f"{rank['auto']['peak'] / 2**20:.2f} MiB (never measured {rank['never']['peak'] / 2**20:.2f} MiB)")
+        # this rank's own stages: the first pipeline rank's units begin with the embedding
+        assert (chosen["units"][0] == "tok_embeddings") == (pp_rank == 0), chosen["units"]
+        assert (chosen["units"][-1] == "norm+output") == (pp_rank == 1), chosen["units"]
+        acted = any(chosen["reshard"]) or set(chosen["policies"]) != {"none"}
+        assert acted == (pp_rank == 0), chosen
+        assert rank["auto"]["told"] == told
+        assert rank["auto"]["policies"] == chosen["policies"]
+        assert rank["auto"]["peak"] <= budget * 2**30, (pp_rank, rank["auto"]["peak"], budget)
+        assert rank["auto"]["losses"] == pytest.approx(rank["never"]["losses"], rel=1e-6)
+    assert any(rank["never"]["peak"] > budget * 2**30 for rank in ranks)  # the budget binds
+
+
 def _moe_argv(model: str, dump: Path, local_batch_size: int, *extra: str) -> list[str]:
     return ["--model.name", model, "--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "10",
             "--training.global_batch_size", "8", "--training.local_batch_size", str(local_batch_size),

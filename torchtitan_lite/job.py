@@ -346,10 +346,10 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     dpo = _dpo_plan(config, dims, lora, model_args)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
     if pipeline is not None and pipeline.splits_backward:  # (its weight pass reads the input pass's gathered weights)
-        _require(reshard_mode in ("default", "never"), "parallelism.reshard_after_forward_mode", reshard_mode,
-                 f"{pipeline.schedule} keeps each stage's parameters gathered from its first forward to its last "
-                 "weight-gradient pass: expected 'default' or 'never'")
-        reshard_mode = "never"
+        _require(reshard_mode in ("default", "never", "auto"), "parallelism.reshard_after_forward_mode",
+                 reshard_mode, f"{pipeline.schedule} keeps each stage's parameters gathered from its first forward to "
+                 "its last weight-gradient pass: expected 'default', 'never' or 'auto' (which then reshards none)")
+        reshard_mode = "auto" if reshard_mode == "auto" else "never"
         ac = config.activation_checkpoint
         _require(ac.mode != "selective" or str(ac.selective_ac_option).isdigit(),
                  "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
@@ -447,9 +447,7 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              val_local, f"validation runs through the stages in micro-batches of "
              f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
              "multiple of it")
-    later = [("training.dataset", "preference" if dpo else None, "DPO"),
-             ("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode
-              if p.reshard_after_forward_mode == "auto" else None, "auto's memory plan (per stage)")]
+    later = [("training.dataset", "preference" if dpo else None, "DPO")]
     _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")

@@ -159,33 +159,42 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
 def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
                        budget: tuple[int, str]) -> AutoReshardPlan:
     """``reshard_after_forward_mode = "auto"``: rank 0 works out the per-unit plan (memory
-    estimates on fake tensors, in a child process) and every rank applies that one plan."""
+    estimates on fake tensors, in a child process) and every rank applies that one plan. With
+    a pipeline, the first rank of each pipeline rank plans that rank's stages (its own units,
+    its schedule's micro-batches in flight), the planners side by side, and each rank applies
+    its pipeline rank's plan."""
     from torchtitan_lite.memory.auto import job_auto_kwargs
     from torchtitan_lite.memory.auto import plan_auto_reshard as plan_units
     from torchtitan_lite.memory.estimate import not_modelled
 
-    chosen: list[AutoReshardPlan | Exception | None] = [None]
-    if dist.get_rank() == 0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = world // plan.dims.pp  # the global ranks of one pipeline rank, consecutive (pp is outermost)
+    mine: AutoReshardPlan | Exception | None = None
+    if rank % per == 0:
         try:
-            chosen[0] = plan_units(
+            mine = plan_units(
                 plan.spec, plan.model_args, budget_bytes=budget[0], budget_source=budget[1],
-                count_offloaded=device.type == "cpu",
-                # The other ranks wait in the broadcast below for at most init_timeout_seconds.
+                count_offloaded=device.type == "cpu", pipeline_rank=rank // per,
+                # The other ranks wait in the gather below for at most init_timeout_seconds.
                 timeout_s=max(1, config.comm.init_timeout_seconds - 10),
                 **job_auto_kwargs(config, plan),
             )
         except ValueError as exc:  # the budget is too small even when resharding everything
-            chosen[0] = ConfigError(str(exc))
+            mine = ConfigError(str(exc))
         except Exception as exc:  # every rank raises it below instead of waiting
-            chosen[0] = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
-    dist.broadcast_object_list(chosen, src=0, group=dist.group.WORLD)  # one plan for every rank
-    if isinstance(chosen[0], Exception):
-        raise chosen[0]
-    if dist.get_rank() == 0:
-        logger.info("%s (budget: %s)", chosen[0].summary(), budget[1])
+            mine = RuntimeError(f"reshard_after_forward_mode auto: the memory estimate failed: {exc}")
+    gathered: list[AutoReshardPlan | Exception | None] = [None] * world
+    dist.all_gather_object(gathered, mine, group=dist.group.WORLD)
+    plans = gathered[::per]  # one per pipeline rank: every rank of it applies that one
+    failed = next((p for p in plans if isinstance(p, Exception)), None)
+    if failed is not None:
+        raise failed
+    if rank == 0:
+        for chosen in plans:
+            logger.info("%s (budget: %s)", chosen.summary(), budget[1])
         for line in not_modelled(config, plan):  # what the plan's estimates leave out
             logger.warning("auto: %s", line)
-    return chosen[0]
+    return plans[rank // per]
 
 
 def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, device: torch.device,

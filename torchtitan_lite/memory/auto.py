@@ -17,6 +17,7 @@ from torchtitan_lite.distributed.activation_checkpoint import block_policies
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
 from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
+from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, prune_to_stages
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -178,7 +179,8 @@ class AutoReshardPlan:
         est = self.estimate
         per_micro_batch = f" per micro-batch, × {est.grad_accum_steps}" if est.grad_accum_steps > 1 else ""
         where = where_text(*_compared(est, self.count_offloaded)[1:])
-        return (f"reshard_after_forward_mode auto: budget {size_text(self.budget)} per rank, of which "
+        stage = f"pp rank {est.pipeline_rank}'s stages: " if est.pipeline_degree > 1 else ""
+        return (f"reshard_after_forward_mode auto: {stage}budget {size_text(self.budget)} per rank, of which "
                 f"{size_text(self.headroom)} headroom for a late-freed collective buffer; without "
                 f"resharding or added recomputation the estimated peak is {size_text(self.never_peak)}; resharding "
                 f"{self.resharded_text()}, activation checkpointing added: {self.recomputed_text()}"
@@ -200,6 +202,7 @@ def plan_auto_reshard(
     count_offloaded: bool = False,
     budget_source: str = "",
     timeout_s: float | None = None,
+    pipeline_rank: int = 0,
     **fields: Any,
 ) -> AutoReshardPlan:
     """Choose ``reshard_after_forward`` per FSDP unit and activation checkpointing per block so
@@ -260,7 +263,7 @@ def plan_auto_reshard(
     shape = modelled((shape or JobShape()).replace(**fields))
     check_arguments(shape.replace(reshard_after_forward_mode="never"), args)
     kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "count_offloaded": count_offloaded,
-                              "budget_source": budget_source, "shape": shape}
+                              "budget_source": budget_source, "shape": shape, "pipeline_rank": pipeline_rank}
     if not budget_bytes > 0:
         raise ValueError(f"budget_bytes: invalid value {budget_bytes!r}; expected a number > 0")
     import torch.distributed as dist
@@ -289,10 +292,14 @@ def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, re
     return _headroom(_units(spec, args), param_dtype, reduce_dtype)
 
 
-def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel: int = 1) -> list[_PlanUnit]:
+def _units(spec: ModelSpec, args: Any, expert_parallel: int = 1, tensor_parallel: int = 1,
+           pipeline: PipelinePlan | None = None, pipeline_rank: int = 0) -> list[_PlanUnit]:
     """The FSDP units of the model ``args`` of family ``spec`` (built on the meta device), each
-    sized as a rank sees it under expert and tensor parallel (:class:`_PlanUnit`)."""
+    sized as a rank sees it under expert and tensor parallel (:class:`_PlanUnit`); with a
+    ``pipeline``, those of pipeline rank ``pipeline_rank``'s stages."""
     model = spec.meta_model(args)
+    if pipeline is not None:
+        prune_to_stages(model, pipeline, pipeline_rank)
     units = fsdp_units(model, **spec.fsdp_units(model))
     if expert_parallel == 1 and tensor_parallel == 1:
         return [_PlanUnit(u.name, u.role, u.numel(), u.numel()) for u in units]
@@ -490,11 +497,12 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
 
 
 def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
-              shape: JobShape) -> AutoReshardPlan:
+              shape: JobShape, pipeline_rank: int = 0) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
     kwargs = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     start = time.perf_counter()
-    units = _units(spec, args, kwargs["expert_parallel"], kwargs["tensor_parallel"])
+    pipeline = shape.pipeline
+    units = _units(spec, args, kwargs["expert_parallel"], kwargs["tensor_parallel"], pipeline, pipeline_rank)
     n = len(units)
     block_units = [i for i, u in enumerate(units) if u.role == "block"]
     names = [units[i].name for i in block_units]
@@ -512,7 +520,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     def peak(plan: Choice) -> int:
         if plan not in estimates:
             estimates[plan] = estimate_here(spec, args, shape.replace(reshard_after_forward_mode=plan[0],
-                                                                      ac_policies=plan[1], cpu_offload=plan[2]))
+                                                                      ac_policies=plan[1], cpu_offload=plan[2]),
+                                            pp_rank=pipeline_rank)
         return _compared(estimates[plan], count_offloaded)[0]
 
     never_plan: Choice = ((False,) * n, base, base_offload)
@@ -521,12 +530,15 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
                            reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=_busy_units(units, phase, module))
     actions: list[_Action] = []
+    # A zero-bubble schedule runs each backward in two passes: every unit stays gathered (no
+    # reshard to choose) and per-op checkpointing, which allows one backward, is not an action.
+    splits = pipeline is not None and pipeline.splits_backward
     if never > limit:
         # What each checkpointing step frees, from the estimates of every block at op and at full.
         stronger = {"none": 0, "op": 1, "full": 2}
         raised = {p: tuple(max(b, p, key=stronger.__getitem__) for b in base) for p in ("op", "full")}
-        freed = {"none": 0.0}
-        for policy in ("op", "full"):
+        freed = {"none": 0.0, "op": 0.0}
+        for policy in ("full",) if splits else ("op", "full"):
             changed = sum(b != p for b, p in zip(base, raised[policy], strict=True))
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
@@ -546,13 +558,15 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
                              op_bytes_per_block=max(freed["op"], 0.0), dp_shard=dp_shard,
                              grad_accum_steps=kwargs["grad_accum_steps"], trainable=trainable)
         busy = _busy_units(units, phase, module)
-        for i in order:
+        for i in () if splits else order:
             gathered = 0 if i in busy else units[i].numel() * kwargs["param_dtype"].itemsize
             actions.append(_Action("reshard", i, costs[("reshard", i)], gathered))
         for j, policy in enumerate(base):
             op = _Action("op", j, costs[("op", j)], max(freed["op"], 0.0))
             if policy == "op":
                 actions.append(_Action("full", j, costs[("full", j)], max(freed["full"], 0.0)))
+            elif policy == "none" and splits:
+                actions.append(_Action("full", j, op.cost + costs[("full", j)], max(freed["full"], 0.0)))
             elif policy == "none":
                 full = _Action("full", j, costs[("full", j)], max(freed["full"] - op.freed, 0.0))
                 if full.rate < op.rate:  # full frees more per added time: one step, no op first
@@ -615,7 +629,9 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             source = f" ({budget_source})" if budget_source else ""
             raise ValueError(
                 f"parallelism.memory_budget_gib: the estimated peak is {size_text(peak(plan(k)))} per rank "
-                f"even with every unit resharded after forward and every block fully recomputed"
+                + (f"even with every block fully recomputed ({pipeline.schedule} keeps every unit gathered)"
+                   if splits and pipeline is not None else
+                   "even with every unit resharded after forward and every block fully recomputed")
                 + (" and every unit offloaded to CPU" if choose_offload else "") + ", plus "
                 f"{size_text(headroom)} of headroom for a collective buffer: above the budget of "
                 f"{size_text(budget_bytes)}{source}; allow more memory, or need less (smaller "

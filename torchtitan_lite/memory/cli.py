@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from torchtitan_lite.memory.estimate import (
 )
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.progress import Progress, log_to_stderr
+
+if TYPE_CHECKING:
+    from torchtitan_lite.memory.auto import AutoReshardPlan
 
 __all__ = ["build_parser", "main", "plan_without_files"]
 
@@ -400,24 +403,33 @@ def main(argv: list[str] | None = None) -> int:
                 estimates.append(estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs))
             # With a pipeline, each rank's stages (the configured mode's; the table above: the
             # worst stage in each mode)
-            stages = [] if plan.shape.pipeline is None else estimate_stages(
+            stages = [] if plan.shape.pipeline is None or auto else estimate_stages(
                 plan.spec, model_args, reshard_after_forward_mode=configured, **kwargs)
             seconds = sum(e.seconds for e in estimates)
             plan_auto, auto_error = None, None
             auto_kwargs = job_auto_kwargs(config, plan)
             if would and plan.offload == "none":
                 auto_kwargs["cpu_offload"] = "auto"
+            rank_plans: list[AutoReshardPlan] = []  # with a pipeline: each pipeline rank's own
             if auto or would:
                 try:
-                    plan_auto = plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
-                                                  budget_source=budget_source, **auto_kwargs)
+                    for pp_rank in range(plan.dims.pp):
+                        if plan.dims.pp > 1:
+                            progress.update(f"auto's plan of pipeline rank {pp_rank + 1} of {plan.dims.pp}")
+                        rank_plans.append(plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
+                                                            budget_source=budget_source, pipeline_rank=pp_rank,
+                                                            **auto_kwargs))
                 except ValueError as exc:
                     if auto:
                         raise
                     auto_error = str(exc)
-            if plan_auto is not None:
-                seconds += plan_auto.seconds
+            if rank_plans:
+                # (the modes table's auto row: the pipeline rank of the highest peak)
+                plan_auto = max(rank_plans, key=lambda chosen: chosen.estimate.device_peak)
+                seconds += sum(chosen.seconds for chosen in rank_plans)
                 estimates.append(plan_auto.estimate)
+                if plan.dims.pp > 1:
+                    stages = [chosen.estimate for chosen in rank_plans]
     except (UserError, ValueError) as exc:
         for line in str(exc).splitlines() or [""]:  # one line per problem
             print(f"error: {line}", file=sys.stderr)
@@ -476,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
     if plan_auto is not None and auto:
-        notes.append(f"{plan_auto.summary()} (budget: {budget_source}; the fits column is against the whole device)")
+        notes += [f"{chosen.summary()} (budget: {budget_source}; the fits column is against the whole device)"
+                  for chosen in rank_plans]
     elif plan_auto is not None:
         keys = "parallelism.reshard_after_forward_mode = 'auto'" + (
             ", parallelism.cpu_offload = 'auto'" if auto_kwargs["cpu_offload"] == "auto" else "")
@@ -508,27 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             "pipeline_ranks": [
                 {**e.to_dict(), "fits": None if device_bytes is None else e.fits(device_bytes)} for e in stages
             ],
-            "auto": None
-            if plan_auto is None
-            else {
-                "units": plan_auto.units,
-                "reshard": plan_auto.reshard,
-                "order": plan_auto.order,
-                "budget": plan_auto.budget,
-                "peak": plan_auto.peak,
-                "never_peak": plan_auto.never_peak,
-                "tried": plan_auto.tried,
-                "all_gathers_per_step": plan_auto.all_gathers_per_step,
-                "blocks": plan_auto.blocks,
-                "ac_policies": plan_auto.ac_policies,
-                "configured_ac": plan_auto.configured_ac,
-                "actions": plan_auto.actions,
-                "added_flops": plan_auto.added_flops,
-                "offload": plan_auto.offload,
-                "offloaded": plan_auto.offloaded,
-                "added_ms": plan_auto.added_ms,
-                "configured": auto,
-            },
+            "auto": None if plan_auto is None else _auto_record(plan_auto, auto),
+            # with a pipeline: each pipeline rank's plan ("auto" is the one of the highest peak)
+            "pipeline_auto": [_auto_record(chosen, auto) for chosen in rank_plans] if plan.dims.pp > 1 else [],
         }
         try:
             json_path.write_text(json.dumps(record, indent=1))
@@ -537,6 +532,30 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     return 0
 
+
+
+def _auto_record(chosen: AutoReshardPlan, configured: bool) -> dict[str, Any]:
+    """An ``auto`` plan in the CLI's JSON."""
+    return {
+        "pipeline_rank": chosen.estimate.pipeline_rank,
+        "units": chosen.units,
+        "reshard": chosen.reshard,
+        "order": chosen.order,
+        "budget": chosen.budget,
+        "peak": chosen.peak,
+        "never_peak": chosen.never_peak,
+        "tried": chosen.tried,
+        "all_gathers_per_step": chosen.all_gathers_per_step,
+        "blocks": chosen.blocks,
+        "ac_policies": chosen.ac_policies,
+        "configured_ac": chosen.configured_ac,
+        "actions": chosen.actions,
+        "added_flops": chosen.added_flops,
+        "offload": chosen.offload,
+        "offloaded": chosen.offloaded,
+        "added_ms": chosen.added_ms,
+        "configured": configured,
+    }
 
 
 if __name__ == "__main__":
