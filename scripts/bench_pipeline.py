@@ -85,6 +85,19 @@ def _emulate_blocks(block_s: float) -> None:
     decoder.TransformerBlock.forward = forward
 
 
+def _timed(function: Any, total: list[float]) -> Any:
+    """``function``, adding its wall time to ``total[0]`` on each call."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    return timed
+
+
 def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, block_s: float | None, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -97,46 +110,16 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, block_s
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
-    waited = [0.0]
-    wait = schedules._wait_batch_p2p
-
-    def timed_wait(work: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return wait(work)
-        finally:
-            waited[0] += time.perf_counter() - start
-
-    schedules._wait_batch_p2p = timed_wait
+    waited, scheduled, stepped = [0.0], [0.0], [0.0]
+    schedules._wait_batch_p2p = _timed(schedules._wait_batch_p2p, waited)
     # The schedule's own time: its runs in the step (the step's optimizer, clipping and metrics
-    # are not the schedule's)
+    # are not the schedule's), and inside them the rank's compute and its waits
     from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
 
-    scheduled = [0.0]
-    run = PipelineRunner.forward_backward
-
-    def timed_run(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            scheduled[0] += time.perf_counter() - start
-
-    PipelineRunner.forward_backward = timed_run
+    PipelineRunner.forward_backward = _timed(PipelineRunner.forward_backward, scheduled)
     trainer = Trainer(load_job_config(argv))
-    stepped = [0.0]  # inside the schedule's step: the rank's compute and its waits
     if trainer.pipeline is not None:
-        schedule = trainer.pipeline.schedule
-        step = schedule.step
-
-        def timed_step(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return step(*args, **kwargs)
-            finally:
-                stepped[0] += time.perf_counter() - start
-
-        schedule.step = timed_step
+        trainer.pipeline.schedule.step = _timed(trainer.pipeline.schedule.step, stepped)
     rows = []
     for _ in range(steps):
         waited[0] = scheduled[0] = stepped[0] = 0.0
