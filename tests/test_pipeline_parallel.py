@@ -44,7 +44,7 @@ def test_zero_bubble_orders_split_each_backward_and_keep_fsdp_gathered() -> None
     """The orders the memory estimate replays are torch's: a zero-bubble rank runs each stage's
     micro-batch once forward, once through the input pass and once through the weight pass, the
     weight pass after the input pass; the job keeps FSDP's units gathered for it (reshard
-    ``never`` in place of ``default``)."""
+    ``never`` in place of ``default``), and the estimate refuses another mode in one line."""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.job import plan_job
 
@@ -65,7 +65,14 @@ def test_zero_bubble_orders_split_each_backward_and_keep_fsdp_gathered() -> None
                              local_batch_size=4).splits_backward
     config = load_job_config([*TINY_ARGS, "--parallelism.pipeline_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
-    assert plan_job(config, world_size=4).reshard_mode == "never"
+    job = plan_job(config, world_size=4)
+    assert job.reshard_mode == "never"
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+
+    with pytest.raises(ValueError, match="^reshard_after_forward_mode: invalid value 'default'; ZBVZeroBubble keeps "
+                                         "every unit gathered"):
+        estimate_memory(job.spec, job.model_args, reshard_after_forward_mode="default",
+                        **job_estimate_kwargs(config, job))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -322,9 +329,10 @@ def test_pipeline_composes_with_checkpointing_offload_reshard_modes_compile_lora
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_zero_bubble_schedules_train_and_validate_as_one_process(tmp_path: Path) -> None:
-    """fp32, 10 steps of Llama 3's 6-block debug model, validated at steps 5 and 10: the two
-    zero-bubble schedules (each backward split into an input and a weight pass) give one
-    process's losses within 1e-5 and its validation losses: ZBVZeroBubble at pipeline 2 (its
+    """fp32, 10 steps of Llama 3's 6-block debug model (global batch 16, so each step
+    accumulates several runs of the schedule), validated at steps 5 and 10: the two zero-bubble
+    schedules (each backward split into an input and a weight pass) give one process's losses
+    within 1e-5 and its validation losses: ZBVZeroBubble at pipeline 2 (its
     stages in a V: validation needs its own forward order), compiled; InterleavedZeroBubble
     at pipeline 2; data parallel 2 × pipeline 2 with each (FSDP's units gathered from the first
     forward to the last weight pass, every gradient reduced once after the step), the
@@ -332,8 +340,9 @@ def test_zero_bubble_schedules_train_and_validate_as_one_process(tmp_path: Path)
     with expert parallel 2 and ZBVZeroBubble: data parallel 2's losses, router losses and loads."""
     from tests.dist_utils import run_distributed
 
+    # (global batch 16: every layout accumulates two or more runs of the schedule a step)
     common = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.steps", "10",
-              "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+              "--training.local_batch_size", "4", "--training.global_batch_size", "16",
               "--metrics.no-enable_tensorboard", "--validation.enable", "--validation.freq", "5",
               "--validation.steps", "2", "--validation.local_batch_size", "2"]
     reference = run_distributed(train_history, 1, [*common, "--job.dump_folder", str(tmp_path / "one")])[0]

@@ -440,20 +440,18 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
     _require(not getattr(model_args, "tie_word_embeddings", False), key, dims.pp,
              f"{config.model.name} {config.model.flavor} ties its embedding to the output projection, which would "
              "sit on the first and the last stage: expected 1 for it")
-    # Not run through a pipeline yet, each refused here rather than trained wrongly.
     v = config.validation
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     _require(not v.enable or val_local % p.pipeline_parallel_microbatch_size == 0, "validation.local_batch_size",
              val_local, f"validation runs through the stages in micro-batches of "
              f"parallelism.pipeline_parallel_microbatch_size = {p.pipeline_parallel_microbatch_size}: expected a "
              "multiple of it")
-    later = [("training.dataset", "preference" if dpo else None, "DPO")]
     _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")
-    for name, value, what in later:
-        _require(not value, name, value, f"pipeline parallel ({key} = {dims.pp}) does not run {what} yet; "
-                 "expected it off, or a degree of 1")
+    # (not run through a pipeline yet: refused rather than trained wrongly)
+    _require(dpo is None, "training.dataset", "preference", f"pipeline parallel ({key} = {dims.pp}) does not run "
+             "DPO yet; expected it off, or a degree of 1")
     return plan
 
 

@@ -6,7 +6,8 @@ the config, the :class:`~torchtitan_lite.job.JobPlan` and the parts before it):
 - :func:`~torchtitan_lite.data.build_data`: the training loader and the validation sets (files
   read before any process group), and :func:`build_validators` over those sets;
 - :func:`setup_distributed`: the process group, the dump folder's lock and the device mesh;
-- :func:`agree_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan (rank 0's, every rank's);
+- :func:`agree_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan (rank 0's, every rank's;
+  with a pipeline, each pipeline rank's first rank's, every rank of that pipeline rank's);
 - :func:`build_model`: spec → meta → float8 → activation checkpointing → compile → FSDP2 (or,
   one process, the plain model under autocast) → allocated → initialised;
 - :func:`build_loss`, :func:`build_optimizers` (optimizer and LR schedule),

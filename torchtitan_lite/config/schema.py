@@ -299,7 +299,7 @@ class Parallelism:
     """A schedule of torch.distributed.pipelining: GPipe, 1F1B (one stage per rank), Interleaved1F1B,
     InterleavedZeroBubble (several stages per rank, looped), ZBVZeroBubble (two per rank, in a V). The
     zero-bubble ones split each backward into an input and a weight pass: FSDP keeps every unit gathered
-    through the step (reshard_after_forward_mode default means never for them)."""
+    through each run of the schedule (reshard_after_forward_mode default means never for them)."""
     pipeline_parallel_microbatch_size: int = 1
     """Rows of each pipeline micro-batch; it must divide training.local_batch_size (the number of micro-batches
     is local_batch_size / this, at least the degree for all but GPipe)."""

@@ -37,7 +37,7 @@ from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
            "PipelineRunner", "StagePart", "hold_gathered", "init_stage_weights", "pipeline_plan", "pipeline_problem",
-           "prune_to_stages", "rank_actions", "reduce_held"]
+           "prune_to_stages", "rank_actions", "reduce_held", "release_held"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -274,10 +274,31 @@ def reduce_held(model: nn.Module) -> None:
     model.set_reshard_after_backward(True)
     model.set_requires_gradient_sync(True)
     state = fully_shard.state(model)  # type: ignore[attr-defined]
-    for unit in state._state_ctx.all_states:
-        for group in unit._fsdp_param_groups:
+    # (last unit first, as FSDP's own end of backward: its reduce-scatter is the first ready)
+    for unit in reversed(state._state_ctx.all_states):
+        for group in reversed(unit._fsdp_param_groups):
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def release_held(model: nn.Module) -> None:
+    """After a split-backward step that raised: FSDP back to its usual settings, every unit
+    resharded and the step's unsharded gradients dropped (nothing of them reaches a later
+    reduce)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(model, FSDPModule)
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param.unsharded_param.grad = None
+    model.reshard()
 
 
 class StagePart(nn.Module):
@@ -448,7 +469,12 @@ class PipelineRunner:
         args = (inputs,) if self.first else ()
         if self._held is not None:
             hold_gathered(self._held)
-        self.schedule.step(*args, target=target if self.last else None, return_outputs=False)
+        try:
+            self.schedule.step(*args, target=target if self.last else None, return_outputs=False)
+        except BaseException:
+            if self._held is not None:
+                release_held(self._held)
+            raise
         if self._held is not None:
             reduce_held(self._held)
         return self._total()

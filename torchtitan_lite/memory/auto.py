@@ -253,7 +253,10 @@ def plan_auto_reshard(
     budget came from) when even resharding every unit and fully recomputing every block does not
     fit. Runs in a child process when
     this one already holds a process group, for at most ``timeout_s`` seconds (``RuntimeError``
-    after that). With ``expert_parallel`` above 1 each MoE layer's experts, their own FSDP unit
+    after that). With a pipeline (``pipeline``), the plan is of pipeline rank ``pipeline_rank``'s
+    stages: its units and its estimate (a zero-bubble schedule's plan reshards nothing and only
+    adds full checkpointing, which recomputes a block in each of its two backward passes). With
+    ``expert_parallel`` above 1 each MoE layer's experts, their own FSDP unit
     over the expert-data ranks, follow their block's reshard and offload setting, and a block's
     gathered parameters (what resharding frees, the headroom, the re-gather's cost) hold
     ``1 / expert_parallel`` of its experts; with ``tensor_parallel`` above 1, ``1 /
@@ -565,8 +568,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             op = _Action("op", j, costs[("op", j)], max(freed["op"], 0.0))
             if policy == "op":
                 actions.append(_Action("full", j, costs[("full", j)], max(freed["full"], 0.0)))
-            elif policy == "none" and splits:
-                actions.append(_Action("full", j, op.cost + costs[("full", j)], max(freed["full"], 0.0)))
+            elif policy == "none" and splits:  # (recomputed in both passes of each backward)
+                actions.append(_Action("full", j, op.cost + 2 * costs[("full", j)], max(freed["full"], 0.0)))
             elif policy == "none":
                 full = _Action("full", j, costs[("full", j)], max(freed["full"] - op.freed, 0.0))
                 if full.rate < op.rate:  # full frees more per added time: one step, no op first
@@ -627,8 +630,9 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         k = hi
         if peak(plan(k)) > limit:  # only when k is every action: nothing fits
             source = f" ({budget_source})" if budget_source else ""
+            stages = f"pipeline rank {pipeline_rank}'s stages: " if pipeline is not None else ""
             raise ValueError(
-                f"parallelism.memory_budget_gib: the estimated peak is {size_text(peak(plan(k)))} per rank "
+                f"parallelism.memory_budget_gib: {stages}the estimated peak is {size_text(peak(plan(k)))} per rank "
                 + (f"even with every block fully recomputed ({pipeline.schedule} keeps every unit gathered)"
                    if splits and pipeline is not None else
                    "even with every unit resharded after forward and every block fully recomputed")

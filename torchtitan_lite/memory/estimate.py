@@ -287,6 +287,11 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel,
                                 cp=shape.context_parallel, pp=shape.pipeline_degree)
     validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard * dims.cp)
+    if shape.pipeline is not None and shape.pipeline.splits_backward and reshard_after_forward_mode != "never" \
+            and (isinstance(reshard_after_forward_mode, str | int) or any(reshard_after_forward_mode)):
+        raise ValueError(f"reshard_after_forward_mode: invalid value {reshard_after_forward_mode!r}; "
+                         f"{shape.pipeline.schedule} keeps every unit gathered from its forward to its weight pass: "
+                         "expected 'never'")
     if shape.context_parallel > 1 and seq_len % (2 * shape.context_parallel):
         raise ValueError(f"seq_len: invalid value {seq_len}; context parallel {shape.context_parallel} splits it "
                          f"into {2 * shape.context_parallel} equal chunks")
