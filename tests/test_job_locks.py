@@ -64,6 +64,7 @@ def _checkpointing_job(dump: Path, checkpoint_folder: Path) -> list[str]:
             str(checkpoint_folder), "--checkpoint.interval", "2"]
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_a_second_job_into_a_busy_absolute_checkpoint_folder_exits_and_leaves_the_first_alone(
         tmp_path: Path) -> None:

@@ -439,6 +439,7 @@ def _offload_rank(dump: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
 @pytest.mark.slow
 def test_trainer_auto_offloads_the_units_a_budget_needs_and_trains_the_same(tmp_path):
     """2 ranks, ``cpu_offload = "auto"``: a budget that only offloading meets (the peak is the
