@@ -169,13 +169,14 @@ def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
     from torchtitan_lite.memory.estimate import not_modelled
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    pp_rank = plan.dims.pp_rank(rank)
     per = world // plan.dims.pp  # the global ranks of one pipeline rank, consecutive (pp is outermost)
     mine: AutoReshardPlan | Exception | None = None
     if rank % per == 0:
         try:
             mine = plan_units(
                 plan.spec, plan.model_args, budget_bytes=budget[0], budget_source=budget[1],
-                count_offloaded=device.type == "cpu", pipeline_rank=rank // per,
+                count_offloaded=device.type == "cpu", pipeline_rank=pp_rank,
                 # The other ranks wait in the gather below for at most init_timeout_seconds.
                 timeout_s=max(1, config.comm.init_timeout_seconds - 10),
                 **job_auto_kwargs(config, plan),
@@ -195,7 +196,7 @@ def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
             logger.info("%s (budget: %s)", chosen.summary(), budget[1])
         for line in not_modelled(config, plan):  # what the plan's estimates leave out
             logger.warning("auto: %s", line)
-    return plans[rank // per]
+    return plans[pp_rank]
 
 
 def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, device: torch.device,

@@ -250,10 +250,12 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
 def hold_gathered(model: nn.Module) -> None:
     """Before a split-backward step (:attr:`PipelinePlan.splits_backward`) of an FSDP ``model``:
     every unit stays gathered after its backward (the job reshards none after forward) and
-    accumulates unsharded gradients, reducing none, until :func:`reduce_held`."""
+    accumulates unsharded gradients, reducing none, until :func:`reduce_held`. (Nothing to do
+    for a model without FSDP, nor in the two functions after it.)"""
     from torch.distributed.fsdp import FSDPModule
 
-    assert isinstance(model, FSDPModule)
+    if not isinstance(model, FSDPModule):
+        return
     if any(group.post_forward_mesh_info is not None for module in model.modules() if isinstance(module, FSDPModule)
            for group in module._get_fsdp_state()._fsdp_param_groups):
         raise ValueError("a split-backward schedule needs every FSDP unit gathered from its forward to its weight "
@@ -269,7 +271,8 @@ def reduce_held(model: nn.Module) -> None:
     :mod:`torch.distributed.pipelining` does for a stage that is its own FSDP root."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    assert isinstance(model, FSDPModule)
+    if not isinstance(model, FSDPModule):
+        return
     model.set_is_last_backward(True)
     model.set_reshard_after_backward(True)
     model.set_requires_gradient_sync(True)
@@ -287,7 +290,8 @@ def release_held(model: nn.Module) -> None:
     reduce)."""
     from torch.distributed.fsdp import FSDPModule
 
-    assert isinstance(model, FSDPModule)
+    if not isinstance(model, FSDPModule):
+        return
     model.set_is_last_backward(True)
     model.set_reshard_after_backward(True)
     model.set_requires_gradient_sync(True)
@@ -407,10 +411,8 @@ class PipelineRunner:
         else:
             self.schedule = get_schedule_class(name)(self.stages[0] if single else self.stages, **kwargs)
         self.device = device
-        from torch.distributed.fsdp import FSDPModule
-
         # A zero-bubble schedule's weight pass reads the gathered parameters the input pass saw.
-        self._held = model if plan.splits_backward and not forward_only and isinstance(model, FSDPModule) else None
+        self._held = model if plan.splits_backward and not forward_only else None
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         if self.balance is None:

@@ -287,8 +287,9 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     dims = ParallelDims.resolve(dp_replicate=dp_replicate, dp_shard=-1, world_size=world_size, tp=tensor_parallel,
                                 cp=shape.context_parallel, pp=shape.pipeline_degree)
     validate_reshard_after_forward_mode(reshard_after_forward_mode, dims.dp_shard * dims.cp)
-    if shape.pipeline is not None and shape.pipeline.splits_backward and reshard_after_forward_mode != "never" \
-            and (isinstance(reshard_after_forward_mode, str | int) or any(reshard_after_forward_mode)):
+    resharded = (any(reshard_after_forward_mode) if isinstance(reshard_after_forward_mode, tuple)
+                 else reshard_after_forward_mode != "never")
+    if shape.pipeline is not None and shape.pipeline.splits_backward and resharded:
         raise ValueError(f"reshard_after_forward_mode: invalid value {reshard_after_forward_mode!r}; "
                          f"{shape.pipeline.schedule} keeps every unit gathered from its forward to its weight pass: "
                          "expected 'never'")
@@ -624,13 +625,61 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                 for j in range(microbatches)}
     returned = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.last
                 for j in range(microbatches)}
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    held = plan.splits_backward and isinstance(model, FSDPModule)
     parts = {s: StagePart(model, stage) for s, stage in mine.items()}
+    looped = plan.schedule not in SINGLE_SCHEDULES
     with _module_hooks_for_split_backward() if plan.splits_backward else contextlib.nullcontext():
-        _replay(model, plan, pp_rank, tracker, mine=mine, parts=parts, held=held, batches=batches,
-                microbatches=microbatches, shape=shape, received=received, returned=returned, scale=scale)
+        for _ in range(batches):
+            in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+            weight_passes: dict[tuple[int, int], Any] = {}  # after an input pass: what its weight pass reads
+            sent: list[torch.Tensor] = []  # sends not waited for yet
+            if plan.splits_backward:  # (with FSDP: see the function)
+                hold_gathered(model)
+            for kind, s, j in rank_actions(plan, pp_rank, microbatches):
+                stage = mine[s]
+                if kind == "F":
+                    # (module-wise stats are not used: forgetting the root's allows its forward again
+                    # while other micro-batches' backwards, which look up their blocks', are to come)
+                    if model in tracker.memory_tracking:
+                        del tracker.memory_tracking[model]
+                    if stage.first:
+                        x = torch.zeros(shape[:2], dtype=torch.long)
+                        tracker.track_inputs((x,))
+                    else:
+                        x = received[(s, j)].requires_grad_()
+                    out = model(x, stage=s)
+                    if stage.last:
+                        labels = torch.zeros(shape[:2], dtype=torch.long)
+                        out = token_loss_sum(out, labels) * scale
+                    in_flight[(s, j)] = (out, None if stage.first else x)
+                    if looped and not stage.last:
+                        sent.append(out)
+                    del x, out
+                elif kind == "I" and not stage.first:  # (the first stage's backward is all in its weight pass)
+                    # The zero-bubble input pass, as the schedule runs it: the input's gradient, the
+                    # graph kept for the weight pass (its intermediates' gradients held)
+                    out, x = in_flight.pop((s, j))
+                    grad = None if stage.last else [returned[(s, j)]]
+                    _, groups = stage_backward_input([out], grad, [x], parts[s].parameters())
+                    weight_passes[(s, j)] = groups
+                    sent.append(x.grad)
+                    x.grad = None
+                    del out, x, grad
+                elif kind == "W" and not stage.first:
+                    stage_backward_weight(parts[s].parameters(), weight_passes.pop((s, j)))
+                elif kind != "I":  # a full backward, or the first stage's weight pass
+                    out, x = in_flight.pop((s, j))
+                    out.backward(None if stage.last else returned[(s, j)])
+                    if x is not None:  # its gradient, sent to the stage before
+                        if plan.schedule == "1F1B":
+                            sent.clear()
+                        sent.append(x.grad)
+                        x.grad = None
+                    del out, x
+            sent.clear()
+            if plan.splits_backward:
+                reduce_held(model)
 
 
 @contextlib.contextmanager
@@ -650,66 +699,6 @@ def _module_hooks_for_split_backward() -> Iterator[None]:
 
     with mock.patch.object(mod_tracker, "register_multi_grad_hook", on_first):
         yield
-
-
-def _replay(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, mine: dict[int, Any],
-            parts: dict[int, StagePart], held: bool, batches: int, microbatches: int, shape: tuple[int, int, int],
-            received: dict[tuple[int, int], torch.Tensor], returned: dict[tuple[int, int], torch.Tensor],
-            scale: float) -> None:
-    """:func:`_pipeline_step`'s loop over the schedule's actions."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    looped = plan.schedule not in SINGLE_SCHEDULES
-    for _ in range(batches):
-        in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        weight_passes: dict[tuple[int, int], Any] = {}  # after an input pass: what its weight pass reads
-        sent: list[torch.Tensor] = []  # sends not waited for yet
-        if held:
-            hold_gathered(model)
-        for kind, s, j in rank_actions(plan, pp_rank, microbatches):
-            stage = mine[s]
-            if kind == "F":
-                # (module-wise stats are not used: forgetting the root's allows its forward again
-                # while other micro-batches' backwards, which look up their blocks', are to come)
-                if model in tracker.memory_tracking:
-                    del tracker.memory_tracking[model]
-                if stage.first:
-                    x = torch.zeros(shape[:2], dtype=torch.long)
-                    tracker.track_inputs((x,))
-                else:
-                    x = received[(s, j)].requires_grad_()
-                out = model(x, stage=s)
-                if stage.last:
-                    labels = torch.zeros(shape[:2], dtype=torch.long)
-                    out = token_loss_sum(out, labels) * scale
-                in_flight[(s, j)] = (out, None if stage.first else x)
-                if looped and not stage.last:
-                    sent.append(out)
-                del x, out
-            elif kind == "I" and not stage.first:  # (the first stage's backward is all in its weight pass)
-                # The zero-bubble input pass, as the schedule runs it: the input's gradient, the
-                # graph kept for the weight pass (its intermediates' gradients held)
-                out, x = in_flight.pop((s, j))
-                grad = None if stage.last else [returned[(s, j)]]
-                _, groups = stage_backward_input([out], grad, [x], parts[s].parameters())
-                weight_passes[(s, j)] = groups
-                sent.append(x.grad)
-                x.grad = None
-                del out, x, grad
-            elif kind == "W" and not stage.first:
-                stage_backward_weight(parts[s].parameters(), weight_passes.pop((s, j)))
-            elif kind != "I":  # a full backward, or the first stage's weight pass
-                out, x = in_flight.pop((s, j))
-                out.backward(None if stage.last else returned[(s, j)])
-                if x is not None:  # its gradient, sent to the stage before
-                    if plan.schedule == "1F1B":
-                        sent.clear()
-                    sent.append(x.grad)
-                    x.grad = None
-                del out, x
-        sent.clear()
-        if held:
-            reduce_held(model)
 
 
 def size_text(nbytes: float) -> str:
