@@ -55,6 +55,7 @@ from torchtitan_lite.checkpoint.safe_reading import (
     failure_reason,
 )
 from torchtitan_lite.config.schema import Model
+from torchtitan_lite.distributed.fsdp import materialize
 from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of
@@ -330,7 +331,7 @@ def from_hf(hf_dir: Path, out: Path, *, dtype: torch.dtype | None, model: str | 
             raise ConvertError(f"{str(config_file)!r}: {exc}{_model_hint(config, spec)}") from None
     with torch.device("meta"):
         built = spec.model_cls(args)
-    built.to_empty(device="cpu")
+    materialize(built, torch.device("cpu"))  # a tied output projection stays the embedding
     load_hf_weights(built, hf_dir, spec=spec)  # checks names, shapes and config.json first
     state_dict = _cast(built.state_dict(), dtype or torch.float32)
     write_step_dir(state_dict, spec, args, out)

@@ -370,6 +370,43 @@ def test_qwen2_into_llama_is_refused_by_the_trainer_the_api_and_the_converter(tm
     assert state["model_name"] == "qwen2" and state["model_args"]["dim"] == 64
 
 
+def _first_loss(argv: list[str]) -> float:
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    trainer = Trainer(load_job_config(argv))
+    history = trainer.train()
+    trainer.close()
+    return history[0]["loss"]
+
+
+@pytest.mark.slow
+def test_tied_folders_convert_and_train_as_loaded_from_hugging_face(tmp_path: Path) -> None:
+    """``from-hf`` on a tied Llama-3.2-style folder (no ``lm_head.weight``, as transformers saves
+    it) and on this project's own tied export: the converted step folder trains with the same
+    first loss as ``initial_load_in_hf`` on the folder itself."""
+    folder = hf_llama(tmp_path / "hf", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        assert "lm_head.weight" not in fh.keys()
+    converter = _converter()
+    assert converter.main(["from-hf", str(folder), str(tmp_path / "step-0")]) == 0
+    assert converter.main(["to-hf", str(tmp_path / "step-0"), str(tmp_path / "export")]) == 0  # ours, tied
+    assert converter.main(["from-hf", str(tmp_path / "export"), str(tmp_path / "step-0b")]) == 0
+    job = ["--model.flavor", "from_checkpoint", "--training.steps", "1", "--training.seq_len", "32",
+           "--training.local_batch_size", "2", "--metrics.no-enable_tensorboard", "--validation.no-enable",
+           "--training.mixed_precision_param", "float32", "--debug.deterministic"]
+    runs = {
+        "hf": [*job, "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"],
+        "converted": [*job, "--checkpoint.initial_load_path", str(tmp_path / "step-0")],
+        "export converted": [*job, "--checkpoint.initial_load_path", str(tmp_path / "step-0b")],
+    }
+    losses = {name: run_distributed(_first_loss, 1, [*argv, "--job.dump_folder", str(tmp_path / name)])[0]
+              for name, argv in runs.items()}
+    assert losses["converted"] == losses["hf"] == losses["export converted"], losses
+
+
 def test_from_file_reads_the_config_beside_it_or_refuses(tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 
