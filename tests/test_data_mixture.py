@@ -128,7 +128,7 @@ def test_a_changed_mixture_is_refused_or_applied_from_the_resumed_step(caplog: p
     assert before["a"] == first.tokens_by_source()["a"]  # what was read before is kept
 
 
-def _toml_error(tmp_path, tables: str, *, training: str = "", expect: type = DataError) -> str:
+def _toml_error(tmp_path, tables: str, *argv: str, training: str = "", expect: type = DataError) -> str:
     """The one line that the checks before any process group give for a job with ``tables``."""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.errors import UserError
@@ -137,7 +137,7 @@ def _toml_error(tmp_path, tables: str, *, training: str = "", expect: type = Dat
     (tmp_path / "job.toml").write_text(f"[training]\nseq_len = 32\nlocal_batch_size = 1\n{training}\n{tables}")
     with pytest.raises(UserError) as info:
         config = load_job_config(["--job.config_file", str(tmp_path / "job.toml"), "--job.dump_folder",
-                                  str(tmp_path / "out")])
+                                  str(tmp_path / "out"), *argv])
         preflight(config)
         from torchtitan_lite.data import build_data
 
@@ -178,6 +178,12 @@ def test_bad_mixtures_are_one_line_before_any_process_group(tmp_path) -> None:
     assert _toml_error(tmp_path, ok, training='dataset = "text"', expect=ConfigError) == (
         "training.dataset: 'text' is set together with [[training.datasets]]; keep one (the tables, or "
         "training.dataset and training.dataset_path)")
+    # The default's own name, as the shipped debug_model.toml writes it, is refused too.
+    assert _toml_error(tmp_path, ok, training='dataset = "python_stdlib"', expect=ConfigError) == (
+        "training.dataset: 'python_stdlib' is set together with [[training.datasets]]; keep one (the tables, or "
+        "training.dataset and training.dataset_path)")
+    assert _toml_error(tmp_path, ok, "--training.dataset", "python_stdlib", expect=ConfigError).startswith(
+        "training.dataset: 'python_stdlib' is set together with [[training.datasets]]")
     assert _toml_error(tmp_path, ok + _table("b", "tokens", str(tokens), max_epochs=0), expect=ConfigError) == \
         "training.datasets[b].max_epochs: invalid value 0; expected an integer >= 1, or unset"
     assert _toml_error(tmp_path, ok + _table("b", "tokens", str(tokens), colour="red"), expect=ConfigError) == (

@@ -342,7 +342,7 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
         notes.append("float8.precompute_float8_dynamic_scale_for_fsdp has no effect without "
                      "float8.enable_fsdp_float8_all_gather")
     notes[:] = list(dict.fromkeys(notes))
-    validate_config(config)
+    validate_config(config, given=given)
     return config
 
 

@@ -19,6 +19,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -779,13 +780,14 @@ def _coerce_tables(key: str, value: Any, cls: Any, *, from_cli: bool) -> list[An
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sources(c: JobConfig, problems: list[str]) -> None:
-    """``[[training.datasets]]`` and ``[[validation.datasets]]``: names, kinds, weights, epochs."""
+def _check_sources(c: JobConfig, problems: list[str], given: Collection[str]) -> None:
+    """``[[training.datasets]]`` and ``[[validation.datasets]]``: names, kinds, weights, epochs;
+    refused beside ``dataset`` when that was given (whatever its value) or differs from its default."""
     for section, default in (("training", Training()), ("validation", Validation())):
         sec = getattr(c, section)
         if not sec.datasets:
             continue
-        if sec.dataset != default.dataset or sec.dataset_path is not None:
+        if sec.dataset != default.dataset or f"{section}.dataset" in given or sec.dataset_path is not None:
             problems.append(f"{section}.dataset: {sec.dataset!r} is set together with [[{section}.datasets]]; "
                             f"keep one (the tables, or {section}.dataset and {section}.dataset_path)")
         seen: set[str] = set()
@@ -815,9 +817,10 @@ CHAT_TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prom
 """The chat template's variables the renderer sets for every row (never from chat_template_kwargs)."""
 
 
-def validate_config(c: JobConfig) -> None:
+def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
     """Raise :class:`ConfigError` for every value or combination that is not allowed: one line
-    each, naming the key. Reads the config only; never changes it."""
+    each, naming the key. Reads the config only; never changes it. ``given``: the keys
+    (``section.key``) a file or the command line set, which count as set even at their default."""
     problems: list[str] = []
 
     def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -874,7 +877,7 @@ def validate_config(c: JobConfig) -> None:
              "rollback reloads this run's checkpoints: set checkpoint.enable = true too")
     _require(c.model.vocab_size == -1 or c.model.vocab_size >= 1, "model.vocab_size", c.model.vocab_size,
              "expected an integer >= 1, or -1 (follow the tokenizer)")
-    _check_sources(c, problems)
+    _check_sources(c, problems, given)
     _require(t.shuffle_buffer >= 1, "training.shuffle_buffer", t.shuffle_buffer, "expected an integer >= 1")
     v = c.validation
     if v.enable:
