@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch a training job with torchrun; extra arguments are config overrides.
+# Launch a training job with torchrun (python -m torchtitan_lite.launch: torchrun, ending with
+# the exit code of docs/configuration.md's table); extra arguments are config overrides.
 #
 #   NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./scripts/run_train.sh --training.steps 100
 #
@@ -26,6 +27,6 @@ else
 fi
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python -m torch.distributed.run "${launch[@]}" --nproc_per_node="$NGPU" \
+exec python -m torchtitan_lite.launch "${launch[@]}" --nproc_per_node="$NGPU" \
     --local-ranks-filter="$LOG_RANK" --role=rank --tee=3 \
     -m torchtitan_lite.train --job.config_file "$CONFIG_FILE" "$@"

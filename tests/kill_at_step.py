@@ -8,7 +8,9 @@ Before dying it waits (at most 60 s) until rank 0 has logged the step before to
 ``KILL_AT_STEP``, and a resumed run logs the steps after its checkpoint a second time. With
 ``KILL_AFTER_COMMIT`` set it also waits (within the same 60 s) until the step before is a
 committed checkpoint folder. ``KILL_SIGNAL`` names another signal than SIGKILL (e.g. SIGTERM, for
-preemption); with ``SIGNAL_DURING_SAVE`` the rank also sends it to itself again as each
+preemption); ``KILL_TARGET`` = ``agent`` sends it to the rank's launcher instead, ``agent_group``
+to the launcher's process group (the workers, in sessions of their own, hear it from the
+launcher); with ``SIGNAL_DURING_SAVE`` the rank also sends it to itself again as each
 checkpoint save begins. With ``KILL_NODE`` set the rank SIGKILLs its torchrun agent first (a
 whole loopback node lost: the agent's other ranks end with it). Used by
 tests/test_process_group_restarts.py, tests/test_preemption.py, tests/test_job_locks.py and the
@@ -54,7 +56,14 @@ def _train_step_or_die(self: Trainer) -> dict[str, float]:
                 time.sleep(0.05)
         if os.environ.get("KILL_NODE"):  # the whole node: its agent first (its other ranks follow it)
             os.kill(os.getppid(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
+        sig = signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")]
+        target = os.environ.get("KILL_TARGET", "self")
+        if target == "agent":  # the launcher alone, as `kill PID` does
+            os.kill(os.getppid(), sig)
+        elif target == "agent_group":  # the launcher's process group, as Slurm or a shell's job control does
+            os.killpg(os.getpgid(os.getppid()), sig)
+        else:
+            os.kill(os.getpid(), sig)
     return _original_train_step(self)
 
 

@@ -104,3 +104,16 @@ def test_one_process_checkpointing_compile_and_float8(tmp_path: Path) -> None:
     (f8,) = run_distributed(_run, 1, ["--model.converters", "float8", "--float8.emulate"], str(tmp_path / "f8"))
     assert not f8["fsdp"] and f8["float8_linears"] > 0
     assert f8["losses"][-1] < f8["losses"][0] and f8["losses"] != eager["losses"]
+
+
+def test_a_cpu_without_bf16_instructions_is_told_apart() -> None:
+    """The start-up warning's test: x86's avx512_bf16 / amx_bf16 and Arm's bf16 feature count,
+    AVX-512 alone does not; a cpuinfo without flags tells nothing (no warning)."""
+    from torchtitan_lite.dtypes import cpu_has_bf16
+
+    assert cpu_has_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_tile\n")
+    assert cpu_has_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert cpu_has_bf16("Features\t: fp asimd bf16 i8mm\n")
+    assert not cpu_has_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n")
+    assert not cpu_has_bf16("Features\t: fp asimd evtstrm crc32\n")
+    assert cpu_has_bf16("model name\t: something\n")

@@ -6,15 +6,22 @@ Jobs run under real torchrun (``tests/kill_at_step.py`` sends the signal as a st
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import read_jsonl, run_command, run_distributed
+from tests.dist_utils import free_port, read_jsonl, run_command, run_distributed
 from tests.test_process_group_restarts import _torchrun, _uninterrupted
 from torchtitan_lite.checkpoint.manager import committed_steps
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE
+
+
+def _launch(script: str, *args: str) -> list[str]:
+    """``python -m torchtitan_lite.launch`` (torchrun's arguments, the table's exit code) of 2 ranks."""
+    return [sys.executable, "-m", "torchtitan_lite.launch", "--nproc_per_node=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "--max-restarts=0", script, *args]
 
 
 def _argv(dump: Path, *extra: str) -> list[str]:
@@ -29,10 +36,11 @@ def test_sigterm_saves_once_exits_75_and_the_resumed_run_equals_an_uninterrupted
     the workers exit with 75, and running the job again continues with the losses of an
     uninterrupted run, exactly (fp32)."""
     dump = tmp_path / "preempted"
-    result = run_command(_torchrun("tests/kill_at_step.py", *_argv(dump), max_restarts=0), timeout=300,
+    result = run_command(_launch("tests/kill_at_step.py", *_argv(dump)), timeout=300,
                          extra_env={"KILL_AT_STEP": "12", "KILL_RANK": "0", "KILL_SIGNAL": "SIGTERM",
                                     "SIGNAL_DURING_SAVE": "1"})
     output = f"rc={result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == PREEMPTED_EXIT_CODE, output  # torchrun itself would end with 1
     assert f"stopped by SIGTERM at step 12: run the job again to resume (exit code {PREEMPTED_EXIT_CODE})" \
         in result.stderr, output
     assert f"(exitcode: {PREEMPTED_EXIT_CODE})" in result.stderr, output  # torchrun's report of the workers
@@ -48,6 +56,58 @@ def test_sigterm_saves_once_exits_75_and_the_resumed_run_equals_an_uninterrupted
     assert [r["step"] for r in records] == list(range(1, 17))
     full = run_distributed(_uninterrupted, 2, _argv(tmp_path / "uninterrupted"))[0]
     assert [r["loss"] for r in records] == full
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["agent", "agent_group"])
+def test_sigterm_to_the_launcher_ends_it_with_75_and_the_rerun_resumes_exactly(tmp_path: Path, target: str) -> None:
+    """SIGTERM to the launcher (alone, or its whole process group as Slurm and job control send it)
+    as step 8 begins: torchrun forwards it to the workers, which save step 8 and stop; the
+    launcher of ``python -m torchtitan_lite.launch`` ends with 75 (torchrun's own ends with 1),
+    and running the job again continues with the losses of an uninterrupted run."""
+    dump = tmp_path / "preempted"
+    result = run_command(_launch("tests/kill_at_step.py", *_argv(dump)), timeout=300,
+                         extra_env={"KILL_AT_STEP": "8", "KILL_RANK": "0", "KILL_SIGNAL": "SIGTERM",
+                                    "KILL_TARGET": target})
+    output = f"rc={result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == PREEMPTED_EXIT_CODE, output
+    assert "launch: SIGTERM received; workers: rank 0: 75, rank 1: 75; exit code 75" in result.stderr, output
+    assert committed_steps(dump / "checkpoint") == [8], output
+    again = run_command(_launch("-m", "torchtitan_lite.train", *_argv(dump)), timeout=300)
+    assert again.returncode == 0, f"{again.stdout[-3000:]}\n{again.stderr[-3000:]}"
+    records = read_jsonl(dump / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 17))
+    full = run_distributed(_uninterrupted, 2, _argv(tmp_path / "uninterrupted"))[0]
+    assert [r["loss"] for r in records] == full
+
+
+def test_the_launchers_exit_code_follows_the_table() -> None:
+    from torchtitan_lite.launch import launch_exit_code
+
+    assert launch_exit_code() == 0
+    assert launch_exit_code(failure_codes=[2, 1]) == 2  # the first to fail: a config error keeps its 2
+    assert launch_exit_code(failure_codes=[75, 75]) == PREEMPTED_EXIT_CODE
+    assert launch_exit_code(failure_codes=[-9, 1]) == 137  # killed by SIGKILL, as a shell says
+    assert launch_exit_code(signalled=15, worker_codes={"0": 75, "1": 75}, world_size=2) == PREEMPTED_EXIT_CODE
+    assert launch_exit_code(signalled=15, worker_codes={"0": 75}, world_size=2) == 143  # rank 1 saved nothing
+    assert launch_exit_code(signalled=15, worker_codes={}, world_size=2) == 143  # signalled while starting
+    assert launch_exit_code(signalled=15, worker_codes={"0": 143, "1": 143}, world_size=2) == 143
+
+
+@pytest.mark.slow
+def test_a_signal_without_checkpointing_says_nothing_was_saved(tmp_path: Path) -> None:
+    """checkpoint.enable false: the job still stops after the step, but nothing was saved, so it
+    neither says "resume" nor ends with 75: 128 + SIGTERM's number, as a shell reports it."""
+    argv = [*TINY_ARGS, "--job.dump_folder", str(tmp_path / "job"), "--training.steps", "8",
+            "--validation.no-enable", "--metrics.no-enable_tensorboard"]
+    result = run_command([sys.executable, "tests/kill_at_step.py", *argv], timeout=300,
+                         extra_env={"KILL_AT_STEP": "3", "KILL_RANK": "0", "RANK": "0", "KILL_SIGNAL": "SIGTERM"})
+    output = f"rc={result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 128 + 15, output
+    assert ("stopped by SIGTERM at step 3 with no checkpoint (checkpoint.enable is false): a new run starts "
+            "from step 0 (exit code 143)") in result.stderr, output
+    assert "resume" not in result.stderr, output
 
 
 # --------------------------------------------------------------------------------------------

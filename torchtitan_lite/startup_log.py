@@ -7,6 +7,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -14,6 +15,7 @@ from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.loader import BatchLoader
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.mesh import ParallelMesh
+from torchtitan_lite.dtypes import cpu_has_bf16
 from torchtitan_lite.job import JobPlan
 from torchtitan_lite.models.moe import aux_loss_weight
 from torchtitan_lite.validate import Validator
@@ -57,6 +59,11 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
                 config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
                 type(plan.tokenizer).__name__, mesh.describe(),
                 sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
+    if plan.shape.device_type == "cpu" and torch.bfloat16 in (plan.param_dtype, plan.autocast_dtype) \
+            and not cpu_has_bf16():
+        logger.warning("bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16, amx_bf16 or bf16 in "
+                       "/proc/cpuinfo): its products are emulated, several times slower than float32 here; "
+                       "--training.mixed_precision_param float32 is faster")
     logger.info("data: %s", _describe_data(config, loader, validators))
     if mfu:
         logger.info("MFU: %s", mfu)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -21,6 +22,7 @@ from torchtitan_lite.distributed import destroy_distributed, local_world_size_fr
 from torchtitan_lite.distributed.process_group import exit_with_launcher
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, UserError
 from torchtitan_lite.job import plan_job, preflight
+from torchtitan_lite.launch import record_worker_exit
 from torchtitan_lite.models import MODEL_SPECS
 from torchtitan_lite.trainer import Trainer
 
@@ -97,12 +99,27 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close(clean=False)
         raise
     trainer.close()
-    if trainer.stopped_by is not None:  # preempted: the checkpoint is saved, the job can be run again
-        if local_rank == 0:
-            print(f"stopped by {trainer.stopped_by} at step {trainer.step}: run the job again to resume "
-                  f"(exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+    if trainer.stopped_by is not None:
+        return _stopped(trainer, local_rank)
     return 0
+
+
+def _stopped(trainer: Trainer, local_rank: int) -> int:
+    """The exit code of a job that a signal of ``checkpoint.save_on_signals`` stopped: 75 with its
+    checkpoint saved (a rerun resumes); without checkpointing, 128 + the signal's number, as a
+    shell reports a process the signal ended (a rerun starts over)."""
+    name = trainer.stopped_by
+    if trainer.checkpointer is not None:
+        code = PREEMPTED_EXIT_CODE
+        line = f"stopped by {name} at step {trainer.step}: run the job again to resume (exit code {code})"
+    else:
+        code = 128 + int(signal.Signals[name]) if name in signal.Signals.__members__ else 1
+        line = (f"stopped by {name} at step {trainer.step} with no checkpoint (checkpoint.enable is false): "
+                f"a new run starts from step 0 (exit code {code})")
+    if local_rank == 0:
+        print(line, file=sys.stderr)
+    record_worker_exit(code)  # for python -m torchtitan_lite.launch, when the launcher itself was signalled
+    return code
 
 
 if __name__ == "__main__":
