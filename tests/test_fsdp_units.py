@@ -499,9 +499,13 @@ def test_fsdp_units_refuses_overlaps_and_split_ties_without_a_process_group():
         fsdp_units(model, blocks=lambda name, m: isinstance(m, (MyBlock, nn.Linear)))
     assert "\n" not in str(exc.value)
     # The same module in two units.
-    with pytest.raises(ValueError, match=r"module 'blocks\.2' is in two units \('blocks\.2' and "
-                                         r"'blocks\.2\+head'\)"):
+    with pytest.raises(ValueError, match=r"module 'blocks\.2' is in two units \(blocks 'blocks\.2' and "
+                                         r"last_unit 'blocks\.2\+head'\)"):
         fsdp_units(model, blocks=model.blocks, last_unit=[model.blocks[2], model.head])
+    # ... also when the unit's own name is the module's: the two roles tell them apart.
+    with pytest.raises(ValueError, match=r"module 'blocks\.0' is in two units \(first_unit 'blocks\.0' and "
+                                         r"blocks 'blocks\.0'\)"):
+        fsdp_units(model, blocks=model.blocks, first_unit=model.blocks[0])
     # A module that is not part of the model, and the model itself.
     with pytest.raises(ValueError, match="not a submodule of the model"):
         fsdp_units(model, blocks=model.blocks, last_unit=nn.Linear(2, 2))

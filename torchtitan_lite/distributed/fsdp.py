@@ -279,13 +279,17 @@ def fsdp_units(
 
 def _check_units(model: nn.Module, units: list[FSDPUnit], names: dict[int, str]) -> None:
     """No module in two units or inside another unit; no parameter shared between units."""
+    argument = {"first": "first_unit", "block": "blocks", "last": "last_unit"}  # where a unit of a role came from
     owner: dict[int, str] = {}  # module id -> unit name
+    described: dict[int, str] = {}  # module id -> the unit, named by its argument and its name
     for u in units:
         for m in u.modules:
+            here = f"{argument[u.role]} {u.name!r}"
             if id(m) in owner:
-                raise ValueError(f"apply_fsdp: module {names[id(m)]!r} is in two units ({owner[id(m)]!r} and "
-                                 f"{u.name!r}); each module can be sharded once")
+                raise ValueError(f"apply_fsdp: module {names[id(m)]!r} is in two units ({described[id(m)]} and "
+                                 f"{here}); each module can be sharded once")
             owner[id(m)] = u.name
+            described[id(m)] = here
     for u in units:
         for m in u.modules:
             for sub_name, sub in m.named_modules():
