@@ -39,3 +39,36 @@ def test_degrees_resolve_by_name() -> None:
         with pytest.raises(ValueError) as info:
             ParallelDims.resolve(**{"dp_replicate": 1, "dp_shard": -1, **kwargs})
         assert str(info.value) == message
+
+
+def _mesh_warnings() -> list[str]:
+    """Build the meshes that slice flattened dimensions (context parallel, HSDP with it, expert
+    parallel beside it, expert parallel alone) on 4 ranks; every warning they raise."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_lite.distributed import init_distributed
+    from torchtitan_lite.distributed.mesh import build_mesh
+
+    init_distributed(torch.device("cpu"))
+    cases = [dict(cp=4), dict(dp_replicate=2, cp=2), dict(cp=2, ep=2), dict(ep=2), dict(dp_replicate=2, ep=2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for case in cases:
+            kwargs = {"dp_replicate": 1, "dp_shard": -1, **case}
+            mesh = build_mesh(torch.device("cpu"), ParallelDims.resolve(**kwargs, world_size=dist.get_world_size()))
+            mesh.groups()
+            for name in mesh.split_dims:
+                mesh[name]
+    return [str(w.message) for w in caught]
+
+
+def test_no_deprecation_warning_from_the_meshes_of_context_and_expert_parallel() -> None:
+    """torch 2.13 warns on each slice of a flattened dimension from the root mesh ("Slicing a
+    flattened dim ... will be deprecated"): a context-parallel job printed it twice."""
+    from tests.dist_utils import run_distributed
+
+    for caught in run_distributed(_mesh_warnings, 4):
+        assert not [w for w in caught if "flattened" in w or "deprecat" in w], caught

@@ -3,6 +3,7 @@ data-parallel group that losses, metrics, validation and data use, and any other
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,7 @@ class ParallelMesh:
         from ``dp_shard_in_ep × cp`` (expert parallel beside context parallel)."""
         if name not in self.names and name not in self.split_dims:
             raise KeyError(f"the mesh has no dimension {name!r} (it has {', '.join(self.names)})")
-        return self.world[name]
+        return self.world[name] if name in self.names else _slice(self.world, name)
 
     def groups(self) -> list[Any]:
         """Every process group collectives run on (what the collective timeouts are set on): each
@@ -104,6 +105,16 @@ class ParallelMesh:
         return dict(zip(self.names, self.world.shape, strict=True))
 
 
+def _slice(world: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
+    """``world[names]`` where ``names`` mixes a dimension of ``world`` with one flattened from it
+    (HSDP's ``("dp_replicate", "dp_shard_cp")``), or a flattened one by its name: the only way that every
+    supported torch has. torch 2.13 warns that such slicing "will be deprecated"; the warning
+    is for this call alone, so it is not shown to every job."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return world[names]
+
+
 def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
     """The mesh of ``dims`` over the initialised default process group (a collective: every rank
     calls it). Plans DTensor cached for an earlier mesh of the same shape are dropped first
@@ -121,8 +132,8 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
         # dp_shard: the two dimensions flattened (no new process groups beyond the flattened one)
-        world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-        fsdp = world[(*replicate, "dp_shard")] if replicate else world["dp_shard"]
+        flat = world[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        fsdp = _slice(world, (*replicate, "dp_shard")) if replicate else flat
         # (data parallel is the world, but with a pipeline: then each pipeline rank's share)
         dp_group = (dist.group.WORLD if dims.pp == 1 else fsdp._flatten("dp").get_group() if replicate
                     else fsdp.get_group())
@@ -132,16 +143,16 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         # weights FSDP-sharded over dp_shard_mod_ep, everything else over all three.
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         world[("dp_shard_in_ep", "cp")]._flatten("ep")
-        world[("dp_shard_mod_ep", "dp_shard_in_ep", "cp")]._flatten("dp_shard_cp")
-        fsdp = world[(*replicate, "dp_shard_cp")] if replicate else world["dp_shard_cp"]
+        flat = world[("dp_shard_mod_ep", "dp_shard_in_ep", "cp")]._flatten("dp_shard_cp")
+        fsdp = _slice(world, (*replicate, "dp_shard_cp")) if replicate else flat
         experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
         dp_group = world[(*replicate, "dp_shard_mod_ep", "dp_shard_in_ep")]._flatten("dp").get_group()
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, experts=experts,
                             token_group=dist.group.WORLD)
     if "cp" in names:  # parameters sharded over dp_shard × cp: every rank of a sequence holds a shard
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
-        world[("dp_shard", "cp")]._flatten("dp_shard_cp")
-        fsdp = world[(*replicate, "dp_shard_cp")] if replicate else world["dp_shard_cp"]
+        flat = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        fsdp = _slice(world, (*replicate, "dp_shard_cp")) if replicate else flat
         dp_group = (world[data]._flatten("dp").get_group() if len(data) == 2 else world[data[0]].get_group())
         token = dist.group.WORLD if "tp" not in names else world[(*data, "cp")]._flatten("dp_cp").get_group()
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, token_group=token)
