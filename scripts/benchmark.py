@@ -67,9 +67,12 @@ start-up      wall time from launching ``torchrun -m torchtitan_lite.train`` to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,6 +90,66 @@ REPO = Path(__file__).resolve().parent.parent
 MODES = ("default", "always", "never")
 CATEGORY_COLUMNS = ("sharded_params", "unsharded_params", "sharded_grads", "optimizer_state",
                     "activations", "temporaries", "all_gather_buffers", "total")
+
+
+# --------------------------------------------------------------------------------------------
+# Launches that end with the script (shared by the scripts beside this one)
+# --------------------------------------------------------------------------------------------
+
+LAUNCHER_GRACE_S = 40.0
+"""How long a stopped script waits for its torchrun launcher to end its workers (torchrun gives
+them 30 s after passing SIGTERM on) before it SIGKILLs what is left."""
+
+
+def end_on_signals() -> None:
+    """SIGTERM and SIGHUP (``timeout``, a scheduler, a closed terminal) end this script as an
+    exception does: its ``finally`` blocks and temporary folders clean up, and
+    :func:`run_launched` stops the launch in flight. The exit code is 128 + the signal's number."""
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def run_launched(cmd: list[str], *, timeout: float | None = None, check: bool = False,
+                 **popen: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a torchrun launch, which must not outlive this script: the launcher
+    starts in a session of its own, and when this script is stopped (an exception, Ctrl-C,
+    :func:`end_on_signals`' signals, ``timeout``) it gets SIGTERM, which torchrun passes on to
+    its workers before it ends, then after :data:`LAUNCHER_GRACE_S` SIGKILL to its group.
+    (``subprocess.run`` would SIGKILL the launcher at once, and torchrun's workers, in sessions of
+    their own, would train on.) torchrun's log folder, which it would leave in the temporary
+    folder as ``torchelastic_*`` after every launch, is one of ours, removed at the end."""
+    logs = tempfile.mkdtemp(prefix="benchmark_torchrun_logs_")
+    if "torch.distributed.run" in cmd and not any(arg.startswith(("--log-dir", "--log_dir")) for arg in cmd):
+        at = cmd.index("torch.distributed.run") + 1
+        cmd = [*cmd[:at], f"--log-dir={logs}", *cmd[at:]]
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            stop_launched(proc)
+            raise
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+    if check and proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_launched(proc: subprocess.Popen) -> None:
+    """End a launch of :func:`run_launched`: SIGTERM, then SIGKILL to its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=LAUNCHER_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,8 +331,8 @@ def run_variants(script: str, ranks: int, variants: dict[str, list[str]], dump: 
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
                "--worker", f"--out={out}", f"--dump={dump}/run-{name}", *args]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_launched(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rows[name] = json.loads(out.read_text())
     return rows
 
@@ -926,7 +989,7 @@ def _launch(parts: list[str], nproc: int, opts: argparse.Namespace, *extra: str)
             "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         }
         # stdout passes through (the workers' progress lines); stderr is kept for the failure line
-        done = subprocess.run(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, timeout=1800)
+        done = run_launched(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, timeout=1800)
         if done.returncode != 0:
             # The ranks' tracebacks are in torchrun's stderr, before its own summary: keep it all.
             log = Path(tempfile.gettempdir()) / f"benchmark_{worker.replace(',', '_')}_{nproc}_ranks.stderr.txt"
@@ -958,7 +1021,7 @@ def _startup(opts: argparse.Namespace, nproc: int) -> float:
                "--job.dump_folder", tmp]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         start = time.time()
-        subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, check=True, timeout=600)
+        run_launched(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=True, timeout=600)
         record = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[0])
         return record["time"] - start - record["step_time_s"]
 
@@ -1024,6 +1087,7 @@ def main() -> None:
         if not values or not set(values) <= set(allowed):
             parser.error(f"--{name}: invalid value {getattr(opts, name)!r}; expected a comma list of "
                          f"{', '.join(allowed)}")
+    end_on_signals()
     if opts.worker:
         unknown = set(opts.worker.split(",")) - set(WORKERS)
         if unknown:

@@ -35,6 +35,7 @@ Needs TorchTitan importable in the workers (``pip install torchtitan==0.2.2``, o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -259,14 +260,19 @@ def run_one(framework: str, toml: Path, flavor: str, *, nproc: int, skip: int, d
     path = [str(REPO), *([torchtitan_path] if torchtitan_path else []), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    from benchmark import run_launched  # (scripts/benchmark.py, beside this script)
+
+    done = run_launched(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        timeout=timeout)
     wall = time.perf_counter() - start
     log = done.stdout + done.stderr
     (dump / f"{framework}.log").write_text(log)
     if done.returncode != 0:
+        kept = Path(tempfile.gettempdir()) / f"compare_torchtitan_{toml.stem}_{framework}.log"  # outlives workdir
+        kept.write_text(log)
         tail = "\n".join(log.strip().splitlines()[-15:])
         raise SystemExit(f"error: {framework} run of {toml.stem} failed (exit {done.returncode}); "
-                         f"log: {dump / f'{framework}.log'}\n{tail}")
+                         f"log: {kept}\n{tail}")
     figures = _figures_ours(dump, skip) if framework == "ours" else _figures_torchtitan(log, skip)
     return {**figures, "wall_s": wall}
 
@@ -283,7 +289,9 @@ def main() -> None:
     parser.add_argument("--only", choices=("ours", "torchtitan"), default=None)
     parser.add_argument("--param_dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--torchtitan_path", default=None, help="prepended to the workers' PYTHONPATH")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "compare_torchtitan")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the corpus, tokenizer and runs go, kept for the next run (default: a "
+                             "temporary folder, removed at the end, also when the script is stopped)")
     parser.add_argument("--corpus_mb", type=float, default=24.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--json", type=Path, default=None)
@@ -304,6 +312,16 @@ def main() -> None:
     if opts.skip_steps >= opts.steps:
         parser.error(f"--skip_steps {opts.skip_steps} leaves no step of --steps {opts.steps}")
     sys.path.insert(0, str(REPO))
+    from benchmark import end_on_signals  # (scripts/benchmark.py, beside this script)
+
+    end_on_signals()  # a stopped comparison ends its launch and removes its temporary folder
+    with contextlib.ExitStack() as stack:
+        if opts.workdir is None:
+            opts.workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="compare_torchtitan_")))
+        _compare(opts, names)
+
+
+def _compare(opts: argparse.Namespace, names: list[str]) -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
