@@ -407,6 +407,20 @@ def test_tied_folders_convert_and_train_as_loaded_from_hugging_face(tmp_path: Pa
     assert losses["converted"] == losses["hf"] == losses["export converted"], losses
 
 
+def test_a_flavor_of_another_shape_says_from_checkpoint_takes_the_shape(tmp_path: Path, capsys) -> None:
+    """A Llama folder of another shape than the flavor the job names (as a job that forgot
+    model.flavor = "from_checkpoint" has): one line naming the mismatch and the key that fixes it."""
+    folder = hf_llama(tmp_path / "hf", **ODD_SHAPE)
+    capsys.readouterr()
+    code, lines = _main(["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
+                         "--model.flavor", "debugmodel", "--job.dump_folder", str(tmp_path / "job"),
+                         "--training.steps", "1", "--training.seq_len", "32"], capsys)
+    assert code == 4 and len(lines) == 1, lines
+    assert "config.json has hidden_size=96 but this model has hidden_size=256" in lines[0], lines
+    assert lines[0].endswith("(model.flavor = 'debugmodel' sets the shape; model.flavor = 'from_checkpoint' takes "
+                             "it from the checkpoint)"), lines
+
+
 def test_from_file_reads_the_config_beside_it_or_refuses(tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 

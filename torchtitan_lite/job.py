@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torchtitan_lite.callbacks.wandb import check_wandb
-from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint
+from torchtitan_lite.checkpoint.hf_storage import check_hf_checkpoint, read_hf_config
 from torchtitan_lite.checkpoint.manager import (
     check_initial_load_path,
     checkpoint_model_args,
@@ -41,8 +41,8 @@ from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan
 from torchtitan_lite.dpo import DPOSetup
 from torchtitan_lite.dtypes import DTYPES
-from torchtitan_lite.errors import ConfigError, DataError, UserError
-from torchtitan_lite.models import MODEL_SPECS, get_model_spec
+from torchtitan_lite.errors import CheckpointError, ConfigError, DataError, UserError
+from torchtitan_lite.models import MODEL_SPECS, family_of, get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["FROM_CHECKPOINT", "JobPlan", "check_initial_load", "model_vocab_size", "plan_job", "preflight"]
@@ -251,7 +251,15 @@ def check_initial_load(config: JobConfig, plan: JobPlan) -> None:
     :func:`plan_job`: the memory estimator plans jobs whose files need not be on this machine.)"""
     ck = config.checkpoint
     if ck.initial_load_in_hf and _initial_load_used(config):
-        check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)
+        try:
+            check_hf_checkpoint(ck.initial_load_path, plan.spec, plan.model_args)
+        except CheckpointError as exc:
+            hf_config = read_hf_config(Path(ck.initial_load_path))
+            if config.model.flavor == FROM_CHECKPOINT or family_of(hf_config) not in (None, plan.spec.name):
+                raise
+            # The same family in another shape: the flavor named a shape the checkpoint is not.
+            raise CheckpointError(f"{exc} (model.flavor = {config.model.flavor!r} sets the shape; "
+                                  f"model.flavor = {FROM_CHECKPOINT!r} takes it from the checkpoint)") from None
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
