@@ -1,7 +1,7 @@
 """Chat SFT start-up with the conversation cache: first start (build), second start (reuse), size.
 
     python scripts/bench_chat_cache.py [--conversations 1000000] [--ranks 2] [--seq_len 2047] [--json PATH]
-    python scripts/bench_chat_cache.py --conversations 20000     # about 33 MiB of conversations: the same figures, smaller
+    python scripts/bench_chat_cache.py --conversations 20000  # 33 MiB of conversations: the same figures, smaller
 
 Writes ``--conversations`` synthetic multi-turn conversations (JSON lines, 1-3 exchanges of
 varied length) and a byte-level BPE tokenizer with Llama 3's chat template
