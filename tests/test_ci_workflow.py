@@ -239,18 +239,19 @@ def test_ci_run_runs_the_readme_test_command() -> None:
     assert command in shell_lines((REPO_ROOT / ".ci" / "run").read_text())
 
 
-def test_both_ci_entry_points_run_the_scenarios_the_suite_leaves_out() -> None:
-    """The suite (the README's command) deselects ``scenario`` tests (pyproject's addopts); .ci/run
-    and the workflow's tests job run them after it, so CI still runs every test."""
+@pytest.mark.parametrize("marker", ["scenario", "docs"])
+def test_both_ci_entry_points_run_the_tiers_the_suite_leaves_out(marker: str) -> None:
+    """The suite (the README's command) deselects ``scenario`` and ``docs`` tests (pyproject's
+    addopts); .ci/run and the workflow's tests job run them after it, so CI still runs every test."""
     import tomllib
 
     addopts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    assert "not scenario" in addopts
-    scenarios = "python -m pytest -q -n 2 --dist loadscope -m scenario"
+    assert f"not {marker}" in addopts
+    tier = f"python -m pytest -q -n 2 --dist loadscope -m {marker}"
     ci_run = shell_lines((REPO_ROOT / ".ci" / "run").read_text())
-    assert scenarios in ci_run and ci_run.index(scenarios) > ci_run.index(readme_test_command())
+    assert tier in ci_run and ci_run.index(tier) > ci_run.index(readme_test_command())
     job = _load(WORKFLOW_DIR / "ci.yaml")["jobs"]["tests"]
-    assert any(scenarios in shell_lines(step["run"]) for step in run_steps(job))
+    assert any(tier in shell_lines(step["run"]) for step in run_steps(job))
 
 
 def test_integration_job_runs_the_runner_on_cpu_processes() -> None:

@@ -46,3 +46,21 @@ def test_the_architecture_page_lists_every_file_of_the_package() -> None:
         "listed, not there": sorted(set(listed) - set(files)),
     }
     assert len(listed) == len(set(listed))
+
+
+def test_the_configuration_page_names_every_section_in_order() -> None:
+    from torchtitan_lite.config.schema import SECTIONS
+
+    text = (DOCS / "configuration.md").read_text()
+    listed = re.search(r"^Sections: (.*?); names follow", text, re.S | re.M)
+    assert listed, "docs/configuration.md lost its 'Sections: ...; names follow' sentence"
+    assert re.findall(r"`\[(\w+)\]`", listed.group(1)) == list(SECTIONS)
+
+
+def test_every_example_of_the_docs_is_run_or_skipped_with_a_reason() -> None:
+    """The docs tier's collection (tests/test_docs_examples.py, ``-m docs``), without running it:
+    every fenced block has a language, and every example a docs-test marker or a reason."""
+    from tests.test_docs_examples import all_examples, orphan_markers
+
+    assert not [f"{e.id}: {e.problem}" for e in all_examples() if e.problem]
+    assert not orphan_markers()
