@@ -238,11 +238,11 @@ def test_a_process_not_started_by_an_elastic_agent_is_left_alone(monkeypatch: py
 # told (the race exit_with_launcher guards): it exits at once when it asks.
 LATE_WORKER = """
 import os, time
-from torchtitan_lite.distributed import process_group
+from torchtitan_lite import launcher_watch
 print("imported", flush=True)
-while os.getppid() == process_group._launcher_pid:  # until the launcher is gone
+while os.getppid() == launcher_watch._launcher_pid:  # until the launcher is gone
     time.sleep(0.01)
-process_group.exit_with_launcher()
+launcher_watch.exit_with_launcher()
 os.write(2, b"still running\\n")
 """
 LAUNCHER = """

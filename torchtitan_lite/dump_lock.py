@@ -14,6 +14,12 @@ it, when it lies outside the dump folder: two jobs with different dump folders a
 the dump folder is covered by the dump folder's lock (no file is added among the step folders);
 a second job naming that folder by an absolute path is not refused (it locks only the folder
 itself).
+
+A torchrun worker whose launcher died ends itself within ``LAUNCHER_GONE_BOUND_S``
+(:mod:`torchtitan_lite.launcher_watch`), and the operating system then releases its lock. A job
+relaunched at once may find the lock still held by such a worker: the holder records its
+launcher, and a holder on this machine that has lost it (its parent is another process now) is
+waited for, at most ``LAUNCHER_GONE_BOUND_S``, before the job is refused.
 """
 
 from __future__ import annotations
@@ -21,16 +27,22 @@ from __future__ import annotations
 import datetime
 import fcntl
 import json
+import logging
 import os
 import socket
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.launcher_watch import LAUNCHER_GONE_BOUND_S, launcher_pid, orphaned
 
 __all__ = ["LOCK_FILE", "DumpFolderLock"]
 
 LOCK_FILE = ".lock"
+_RETRY_S = 0.02  # how often a lock held by a dying worker is tried again
+
+logger = logging.getLogger("torchtitan_lite")
 
 
 class DumpFolderLock:
@@ -80,24 +92,54 @@ def _lock(key: str, folder: Path, path: Path, *, dump_folder: Path) -> IO[str]:
     it is only read."""
     folder.mkdir(parents=True, exist_ok=True)
     handle = path.open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()
-        handle.close()
+    since: float | None = None  # since when the lock was waited for, and for which holder
+    waited_for: dict[str, Any] = {}
+    while True:
         try:
-            info = json.loads(holder)
-            who = f"pid {info['pid']} on {info['host']}, started {info['started']}"
-        except (ValueError, KeyError, TypeError):
-            who = "a job that has not recorded itself yet"
-        raise ConfigError(f"{key}: invalid value {str(folder)!r}; another job is using it "
-                          f"({who}; lock {str(path)!r}); wait for it to end or use another "
-                          f"{key}") from None
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            pass
+        handle.seek(0)
+        info = _holder(handle.read())
+        if since is None and _dying(info):  # a worker whose launcher died: it ends within the bound
+            since, waited_for = time.monotonic(), info
+        if since is None or time.monotonic() - since > LAUNCHER_GONE_BOUND_S or info != waited_for:
+            handle.close()
+            try:
+                who = f"pid {info['pid']} on {info['host']}, started {info['started']}"
+            except (KeyError, TypeError):
+                who = "a job that has not recorded itself yet"
+            raise ConfigError(f"{key}: invalid value {str(folder)!r}; another job is using it "
+                              f"({who}; lock {str(path)!r}); wait for it to end or use another "
+                              f"{key}") from None
+        time.sleep(_RETRY_S)
+    if since is not None:  # (rank 0's log)
+        logger.info("%s: waited %.2f s for pid %s, a worker whose launcher is gone, to release %s", key,
+                    time.monotonic() - since, waited_for["pid"], path)
     handle.seek(0)
     handle.truncate()
-    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                             "dump_folder": str(dump_folder.absolute())}) + "\n")
+    record = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": datetime.datetime.now().isoformat(timespec="seconds"),
+              "dump_folder": str(dump_folder.absolute())}
+    if launcher_pid() is not None:
+        record["launcher"] = launcher_pid()
+    handle.write(json.dumps(record) + "\n")
     handle.flush()
     return handle
+
+
+def _holder(text: str) -> dict[str, Any]:
+    """What the lock's holder recorded ({} before it has)."""
+    try:
+        info = json.loads(text.strip())
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _dying(info: dict[str, Any]) -> bool:
+    """The holder is a worker of this machine whose launcher is gone: it is ending itself."""
+    pid, launcher = info.get("pid"), info.get("launcher")
+    return (info.get("host") == socket.gethostname() and isinstance(pid, int) and isinstance(launcher, int)
+            and orphaned(pid, launcher))

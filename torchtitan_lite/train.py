@@ -10,6 +10,11 @@ else keeps its traceback.
 
 from __future__ import annotations
 
+from torchtitan_lite.launcher_watch import exit_with_launcher
+
+if __name__ == "__main__":  # first: a torchrun worker ends with its launcher from here on, torch's imports included
+    exit_with_launcher()
+
 import logging
 import os
 import signal
@@ -19,7 +24,6 @@ import torch
 
 from torchtitan_lite.config import format_help, load_job_config
 from torchtitan_lite.distributed import destroy_distributed, local_world_size_from_env, world_info_from_env
-from torchtitan_lite.distributed.process_group import exit_with_launcher
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, UserError
 from torchtitan_lite.job import plan_job, preflight
 from torchtitan_lite.launch import record_worker_exit
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(format_help(notes=_model_notes()))
         return 0
-    exit_with_launcher()  # a torchrun worker ends when its agent dies, from here on (data loading included)
+    exit_with_launcher()  # (armed already when run as the entry point; here for callers of main)
     rank, local_rank, world_size = world_info_from_env()
     notes: list[str] = []
     try:

@@ -1,27 +1,26 @@
 """Process group, device choice and collective timeouts (the mesh: :mod:`.mesh`); a
-torchrun worker's exit when its launcher dies (:func:`exit_with_launcher`)."""
+torchrun worker's exit when its launcher dies (:func:`exit_with_launcher`, from
+:mod:`torchtitan_lite.launcher_watch`)."""
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import datetime
 import gc
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_lite.launcher_watch import LAUNCHER_GONE_EXIT_CODE, exit_with_launcher
 
 __all__ = [
     "choose_device",
@@ -40,121 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-LAUNCHER_GONE_EXIT_CODE = 76
-"""Exit status of a torchrun worker that ended because its launcher died
-(:func:`exit_with_launcher`); 75 is a preemption's (``errors.PREEMPTED_EXIT_CODE``), 1-5 the
-job's own errors."""
-
-_LAUNCHER_SIGNAL = "SIGUSR2"  # not SIGTERM/SIGUSR1/SIGINT: those are checkpoint.save_on_signals'
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_launcher_pid = os.getppid()  # this process's parent when it imported us (or forked: see below)
-_watching_launcher = False
-_orphan_exit = threading.Lock()
-
-
-def _record_launcher() -> None:
-    global _launcher_pid, _watching_launcher
-    _launcher_pid = os.getppid()
-    _watching_launcher = False  # a forked child does not inherit PR_SET_PDEATHSIG
-
-
-if hasattr(os, "register_at_fork"):  # a forked child's launcher is the process that forked it
-    os.register_at_fork(after_in_child=_record_launcher)
-
-
-def exit_with_launcher() -> bool:
-    """End this process when the process that launched it dies; for workers of torchrun (or
-    another torch elastic agent). Returns whether the watch is on.
-
-    torchrun (torch 2.13) starts every worker in a session of its own, so an agent killed with
-    SIGKILL (the OOM killer, a scheduler, ``kill -9``) takes no worker with it: the workers
-    would train on as orphans, holding the job's locks. Here the kernel is asked
-    (``prctl(PR_SET_PDEATHSIG)``) to send this process SIGUSR2 when its parent dies; the
-    handler writes one line on stderr and ends the process at once with
-    :data:`LAUNCHER_GONE_EXIT_CODE` (76), with no clean-up: the operating system releases the
-    locks, and what a save in progress left is a partial folder, never a committed step. The
-    handler runs only when the main thread next runs Python code, so a daemon thread also
-    checks the parent every :data:`LAUNCHER_POLL_S` seconds and ends the process the same way:
-    a rank blocked in a collective, a background save or I/O (which release the GIL) is gone
-    within :data:`LAUNCHER_GONE_BOUND_S` of its launcher.
-    SIGUSR2 while the launcher lives (sent by hand, or the end of the launcher's thread that
-    started this process) is ignored. A launcher that died before this call sent nothing: when
-    the parent is no longer the one this process had when it imported this module, it exits the
-    same way at once.
-
-    Only on Linux, from the main thread, and only under an elastic agent
-    (``TORCHELASTIC_RUN_ID`` in the environment); otherwise, e.g. ``python -m
-    torchtitan_lite.train`` without torchrun or any other system, nothing changes and it returns
-    False. Calling it again does nothing. Limits: a stopped process (SIGSTOP) stays stopped
-    until it is continued; C++ code that holds the GIL for seconds delays the exit by as much;
-    a launcher that dies in the first moments of a worker,
-    before this module is imported, is not noticed here (the worker then fails when it cannot
-    reach the launcher's store, within ``comm.init_timeout_seconds``).
-    """
-    global _watching_launcher
-    if _watching_launcher:
-        return True
-    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return False
-    if threading.current_thread() is not threading.main_thread():
-        logger.warning("this worker will not exit by itself if its launcher dies: the handler of %s can only be "
-                       "installed from the main thread", _LAUNCHER_SIGNAL)
-        return False
-    sig = signal.Signals[_LAUNCHER_SIGNAL]
-    previous = signal.signal(sig, _on_launcher_signal)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(int(sig)), ctypes.c_ulong(0),
-                  ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
-        signal.signal(sig, previous)
-        logger.warning("this worker will not exit by itself if its launcher dies: prctl(PR_SET_PDEATHSIG) "
-                       "failed (%s)", os.strerror(ctypes.get_errno()))
-        return False
-    _watching_launcher = True
-    if _launcher_gone():  # it died before the kernel was asked to tell us
-        _exit_orphan()
-    threading.Thread(target=_watch_launcher, name="torchtitan_lite-launcher-watch", daemon=True).start()
-    return True
-
-
-LAUNCHER_POLL_S = 0.2
-"""How often the watch thread of :func:`exit_with_launcher` checks that the launcher lives."""
-LAUNCHER_GONE_BOUND_S = 2.0
-"""The stated bound on how long a worker outlives its launcher (the poll, and the time to write
-one line and exit, with room for a loaded machine); the tests hold it at 5 s."""
-
-
-def _watch_launcher() -> None:
-    while not _launcher_gone():
-        time.sleep(LAUNCHER_POLL_S)
-    _exit_orphan()
-
-
-def _launcher_gone() -> bool:
-    """The parent changed: the launcher died and this process was handed to PID 1 or a
-    subreaper. (A launcher that is PID 1 itself, in a container, is fine as long as it lives.)"""
-    return os.getppid() != _launcher_pid
-
-
-def _on_launcher_signal(signum: int, frame: FrameType | None) -> None:
-    if _launcher_gone():
-        _exit_orphan()
-
-
-def _exit_orphan() -> NoReturn:
-    """One line on stderr (written directly: this may run inside a signal handler), then exit.
-    The handler and the watch thread may both get here: one writes, the other waits for it."""
-    if not _orphan_exit.acquire(timeout=1.0):
-        os._exit(LAUNCHER_GONE_EXIT_CODE)
-    line = (f"error: rank {os.environ.get('RANK', '?')}: the launcher of this worker (pid {_launcher_pid}) is "
-            f"gone; exiting with code {LAUNCHER_GONE_EXIT_CODE} so that no orphaned rank trains on or holds the "
-            "job's locks; start the job again (with checkpoint.enable it resumes from its last checkpoint)\n")
-    try:
-        os.write(2, line.encode())
-    except OSError:
-        pass
-    os._exit(LAUNCHER_GONE_EXIT_CODE)
 
 
 def world_info_from_env() -> tuple[int, int, int]:
