@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, out: An
     # The reference's forward is the one that runs without gradients (a frozen copy, or the model
     # with its adapters off): timed by hooks on whichever module runs it.
     spent, began = [0.0], []
-    runs_it = trainer.preference.reference if trainer.preference.reference is not None else trainer.model
+    runs_it = trainer.objective.reference if trainer.objective.reference is not None else trainer.model
     runs_it.register_forward_pre_hook(lambda *_: began.append(time.perf_counter()))
     runs_it.register_forward_hook(lambda *_: spent.__setitem__(
         0, spent[0] + (time.perf_counter() - began.pop()) * (not torch.is_grad_enabled())))

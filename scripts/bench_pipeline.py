@@ -118,8 +118,8 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, block_s
 
     PipelineRunner.forward_backward = _timed(PipelineRunner.forward_backward, scheduled)
     trainer = Trainer(load_job_config(argv))
-    if trainer.pipeline is not None:
-        trainer.pipeline.schedule.step = _timed(trainer.pipeline.schedule.step, stepped)
+    if trainer.runner.pipeline is not None:
+        trainer.runner.pipeline.schedule.step = _timed(trainer.runner.pipeline.schedule.step, stepped)
     rows = []
     for _ in range(steps):
         waited[0] = scheduled[0] = stepped[0] = 0.0

@@ -673,19 +673,22 @@ def _peak_argv(opts: argparse.Namespace, mode: str, ac: list[str], dump: str, of
 
 def _worker_peak(opts: argparse.Namespace) -> dict[str, Any]:
     """Measured peak per rank of each reshard mode × AC setting (see the module docstring)."""
+    import functools
+
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.memory.measure import measure_step_memory
-    from torchtitan_lite.trainer import trainer_step_peak
+    from torchtitan_lite.memory.measure import measure_step_memory, trainer_step_peak
+    from torchtitan_lite.trainer import Trainer
 
     out = {}
     for key, (mode, label, offload) in _peak_cases(opts).items():
         # The allocator's own figures, from before the model exists, over the second step.
         dump = str(Path(opts.dump) / key.replace(" / ", "_").replace(" ", "_"))
-        peak, trainer = trainer_step_peak(load_job_config(_peak_argv(opts, mode, AC_RUNS[label], dump, offload)))
+        peak, trainer = trainer_step_peak(functools.partial(Trainer, load_job_config(
+            _peak_argv(opts, mode, AC_RUNS[label], dump, offload))))
         how = ("torch.cuda.max_memory_allocated" if trainer.device.type == "cuda"
                else "the CPU allocator's total, reported to torch.profiler")
         # FSDPMemTracker's own peak (it tracks FSDP models only), on CPU, where the allocator's

@@ -54,7 +54,8 @@ def _sharded(family: str, documents: bool, method: str) -> dict[str, Any]:
     init_distributed(torch.device("cpu"))
     model = _model(family)
     name, _, split = method.partition("/")  # "allgather/contiguous": without the load balance
-    cp = model.context_parallel = ContextParallel(dist.group.WORLD, method=name, load_balance=split != "contiguous")
+    cp = ContextParallel(dist.group.WORLD, method=name, load_balance=split != "contiguous")
+    model.use_context_parallel(cp)
     tokens, labels, docs = _batch(model.args.vocab_size, documents)
     local = model(cp.shard(tokens), None if docs is None else cp.shard(docs))
     loss = torch.nn.functional.cross_entropy(local.flatten(0, 1), cp.shard(labels).flatten(), reduction="sum")

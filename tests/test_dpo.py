@@ -730,10 +730,13 @@ def test_dpo_compiled_and_in_bf16(tmp_path: Path) -> None:
 
 
 def _dpo_step_peak(argv: list[str]) -> int:
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.trainer import trainer_step_peak
+    import functools
 
-    peak, trainer = trainer_step_peak(load_job_config(argv))
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory.measure import trainer_step_peak
+    from torchtitan_lite.trainer import Trainer
+
+    peak, trainer = trainer_step_peak(functools.partial(Trainer, load_job_config(argv)))
     trainer.metrics.close()
     return peak
 

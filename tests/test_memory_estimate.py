@@ -103,13 +103,17 @@ def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
     """The allocator's peak of one ``train_step`` of each job on this rank (after a warm-up step:
     the optimizer state exists), the trainer built inside the measurement; and rank 0's estimate
     of the first job made inside this process group (``estimate_memory`` runs it in a child)."""
+    import functools
+
     import torch.distributed as dist
 
-    from torchtitan_lite.trainer import trainer_step_peak
+    from torchtitan_lite.memory.measure import trainer_step_peak
+    from torchtitan_lite.trainer import Trainer
 
     peaks, shards = {}, {}
     for index, (label, argv) in enumerate(jobs.items()):
-        peaks[label], trainer = trainer_step_peak(load_job_config([*argv, "--job.dump_folder", f"{dump}/{index}"]))
+        peaks[label], trainer = trainer_step_peak(functools.partial(
+            Trainer, load_job_config([*argv, "--job.dump_folder", f"{dump}/{index}"])))
         shards[label] = sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())
         trainer.metrics.close()  # the process group stays: the next trainer uses it
         del trainer

@@ -234,14 +234,14 @@ def _calls(name: str) -> dict[str, set[str]]:
 
 
 def test_the_trainer_and_the_estimator_build_the_model_through_one_function() -> None:
-    """``build_sharded_model`` (the trainer) and the memory estimator both parallelize through
+    """``build_parallelized`` (the trainer) and the memory estimator both parallelize through
     ``parallelize`` (the family's steps); nothing else calls ``apply_fsdp`` or a model class on the
     meta device."""
-    calls = {name: set(found) for name in ("parallelize", "apply_fsdp", "build_sharded_model", "model_cls")
+    calls = {name: set(found) for name in ("parallelize", "apply_fsdp", "build_parallelized", "model_cls")
              if (found := _calls(name))}
     assert calls["parallelize"] == {"torchtitan_lite.distributed.parallelize", "torchtitan_lite.memory.estimate"}
     assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
-    assert calls["build_sharded_model"] == {"torchtitan_lite.trainer"}
+    assert calls["build_parallelized"] == {"torchtitan_lite.trainer", "torchtitan_lite.distributed.parallelize"}
     assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}
 
 

@@ -47,14 +47,14 @@ def _run(argv: list[str], poison: bool) -> dict[str, Any]:
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
-    loss_fn = trainer.loss_fn
+    loss_fn = trainer.objective.loss_fn
 
     def poisoned(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(logits, labels)
         return loss * float("nan") if trainer.loader.step - 1 == BAD_BATCH else loss
 
     if poison:
-        trainer.loss_fn = poisoned
+        trainer.objective.loss_fn = poisoned
     out: dict[str, Any] = {"error": None}
     try:
         out["history"] = trainer.train()

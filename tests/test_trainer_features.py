@@ -287,6 +287,7 @@ def test_whole_validation_set_matches_a_direct_computation(tmp_path):
     from tests.data_helpers import build_token_stream
     from torchtitan_lite.data import ByteTokenizer, TokenWindows
     from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
+    from torchtitan_lite.training import MicroBatchRunner
     from torchtitan_lite.validate import Validator
 
     val_path, windows_expected = _validation_text(tmp_path)
@@ -295,10 +296,10 @@ def test_whole_validation_set_matches_a_direct_computation(tmp_path):
     torch.manual_seed(0)
     model = Transformer(LLAMA3_FLAVORS["tiny"])
     model.init_weights()
-    validator = Validator(windows, local_batch_size=4, global_batch_size=4, dp_rank=0, dp_size=1,
-                          steps=-1, device=torch.device("cpu"))
+    validator = Validator(windows, runner=MicroBatchRunner(model, device=torch.device("cpu")), local_batch_size=4,
+                          global_batch_size=4, dp_rank=0, dp_size=1, steps=-1)
     assert validator.num_windows == 30 and validator.passes == 8  # the last pass holds 2 + 2 padding
-    result = validator.run(model)
+    result = validator.run()
     rows = torch.stack([torch.from_numpy(windows[i]) for i in range(30)])
     with torch.no_grad():
         logits = model(rows[:, :-1])

@@ -32,9 +32,11 @@ from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.loss import token_loss_sum
+from torchtitan_lite.training.objectives import StepResult
+from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
-__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceStep", "as_reference", "counted_tokens",
-           "dpo_losses", "sequence_logps"]
+__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceObjective", "as_reference",
+           "counted_tokens", "dpo_losses", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -121,64 +123,69 @@ METRICS = ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/accuracy", "dpo/ma
 """Each step's means over the global batch's pairs, with TRL's meanings (``rewards/chosen`` …)."""
 
 
-class PreferenceStep:
-    """One global batch of pairs, forward and backward: every micro-batch's chosen and rejected
-    rows through the policy (one forward) and through the reference (no gradient), the loss of
-    each pair, its gradient scaled to the mean over every pair of the global batch (FSDP averages
-    gradients over the ``ranks``), and the sums behind :data:`METRICS`."""
+class PreferenceObjective:
+    """DPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`): every micro-batch's
+    chosen and rejected rows through the policy (one forward) and through the reference (no
+    gradient), the loss of each pair, its gradient scaled to the mean over the ``global_pairs``
+    of the global batch (FSDP averages gradients over the ``ranks``), and the means of
+    :data:`METRICS` over them (summed over ``group``). ``loader``: a mixture's per-source counts
+    (None: no per-source metrics)."""
 
-    def __init__(self, setup: DPOSetup, *, reference: nn.Module | None, ranks: int, group: Any = None) -> None:
+    def __init__(self, setup: DPOSetup, *, reference: nn.Module | None, ranks: int, global_pairs: int,
+                 group: Any = None, loader: Any = None) -> None:
         """``reference``: the frozen copy, or None for the policy with its LoRA adapters off."""
-        self.setup, self.ranks, self.group = setup, ranks, group
-        self.reference = reference
+        self.setup, self.ranks, self.global_pairs, self.group = setup, ranks, global_pairs, group
+        self.reference, self.loader = reference, loader
 
-    def _losses(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                ) -> tuple[PairLosses, torch.Tensor, torch.Tensor]:
-        """The pairs' losses, the policy's summed log-probabilities of every row, and the sums
-        behind :data:`METRICS` of each pair ``(pairs, len(METRICS))``."""
-        s, n = self.setup, inputs.shape[0] // 2
+    def _losses(self, runner: MicroBatchRunner, batch: MicroBatch) -> tuple[PairLosses, torch.Tensor]:
+        """The pairs' losses and the sums behind :data:`METRICS` of each pair ``(pairs,
+        len(METRICS))``, of a placed micro-batch."""
+        s, n = self.setup, batch.inputs.shape[0] // 2
+        labels = batch.labels
         tokens = counted_tokens(labels)
-        with torch.no_grad(), as_reference(model, self.reference) as reference:
-            ref_logps = sequence_logps(reference(inputs), labels)
-        logps = sequence_logps(model(inputs), labels)
+        with torch.no_grad(), as_reference(runner.model, self.reference) as reference:
+            ref_logps = sequence_logps(runner.logits(batch, reference), labels)
+        logps = sequence_logps(runner.logits(batch), labels)
         out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
                          label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
         chosen, rejected, policy = out.chosen_rewards.double(), out.rejected_rewards.double(), logps.detach().double()
         metrics = torch.stack([chosen, rejected, (chosen > rejected).double(), chosen - rejected, policy[:n],
                                policy[n:]], dim=1)
-        return out, logps, metrics
+        return out, metrics
 
-    def forward_backward(self, model: nn.Module, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                         global_pairs: int, device: torch.device, sources: list[list[int]] | None = None,
-                         num_sources: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns this rank's summed pair loss (fp64, detached: the trainer reduces it and divides
-        by ``global_pairs``) and the step's :data:`METRICS` (every rank the same). With
-        ``sources`` (a mixture: the source of each pair of each micro-batch) the loss is a vector:
-        the sum, then each of the ``num_sources`` sources' sum."""
-        scale = self.ranks / max(global_pairs, 1)
-        loss_sum = torch.zeros(1 + num_sources if sources is not None else (), dtype=torch.float64, device=device)
-        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=device)
-        for i, (inputs, labels) in enumerate(micro_batches):
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            out, _, metrics = self._losses(model, inputs, labels)
-            (out.loss.sum() * scale).backward()
+    def forward_backward(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> StepResult:
+        """The summed pair loss (with a mixture, then each source's) and the step's
+        :data:`METRICS` (every rank the same); the trainer divides the reduced sum by the
+        global batch's pairs."""
+        scale = self.ranks / max(self.global_pairs, 1)
+        loss_sum = torch.zeros(1 + runner.num_sources, dtype=torch.float64, device=runner.device)
+        sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
+        for mb in batch:
+            out, metrics = self._losses(runner, runner.place(mb))
+            runner.backward(out.loss.sum() * scale, accumulation=len(batch))
             pair_loss = out.loss.detach().double()
-            if sources is None:
-                loss_sum += pair_loss.sum()
-            else:
-                loss_sum[0] += pair_loss.sum()
-                loss_sum[1:].index_add_(0, torch.tensor(sources[i], device=device), pair_loss)
+            loss_sum[0] += pair_loss.sum()
+            if mb.sources is not None and runner.num_sources:  # (the source of each pair)
+                loss_sum[1:].index_add_(0, torch.tensor(mb.sources, device=runner.device), pair_loss)
             sums += metrics.sum(dim=0)
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
-        means = (sums / max(global_pairs, 1)).tolist()
-        return loss_sum, dict(zip(METRICS, means, strict=True))
+        means = (sums / max(self.global_pairs, 1)).tolist()
+        tokens = sum(mb.inputs.numel() for mb in batch)
+        result = StepResult(loss_sum, self.global_pairs, global_tokens=tokens * self.ranks, tokens_per_rank=tokens,
+                            metrics=dict(zip(METRICS, means, strict=True)))
+        if self.loader is not None and runner.num_sources:  # per source: its pairs so far, its pairs' loss
+            result.source_denominators = list(self.loader.batch_counts)
+            result.source_metrics = {f"pairs/{name}": float(n)
+                                     for name, n in zip(self.loader.names, self.loader.trained, strict=True)}
+        return result
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, pairs: int) -> torch.Tensor:
+    def evaluate(self, runner: MicroBatchRunner, batch: MicroBatch, pairs: int) -> torch.Tensor:
         """The sums of the loss and of :data:`METRICS` over the first ``pairs`` pairs of one
         micro-batch (the rest: padding), without gradients: ``(1 + len(METRICS),)`` in fp64."""
-        n = inputs.shape[0] // 2
-        keep = (torch.arange(n, device=inputs.device) < pairs).double()
-        out, _, metrics = self._losses(model, inputs, labels)
+        placed = runner.place(batch)
+        n = placed.inputs.shape[0] // 2
+        keep = (torch.arange(n, device=placed.inputs.device) < pairs).double()
+        out, metrics = self._losses(runner, placed)
         return torch.cat([(out.loss.double() * keep).sum().reshape(1), (metrics * keep[:, None]).sum(dim=0)])

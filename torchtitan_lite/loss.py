@@ -17,6 +17,7 @@ is ``F.cross_entropy``, which inductor fuses itself.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 
-__all__ = ["token_loss_sum"]
+__all__ = ["loss_sums", "token_loss_sum"]
 
 _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
@@ -153,3 +154,26 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return _RowChunkedCrossEntropy.apply(flat_logits, flat_labels)
+
+
+def loss_sums(loss_fn: Any, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
+              sources: list[int] | None, num_sources: int) -> torch.Tensor:
+    """The detached sums behind a micro-batch's metrics, fp64 ``(1 + num_sources,)``: ``loss``
+    (``loss_fn(logits, labels)``, already computed), then each source's share of it, from
+    ``sources`` (each row's source; rows of one source next to each other), by ``loss_fn`` on
+    that source's rows without gradient (one source: ``loss`` itself). ``sources`` None: only the
+    sum."""
+    sums = torch.zeros(1 + (num_sources if sources is not None else 0), dtype=torch.float64, device=loss.device)
+    sums[0] = loss.detach().double()
+    if sources is None:
+        return sums
+    groups = [(source, len(list(rows))) for source, rows in itertools.groupby(sources)]
+    if len(groups) == 1:
+        sums[1 + groups[0][0]] += sums[0]
+        return sums
+    with torch.no_grad():
+        start = 0
+        for source, count in groups:
+            sums[1 + source] += loss_fn(logits[start:start + count], labels[start:start + count]).double()
+            start += count
+    return sums

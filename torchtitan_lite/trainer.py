@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +41,6 @@ from torchtitan_lite.checkpoint.manager import CheckpointManager
 from torchtitan_lite.checkpoint.storage import CheckpointStorage
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import (
-    IGNORE_INDEX,
     BatchLoader,
     PackedWindows,
     TokenWindows,
@@ -64,9 +61,9 @@ from torchtitan_lite.distributed import (
 from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
-from torchtitan_lite.distributed.parallelize import build_sharded_model
+from torchtitan_lite.distributed.parallelize import Parallelized, build_parallelized
 from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
-from torchtitan_lite.dpo import PreferenceStep
+from torchtitan_lite.dpo import PreferenceObjective
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
@@ -76,6 +73,7 @@ from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight, moe_layer
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
 from torchtitan_lite.startup_log import log_startup
 from torchtitan_lite.stop_signals import StopSignals
+from torchtitan_lite.training import LossFn, MicroBatch, MicroBatchRunner, Objective, TokenObjective
 from torchtitan_lite.validate import Validator
 
 if TYPE_CHECKING:
@@ -89,27 +87,33 @@ __all__ = [
     "build_loss",
     "build_router_balance",
     "build_model",
+    "build_objective",
     "build_optimizers",
+    "build_parallel_model",
+    "build_pipeline",
+    "build_preference",
+    "build_runner",
     "build_validators",
     "log_startup",
     "agree_auto_reshard",
     "setup_distributed",
-    "trainer_step_peak",
 ]
 
 logger = logging.getLogger("torchtitan_lite")
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows | PackedWindows], *,
-                     dp_rank: int, device: torch.device) -> dict[str | None, Validator]:
+                     dp_rank: int, runner: MicroBatchRunner, group: Any = None,
+                     preference: PreferenceObjective | None = None) -> dict[str | None, Validator]:
     """A validator for each validation set of :func:`~torchtitan_lite.data.build_data` (by name;
-    None: the one ``validation.dataset``)."""
+    None: the one ``validation.dataset``), running its micro-batches through ``runner`` (with a
+    pipeline: one built by :func:`build_runner` with ``forward_only``) and reducing over
+    ``group`` (the mesh's ``tokens``); preference pairs are scored by ``preference``."""
     docs = document_bounds(config, plan.tokenizer)
-    return {name: Validator(windows, local_batch_size=plan.val_local_batch_size,
+    return {name: Validator(windows, runner=runner, local_batch_size=plan.val_local_batch_size,
                             global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
-                            steps=config.validation.steps, device=device, documents=docs)
+                            steps=config.validation.steps, documents=docs, group=group, preference=preference)
             for name, windows in sets.items()}
 
 
@@ -206,12 +210,19 @@ def build_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, 
     parallelized over ``mesh`` by the family's steps as the plan says (on one process without CPU offload: not sharded,
     under autocast for bf16), then allocated.
     ``reshard_plan``: what ``auto`` chose (its per-unit resharding and checkpointing)."""
+    return build_parallel_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan).model
+
+
+def build_parallel_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh | None, device: torch.device,
+                         reshard_plan: AutoReshardPlan | None = None) -> Parallelized:
+    """:func:`build_model`'s model with what was built around it (its FSDP units, its
+    context-parallel share): what :func:`build_runner` runs."""
     shape = plan.shape if reshard_plan is None else plan.shape.replace(
         reshard_after_forward_mode=reshard_plan.reshard, cpu_offload=reshard_plan.offload,
         ac_policies=reshard_plan.ac_policies)
-    model = build_sharded_model(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed, shape=shape)
-    model.train()
-    return model
+    built = build_parallelized(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed, shape=shape)
+    built.model.train()
+    return built
 
 
 def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
@@ -224,9 +235,10 @@ def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     return token_loss_sum
 
 
-def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
-                     reshard_plan: AutoReshardPlan | None = None) -> PreferenceStep | None:
-    """DPO's step (None unless the plan has ``dpo``: a preference dataset) with its reference: the
+def build_preference(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh, device: torch.device,
+                     loader: BatchLoader | None = None,
+                     reshard_plan: AutoReshardPlan | None = None) -> PreferenceObjective | None:
+    """DPO's objective (None unless the plan has ``dpo``: a preference dataset) with its reference: the
     policy with its LoRA adapters switched off, or a frozen copy of the starting weights built
     and sharded like the policy (from ``debug.seed``, or ``checkpoint.initial_load_path``, a Hugging
     Face folder or a DCP checkpoint: on every start, resumes included), never trained or saved."""
@@ -241,7 +253,37 @@ def build_preference(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh
             storage = CheckpointStorage(model=reference, optimizer=None, model_spec=plan.spec, lora=None,
                                         hf_extras=None)
             storage.load_weights(Path(ck.initial_load_path), "hf" if ck.initial_load_in_hf else "dcp", {"model"})
-    return PreferenceStep(plan.dpo, reference=reference, ranks=plan.token_ranks, group=mesh.tokens)
+    return PreferenceObjective(plan.dpo, reference=reference, ranks=plan.token_ranks,
+                               global_pairs=plan.global_batch_size, group=mesh.tokens,
+                               loader=loader if loader is not None and loader.named else None)
+
+
+def build_objective(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh, device: torch.device,
+                    loader: BatchLoader, loss_fn: LossFn,
+                    reshard_plan: AutoReshardPlan | None = None) -> Objective:
+    """What the job's steps optimise: DPO's pair loss on a preference dataset
+    (:func:`build_preference`), else the mean token loss (``loss_fn``; chat SFT's ignored labels
+    counted over the data-parallel group)."""
+    preference = build_preference(config, plan, mesh=mesh, device=device, loader=loader, reshard_plan=reshard_plan)
+    if preference is not None:
+        return preference
+    return TokenObjective(loss_fn, token_ranks=plan.token_ranks, masked=loader.masked, group=mesh.dp_group,
+                          loader=loader if loader.named else None, pipeline_degree=plan.dims.pp)
+
+
+def build_runner(config: JobConfig, plan: JobPlan, built: Parallelized, *, mesh: ParallelMesh, device: torch.device,
+                 loss_fn: LossFn, balance: RouterBalance | None = None, num_sources: int = 0,
+                 forward_only: bool = False) -> MicroBatchRunner:
+    """The runner of the job's micro-batches over ``built`` (:func:`build_parallel_model`): its
+    context-parallel share, and with a pipeline the schedule over this rank's stages (training's
+    with ``loss_fn`` and the router losses of ``balance``, or with ``forward_only`` validation's).
+    ``num_sources``: a mixture's sources, for the per-source losses."""
+    pipeline = build_pipeline(config, plan, built.model, mesh=mesh, device=device,
+                              loss_fn=token_loss_sum if forward_only else loss_fn, forward_only=forward_only,
+                              balance=None if forward_only else balance)
+    return MicroBatchRunner(built.model, device=device, context_parallel=built.context_parallel,
+                            pipeline=None if forward_only else pipeline, evaluation=pipeline if forward_only else None,
+                            router_balance=None if forward_only else balance, num_sources=num_sources)
 
 
 def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
@@ -345,7 +387,6 @@ class Trainer:
         # global rank and the degrees (the mesh's layout).
         dp_rank = plan.dims.dp_rank(rank)
         self.loader, validation_sets = build_data(config, plan, dp_rank=dp_rank)
-        self.validators = build_validators(config, plan, validation_sets, dp_rank=dp_rank, device=self.device)
         budget = auto_budget(config, plan, self.device)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -354,27 +395,22 @@ class Trainer:
         self.mesh, self._lock = setup_distributed(config, plan, self.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.loader.group = self.mesh.dp_group  # the data's collectives: among the data-parallel ranks
-        for validator in self.validators.values():
-            validator.group = self.mesh.tokens
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
-        self.model = build_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
+        built = build_parallel_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
+        self.model = built.model
         self.loss_fn = build_loss(config, plan)
-        # Context parallel: each rank feeds the model its share of every sequence.
-        self.context_parallel = getattr(self.model, "context_parallel", None)
-        for validator in self.validators.values():
-            validator.context_parallel = self.context_parallel
-        self.router_balance = build_router_balance(config, plan, self.model, self.mesh)
-        self.pipeline = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
-                                       loss_fn=self.loss_fn, balance=self.router_balance)
-        if self.pipeline is not None and self.validators:  # one forward-only schedule for every set
-            evaluation = build_pipeline(config, plan, self.model, mesh=self.mesh, device=self.device,
-                                        loss_fn=token_loss_sum, forward_only=True)
-            for validator in self.validators.values():
-                validator.pipeline = evaluation
-        self.preference = build_preference(config, plan, self.model, mesh=self.mesh, device=self.device,
-                                           reshard_plan=self.reshard_plan)
-        for validator in self.validators.values():
-            validator.preference = self.preference
+        # The micro-batches' runners (context parallel's share, the pipeline's schedules), the
+        # objective, and validation on a forward-only runner when the stages need a schedule of their own.
+        sources = len(self.loader.sources) if self.loader.named else 0
+        runner = functools.partial(build_runner, config, plan, built, mesh=self.mesh, device=self.device,
+                                   loss_fn=self.loss_fn, num_sources=sources)
+        self.runner = runner(balance=build_router_balance(config, plan, self.model, self.mesh))
+        evaluation = runner(forward_only=True) if plan.shape.pipeline is not None and validation_sets else self.runner
+        self.objective = build_objective(config, plan, mesh=self.mesh, device=self.device, loader=self.loader,
+                                         loss_fn=self.loss_fn, reshard_plan=self.reshard_plan)
+        self.validators = build_validators(
+            config, plan, validation_sets, dp_rank=dp_rank, runner=evaluation, group=self.mesh.tokens,
+            preference=self.objective if isinstance(self.objective, PreferenceObjective) else None)
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
@@ -401,73 +437,6 @@ class Trainer:
                     mfu=f"against {self.peak_tflops} TFLOP/s ({peak_source})" if self.peak_tflops
                     else f"not reported: {peak_source}")
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         sources: list[list[int]] | None = None, *, documents: list[torch.Tensor] | None = None,
-                         counted: int | None = None) -> tuple[torch.Tensor, int]:
-        """Forward and backward over this rank's micro-batches of one global batch; the
-        gradients are those of the mean loss over every counted token of the global batch.
-        Returns this rank's summed token loss (fp64, detached) and its token count.
-
-        ``sources``: the source of each row of each micro-batch, rows of one source next to each
-        other (the loader's ``batch_sources``); the loss is then a vector: the sum, then each
-        source's sum. ``documents``: each micro-batch's document ids (block-causal attention, the
-        loader's ``batch_documents``). ``counted``: the labels the loss counts over all ranks when
-        some are ignored (packed chat samples); None: every label of every rank."""
-        cp = self.context_parallel
-        tokens_this_rank = sum(labels.numel() for _, labels in micro_batches) // (1 if cp is None else cp.degree)
-        # FSDP averages gradients over the ranks: scaled by ranks / counted labels, they are the
-        # gradient of the mean over every counted label of the global batch.
-        scale = 1 / tokens_this_rank if counted is None else self.plan.token_ranks / max(counted, 1)
-        num_sources = 0 if sources is None else len(self.loader.sources)
-        loss_sum = torch.zeros(1 + num_sources, dtype=torch.float64, device=self.device)
-        for i, (inputs, labels) in enumerate(micro_batches):
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            docs = None if documents is None else documents[i].to(self.device, non_blocking=True)
-            if cp is not None:
-                inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
-            if self.pipeline is not None:  # every stage's forward and backward, micro-batch by micro-batch
-                part = self.pipeline.forward_backward(inputs, labels, scale=scale, documents=docs,
-                                                      sources=None if sources is None else sources[i],
-                                                      num_sources=num_sources, accumulation=len(micro_batches))
-                loss_sum += part if sources is not None else part[0]
-                continue
-            logits = self.model(inputs) if docs is None else self.model(inputs, docs)
-            token_loss = self.loss_fn(logits, labels)
-            if sources is not None:  # each source's rows' loss, for the metrics: no gradient
-                groups = [(group, len(list(rows))) for group, rows in itertools.groupby(sources[i])]
-                if len(groups) == 1:
-                    loss_sum[1 + groups[0][0]] += token_loss.detach().double()
-                else:
-                    with torch.no_grad():
-                        start = 0
-                        for group, count in groups:
-                            part = self.loss_fn(logits[start : start + count], labels[start : start + count])
-                            loss_sum[1 + group] += part.double()
-                            start += count
-            del logits  # (the loss's backward frees them once it has run: nothing else holds them)
-            loss = token_loss * scale
-            router_loss = (
-                None if self.router_balance is None else self.router_balance.micro_batch_loss(len(micro_batches))
-            )
-            (loss if router_loss is None else loss + router_loss).backward()
-            loss_sum[0] += token_loss.detach().double()
-        return loss_sum if sources is not None else loss_sum[0], tokens_this_rank
-
-    def _counted_labels(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                        sources: list[list[int]] | None) -> torch.Tensor:
-        """Labels the loss counts in this global batch over all ranks: in all, then per source
-        (a vector; one all-reduce, only when some labels are ignored)."""
-        per_source = torch.zeros(1 + len(self.loader.sources), dtype=torch.int64)
-        for i, (_, labels) in enumerate(micro_batches):
-            row_counts = (labels != IGNORE_INDEX).sum(dim=1)
-            per_source[0] += row_counts.sum()
-            for row, source in enumerate(sources[i] if sources is not None else []):
-                per_source[1 + source] += row_counts[row]
-        per_source = per_source.to(self.device)
-        dist.all_reduce(per_source, group=self.mesh.dp_group)
-        return per_source.cpu()
-
     def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
         """Clip, step (only when the global loss and gradient norm are finite: every rank decides
         alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
@@ -487,47 +456,33 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": norm, "lr": float(lr), "skipped": 0.0 if finite else 1.0}
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over one global batch; returns its metrics (same on every rank)."""
-        data_start = time.perf_counter()
-        if self.router_balance is not None:
-            self.router_balance.start_step()
+    def next_batch(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next global batch, with their document ids and each
+        row's source (a mixture) where the loader gives them."""
         micro_batches = self.loader.next_batch()
-        data_time = time.perf_counter() - data_start
+        docs = self.loader.batch_documents
         sources = self.loader.batch_sources if self.loader.named else None
-        if self.preference is not None:  # DPO: the mean pair loss over the global batch's pairs
-            pairs = self.plan.global_batch_size
-            loss_sum, dpo_values = self.preference.forward_backward(
-                self.model, micro_batches, global_pairs=pairs, device=self.device, sources=sources,
-                num_sources=len(self.loader.sources))
-            values = {**self.optimizer_step(loss_sum, pairs), **dpo_values}
-            tokens_this_rank = sum(inputs.numel() for inputs, _ in micro_batches)
-            self.step += 1
-            self.tokens_seen += tokens_this_rank * self.plan.token_ranks
-            if sources is not None:  # per source: its pairs so far, and this step's mean loss over its pairs
-                for i, (name, trained) in enumerate(zip(self.loader.names, self.loader.trained, strict=True)):
-                    count = self.loader.batch_counts[i]
-                    values[f"pairs/{name}"] = float(trained)
-                    values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
-            return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank)}
-        counted = self._counted_labels(micro_batches, sources) if self.loader.masked else None
-        loss_sum, tokens_this_rank = self.forward_backward(
-            micro_batches, sources, documents=self.loader.batch_documents,
-            counted=None if counted is None else int(counted[0]))
-        global_tokens = tokens_this_rank * self.plan.token_ranks
-        values = self.optimizer_step(loss_sum, global_tokens if counted is None else max(int(counted[0]), 1))
-        if self.router_balance is not None:
-            values.update(self.router_balance.finish_step(update_bias=not values["skipped"], device=self.device))
+        return [MicroBatch(inputs, labels, None if docs is None else docs[i], None if sources is None else sources[i])
+                for i, (inputs, labels) in enumerate(micro_batches)]
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over one global batch: data → the objective's forward and backward
+        (:attr:`objective` through :attr:`runner`) → :meth:`optimizer_step`; returns its metrics
+        (same on every rank)."""
+        data_start = time.perf_counter()
+        self.runner.start_step()
+        batch = self.next_batch()
+        data_time = time.perf_counter() - data_start
+        result = self.objective.forward_backward(self.runner, batch)
+        values = self.optimizer_step(result.loss_sum, result.denominator)
+        values.update(self.runner.finish_step(update_bias=not values["skipped"]))
+        values.update(result.metrics)
         self.step += 1
-        self.tokens_seen += global_tokens
-        if sources is not None:  # per source: its tokens so far, and this step's mean loss over its samples
-            seq_len = self.loader.seq_len
-            for i, (name, tokens) in enumerate(self.loader.tokens_by_source().items()):
-                count = self.loader.batch_counts[i] * seq_len if counted is None else int(counted[1 + i])
-                values[f"tokens/{name}"] = float(tokens)
-                values[f"loss/{name}"] = float(loss_sum[1 + i].item() / count) if count else None
-        # (a pipeline rank runs its stages, 1 / degree of the model, over its tokens: tps and MFU per rank)
-        return {**values, "data_time_s": data_time, "tokens_per_rank": float(tokens_this_rank) / self.plan.dims.pp}
+        self.tokens_seen += result.global_tokens
+        if result.source_denominators:  # per source: its progress, and this step's mean loss
+            values.update(result.source_metrics)
+            values.update(result.source_losses(self.loader.names))
+        return {**values, "data_time_s": data_time, "tokens_per_rank": result.tokens_per_rank}
 
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off): the one
@@ -535,7 +490,7 @@ class Trainer:
         ``validation/NAME/perplexity`` … of each named set."""
         values: dict[str, float] = {}
         for name, validator in self.validators.items():
-            result = validator.run(self.model)
+            result = validator.run()
             if name is None:
                 values.update(result)
                 continue
@@ -657,19 +612,3 @@ class Trainer:
             self.checkpointer.close()
         self._lock.release()
         destroy_distributed(barrier=clean)
-
-
-def trainer_step_peak(config: JobConfig) -> tuple[int, Trainer]:
-    """:class:`~torchtitan_lite.memory.measure.AllocatorPeak` of one steady-state
-    ``Trainer.train_step`` of the job ``config``: the trainer is built inside the
-    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
-    Returns the peak in bytes and the trainer (its process group still up). For the tests and
-    benchmarks that hold the memory estimate against it."""
-    from torchtitan_lite.memory.measure import AllocatorPeak
-
-    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
-        trainer = Trainer(config)
-        trainer.train_step()
-        with memory.window():
-            trainer.train_step()
-    return memory.peak, trainer

@@ -10,11 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from torchtitan_lite.data import PairWindows, pair_batch
 from torchtitan_lite.data.windows import (
-    IGNORE_INDEX,
     Documents,
     PackedWindows,
     TokenWindows,
@@ -22,8 +20,9 @@ from torchtitan_lite.data.windows import (
     padded_batch,
 )
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.dpo import METRICS, PreferenceStep
+from torchtitan_lite.dpo import METRICS, PreferenceObjective
 from torchtitan_lite.loss import token_loss_sum
+from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["Validator"]
 
@@ -39,32 +38,36 @@ class Validator:
     the loss is the exact mean over those windows.
 
     Preference pairs (:class:`~torchtitan_lite.data.preference.PairWindows`, a window per pair)
-    need :attr:`preference`, the job's DPO step: the loss is then the mean pair loss, with the
+    need ``preference``, the job's DPO objective: the loss is then the mean pair loss, with the
     means of :data:`~torchtitan_lite.dpo.METRICS` as ``validation/dpo/…``.
+
+    Micro-batches run through ``runner`` (:class:`~torchtitan_lite.training.runner.MicroBatchRunner`:
+    context parallel's share, the pipeline's forward-only schedule); the sums are reduced over
+    ``group`` (None: the default group), the ranks that split the windows' tokens.
     """
 
     def __init__(
         self,
         windows: TokenWindows | PackedWindows | PairWindows,
         *,
+        runner: MicroBatchRunner,
         local_batch_size: int,
         global_batch_size: int,
         dp_rank: int,
         dp_size: int,
         steps: int,
-        device: torch.device,
         documents: Documents | None = None,
+        group: Any = None,
+        preference: PreferenceObjective | None = None,
     ) -> None:
+        if isinstance(windows, PairWindows) and preference is None:
+            raise ValueError("Validator: preference pairs are scored by a DPO objective: give preference")
         self.windows = windows
         self.documents = documents  # block-causal attention over plain windows: the tokenizer's BOS/EOS
+        self.runner, self.group, self.preference = runner, group, preference
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.group: Any = None  # the group its sums are reduced over (None: the default): data × context parallel
-        self.context_parallel: Any = None  # with context parallel: each rank's share of every sequence
-        self.preference: PreferenceStep | None = None  # DPO: how pairs are scored (and their reference)
-        self.pipeline: Any = None  # pipeline parallel: the forward-only schedule over the stages
-        self.device = device
         wanted = len(windows) if steps == -1 else steps * global_batch_size
         self.num_windows = min(len(windows), wanted)
         self.passes = num_batches(self.num_windows, local_batch_size * dp_size)
@@ -75,15 +78,14 @@ class Validator:
         return list(range(first, min(first + self.local_batch_size, self.num_windows)))
 
     @torch.no_grad()
-    def run(self, model: nn.Module) -> dict[str, float | None]:
+    def run(self) -> dict[str, float | None]:
         """Mean loss per token (per pair) over the validation windows (same result on every rank)."""
         start = time.perf_counter()
+        model, device = self.runner.model, self.runner.device
         was_training = model.training
         model.eval()
         pairs = isinstance(self.windows, PairWindows)
-        if pairs and self.preference is None:
-            raise ValueError("Validator: preference pairs are scored by a DPO step: set Validator.preference")
-        totals = torch.zeros(1 + len(METRICS) if pairs else 2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(1 + len(METRICS) if pairs else 2, dtype=torch.float64, device=device)
         try:
             for forward_pass in range(self.passes):
                 indices = self.rank_indices(forward_pass)
@@ -92,21 +94,12 @@ class Validator:
                     rows = [self.windows[i] for i in indices]
                     rows += [np.zeros_like(self.windows[0])] * (self.local_batch_size - len(indices))
                     inputs, labels = pair_batch(np.stack(rows))
-                    totals += self.preference.evaluate(model, inputs.to(self.device), labels.to(self.device),
-                                                       len(indices))
+                    totals += self.preference.evaluate(self.runner, MicroBatch(inputs, labels), len(indices))
                     continue
                 inputs, labels, docs = padded_batch(self.windows, indices, self.local_batch_size, self.documents)
-                inputs = inputs.to(self.device, non_blocking=True)
-                labels = labels.to(self.device, non_blocking=True)
-                docs = None if docs is None else docs.to(self.device, non_blocking=True)
-                if (cp := self.context_parallel) is not None:
-                    inputs, labels, docs = cp.shard_batch(inputs, labels, docs)
-                if self.pipeline is not None:
-                    totals[0] += self.pipeline.evaluate(inputs, labels, docs)[0]
-                else:
-                    logits = model(inputs) if docs is None else model(inputs, docs)
-                    totals[0] += token_loss_sum(logits, labels).double()
-                totals[1] += (labels != IGNORE_INDEX).sum()
+                loss, counted = self.runner.evaluate(MicroBatch(inputs, labels, docs), token_loss_sum)
+                totals[0] += loss
+                totals[1] += counted
         finally:
             model.train(was_training)
             reshard_all(model)  # forward passes without backward leave some units gathered

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torchtitan_lite.models.decoder import SharedSequenceAttention, document_positions
+
 __all__ = ["CP_METHODS", "ContextParallel", "ShardedAttention", "context_parallel_problem"]
 
 CP_METHODS = ("allgather", "ulysses")
@@ -150,7 +152,7 @@ class ContextParallel:
         return out.view(x.shape)
 
 
-class ShardedAttention:
+class ShardedAttention(SharedSequenceAttention):
     """One forward's attention under context parallel: :attr:`positions` (each local token's
     position in its sequence, or in its document with ``documents``) and :meth:`attend`."""
 
@@ -161,8 +163,6 @@ class ShardedAttention:
         if documents is None:
             self.positions = self.query_positions
         else:
-            from torchtitan_lite.models.decoder import document_positions
-
             self.positions = document_positions(documents).index_select(1, self.query_positions)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool = False,

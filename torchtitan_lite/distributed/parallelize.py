@@ -16,6 +16,7 @@ compiled code).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,13 +44,26 @@ from torchtitan_lite.distributed.tensor_parallel import (
 )
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["JobShape", "build_sharded_model", "parallelize"]
+__all__ = ["JobShape", "Parallelized", "build_parallelized", "build_sharded_model", "parallelize"]
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` built around a model, for those who run it (the trainer's
+    :class:`~torchtitan_lite.training.runner.MicroBatchRunner`, the memory estimator)."""
+
+    model: nn.Module
+    """The model, parallelized in place."""
+    units: list[FSDPUnit] = field(default_factory=list)
+    """Its FSDP units in forward order, root excluded (empty without FSDP)."""
+    context_parallel: ContextParallel | None = None
+    """With context parallel: how a rank takes its share of each sequence (``shard_batch``)."""
 
 
 def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
-                shape: JobShape, *, device: torch.device) -> list[FSDPUnit]:
-    """Parallelize a model built on the meta device, in place; returns its FSDP units (empty
-    without FSDP).
+                shape: JobShape, *, device: torch.device) -> Parallelized:
+    """Parallelize a model built on the meta device, in place; returns what it built around it
+    (:class:`Parallelized`: its FSDP units, its context-parallel share).
 
     The steps, in this order: LoRA adapts the linears → float8 converts the blocks' other
     linears → tensor parallel (a mesh with ``tp``: the family's ``spec.tensor_parallel``, by
@@ -79,11 +93,13 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
         split(model, mesh["tp"], loss_parallel=shape.loss_parallel)
         if shape.async_tensor_parallel:
             enable_async_tensor_parallel(mesh["tp"])
+    context_parallel = None
     if "cp" in dims:
-        if not hasattr(type(model), "context_parallel"):
+        if not hasattr(model, "use_context_parallel"):
             raise ValueError(f"context parallel: {type(model).__name__} does not take a share of each sequence "
-                             "(no context_parallel attribute); expected a Decoder")
-        model.context_parallel = ContextParallel(mesh["cp"].get_group(), method=shape.context_parallel_method)
+                             "(no use_context_parallel method); expected a Decoder")
+        context_parallel = ContextParallel(mesh["cp"].get_group(), method=shape.context_parallel_method)
+        model.use_context_parallel(context_parallel)
     experts = shard_experts(model, mesh) if "ep" in dims else None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
                                    selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies)
@@ -97,7 +113,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     if fsdp is None:
         if shape.autocast_dtype is not None:
             apply_autocast(model, dtype=shape.autocast_dtype, device_type=device.type)
-        return []
+        return Parallelized(model, [], context_parallel)
     if mesh is None:
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
@@ -106,11 +122,17 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload,
                experts=expert_shards)
-    return fsdp_units(model, **units)
+    return Parallelized(model, fsdp_units(model, **units), context_parallel)
 
 
 def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceMesh | None, *, device: torch.device,
                         seed: int, shape: JobShape | None = None, **fields: Any) -> nn.Module:
+    """The model of :func:`build_parallelized` (same arguments), without what was built around it."""
+    return build_parallelized(spec, args, mesh, device=device, seed=seed, shape=shape, **fields).model
+
+
+def build_parallelized(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceMesh | None, *, device: torch.device,
+                       seed: int, shape: JobShape | None = None, **fields: Any) -> Parallelized:
     """Build ``spec.model_cls(args)`` on the meta device, :func:`parallelize` it as ``shape``
     says (with ``fields``, any :class:`~torchtitan_lite.distributed.job_shape.JobShape` field, in
     place of its own), allocate this rank's shards (each offloaded unit's on CPU, the rest on
@@ -121,9 +143,9 @@ def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceM
     are the same either way: they depend on the seed only."""
     shape = (shape or JobShape()).replace(**fields)
     model = spec.meta_model(args)
-    units = parallelize(spec, model, mesh, shape, device=device)
+    built = parallelize(spec, model, mesh, shape, device=device)
     fsdp = shape.fsdp_options()
-    materialize(model, device, units=units, cpu_offload=fsdp.cpu_offload if fsdp is not None else False)
+    materialize(model, device, units=built.units, cpu_offload=fsdp.cpu_offload if fsdp is not None else False)
     torch.manual_seed(seed)  # the weights depend on the seed only, not on the world size
     if shape.pipeline is not None:  # the whole model's values for this rank's stages
         whole = spec.meta_model(args)
@@ -132,4 +154,4 @@ def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceM
         init_stage_weights(model, whole, buffer_device=device)
     else:
         model.init_weights(buffer_device=device)
-    return model
+    return built

@@ -24,7 +24,6 @@ or the schedule; the last stage's sum goes to every pipeline rank.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.loss import loss_sums
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
@@ -216,21 +216,11 @@ def _no_loss(output: Any, target: Any) -> Any:
 def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
     """Keep only the parts of pipeline rank ``pp_rank``'s stages in ``model`` (a decoder built on
     the meta device): its blocks, the embedding on the first stage's rank, the final norm and output
-    projection on the last one's. Parameter names are unchanged. Sets ``model.pipeline_stages``."""
+    projection on the last one's. Parameter names are unchanged (the decoder's ``keep_stages``)."""
     if getattr(model.args, "tie_word_embeddings", False):
         raise ValueError("pipeline parallel: tied embeddings (model.tie_word_embeddings) would put one weight "
                          "on the first and the last stage; expected a model without them")
-    mine = plan.rank_stages(pp_rank)
-    keep = {key for stage in mine for key in stage.layers}
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    if not any(stage.first for stage in mine):
-        model.tok_embeddings = None
-    if not any(stage.last for stage in mine):
-        model.norm = None
-        model.output = None
-    model.pipeline_stages = {stage.index: stage for stage in mine}
+    model.keep_stages(plan.rank_stages(pp_rank))
 
 
 def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: torch.device) -> None:
@@ -238,11 +228,7 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
     same seed: ``whole`` (the whole model on the meta device) gets the pruned model's modules in
     place of its own and runs its ``init_weights``; its meta parameters draw their seeds and are
     left alone (:mod:`torchtitan_lite.models.init`)."""
-    for name in ("tok_embeddings", "norm", "output"):
-        if getattr(model, name) is not None:
-            setattr(whole, name, getattr(model, name))
-    for key, block in model.layers.items():
-        whole.layers[key] = block
+    whole.adopt_parts(model)
     whole.init_weights(buffer_device=buffer_device)
     model.init_buffers(buffer_device)
 
@@ -426,23 +412,10 @@ class PipelineRunner:
         return loss if router is None else loss + router
 
     def _token_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if not self._sources:
-            loss = self.loss_fn(logits, target)
-            self._sums.append(loss.detach().double().reshape(1))
-            return loss * self.scale
-        # A mixture: the target's last column is each row's source; the loss of each source's
-        # rows (next to each other) is kept for the metrics, without gradient.
-        labels, sources = target[:, :-1], target[:, -1].tolist()
+        # A mixture: the target's last column is each row's source (kept for the metrics).
+        labels, sources = (target[:, :-1], target[:, -1].tolist()) if self._sources else (target, None)
         loss = self.loss_fn(logits, labels)
-        sums = torch.zeros(1 + self._sources, dtype=torch.float64, device=logits.device)
-        sums[0] = loss.detach().double()
-        with torch.no_grad():
-            start = 0
-            for source, rows in itertools.groupby(sources):
-                count = len(list(rows))
-                sums[1 + source] += self.loss_fn(logits[start:start + count], labels[start:start + count]).double()
-                start += count
-        self._sums.append(sums)
+        self._sums.append(loss_sums(self.loss_fn, logits, labels, loss, sources, self._sources))
         return loss * self.scale
 
     def _documents(self, documents: torch.Tensor | None) -> None:

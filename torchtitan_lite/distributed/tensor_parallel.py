@@ -152,7 +152,7 @@ def apply_decoder_tensor_parallel(model: nn.Module, tp_mesh: Any, *, loss_parall
     register every parameter they distribute as trainable)."""
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     _split_decoder(model, tp_mesh, loss_parallel=loss_parallel)
-    model.sequence_shards = tp_mesh.size()  # (the hidden states a later pipeline stage takes)
+    model.split_sequence_between_blocks(tp_mesh.size())  # (the hidden states a later pipeline stage takes)
     for name, p in model.named_parameters():
         p.requires_grad_(trainable[name])
 

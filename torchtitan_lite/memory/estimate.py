@@ -493,7 +493,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         # family's own parallelize steps, as the trainer runs them (LoRA: a frozen base, only the
         # adapters get gradients and optimizer state); compile and float8 are not modelled.
         model = spec.meta_model(args)
-        unit_list = parallelize(spec, model, mesh, shape, device=device)
+        built = parallelize(spec, model, mesh, shape, device=device)
+        unit_list = built.units
         if shape.device_type == "cpu":
             _gloo_all_gathers(model)
         # DPO: every sample is a pair of rows; a frozen reference copy is built like the model.
@@ -503,9 +504,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             reference = spec.meta_model(args)
             parallelize(spec, reference, mesh, shape, device=device)
             reference.requires_grad_(False)
-        if getattr(model, "context_parallel", None) is not None:
+        if built.context_parallel is not None:
             # CUDA's masks are BlockMasks (next to nothing); a CPU's are dense and counted
-            model.context_parallel.shapes_only = shape.device_type == "cuda"
+            built.context_parallel.shapes_only = shape.device_type == "cuda"
         offload_flags = unit_offload(cpu_offload, unit_list)
         offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
                          for module in unit.modules for param in module.parameters()}

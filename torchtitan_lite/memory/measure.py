@@ -25,7 +25,7 @@ from torch import nn
 from torchtitan_lite.gc_control import no_automatic_gc
 
 __all__ = ["AllocatorPeak", "CATEGORIES", "by_category", "measure_step_memory", "process_memory", "profiled_peak",
-           "reset_peak_rss"]
+           "reset_peak_rss", "trainer_step_peak"]
 
 class AllocatorPeak:
     """The peak of live tensor bytes over a window of code, from the allocator's own figures rather
@@ -223,3 +223,19 @@ def reset_peak_rss() -> None:
     """Make the peak resident memory (``peak_rss``) restart from the current one (Linux)."""
     with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
         fh.write("5")
+
+
+def trainer_step_peak(make_trainer: Callable[[], Any]) -> tuple[int, Any]:
+    """:class:`AllocatorPeak` of one steady-state ``train_step`` of the trainer ``make_trainer()``
+    builds (e.g. ``functools.partial(Trainer, config)``): the trainer is built inside the
+    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
+    Returns the peak in bytes and the trainer (its process group still up). For the tests and
+    benchmarks that hold the memory estimate against it."""
+    from torchtitan_lite.distributed import choose_device, world_info_from_env
+
+    with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
+        trainer = make_trainer()
+        trainer.train_step()
+        with memory.window():
+            trainer.train_step()
+    return memory.peak, trainer

@@ -20,10 +20,11 @@ Nothing here knows about FSDP: the model can be built on the meta device, sharde
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,9 +37,8 @@ from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "apply_rotary_emb", "attend", "block_causal_mask", "decoder_fsdp_units", "document_positions",
-           "is_moe_layer",
-           "precompute_freqs_cis", "rope_bits"]
+__all__ = ["Decoder", "SharedSequenceAttention", "apply_rotary_emb", "attend", "block_causal_mask",
+           "decoder_fsdp_units", "document_positions", "is_moe_layer", "precompute_freqs_cis", "rope_bits"]
 
 def precompute_freqs_cis(
     head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
@@ -176,12 +176,25 @@ def attention_as_on_cuda() -> Iterator[None]:
         _CUDA_KERNELS_ON_CPU = before
 
 
+class SharedSequenceAttention(abc.ABC):
+    """One forward's attention over a sequence that several ranks hold a share of (context
+    parallel's :class:`~torchtitan_lite.distributed.context_parallel.ShardedAttention`): what
+    :func:`attend` takes in place of a mask. :attr:`positions`: each local token's position (in
+    its sequence, or its document), for RoPE."""
+
+    positions: torch.Tensor
+
+    @abc.abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool = False,
+               scale: float | None = None) -> torch.Tensor:
+        """This rank's queries ``q`` over the whole sequence's keys and values."""
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, *, enable_gqa: bool = False,
            scale: float | None = None) -> torch.Tensor:
     """Attention of ``q`` ``(bs, heads, seq, d)`` over ``k``, ``v`` under ``mask``: None (causal),
     a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, or a
-    context-parallel :class:`~torchtitan_lite.distributed.context_parallel.ShardedAttention`
-    (anything with ``attend``: this rank's queries over the whole sequence)."""
+    :class:`SharedSequenceAttention` (context parallel: this rank's queries over the whole sequence)."""
     if _CUDA_KERNELS_ON_CPU and q.device.type == "cpu" and v.shape[-1] < q.shape[-1] and mask is None:
         width = v.shape[-1]
         padded = F.pad(v, (0, q.shape[-1] - width))
@@ -191,7 +204,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    if hasattr(mask, "attend"):
+    if isinstance(mask, SharedSequenceAttention):
         return mask.attend(q, k, v, scale=scale, enable_gqa=enable_gqa)
     return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
@@ -270,7 +283,7 @@ class Decoder(nn.Module):
 
     context_parallel: Any = None
     """A :class:`~torchtitan_lite.distributed.context_parallel.ContextParallel` when each rank holds
-    a share of every sequence (set by the parallelize step): ``forward`` then takes this rank's
+    a share of every sequence (:meth:`use_context_parallel`): ``forward`` then takes this rank's
     tokens and document ids (:meth:`ContextParallel.shard`)."""
 
     def __init__(self, args: Any) -> None:
@@ -292,12 +305,49 @@ class Decoder(nn.Module):
 
     sequence_shards: int = 1
     """Tensor parallel's sequence parallelism: the ranks the hidden states between blocks are
-    split over along the sequence (set by the split)."""
+    split over along the sequence (:meth:`split_sequence_between_blocks`)."""
 
     pipeline_stages: dict[int, Any] | None = None
     """With pipeline parallel: this rank's stages by index (each a
-    :class:`~torchtitan_lite.distributed.pipeline_parallel.StageLayout`), set by the split that
-    removed the other stages' parts; ``forward(x, stage=i)`` runs stage ``i``."""
+    :class:`~torchtitan_lite.distributed.pipeline_parallel.StageLayout`), kept by
+    :meth:`keep_stages`; ``forward(x, stage=i)`` runs stage ``i``."""
+
+    # The parallelize steps change a decoder through these methods only (nothing outside this
+    # module sets its attributes): each says what the forward then does differently.
+
+    def use_context_parallel(self, context_parallel: Any) -> None:
+        """Take a share of every sequence from here on (``context_parallel``, a
+        :class:`~torchtitan_lite.distributed.context_parallel.ContextParallel`)."""
+        self.context_parallel = context_parallel
+
+    def split_sequence_between_blocks(self, shards: int) -> None:
+        """Tensor parallel's sequence parallelism: the hidden states between blocks are split over
+        ``shards`` ranks along the sequence (what a later pipeline stage takes)."""
+        self.sequence_shards = shards
+
+    def keep_stages(self, stages: Sequence[Any]) -> None:
+        """Keep only the parts of ``stages`` (pipeline stage layouts with ``index``, ``layers``,
+        ``first``, ``last``), built on the meta device: their blocks, the embedding with the
+        first stage, the final norm and output projection with the last. Names are unchanged."""
+        keep = {key for stage in stages for key in stage.layers}
+        for key in list(self.layers.keys()):
+            if key not in keep:
+                del self.layers[key]
+        if not any(stage.first for stage in stages):
+            self.tok_embeddings = None
+        if not any(stage.last for stage in stages):
+            self.norm = None
+            self.output = None
+        self.pipeline_stages = {stage.index: stage for stage in stages}
+
+    def adopt_parts(self, pruned: Decoder) -> None:
+        """Take ``pruned``'s parts (a decoder after :meth:`keep_stages`) in place of this one's
+        own: its blocks, and its embedding, norm and output where it has them."""
+        for name in ("tok_embeddings", "norm", "output"):
+            if getattr(pruned, name) is not None:
+                setattr(self, name, getattr(pruned, name))
+        for key, block in pruned.layers.items():
+            self.layers[key] = block
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 stage: int | None = None) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The one runner of a micro-batch: to the device, context parallel's share, then the pipeline's
+schedule or the plain forward, with a mixture of experts' router losses added to the loss.
+
+Every objective (:mod:`torchtitan_lite.training.objectives`, DPO's in :mod:`torchtitan_lite.dpo`)
+and validation (:mod:`torchtitan_lite.validate`) run their micro-batches through a
+:class:`MicroBatchRunner`; none of them moves a batch, shards it or branches on the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.distributed.context_parallel import ContextParallel
+from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
+from torchtitan_lite.loss import loss_sums
+from torchtitan_lite.models.moe.balance import RouterBalance
+
+__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(logits, labels)``: a micro-batch's summed loss (a scalar)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loader gives it: ``inputs`` and ``labels`` ``(rows, seq)``, the
+    document ids of packed rows (block-causal attention; None: causal), and each row's source in a
+    mixture (rows of one source next to each other; None: one source or no per-source metrics)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None = None
+    sources: list[int] | None = None
+
+
+class MicroBatchRunner:
+    """Runs micro-batches through ``model`` as the job's layout needs.
+
+    ``context_parallel``: each rank feeds the model its share of every sequence. ``pipeline``:
+    the schedule that runs this rank's stages for training (the loss then runs on the last
+    stage, inside the schedule); ``evaluation``: its forward-only schedule. ``router_balance``:
+    a mixture of experts' router losses, added to each training micro-batch's loss."""
+
+    def __init__(self, model: nn.Module, *, device: torch.device, context_parallel: ContextParallel | None = None,
+                 pipeline: PipelineRunner | None = None, evaluation: PipelineRunner | None = None,
+                 router_balance: RouterBalance | None = None, num_sources: int = 0) -> None:
+        """``num_sources``: the sources of a mixture, for the per-source sums (0: none)."""
+        self.model, self.device = model, device
+        self.context_parallel, self.pipeline, self.evaluation = context_parallel, pipeline, evaluation
+        self.router_balance = router_balance
+        self.num_sources = num_sources
+
+    @property
+    def sequence_shards(self) -> int:
+        """The ranks each sequence is split over (context parallel's degree; 1 without it)."""
+        return 1 if self.context_parallel is None else self.context_parallel.degree
+
+    def place(self, batch: MicroBatch) -> MicroBatch:
+        """``batch`` on the device, cut to this rank's share of each sequence."""
+        inputs = batch.inputs.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        docs = None if batch.documents is None else batch.documents.to(self.device, non_blocking=True)
+        if self.context_parallel is not None:
+            inputs, labels, docs = self.context_parallel.shard_batch(inputs, labels, docs)
+        return replace(batch, inputs=inputs, labels=labels, documents=docs)
+
+    def logits(self, batch: MicroBatch, model: nn.Module | None = None) -> torch.Tensor:
+        """The logits of a placed ``batch`` (:meth:`place`) by ``model`` (default: the runner's;
+        e.g. a frozen reference), without a pipeline (its stages hold parts of the model)."""
+        if self.pipeline is not None or self.evaluation is not None:
+            raise ValueError("MicroBatchRunner.logits: the pipeline's stages hold parts of the model; "
+                             "run micro-batches through forward_backward or evaluate")
+        model = self.model if model is None else model
+        return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
+
+    def start_step(self) -> None:
+        """Before a step's first micro-batch (the router losses' counts restart)."""
+        if self.router_balance is not None:
+            self.router_balance.start_step()
+
+    def finish_step(self, *, update_bias: bool) -> dict[str, float]:
+        """After the optimizer step: the router losses' metrics (and bias update); empty for a
+        dense model."""
+        if self.router_balance is None:
+            return {}
+        return self.router_balance.finish_step(update_bias=update_bias, device=self.device)
+
+    def backward(self, loss: torch.Tensor, *, accumulation: int) -> None:
+        """``loss``'s backward, with the router losses of the forward that made it added (one of
+        the step's ``accumulation`` micro-batches)."""
+        router = None if self.router_balance is None else self.router_balance.micro_batch_loss(accumulation)
+        (loss if router is None else loss + router).backward()
+
+    def forward_backward(self, batch: MicroBatch, loss_fn: LossFn, *, scale: float,
+                         accumulation: int = 1) -> torch.Tensor:
+        """Forward and backward of one micro-batch: gradients of ``scale × loss_fn(logits,
+        labels)`` (plus the router losses) accumulate. Returns the detached loss sums, fp64
+        ``(1 + num_sources,)``: the loss, then each source's share (zeros without ``sources``).
+        With a pipeline, ``loss_fn`` is the one its schedule was built with."""
+        placed = self.place(batch)
+        if self.pipeline is not None:  # every stage's forward and backward, inside the schedule
+            part = self.pipeline.forward_backward(placed.inputs, placed.labels, scale=scale,
+                                                  documents=placed.documents, sources=placed.sources,
+                                                  num_sources=self.num_sources, accumulation=accumulation)
+            return self._widen(part)
+        logits = self.logits(placed)
+        loss = loss_fn(logits, placed.labels)
+        sums = loss_sums(loss_fn, logits, placed.labels, loss, placed.sources, self.num_sources)
+        del logits  # (the loss's backward frees them once it has run: nothing else holds them)
+        self.backward(loss * scale, accumulation=accumulation)
+        return self._widen(sums)
+
+    @torch.no_grad()
+    def evaluate(self, batch: MicroBatch, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch forward only: this rank's summed loss (fp64, a scalar tensor) and the
+        labels it counted (of this rank's share)."""
+        placed = self.place(batch)
+        counted = (placed.labels != IGNORE_INDEX).sum()
+        if self.evaluation is not None:
+            return self.evaluation.evaluate(placed.inputs, placed.labels, placed.documents)[0], counted
+        return loss_fn(self.logits(placed), placed.labels).double(), counted
+
+    def counted_labels(self, batch: MicroBatch) -> torch.Tensor:
+        """The labels a loss counts in ``batch`` (not ignored), in all then per source, on CPU
+        (int64 ``(1 + num_sources,)``)."""
+        counts = torch.zeros(1 + self.num_sources, dtype=torch.int64)
+        rows = (batch.labels != IGNORE_INDEX).sum(dim=1)
+        counts[0] += rows.sum()
+        for row, source in enumerate(batch.sources or []):
+            counts[1 + source] += rows[row]
+        return counts
+
+    def _widen(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums of ``(1,)`` (no sources given) to ``(1 + num_sources,)``."""
+        if sums.numel() == 1 + self.num_sources:
+            return sums
+        out = torch.zeros(1 + self.num_sources, dtype=torch.float64, device=sums.device)
+        out[0] = sums.reshape(-1)[0]
+        return out
