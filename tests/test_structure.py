@@ -305,3 +305,40 @@ def test_the_build_the_estimate_and_auto_take_one_job_shape() -> None:
     assert isinstance(shape, JobShape)
     assert (shape.world_size, shape.dp_replicate, shape.tensor_parallel, shape.grad_accum_steps, shape.seq_len) == (
         4, plan.dims.dp_replicate, 2, plan.grad_accum_steps, 32)
+
+
+def _model_attribute_assignments(path: Path) -> list[str]:
+    """``model.x = ...`` (or ``self.model.x``, ``whole.x``, ``reference.x``) in ``path``: an
+    attribute of a model set from outside (a class swap, ``__class__``, is how wrappers keep
+    parameter names, and is allowed)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if not isinstance(target, ast.Attribute) or target.attr == "__class__":
+                continue
+            owner = target.value
+            name = owner.id if isinstance(owner, ast.Name) else (
+                owner.attr if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name)
+                and owner.value.id == "self" else "")
+            if name in ("model", "whole", "reference"):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_attribute_of_a_model_is_set_outside_its_own_module() -> None:
+    """The parallelize steps change a model through its own methods (the decoder's
+    ``use_context_parallel``, ``keep_stages`` …) and return what they built around it
+    (``Parallelized``); the trainer reads nothing back off the model with ``getattr``."""
+    found = [hit for module, path in _modules().items() if not module.startswith("torchtitan_lite.models")
+             for hit in _model_attribute_assignments(path)]
+    assert found == []
+    trainer = (PACKAGE / "trainer.py").read_text()
+    assert "getattr(self.model" not in trainer and "getattr(model" not in trainer
+    probe = PACKAGE.parent / "tests" / "_probe_model_attribute.py"
+    probe.write_text("model.context_parallel = 1\nself.model.x = 2\nmodel.__class__ = object\nother.x = 3\n")
+    try:
+        assert len(_model_attribute_assignments(probe)) == 2
+    finally:
+        probe.unlink()
