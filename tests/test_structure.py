@@ -342,3 +342,16 @@ def test_no_attribute_of_a_model_is_set_outside_its_own_module() -> None:
         assert len(_model_attribute_assignments(probe)) == 2
     finally:
         probe.unlink()
+
+
+_FSDP_PRIVATE = ("_get_fsdp_state", "_fsdp_param_groups", "_fully_shard", "_state_ctx", "fully_shard.state",
+                 "_root_post_backward_final_callback", "unsharded_accumulated_grad", "fsdp_params")
+
+
+def test_fsdp_internals_are_used_in_fsdp_py_only() -> None:
+    """FSDP2's private state (param groups, the root's end-of-backward callback, the custom
+    collectives' interfaces) is read in ``distributed/fsdp.py`` only, behind its functions
+    (``gathered_through_step``, ``set_custom_all_gather``): when torch changes it, one file breaks."""
+    found = [f"{path.relative_to(PACKAGE.parent)}: {name}" for module, path in _modules().items()
+             if module != "torchtitan_lite.distributed.fsdp" for name in _FSDP_PRIVATE if name in path.read_text()]
+    assert found == []

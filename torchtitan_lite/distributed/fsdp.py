@@ -40,13 +40,16 @@ from torch.distributed.tensor import Shard
 
 from torchtitan_lite.config.schema import RESHARD_MODES
 
-try:  # the interface of fully_shard's custom reduce-scatter (torch >= 2.7)
+try:  # the interfaces of fully_shard's custom reduce-scatter and all-gather (torch >= 2.7)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as AllGatherComm
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterComm
-except ImportError:  # pragma: no cover - older torch: gloo's own reduce-scatter is used
+except ImportError:  # pragma: no cover - older torch: gloo's own collectives are used
     _ReduceScatterComm = object
+    AllGatherComm = object  # type: ignore[assignment,misc]
 
 __all__ = [
     "RESHARD_MODES",
+    "AllGatherComm",
     "FSDPOptions",
     "FSDPUnit",
     "InPlaceReduceScatter",
@@ -56,6 +59,8 @@ __all__ = [
     "apply_fsdp",
     "find_blocks",
     "fsdp_units",
+    "gathered_through_step",
+    "set_custom_all_gather",
     "materialize",
     "reshard_all",
     "resolve_reshard_after_forward",
@@ -567,3 +572,66 @@ def _shard_experts(experts: ExpertShards, units: Sequence[FSDPUnit], mode: Resha
         sharded = fully_shard(module, mesh=experts.mesh, reshard_after_forward=bool(reshard), mp_policy=mp_policy,
                               offload_policy=offload_policy(experts.mesh, offloaded[index]))
         sum_then_divide(sharded, experts.gradient_divide_factor)
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2's internals: used here only (when torch changes them, this file is the one to mend)
+# --------------------------------------------------------------------------------------------
+
+
+def set_custom_all_gather(model: nn.Module, comm: Any) -> None:
+    """Every FSDP unit of ``model`` that holds parameters all-gathers through ``comm`` (an
+    :data:`AllGatherComm`)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and _param_groups(module._get_fsdp_state()):
+            module.set_custom_all_gather(comm)
+
+
+def _backward_defaults(model: FSDPModule, on: bool) -> None:
+    """FSDP's end-of-backward settings: the last backward, reshard after it, reduce gradients
+    (``on``), or none of them until told (holding everything gathered)."""
+    model.set_is_last_backward(on)
+    model.set_reshard_after_backward(on)
+    model.set_requires_gradient_sync(on)
+
+
+@contextlib.contextmanager
+def gathered_through_step(model: nn.Module) -> Iterator[None]:
+    """Every unit of an FSDP ``model`` stays gathered from its forward through its backward
+    passes and accumulates unsharded gradients, reducing none, for the duration (a split-backward
+    pipeline schedule, whose weight passes come after the input passes of later micro-batches);
+    then, once for the step, what FSDP's backward would have done at its end: each unit's
+    gradient reduced (the last unit's first) and its parameters resharded. When the step raises,
+    every unit is resharded and the step's unsharded gradients dropped instead (nothing of them
+    reaches a later reduce). Needs ``reshard_after_forward_mode = "never"``; nothing happens for
+    a model without FSDP."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    if any(group.post_forward_mesh_info is not None for module in model.modules() if isinstance(module, FSDPModule)
+           for group in _param_groups(module._get_fsdp_state())):
+        raise ValueError("a split-backward schedule needs every FSDP unit gathered from its forward to its weight "
+                         "pass: expected reshard_after_forward_mode 'never'")
+    _backward_defaults(model, False)
+    try:
+        yield
+    except BaseException:
+        _backward_defaults(model, True)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for group in _param_groups(module._get_fsdp_state()):
+                    for param in group.fsdp_params:
+                        param.unsharded_accumulated_grad = None
+                        if hasattr(param, "_unsharded_param"):
+                            param.unsharded_param.grad = None
+        model.reshard()
+        raise
+    _backward_defaults(model, True)
+    state = fully_shard.state(model)  # type: ignore[attr-defined]
+    # (last unit first, as FSDP's own end of backward: its reduce-scatter is the first ready;
+    # as torch.distributed.pipelining does for a stage that is its own FSDP root)
+    for unit in reversed(state._state_ctx.all_states):
+        for group in reversed(_param_groups(unit)):
+            group.post_backward()
+    state._root_post_backward_final_callback()
+

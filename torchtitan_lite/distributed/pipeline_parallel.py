@@ -24,6 +24,7 @@ or the schedule; the last stage's sum goes to every pipeline rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_lite.distributed.fsdp import gathered_through_step
 from torchtitan_lite.loss import loss_sums
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
-           "PipelineRunner", "StagePart", "hold_gathered", "init_stage_weights", "pipeline_plan", "pipeline_problem",
-           "prune_to_stages", "rank_actions", "reduce_held", "release_held"]
+           "PipelineRunner", "StagePart", "init_stage_weights", "pipeline_plan", "pipeline_problem",
+           "prune_to_stages", "rank_actions"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -233,64 +235,6 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
     model.init_buffers(buffer_device)
 
 
-def hold_gathered(model: nn.Module) -> None:
-    """Before a split-backward step (:attr:`PipelinePlan.splits_backward`) of an FSDP ``model``:
-    every unit stays gathered after its backward (the job reshards none after forward) and
-    accumulates unsharded gradients, reducing none, until :func:`reduce_held`. (Nothing to do
-    for a model without FSDP, nor in the two functions after it.)"""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        return
-    if any(group.post_forward_mesh_info is not None for module in model.modules() if isinstance(module, FSDPModule)
-           for group in module._get_fsdp_state()._fsdp_param_groups):
-        raise ValueError("a split-backward schedule needs every FSDP unit gathered from its forward to its weight "
-                         "pass: expected reshard_after_forward_mode 'never'")
-    model.set_is_last_backward(False)
-    model.set_reshard_after_backward(False)
-    model.set_requires_gradient_sync(False)
-
-
-def reduce_held(model: nn.Module) -> None:
-    """After a split-backward step: what FSDP's backward would have done at its end, once for
-    the step (each unit's gradient reduced, its parameters resharded), as
-    :mod:`torch.distributed.pipelining` does for a stage that is its own FSDP root."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if not isinstance(model, FSDPModule):
-        return
-    model.set_is_last_backward(True)
-    model.set_reshard_after_backward(True)
-    model.set_requires_gradient_sync(True)
-    state = fully_shard.state(model)  # type: ignore[attr-defined]
-    # (last unit first, as FSDP's own end of backward: its reduce-scatter is the first ready)
-    for unit in reversed(state._state_ctx.all_states):
-        for group in reversed(unit._fsdp_param_groups):
-            group.post_backward()
-    state._root_post_backward_final_callback()
-
-
-def release_held(model: nn.Module) -> None:
-    """After a split-backward step that raised: FSDP back to its usual settings, every unit
-    resharded and the step's unsharded gradients dropped (nothing of them reaches a later
-    reduce)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        return
-    model.set_is_last_backward(True)
-    model.set_reshard_after_backward(True)
-    model.set_requires_gradient_sync(True)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    param.unsharded_accumulated_grad = None
-                    if hasattr(param, "_unsharded_param"):
-                        param.unsharded_param.grad = None
-    model.reshard()
-
-
 class StagePart(nn.Module):
     """One stage of a rank's pruned model, for :class:`torch.distributed.pipelining.PipelineStage`:
     its modules (shared with the model, so ``parameters()`` are the stage's) and a forward that
@@ -442,16 +386,8 @@ class PipelineRunner:
         if sources is not None:
             target = torch.cat([labels, torch.tensor(sources, dtype=labels.dtype, device=labels.device)[:, None]], 1)
         args = (inputs,) if self.first else ()
-        if self._held is not None:
-            hold_gathered(self._held)
-        try:
+        with gathered_through_step(self._held) if self._held is not None else contextlib.nullcontext():
             self.schedule.step(*args, target=target if self.last else None, return_outputs=False)
-        except BaseException:
-            if self._held is not None:
-                release_held(self._held)
-            raise
-        if self._held is not None:
-            reduce_held(self._held)
         return self._total()
 
     def _total(self) -> torch.Tensor:

@@ -40,15 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-try:  # (FSDP2's interface for a custom all-gather)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherComm
-except ImportError:  # pragma: no cover
-    _AllGatherComm = object  # type: ignore[assignment,misc]
-
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.fsdp import (
+    AllGatherComm,
     ReshardMode,
+    gathered_through_step,
+    set_custom_all_gather,
     unit_offload,
     validate_reshard_after_forward_mode,
 )
@@ -60,9 +58,7 @@ from torchtitan_lite.distributed.pipeline_parallel import (
     SINGLE_SCHEDULES,
     PipelinePlan,
     StagePart,
-    hold_gathered,
     rank_actions,
-    reduce_held,
 )
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
@@ -577,7 +573,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
     )
 
 
-class _GlooAllGather(_AllGatherComm):
+class _GlooAllGather(AllGatherComm):
     """FSDP2's all-gather as gloo runs it: gloo gathers into a buffer of its own the size of
     the output (on its worker thread), then copies it into FSDP's output and frees it. Seen in
     the allocator's trace of a pipeline rank's backward at data parallel 2 (the step's peak, one
@@ -598,11 +594,7 @@ class _GlooAllGather(_AllGatherComm):
 
 def _gloo_all_gathers(model: torch.nn.Module) -> None:
     """Every FSDP unit of ``model`` gathers as gloo does (:class:`_GlooAllGather`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
-            module.set_custom_all_gather(_GlooAllGather())
+    set_custom_all_gather(model, _GlooAllGather())
 
 
 def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, batches: int,
@@ -635,52 +627,50 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
             in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
             weight_passes: dict[tuple[int, int], Any] = {}  # after an input pass: what its weight pass reads
             sent: list[torch.Tensor] = []  # sends not waited for yet
-            if plan.splits_backward:  # (with FSDP: see the function)
-                hold_gathered(model)
-            for kind, s, j in rank_actions(plan, pp_rank, microbatches):
-                stage = mine[s]
-                if kind == "F":
-                    # (module-wise stats are not used: forgetting the root's allows its forward again
-                    # while other micro-batches' backwards, which look up their blocks', are to come)
-                    if model in tracker.memory_tracking:
-                        del tracker.memory_tracking[model]
-                    if stage.first:
-                        x = torch.zeros(shape[:2], dtype=torch.long)
-                        tracker.track_inputs((x,))
-                    else:
-                        x = received[(s, j)].requires_grad_()
-                    out = model(x, stage=s)
-                    if stage.last:
-                        labels = torch.zeros(shape[:2], dtype=torch.long)
-                        out = token_loss_sum(out, labels) * scale
-                    in_flight[(s, j)] = (out, None if stage.first else x)
-                    if looped and not stage.last:
-                        sent.append(out)
-                    del x, out
-                elif kind == "I" and not stage.first:  # (the first stage's backward is all in its weight pass)
-                    # The zero-bubble input pass, as the schedule runs it: the input's gradient, the
-                    # graph kept for the weight pass (its intermediates' gradients held)
-                    out, x = in_flight.pop((s, j))
-                    grad = None if stage.last else [returned[(s, j)]]
-                    _, groups = stage_backward_input([out], grad, [x], parts[s].parameters())
-                    weight_passes[(s, j)] = groups
-                    sent.append(x.grad)
-                    x.grad = None
-                    del out, x, grad
-                elif kind == "W" and not stage.first:
-                    stage_backward_weight(parts[s].parameters(), weight_passes.pop((s, j)))
-                elif kind != "I":  # a full backward, or the first stage's weight pass
-                    out, x = in_flight.pop((s, j))
-                    out.backward(None if stage.last else returned[(s, j)])
-                    if x is not None:  # its gradient, sent to the stage before
-                        if plan.schedule == "1F1B":
-                            sent.clear()
+            # (with FSDP: every unit held gathered through the step, reduced once at its end)
+            with gathered_through_step(model) if plan.splits_backward else contextlib.nullcontext():
+                for kind, s, j in rank_actions(plan, pp_rank, microbatches):
+                    stage = mine[s]
+                    if kind == "F":
+                        # (module-wise stats are not used: forgetting the root's allows its forward again
+                        # while other micro-batches' backwards, which look up their blocks', are to come)
+                        if model in tracker.memory_tracking:
+                            del tracker.memory_tracking[model]
+                        if stage.first:
+                            x = torch.zeros(shape[:2], dtype=torch.long)
+                            tracker.track_inputs((x,))
+                        else:
+                            x = received[(s, j)].requires_grad_()
+                        out = model(x, stage=s)
+                        if stage.last:
+                            labels = torch.zeros(shape[:2], dtype=torch.long)
+                            out = token_loss_sum(out, labels) * scale
+                        in_flight[(s, j)] = (out, None if stage.first else x)
+                        if looped and not stage.last:
+                            sent.append(out)
+                        del x, out
+                    elif kind == "I" and not stage.first:  # (the first stage's backward is all in its weight pass)
+                        # The zero-bubble input pass, as the schedule runs it: the input's gradient, the
+                        # graph kept for the weight pass (its intermediates' gradients held)
+                        out, x = in_flight.pop((s, j))
+                        grad = None if stage.last else [returned[(s, j)]]
+                        _, groups = stage_backward_input([out], grad, [x], parts[s].parameters())
+                        weight_passes[(s, j)] = groups
                         sent.append(x.grad)
                         x.grad = None
-                    del out, x
-            sent.clear()
-            if plan.splits_backward:
-                reduce_held(model)
+                        del out, x, grad
+                    elif kind == "W" and not stage.first:
+                        stage_backward_weight(parts[s].parameters(), weight_passes.pop((s, j)))
+                    elif kind != "I":  # a full backward, or the first stage's weight pass
+                        out, x = in_flight.pop((s, j))
+                        out.backward(None if stage.last else returned[(s, j)])
+                        if x is not None:  # its gradient, sent to the stage before
+                            if plan.schedule == "1F1B":
+                                sent.clear()
+                            sent.append(x.grad)
+                            x.grad = None
+                        del out, x
+                sent.clear()
 
 
 @contextlib.contextmanager
