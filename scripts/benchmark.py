@@ -452,7 +452,7 @@ def _worker_single(opts: argparse.Namespace) -> dict[str, Any]:
         plan, device = trainer.plan, trainer.device
         # The same model as the trainer's, plain (fsdp=None) and under autocast for bf16.
         bare = build_sharded_model(plan.spec, plan.model_args, None, device=device, seed=trainer.config.debug.seed,
-                                   sharded=False, param_dtype=plan.param_dtype)
+                                   sharded=False, param_dtype=plan.shape.param_dtype)
         bare_opt, bare_sched = build_optimizers(trainer.config, plan, bare)  # the trainer's AdamW and schedule
 
         def bare_steps(n: int, bare: Any = bare, bare_opt: Any = bare_opt, bare_sched: Any = bare_sched,
@@ -582,7 +582,7 @@ def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
     kwargs = job_estimate_kwargs(config, plan)
     never, always = (estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode, **kwargs).peak
                      for mode in ("never", "always"))
-    headroom = auto_headroom_bytes(plan.spec, plan.model_args, plan.param_dtype, plan.reduce_dtype)
+    headroom = auto_headroom_bytes(plan.spec, plan.model_args, plan.shape.param_dtype, plan.shape.reduce_dtype)
     return {"tight": (never + always + headroom) / 2 / 2**30, "loose": (never + headroom) * 1.05 / 2**30}
 
 
@@ -761,7 +761,7 @@ def _job_estimate(argv: list[str], world_size: int) -> Any:
 
     config = load_job_config(argv)
     plan = plan_job(config, world_size=world_size)
-    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
                            **job_estimate_kwargs(config, plan))
 
 

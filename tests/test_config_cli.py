@@ -215,7 +215,7 @@ def test_cli_key_value_forms() -> None:
     # An integer reshard mode is parsed as an int; the plan checks it against the shard degree.
     c = load_job_config(["--parallelism.reshard_after_forward_mode", "2"])
     assert c.parallelism.reshard_after_forward_mode == 2
-    assert plan_job(c, world_size=4).reshard_mode == 2
+    assert plan_job(c, world_size=4).shape.reshard_after_forward_mode == 2
     # The last occurrence wins; hyphens in keys are accepted.
     c = load_job_config(["--training.steps", "3", "--training.steps", "5", "--training.local-batch-size", "3"])
     assert c.training.steps == 5 and c.training.local_batch_size == 3
@@ -411,7 +411,7 @@ def test_compile_backend_is_checked_against_torchs_registry() -> None:
     from torchtitan_lite.job import plan_job
 
     plan = plan_job(load_job_config(["--compile.enable", "--compile.backend", "aot_eager"]), world_size=1)
-    assert plan.world_size == 1
+    assert plan.shape.world_size == 1
     with pytest.raises(ConfigError, match=r"compile.backend: invalid value 'nope'; expected a registered "
                                           r"torch.compile backend, e.g. .*inductor.*aot_eager"):
         plan_job(load_job_config(["--compile.enable", "--compile.backend", "nope"]), world_size=1)

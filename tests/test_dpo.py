@@ -777,8 +777,9 @@ def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: 
         config = load_job_config(argv)
         plan = plan_job(config, world_size=2)
         kwargs = job_estimate_kwargs(config, plan)
-        estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode, **kwargs)
-        plain = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+        mode = plan.shape.reshard_after_forward_mode
+        estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode, **kwargs)
+        plain = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
                                 **{**kwargs, "dpo_reference": None})
         measured = max(run_distributed(_dpo_step_peak, 2, argv))
         error = (estimate.peak - measured) / measured

@@ -195,9 +195,9 @@ def test_budget_source_and_config_checks(tmp_path):
     config = load_job_config([*dump, "--parallelism.reshard_after_forward_mode", "auto",
                               "--parallelism.memory_budget_gib", "2"])
     assert config.parallelism.reshard_after_forward_mode == "auto"
-    assert plan_job(config, world_size=4).reshard_mode == "auto"
+    assert plan_job(config, world_size=4).shape.reshard_after_forward_mode == "auto"
     # training.enable_cpu_offload keeps working: it is cpu_offload = all.
-    assert plan_job(load_job_config([*dump, "--training.enable_cpu_offload"]), world_size=2).offload == "all"
+    assert plan_job(load_job_config([*dump, "--training.enable_cpu_offload"]), world_size=2).shape.cpu_offload is True
     for argv, message in [
         (["--parallelism.memory_budget_gib", "2"], "used only with parallelism.reshard_after_forward_mode = 'auto'"),
         (["--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", "-1"],

@@ -128,7 +128,7 @@ def _measure(jobs: dict[str, list[str]], dump: str) -> dict[str, Any]:
 def _estimate(argv: list[str], world_size: int) -> MemoryEstimate:
     config = load_job_config([*argv, "--job.dump_folder", "/nonexistent/estimate"])
     plan = plan_job(config, world_size=world_size)
-    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+    return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
                            **job_estimate_kwargs(config, plan))
 
 
@@ -213,7 +213,8 @@ def test_each_pipeline_ranks_estimate_within_bounds_of_its_allocator_peak(tmp_pa
     for label, argv in jobs.items():
         config = load_job_config([*argv, "--job.dump_folder", "/nonexistent/estimate"])
         plan = plan_job(config, world_size=world_size)
-        estimates[label] = estimate_stages(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+        estimates[label] = estimate_stages(plan.spec, plan.model_args,
+                                           reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
                                            **job_estimate_kwargs(config, plan))
     ranks = run_distributed(_measure, world_size, jobs, str(tmp_path), timeout=600)
     print(f"\n{'job':44} {'pp rank':>7} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  peak in")
@@ -316,10 +317,11 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
                                                     "--parallelism.reshard_after_forward_mode", "always"])):
         config = load_job_config(["--job.config_file", "train_configs/llama3_8b.toml", *extra])
         plan, _ = plan_without_files(config, world_size=8)  # the tokenizer need not be here: the flavor's vocabulary
-        estimates[label] = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.reshard_mode,
+        mode = plan.shape.reshard_after_forward_mode
+        estimates[label] = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
                                            **job_estimate_kwargs(config, plan))
         if label == "shipped":
-            assert config.activation_checkpoint.mode == "selective" and plan.reshard_mode == "default"
+            assert config.activation_checkpoint.mode == "selective" and mode == "default"
             # fp32 sharded params: 1/8 of the model; AdamW's state twice that.
             params = plan.model_args.num_params()
             assert abs(params - 8.03e9) <= 0.005 * 8.03e9

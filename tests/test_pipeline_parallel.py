@@ -66,7 +66,7 @@ def test_zero_bubble_orders_split_each_backward_and_keep_fsdp_gathered() -> None
     config = load_job_config([*TINY_ARGS, "--parallelism.pipeline_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
     job = plan_job(config, world_size=4)
-    assert job.reshard_mode == "never"
+    assert job.shape.reshard_after_forward_mode == "never"
     from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
 
     with pytest.raises(ValueError, match="^reshard_after_forward_mode: invalid value 'default'; ZBVZeroBubble keeps "

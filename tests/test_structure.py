@@ -295,6 +295,9 @@ def test_the_build_the_estimate_and_auto_take_one_job_shape() -> None:
     from torchtitan_lite.memory.estimate import estimate_memory
 
     fields = {f.name for f in dataclasses.fields(JobShape)}
+    from torchtitan_lite.job import JobPlan
+
+    assert not fields & {f.name for f in dataclasses.fields(JobPlan)}  # the plan holds the shape, says none of it again
     for fn in (build_sharded_model, estimate_memory, plan_auto_reshard, parallelize):
         params = inspect.signature(fn).parameters
         assert "shape" in params and "JobShape" in str(params["shape"].annotation), fn.__name__
@@ -304,7 +307,7 @@ def test_the_build_the_estimate_and_auto_take_one_job_shape() -> None:
     shape = plan.shape
     assert isinstance(shape, JobShape)
     assert (shape.world_size, shape.dp_replicate, shape.tensor_parallel, shape.grad_accum_steps, shape.seq_len) == (
-        4, plan.dims.dp_replicate, 2, plan.grad_accum_steps, 32)
+        4, plan.dims.dp_replicate, 2, plan.shape.grad_accum_steps, 32)
 
 
 def _model_attribute_assignments(path: Path) -> list[str]:

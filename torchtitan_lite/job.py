@@ -114,8 +114,6 @@ def _check_writable_folder(key: str, folder: str) -> None:
 class JobPlan:
     """Every value derived from the config and the world, computed once by :func:`plan_job`."""
 
-    world_size: int
-    """Ranks of the job."""
     dims: ParallelDims
     """Data-parallel degrees (replicate × shard = world size)."""
     spec: ModelSpec
@@ -126,15 +124,6 @@ class JobPlan:
     """The job's tokenizer."""
     global_batch_size: int
     """Samples per optimizer step over all ranks."""
-    grad_accum_steps: int
-    """Micro-batches per rank per optimizer step."""
-    reshard_mode: ReshardMode | str
-    """``reshard_after_forward_mode`` normalised (``"2"`` → 2); ``"auto"`` stays ``"auto"`` until the
-    trainer plans it per unit."""
-    param_dtype: torch.dtype
-    """Dtype of gathered parameters and of compute."""
-    reduce_dtype: torch.dtype
-    """Dtype of gradient reduction."""
     val_local_batch_size: int
     """Validation windows per rank per forward pass."""
     val_global_batch_size: int
@@ -143,37 +132,23 @@ class JobPlan:
     """Tokens per validation window."""
     schedule_steps: int
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
-    offload: str = "none"
-    """``parallelism.cpu_offload``: where shards, gradients and optimizer state live: ``none``
-    (the device), ``all`` (CPU, FSDP2's offload; also ``training.enable_cpu_offload``) or
-    ``auto`` (per unit, as ``auto`` plans it)."""
-    float8: Float8Conversion | None = None
-    """The float8 conversion when ``model.converters`` names float8, else None. The float8
-    all-gather is on only where FSDP shards (``dp_shard`` > 1), as in TorchTitan."""
-    lora: LoRASetup | None = None
-    """Low-rank adapters on the linears ``lora.target_modules`` names, the rest of the model
-    frozen, when ``lora.enable``; else None."""
     dpo: DPOSetup | None = None
     """Preference tuning when ``training.dataset = "preference"`` (``[dpo]``), else None."""
-    loss_parallel: bool = True
-    """Under tensor parallel, the logits stay split over the vocabulary for the loss
-    (``parallelism.disable_loss_parallel`` off)."""
-    async_tensor_parallel: bool = False
-    """``parallelism.enable_async_tensor_parallel``: inductor overlaps tensor-parallel collectives
-    with the matmuls."""
     memory_budget_gib: float | None = None
     """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
     notes: tuple[str, ...] = ()
     """Lines the start-up log and the memory CLI print about the job (e.g. a sequence longer than
     the model was trained for)."""
     shape: JobShape = JobShape()
-    """The job's shape, one object for the model's build, the memory estimate and ``auto``:
-    degrees, batch, dtypes, sharding, checkpointing, compile, float8, LoRA, optimizer."""
+    """The job's shape, one object for the model's build, the memory estimate and ``auto``: the
+    world and its degrees, batch and accumulation, dtypes, how FSDP shards and offloads (the
+    reshard mode, ``"auto"`` until planned), checkpointing, compile, float8, LoRA, loss parallel,
+    the optimizer. The plan does not say any of it again."""
 
     @property
-    def cpu_offload(self) -> bool:
-        """Whether any unit may be offloaded to CPU (``all``, or ``auto``, which may choose to)."""
-        return self.offload != "none"
+    def offloads(self) -> bool:
+        """Whether any unit may be offloaded to CPU (every unit, or ``auto``, which may choose to)."""
+        return self.shape.cpu_offload is not False
 
     @property
     def shard(self) -> bool:
@@ -185,9 +160,8 @@ class JobPlan:
     def fsdp_options(self, reshard_mode: ReshardMode | None = None,
                      offload: tuple[bool, ...] | None = None) -> FSDPOptions | None:
         """How the model is sharded (None: it is not, see :attr:`shard`); ``reshard_mode`` and
-        ``offload`` are the per-unit plans ``auto`` chose (default: :attr:`reshard_mode`, and
-        every unit offloaded or none as :attr:`offload` says)."""
-        if offload is None and self.offload == "auto":
+        ``offload`` are the per-unit plans ``auto`` chose (default: the shape's)."""
+        if offload is None and self.shape.cpu_offload == "auto":
             raise ValueError("fsdp_options: parallelism.cpu_offload = 'auto' needs the per-unit plan auto chose")
         chosen = {k: v for k, v in (("reshard_after_forward_mode", reshard_mode), ("cpu_offload", offload))
                   if v is not None}
@@ -381,16 +355,11 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
         pipeline=pipeline)
     return JobPlan(
-        world_size=world_size, dims=dims, spec=spec, shape=shape,
-        model_args=model_args,
-        tokenizer=tokenizer, global_batch_size=global_batch, grad_accum_steps=grad_accum_steps,
-        reshard_mode=reshard_mode, param_dtype=DTYPES[t.mixed_precision_param],
-        reduce_dtype=DTYPES[t.mixed_precision_reduce], val_local_batch_size=val_local,
+        dims=dims, spec=spec, shape=shape, model_args=model_args, tokenizer=tokenizer,
+        global_batch_size=global_batch, val_local_batch_size=val_local,
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
-        schedule_steps=config.lr_scheduler.total_steps or t.steps,
-        offload=offload, float8=float8, lora=lora, dpo=dpo,
-        loss_parallel=not p.disable_loss_parallel, async_tensor_parallel=p.enable_async_tensor_parallel,
+        schedule_steps=config.lr_scheduler.total_steps or t.steps, dpo=dpo,
         memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
 

@@ -58,8 +58,9 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
                 "× %d × %d accumulation steps; seq_len %d",
                 config.model.name, config.model.flavor, n_params / 1e6, plan.model_args.vocab_size,
                 type(plan.tokenizer).__name__, mesh.describe(),
-                sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.grad_accum_steps, t.seq_len)
-    if plan.shape.device_type == "cpu" and torch.bfloat16 in (plan.param_dtype, plan.autocast_dtype) \
+                sharding, plan.global_batch_size, plan.dp_size, t.local_batch_size, plan.shape.grad_accum_steps,
+                t.seq_len)
+    if plan.shape.device_type == "cpu" and torch.bfloat16 in (plan.shape.param_dtype, plan.autocast_dtype) \
             and not cpu_has_bf16():
         logger.warning("bfloat16 on a CPU without bfloat16 instructions (no avx512_bf16, amx_bf16 or bf16 in "
                        "/proc/cpuinfo): its products are emulated, several times slower than float32 here; "
@@ -73,14 +74,14 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
                 added, ", ".join(config.compile.components) if config.compile.enable else "off")
     if getattr(plan.model_args, "num_experts", 0):
         logger.info(_describe_moe(config, plan))
-    if plan.float8 is not None:
-        logger.info(plan.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
+    if plan.shape.float8 is not None:
+        logger.info(plan.shape.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
         if getattr(plan.model_args, "num_experts", 0):
             logger.info("float8: the experts' grouped products stay in %s (torchao's float8 grouped products are "
                         "not applied here); float8 covers the attention and dense linears",
-                        str(plan.param_dtype).removeprefix("torch."))
-    if plan.lora is not None:
-        logger.info(plan.lora.describe(model))
+                        str(plan.shape.param_dtype).removeprefix("torch."))
+    if plan.shape.lora is not None:
+        logger.info(plan.shape.lora.describe(model))
 
 
 def _describe_moe(config: JobConfig, plan: JobPlan) -> str:

@@ -120,7 +120,7 @@ def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, To
 def auto_budget(config: JobConfig, plan: JobPlan, device: torch.device) -> tuple[int, str] | None:
     """``auto``'s per-rank memory budget in bytes and where it comes from (None for another
     reshard mode); a missing budget is a :class:`ConfigError`, before any process group."""
-    if plan.reshard_mode != "auto":
+    if plan.shape.reshard_after_forward_mode != "auto":
         return None
     from torchtitan_lite.memory.auto import auto_budget_bytes
 
@@ -139,10 +139,10 @@ def setup_distributed(config: JobConfig, plan: JobPlan, device: torch.device) ->
     folder; a second job into either ends on every rank with one :class:`ConfigError` line
     naming the key and the holder) and build the job's mesh (:class:`ParallelMesh`: its named
     dimensions, FSDP submesh and data-parallel group)."""
-    init_distributed(device, cpu_collectives=plan.cpu_offload and device.type == "cuda",
+    init_distributed(device, cpu_collectives=plan.offloads and device.type == "cuda",
                      timeout_s=config.comm.init_timeout_seconds)
-    if dist.get_world_size() != plan.world_size:
-        raise ConfigError(f"the job was planned for {plan.world_size} ranks but the process group has "
+    if dist.get_world_size() != plan.shape.world_size:
+        raise ConfigError(f"the job was planned for {plan.shape.world_size} ranks but the process group has "
                           f"{dist.get_world_size()}")
     ck = config.checkpoint
     lock = DumpFolderLock(config.job.dump_folder,
@@ -229,7 +229,7 @@ def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     """The summed token loss (:func:`~torchtitan_lite.loss.token_loss_sum`), compiled when
     ``compile.components`` names ``loss`` (but for logits split over tensor-parallel ranks: that
     loss runs its own chunks and all-reduces eagerly)."""
-    split_logits = plan.dims.tp > 1 and plan.loss_parallel
+    split_logits = plan.dims.tp > 1 and plan.shape.loss_parallel
     if config.compile.enable and "loss" in config.compile.components and not split_logits:
         return compile_loss(token_loss_sum, backend=config.compile.backend)
     return token_loss_sum
@@ -349,7 +349,7 @@ def build_checkpointer(
     convert = ck.last_save_in_hf and dist.get_rank() == 0
     return CheckpointManager(
         ck, dump_folder=config.job.dump_folder, model=model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, loader=loader, model_spec=plan.spec, lora=plan.lora,
+        lr_scheduler=lr_scheduler, loader=loader, model_spec=plan.spec, lora=plan.shape.lora,
         timeout_s=config.comm.init_timeout_seconds,
         run_config={f"{section}.{key}": value for section, values in config.to_dict().items()
                     for key, value in values.items()},
@@ -379,8 +379,8 @@ class Trainer:
         check_initial_load(config, plan)
         self.plan = plan
         self.device = choose_device(local_rank)
-        if plan.float8 is not None:  # the device can run it (and torchao imports), before any data is read
-            unavailable = float8_unavailable(self.device, emulate=plan.float8.emulate)
+        if plan.shape.float8 is not None:  # the device can run it (and torchao imports), before any data is read
+            unavailable = float8_unavailable(self.device, emulate=plan.shape.float8.emulate)
             if unavailable:
                 raise ConfigError(f"model.converters: invalid value {config.model.converters!r}; {unavailable}")
         # Data first, before any process group or model: the data-parallel rank follows from the
@@ -425,7 +425,7 @@ class Trainer:
             self.step, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
         self.flops_per_token = plan.model_args.flops_per_token(config.training.seq_len)
         self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops,
-                                                           compute_dtype=plan.param_dtype)
+                                                           compute_dtype=plan.shape.param_dtype)
         self.metrics = MetricsLogger(rank=self.rank, dump_folder=config.job.dump_folder,
                                      enable_tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
@@ -450,7 +450,7 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite:
             self.optimizer.step()
-            if self.plan.float8 is not None and self.plan.float8.precompute_scales:
+            if self.plan.shape.float8 is not None and self.plan.shape.float8.precompute_scales:
                 precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

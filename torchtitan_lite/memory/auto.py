@@ -284,7 +284,7 @@ def job_auto_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
     :func:`~torchtitan_lite.memory.estimate.job_estimate_kwargs`, with ``cpu_offload = "auto"``
     when ``parallelism.cpu_offload`` asks ``auto`` to choose it per unit."""
     kwargs = job_estimate_kwargs(config, plan)
-    if plan.offload == "auto":
+    if plan.shape.cpu_offload == "auto":
         kwargs["cpu_offload"] = "auto"
     return kwargs
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main", "plan_without_files"]
 
-_OFFLOAD_TEXT = {"none": "off", "all": "on (every unit)", "auto": "auto (per unit)"}
+_OFFLOAD_TEXT = {False: "off", True: "on (every unit)", "auto": "auto (per unit)"}  # by JobShape.cpu_offload
 
 _DESCRIPTION = """\
 Estimated memory per rank of a training job, by category, for every reshard mode (default,
@@ -202,7 +202,7 @@ def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, 
         job = dataclasses.replace(config, training=training,
                                   validation=dataclasses.replace(config.validation, enable=False))
         plan, _ = plan_without_files(job, world_size=world_size, local_world_size=ranks_per_node)
-        mode = plan.reshard_mode if plan.reshard_mode != "auto" else "default"
+        mode = plan.shape.reshard_after_forward_mode if plan.shape.reshard_after_forward_mode != "auto" else "default"
         peak = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
                                **job_estimate_kwargs(job, plan)).device_peak
         tried.append((seq_len, peak))
@@ -379,16 +379,16 @@ def main(argv: list[str] | None = None) -> int:
         if own.longest_seq_len:
             return _print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
                                   device_bytes=device_bytes, device_source=device_source)
-        model_args, accum = plan.model_args, plan.grad_accum_steps
+        model_args, accum = plan.model_args, plan.shape.grad_accum_steps
         t = config.training
         kwargs = job_estimate_kwargs(config, plan)
-        auto = plan.reshard_mode == "auto"
+        auto = plan.shape.reshard_after_forward_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
         would = (not auto and device_bytes is not None and not plan.shape.compile_by_parts
                  and plan.shape.pipeline is None)
         budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
-        configured = plan.reshard_mode
+        configured = plan.shape.reshard_after_forward_mode
         log_to_stderr()
         with Progress(f"planning the memory of {config.model.name} {config.model.flavor} on {world_size} "
                       f"rank{'s' if world_size > 1 else ''}",
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = sum(e.seconds for e in estimates)
             plan_auto, auto_error = None, None
             auto_kwargs = job_auto_kwargs(config, plan)
-            if would and plan.offload == "none":
+            if would and plan.shape.cpu_offload is False:
                 auto_kwargs["cpu_offload"] = "auto"
             rank_plans: list[AutoReshardPlan] = []  # with a pipeline: each pipeline rank's own
             if auto or would:
@@ -464,11 +464,11 @@ def main(argv: list[str] | None = None) -> int:
              else f"{t.local_batch_size}")
     print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
-          f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.offload]}; "
+          f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.shape.cpu_offload]}; "
           f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
           f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}")
-    if plan.lora is not None:
-        lo = plan.lora
+    if plan.shape.lora is not None:
+        lo = plan.shape.lora
         print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
               "optimizer state for the adapters only, the base weights frozen")
     if plan.dpo is not None:
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_stage_table(stages, configured, device_bytes, unit))
     notes = ["* = configured mode; categories at the moment of the device peak"
              + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if stages else "")]
-    if plan.offload != "none":
+    if plan.shape.cpu_offload is not False:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
     notes += not_modelled(config, plan)

@@ -714,7 +714,7 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
         lines.append("one process without CPU offload trains the plain model (no FSDP), which is not modelled: "
                      "these figures are FSDP2's on one rank (its unsharded parameter and gradient copies "
                      "included; bf16 through autocast keeps some activations in fp32 instead)")
-    if plan.float8 is not None:
+    if plan.shape.float8 is not None:
         lines.append(f"model.converters = {config.model.converters!r} (float8) is not modelled: the figures are "
                      "of the job without it (float8 keeps its casts of saved activations and, with "
                      "float8.enable_fsdp_float8_all_gather, gathers weights in one byte: measured at debugmodel, "
