@@ -574,13 +574,13 @@ def _auto_budgets(opts: argparse.Namespace) -> dict[str, float]:
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.job import plan_job
     from torchtitan_lite.memory.auto import auto_headroom_bytes
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
 
     with tempfile.TemporaryDirectory() as tmp:
         config = load_job_config(_job_args(argparse.Namespace(**{**vars(opts), "dump": tmp})))
     plan = plan_job(config, world_size=2)
-    kwargs = job_estimate_kwargs(config, plan)
-    never, always = (estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode, **kwargs).peak
+    shape = job_estimate_shape(plan)
+    never, always = (estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode).peak
                      for mode in ("never", "always"))
     headroom = auto_headroom_bytes(plan.spec, plan.model_args, plan.shape.param_dtype, plan.shape.reduce_dtype)
     return {"tight": (never + always + headroom) / 2 / 2**30, "loose": (never + headroom) * 1.05 / 2**30}
@@ -757,12 +757,12 @@ def _job_estimate(argv: list[str], world_size: int) -> Any:
     ranks, planned as the trainer plans it (in this process: no process group)."""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.job import plan_job
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
 
     config = load_job_config(argv)
     plan = plan_job(config, world_size=world_size)
     return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
-                           **job_estimate_kwargs(config, plan))
+                           shape=job_estimate_shape(plan))
 
 
 def _trainer_loss(trainer: Any) -> Any:

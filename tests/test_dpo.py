@@ -758,7 +758,7 @@ def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: 
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.job import plan_job
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
     from torchtitan_lite.models import get_model_spec
 
     write_chat_tokenizer(tmp_path / "tok", "llama3")
@@ -776,11 +776,10 @@ def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: 
                          "--training.steps", "4", *extra, "--job.dump_folder", str(tmp_path / name.replace(" ", "")))
         config = load_job_config(argv)
         plan = plan_job(config, world_size=2)
-        kwargs = job_estimate_kwargs(config, plan)
+        shape = job_estimate_shape(plan)
         mode = plan.shape.reshard_after_forward_mode
-        estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode, **kwargs)
-        plain = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
-                                **{**kwargs, "dpo_reference": None})
+        estimate = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode)
+        plain = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode, dpo_reference=None)
         measured = max(run_distributed(_dpo_step_peak, 2, argv))
         error = (estimate.peak - measured) / measured
         assert -0.03 <= error <= 0.10, (name, estimate.peak, measured, error)

@@ -208,7 +208,7 @@ def _estimate_8b(root: str) -> dict[str, Any]:
 
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.memory.cli import plan_without_files
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
 
     lora = os.environ["RANK"] == "0"
     argv = ["--job.config_file", str(Path(root) / "train_configs" / "llama3_8b.toml"), "--training.seq_len", "4096",
@@ -218,7 +218,7 @@ def _estimate_8b(root: str) -> dict[str, Any]:
     config = load_job_config(argv)
     plan, _ = plan_without_files(config, world_size=1)
     estimate = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode="default",
-                               **job_estimate_kwargs(config, plan))
+                               shape=job_estimate_shape(plan))
     return {"device_peak": estimate.device_peak, "state": estimate.state, "fits": estimate.fits(80 * 2**30),
             "params": plan.model_args.num_params()}
 

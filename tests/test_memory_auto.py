@@ -23,6 +23,7 @@ from tests.test_fsdp import _llama_units, _probe_collectives
 from torchtitan_lite.config import ConfigError, load_job_config
 from torchtitan_lite.distributed.activation_checkpoint import checkpoint_policy_of
 from torchtitan_lite.distributed.fsdp import FSDPUnit, fsdp_units
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.job import plan_job
 from torchtitan_lite.memory.auto import (
     COMM_FLOPS_PER_BYTE,
@@ -33,7 +34,7 @@ from torchtitan_lite.memory.auto import (
     auto_headroom_bytes,
     plan_auto_reshard,
 )
-from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
 from torchtitan_lite.models import get_model_spec
 from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
 
@@ -45,9 +46,8 @@ JOB = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.seq_len", "64", "
 UNITS = ("tok_embeddings", *(f"layers.{i}" for i in range(6)), "norm+output")
 
 
-def _estimate_kwargs() -> dict[str, Any]:
-    config = load_job_config(JOB)
-    return job_estimate_kwargs(config, plan_job(config, world_size=2))
+def _estimate_shape() -> JobShape:
+    return job_estimate_shape(plan_job(load_job_config(JOB), world_size=2))
 
 
 def _units(model: Transformer) -> list[FSDPUnit]:
@@ -57,17 +57,17 @@ def _units(model: Transformer) -> list[FSDPUnit]:
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
-    kwargs = _estimate_kwargs()
+    shape = _estimate_shape()
     # In the forms the planner asks for them (per-unit and per-block plans), so that its own
     # estimates of these plans in this process are the cached ones: never, always, and every
     # unit resharded with every block recomputed (the least auto can reach).
     n = len(UNITS)
-    peaks = {label: estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=(flag,) * n,
-                                    ac_policies=(policy,) * 6, **kwargs).peak
+    peaks = {label: estimate_memory(SPEC, DEBUG, shape, reshard_after_forward_mode=(flag,) * n,
+                                    ac_policies=(policy,) * 6).peak
              for label, flag, policy in (("never", False, "none"), ("always", True, "none"),
                                          ("least", True, "full"))}
     # What auto keeps free below a budget: one block's fp32 parameters here (3.25 MiB).
-    peaks["headroom"] = auto_headroom_bytes(SPEC, DEBUG, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    peaks["headroom"] = auto_headroom_bytes(SPEC, DEBUG, shape.param_dtype, shape.reduce_dtype)
     return peaks
 
 
@@ -146,9 +146,9 @@ def test_cost_model_at_8b_hides_reshards_then_recomputes_cheap_ops_then_whole_bl
 
 @pytest.mark.slow
 def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that_fit(peaks):
-    kwargs = _estimate_kwargs()
+    shape = _estimate_shape()
     loose = plan_auto_reshard(
-        SPEC, DEBUG, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True, **kwargs
+        SPEC, DEBUG, shape, budget_bytes=int((peaks["never"] + peaks["headroom"]) * 1.05), count_offloaded=True
     )
     assert loose.reshard == (False,) * len(UNITS) and loose.units == UNITS
     assert loose.ac_policies == loose.configured_ac == ("none",) * 6 and not loose.recomputed
@@ -156,7 +156,7 @@ def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that
     assert loose.all_gathers_per_step == len(UNITS) and loose.actions == () and loose.added_flops == 0
 
     budget = (peaks["never"] + peaks["always"]) // 2
-    tight = plan_auto_reshard(SPEC, DEBUG, budget_bytes=budget, count_offloaded=True, **kwargs)
+    tight = plan_auto_reshard(SPEC, DEBUG, shape, budget_bytes=budget, count_offloaded=True)
     assert tight.peak + tight.headroom <= budget and tight.actions
     # Headroom: the largest unit's gathered parameters (fp32 here), a block of debugmodel.
     with torch.device("meta"):
@@ -169,7 +169,7 @@ def test_loose_budget_changes_nothing_tight_budget_takes_the_fewest_actions_that
     assert rates == sorted(rates) and tight.added_flops == pytest.approx(sum(c for _, c, _ in tight.actions))
     # The fewest: without the last action taken it does not fit.
     reshard, policies = _plan_of(taken[:-1])
-    fewer = estimate_memory(SPEC, DEBUG, reshard_after_forward_mode=reshard, ac_policies=policies, **kwargs)
+    fewer = estimate_memory(SPEC, DEBUG, shape, reshard_after_forward_mode=reshard, ac_policies=policies)
     assert fewer.peak > budget - tight.headroom
     assert "activation checkpointing added" in tight.summary() and "modelled added time" in tight.summary()
 
@@ -182,7 +182,7 @@ def test_budget_below_resharding_everything_is_one_clear_error(peaks):
                                          r"headroom for a collective buffer: above the budget of .* "
                                          r"\(parallelism\.memory_budget_gib = 0\.05\); allow more memory"):
         plan_auto_reshard(SPEC, DEBUG, budget_bytes=peaks["least"] - MIB, count_offloaded=True,
-                          budget_source="parallelism.memory_budget_gib = 0.05", **_estimate_kwargs())
+                          budget_source="parallelism.memory_budget_gib = 0.05", shape=_estimate_shape())
 
 
 def test_budget_source_and_config_checks(tmp_path):
@@ -298,13 +298,12 @@ TINY_UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm+output")
 @pytest.fixture(scope="module")
 def tiny_peaks() -> dict[str, int]:
     config = load_job_config(TINY_JOB)
-    kwargs = job_estimate_kwargs(config, plan_job(config, world_size=2))
+    shape = job_estimate_shape(plan_job(config, world_size=2))
     args = LLAMA3_FLAVORS["tiny"]
-    peaks = {label: estimate_memory(SPEC, args, reshard_after_forward_mode=mode, ac_mode=ac,
-                                    **{k: v for k, v in kwargs.items() if k != "ac_mode"}).peak
+    peaks = {label: estimate_memory(SPEC, args, shape, reshard_after_forward_mode=mode, ac_mode=ac).peak
              for label, mode, ac in (("never", "never", "none"), ("always", "always", "none"),
                                      ("least", "always", "full"))}
-    peaks["headroom"] = auto_headroom_bytes(SPEC, args, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    peaks["headroom"] = auto_headroom_bytes(SPEC, args, shape.param_dtype, shape.reduce_dtype)
     return peaks
 
 
@@ -481,18 +480,17 @@ def test_auto_plans_a_pipeline_ranks_own_units_and_keeps_zero_bubble_units_gathe
     for schedule in ("1F1B", "ZBVZeroBubble"):
         config = load_job_config([*job, "--parallelism.pipeline_parallel_schedule", schedule])
         plan = plan_job(config, world_size=4)
-        kwargs = job_estimate_kwargs(config, plan)
-        never = [e.peak for e in estimate_stages(SPEC, plan.model_args, **{**kwargs,
-                                                                            "reshard_after_forward_mode": "never"})]
+        shape = job_estimate_shape(plan)
+        never = [e.peak for e in estimate_stages(SPEC, plan.model_args, shape, reshard_after_forward_mode="never")]
         tight = int(min(never) * 0.9)
         if schedule == "ZBVZeroBubble":
             with pytest.raises(ValueError, match="even with every block fully recomputed .ZBVZeroBubble keeps every "
                                                  "unit gathered."):
-                plan_auto_reshard(SPEC, plan.model_args, budget_bytes=tight, count_offloaded=True, pipeline_rank=1,
-                                  **kwargs)
+                plan_auto_reshard(SPEC, plan.model_args, shape, budget_bytes=tight, count_offloaded=True,
+                                  pipeline_rank=1)
         budget = tight if schedule == "1F1B" else int(max(never) * 1.2)
-        plans = [plan_auto_reshard(SPEC, plan.model_args, budget_bytes=budget, count_offloaded=True,
-                                   pipeline_rank=rank, **kwargs) for rank in range(2)]
+        plans = [plan_auto_reshard(SPEC, plan.model_args, shape, budget_bytes=budget, count_offloaded=True,
+                                   pipeline_rank=rank) for rank in range(2)]
         expected = {"1F1B": [("tok_embeddings", "layers.0", "layers.1", "layers.2"),
                              ("layers.3", "layers.4", "layers.5", "norm+output")],
                     # (the V: the first rank holds the first and the last stage)

@@ -4,7 +4,7 @@ The measured figure is the allocator's own: :class:`~torchtitan_lite.memory.meas
 (the CPU allocator's running total of live bytes over every thread, reported to torch.profiler)
 over one real ``Trainer.train_step`` (loss, backward, clipping, optimizer step) after a warm-up
 step, on gloo ranks. The estimate is the memory CLI's for the same job config
-(:func:`~torchtitan_lite.job.plan_job`, :func:`~torchtitan_lite.memory.estimate.job_estimate_kwargs`).
+(:func:`~torchtitan_lite.job.plan_job`, :func:`~torchtitan_lite.memory.estimate.job_estimate_shape`).
 It must be within -3% / +10% of the measured peak (issue 27's bound: never more than 3% low).
 """
 
@@ -29,7 +29,7 @@ from torchtitan_lite.memory.estimate import (
     MemoryEstimate,
     estimate_memory,
     estimate_stages,
-    job_estimate_kwargs,
+    job_estimate_shape,
 )
 from torchtitan_lite.memory.measure import CATEGORIES
 from torchtitan_lite.models import get_model_spec
@@ -129,7 +129,7 @@ def _estimate(argv: list[str], world_size: int) -> MemoryEstimate:
     config = load_job_config([*argv, "--job.dump_folder", "/nonexistent/estimate"])
     plan = plan_job(config, world_size=world_size)
     return estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
-                           **job_estimate_kwargs(config, plan))
+                           shape=job_estimate_shape(plan))
 
 
 def _compare(world_size: int, tmp_path: Path, jobs: dict[str, list[str]] | None = None) -> None:
@@ -215,7 +215,7 @@ def test_each_pipeline_ranks_estimate_within_bounds_of_its_allocator_peak(tmp_pa
         plan = plan_job(config, world_size=world_size)
         estimates[label] = estimate_stages(plan.spec, plan.model_args,
                                            reshard_after_forward_mode=plan.shape.reshard_after_forward_mode,
-                                           **job_estimate_kwargs(config, plan))
+                                           shape=job_estimate_shape(plan))
     ranks = run_distributed(_measure, world_size, jobs, str(tmp_path), timeout=600)
     print(f"\n{'job':44} {'pp rank':>7} {'measured MiB':>12} {'estimated MiB':>13} {'error':>8}  peak in")
     failures = []
@@ -310,7 +310,7 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
     need. (The CLI's table for every mode is checked on a small model below.)"""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.memory.cli import plan_without_files
-    from torchtitan_lite.memory.estimate import job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import job_estimate_shape
 
     estimates = {}
     for label, extra in (("shipped", []), ("none", ["--activation_checkpoint.mode", "none",
@@ -319,7 +319,7 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
         plan, _ = plan_without_files(config, world_size=8)  # the tokenizer need not be here: the flavor's vocabulary
         mode = plan.shape.reshard_after_forward_mode
         estimates[label] = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
-                                           **job_estimate_kwargs(config, plan))
+                                           shape=job_estimate_shape(plan))
         if label == "shipped":
             assert config.activation_checkpoint.mode == "selective" and mode == "default"
             # fp32 sharded params: 1/8 of the model; AdamW's state twice that.
@@ -395,18 +395,18 @@ def _stub_estimates(monkeypatch: pytest.MonkeyPatch, before: Any = None) -> list
 
     planned: list[ModelArgs] = []
 
-    def stub_estimate(spec: Any, args: ModelArgs, *, reshard_after_forward_mode: Any, **kwargs: Any) -> MemoryEstimate:
+    def stub_estimate(spec: Any, args: ModelArgs, shape: Any, *, reshard_after_forward_mode: Any,
+                      **fields: Any) -> MemoryEstimate:
         if before is not None:
             before()
         planned.append(args)
         zeros = dict.fromkeys(CATEGORY_NAMES, 0)
+        s = shape.replace(**fields)
         return MemoryEstimate(
-            world_size=kwargs["world_size"], dp_replicate=kwargs["dp_replicate"],
-            dp_shard=kwargs["world_size"] // kwargs["dp_replicate"],
-            reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=str(kwargs["param_dtype"]),
-            reduce_dtype=str(kwargs["reduce_dtype"]), cpu_offload=kwargs["cpu_offload"],
-            local_batch_size=kwargs["local_batch_size"], seq_len=kwargs["seq_len"],
-            grad_accum_steps=kwargs["grad_accum_steps"], optimizer=kwargs["optimizer"], peak=0,
+            world_size=s.world_size, dp_replicate=s.dp_replicate, dp_shard=s.world_size // s.dp_replicate,
+            reshard_after_forward_mode=reshard_after_forward_mode, param_dtype=str(s.param_dtype),
+            reduce_dtype=str(s.reduce_dtype), cpu_offload=s.cpu_offload, local_batch_size=s.local_batch_size,
+            seq_len=s.seq_len, grad_accum_steps=s.grad_accum_steps, optimizer=s.optimizer, peak=0,
             peak_phase="forward", peak_module="", categories=zeros, device_peak=0, device_peak_phase="forward",
             device_peak_module="", device_categories=zeros, cpu_peak=0)
 

@@ -67,12 +67,12 @@ def test_zero_bubble_orders_split_each_backward_and_keep_fsdp_gathered() -> None
                               "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
     job = plan_job(config, world_size=4)
     assert job.shape.reshard_after_forward_mode == "never"
-    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_memory, job_estimate_shape
 
     with pytest.raises(ValueError, match="^reshard_after_forward_mode: invalid value 'default'; ZBVZeroBubble keeps "
                                          "every unit gathered"):
         estimate_memory(job.spec, job.model_args, reshard_after_forward_mode="default",
-                        **job_estimate_kwargs(config, job))
+                        shape=job_estimate_shape(job))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -419,7 +419,7 @@ def test_auto_plans_each_pipeline_ranks_own_stages_under_the_budget(tmp_path: Pa
     from tests.dist_utils import run_distributed
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.job import plan_job
-    from torchtitan_lite.memory.estimate import estimate_stages, job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import estimate_stages, job_estimate_shape
 
     job = [*TINY_ARGS, "--model.flavor", "debugmodel", "--training.seq_len", "512", "--training.local_batch_size",
            "4", "--validation.no-enable", "--metrics.no-enable_tensorboard", _PP, "2"]
@@ -427,7 +427,7 @@ def test_auto_plans_each_pipeline_ranks_own_stages_under_the_budget(tmp_path: Pa
     config = load_job_config([*never, "--job.dump_folder", "/nonexistent/estimate"])
     plan = plan_job(config, world_size=4)
     peaks = [e.peak for e in estimate_stages(plan.spec, plan.model_args, reshard_after_forward_mode="never",
-                                             **job_estimate_kwargs(config, plan))]
+                                             shape=job_estimate_shape(plan))]
     assert peaks[0] > peaks[1] * 1.2, peaks  # (the first rank holds the embedding's and more activations)
     budget = (peaks[0] + peaks[1]) / 2 / 2**30
     auto = [*job, "--parallelism.reshard_after_forward_mode", "auto", "--parallelism.memory_budget_gib", repr(budget)]

@@ -168,7 +168,7 @@ def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
     a pipeline, the first rank of each pipeline rank plans that rank's stages (its own units,
     its schedule's micro-batches in flight), the planners side by side, and each rank applies
     its pipeline rank's plan."""
-    from torchtitan_lite.memory.auto import job_auto_kwargs
+    from torchtitan_lite.memory.auto import job_auto_shape
     from torchtitan_lite.memory.auto import plan_auto_reshard as plan_units
     from torchtitan_lite.memory.estimate import not_modelled
 
@@ -179,11 +179,10 @@ def agree_auto_reshard(config: JobConfig, plan: JobPlan, device: torch.device,
     if rank % per == 0:
         try:
             mine = plan_units(
-                plan.spec, plan.model_args, budget_bytes=budget[0], budget_source=budget[1],
+                plan.spec, plan.model_args, job_auto_shape(plan), budget_bytes=budget[0], budget_source=budget[1],
                 count_offloaded=device.type == "cpu", pipeline_rank=pp_rank,
                 # The other ranks wait in the gather below for at most init_timeout_seconds.
                 timeout_s=max(1, config.comm.init_timeout_seconds - 10),
-                **job_auto_kwargs(config, plan),
             )
         except ValueError as exc:  # the budget is too small even when resharding everything
             mine = ConfigError(str(exc))

@@ -5,7 +5,6 @@ least added step time (:func:`plan_auto_reshard`). The trainer imports this modu
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from torchtitan_lite.memory.estimate import (
     check_arguments,
     estimate_here,
     in_child_process,
-    job_estimate_kwargs,
+    job_estimate_shape,
     modelled,
     size_text,
     where_text,
@@ -33,12 +32,11 @@ from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.progress import Progress
 
 if TYPE_CHECKING:
-    from torchtitan_lite.config.schema import JobConfig
     from torchtitan_lite.job import JobPlan
 
 __all__ = ["AUTO_DEVICE_FRACTION", "COMM_FLOPS_PER_BYTE", "DEVICE_FLOPS", "HOST_LINK_FLOPS_PER_BYTE",
            "HOST_OPTIMIZER_FLOPS_PER_BYTE", "MEMORY_FLOPS_PER_BYTE", "AutoReshardPlan", "action_costs",
-           "auto_budget_bytes", "auto_headroom_bytes", "job_auto_kwargs", "plan_auto_reshard"]
+           "auto_budget_bytes", "auto_headroom_bytes", "job_auto_shape", "plan_auto_reshard"]
 
 AUTO_DEVICE_FRACTION = 0.9
 """Share of a CUDA device's memory ``auto`` budgets for tensors when no budget is given; the
@@ -279,14 +277,12 @@ def plan_auto_reshard(
         return plan_here(spec, args, **kwargs)
 
 
-def job_auto_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
-    """The keyword arguments of :func:`plan_auto_reshard` (but the budget's) for a job: those of
-    :func:`~torchtitan_lite.memory.estimate.job_estimate_kwargs`, with ``cpu_offload = "auto"``
+def job_auto_shape(plan: JobPlan) -> JobShape:
+    """The shape :func:`plan_auto_reshard` takes for a job: that of
+    :func:`~torchtitan_lite.memory.estimate.job_estimate_shape`, with ``cpu_offload = "auto"``
     when ``parallelism.cpu_offload`` asks ``auto`` to choose it per unit."""
-    kwargs = job_estimate_kwargs(config, plan)
-    if plan.shape.cpu_offload == "auto":
-        kwargs["cpu_offload"] = "auto"
-    return kwargs
+    shape = job_estimate_shape(plan)
+    return shape.replace(cpu_offload="auto") if plan.shape.cpu_offload == "auto" else shape
 
 
 def auto_headroom_bytes(spec: ModelSpec, args: Any, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> int:
@@ -502,17 +498,16 @@ def action_costs(units: list[Any], args: Any, *, tokens: int, seq_len: int, para
 def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded: bool, budget_source: str,
               shape: JobShape, pipeline_rank: int = 0) -> AutoReshardPlan:
     """:func:`plan_auto_reshard` in this process (which must hold no process group)."""
-    kwargs = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
     start = time.perf_counter()
     pipeline = shape.pipeline
-    units = _units(spec, args, kwargs["expert_parallel"], kwargs["tensor_parallel"], pipeline, pipeline_rank)
+    units = _units(spec, args, shape.expert_parallel, shape.tensor_parallel, pipeline, pipeline_rank)
     n = len(units)
     block_units = [i for i, u in enumerate(units) if u.role == "block"]
     names = [units[i].name for i in block_units]
-    base = tuple(block_policies(kwargs.pop("ac_mode"), kwargs.pop("selective_ac_option"), len(block_units)))
-    headroom = _headroom(units, kwargs["param_dtype"], kwargs["reduce_dtype"])
+    base = tuple(block_policies(shape.ac_mode, shape.selective_ac_option, len(block_units)))
+    headroom = _headroom(units, shape.param_dtype, shape.reduce_dtype)
     limit = budget_bytes - headroom
-    offload_setting = kwargs.pop("cpu_offload")
+    offload_setting = shape.cpu_offload
     choose_offload = offload_setting == "auto"
     if choose_offload:
         count_offloaded = False  # the budget is the device's: offloading is what frees it
@@ -530,8 +525,8 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
     never_plan: Choice = ((False,) * n, base, base_offload)
     never = peak(never_plan)
     _, phase, module = _compared(estimates[never_plan], count_offloaded)
-    order = _reshard_order(units, args, seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
-                           reduce_bytes=kwargs["reduce_dtype"].itemsize, busy=_busy_units(units, phase, module))
+    order = _reshard_order(units, args, seq_len=shape.seq_len, param_bytes=shape.param_dtype.itemsize,
+                           reduce_bytes=shape.reduce_dtype.itemsize, busy=_busy_units(units, phase, module))
     actions: list[_Action] = []
     # A zero-bubble schedule runs each backward in two passes: every unit stays gathered (no
     # reshard to choose) and per-op checkpointing, which allows one backward, is not an action.
@@ -546,23 +541,23 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
             freed[policy] = (never - peak(((False,) * n, raised[policy], base_offload))) / changed \
                 if changed else 0.0
         resolved = ParallelDims.resolve(
-            world_size=kwargs["world_size"],
-            dp_replicate=kwargs["dp_replicate"],
+            world_size=shape.world_size,
+            dp_replicate=shape.dp_replicate,
             dp_shard=-1,
-            tp=kwargs["tensor_parallel"],
-            cp=kwargs.get("context_parallel", 1),
+            tp=shape.tensor_parallel,
+            cp=shape.context_parallel,
         )
         dp_shard = resolved.dp_shard * resolved.cp  # the ranks FSDP shards over
-        trainable = kwargs.get("lora") is None
+        trainable = shape.lora is None
         # (a rank's tokens: its share of each sequence under context parallel)
-        costs = action_costs(units, args, tokens=kwargs["local_batch_size"] * kwargs["seq_len"] // resolved.cp,
-                             seq_len=kwargs["seq_len"], param_bytes=kwargs["param_dtype"].itemsize,
-                             reduce_bytes=kwargs["reduce_dtype"].itemsize,
+        costs = action_costs(units, args, tokens=shape.local_batch_size * shape.seq_len // resolved.cp,
+                             seq_len=shape.seq_len, param_bytes=shape.param_dtype.itemsize,
+                             reduce_bytes=shape.reduce_dtype.itemsize,
                              op_bytes_per_block=max(freed["op"], 0.0), dp_shard=dp_shard,
-                             grad_accum_steps=kwargs["grad_accum_steps"], trainable=trainable)
+                             grad_accum_steps=shape.grad_accum_steps, trainable=trainable)
         busy = _busy_units(units, phase, module)
         for i in () if splits else order:
-            gathered = 0 if i in busy else units[i].numel() * kwargs["param_dtype"].itemsize
+            gathered = 0 if i in busy else units[i].numel() * shape.param_dtype.itemsize
             actions.append(_Action("reshard", i, costs[("reshard", i)], gathered))
         for j, policy in enumerate(base):
             op = _Action("op", j, costs[("op", j)], max(freed["op"], 0.0))

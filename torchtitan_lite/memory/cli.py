@@ -40,7 +40,7 @@ from torchtitan_lite.memory.estimate import (
     MemoryEstimate,
     estimate_memory,
     estimate_stages,
-    job_estimate_kwargs,
+    job_estimate_shape,
     not_modelled,
     where_text,
 )
@@ -192,7 +192,7 @@ def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, 
     peak stays within ``budget`` bytes,
     to 1/32 of itself; None when even one step does not fit. Returns it and every
     ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line per estimate."""
-    from torchtitan_lite.memory.estimate import job_estimate_kwargs
+    from torchtitan_lite.memory.estimate import job_estimate_shape
 
     step = 2 * cp * -(-1024 // (2 * cp))
     tried: list[tuple[int, float]] = []
@@ -203,8 +203,8 @@ def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, 
                                   validation=dataclasses.replace(config.validation, enable=False))
         plan, _ = plan_without_files(job, world_size=world_size, local_world_size=ranks_per_node)
         mode = plan.shape.reshard_after_forward_mode if plan.shape.reshard_after_forward_mode != "auto" else "default"
-        peak = estimate_memory(plan.spec, plan.model_args, reshard_after_forward_mode=mode,
-                               **job_estimate_kwargs(job, plan)).device_peak
+        peak = estimate_memory(plan.spec, plan.model_args, job_estimate_shape(plan),
+                               reshard_after_forward_mode=mode).device_peak
         tried.append((seq_len, peak))
         verdict = "fits" if peak <= budget else "does not fit"
         progress(f"seq_len {seq_len}: estimated peak {peak / GIB:.2f} GiB per rank, {verdict}")
@@ -355,7 +355,7 @@ def _stage_table(stages: list[MemoryEstimate], configured: str | int, device_byt
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
-    from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_kwargs, plan_auto_reshard
+    from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_shape, plan_auto_reshard
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                                   device_bytes=device_bytes, device_source=device_source)
         model_args, accum = plan.model_args, plan.shape.grad_accum_steps
         t = config.training
-        kwargs = job_estimate_kwargs(config, plan)
+        shape = job_estimate_shape(plan)
         auto = plan.shape.reshard_after_forward_mode == "auto"
         # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
         # chosen per unit too, unless the job offloads everything.
@@ -400,25 +400,24 @@ def main(argv: list[str] | None = None) -> int:
             for index, mode in enumerate(modes):
                 progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "
                                 f"reshard_after_forward_mode {mode!r}")
-                estimates.append(estimate_memory(plan.spec, model_args, reshard_after_forward_mode=mode, **kwargs))
+                estimates.append(estimate_memory(plan.spec, model_args, shape, reshard_after_forward_mode=mode))
             # With a pipeline, each rank's stages (the configured mode's; the table above: the
             # worst stage in each mode)
             stages = [] if plan.shape.pipeline is None or auto else estimate_stages(
-                plan.spec, model_args, reshard_after_forward_mode=configured, **kwargs)
+                plan.spec, model_args, shape, reshard_after_forward_mode=configured)
             seconds = sum(e.seconds for e in estimates)
             plan_auto, auto_error = None, None
-            auto_kwargs = job_auto_kwargs(config, plan)
+            auto_shape = job_auto_shape(plan)
             if would and plan.shape.cpu_offload is False:
-                auto_kwargs["cpu_offload"] = "auto"
+                auto_shape = auto_shape.replace(cpu_offload="auto")
             rank_plans: list[AutoReshardPlan] = []  # with a pipeline: each pipeline rank's own
             if auto or would:
                 try:
                     for pp_rank in range(plan.dims.pp):
                         if plan.dims.pp > 1:
                             progress.update(f"auto's plan of pipeline rank {pp_rank + 1} of {plan.dims.pp}")
-                        rank_plans.append(plan_auto_reshard(plan.spec, model_args, budget_bytes=budget,
-                                                            budget_source=budget_source, pipeline_rank=pp_rank,
-                                                            **auto_kwargs))
+                        rank_plans.append(plan_auto_reshard(plan.spec, model_args, auto_shape, budget_bytes=budget,
+                                                            budget_source=budget_source, pipeline_rank=pp_rank))
                 except ValueError as exc:
                     if auto:
                         raise
@@ -492,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                   for chosen in rank_plans]
     elif plan_auto is not None:
         keys = "parallelism.reshard_after_forward_mode = 'auto'" + (
-            ", parallelism.cpu_offload = 'auto'" if auto_kwargs["cpu_offload"] == "auto" else "")
+            ", parallelism.cpu_offload = 'auto'" if auto_shape.cpu_offload == "auto" else "")
         notes.append(f"auto would choose, with {keys}: {plan_auto.summary()} (budget: {budget_source})")
     elif auto_error is not None:
         notes.append(f"auto would find no plan: {auto_error}")

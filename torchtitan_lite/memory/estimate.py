@@ -42,6 +42,8 @@ import torch
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
+from torchtitan_lite.distributed.context_parallel import context_parallel_problem
+from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.fsdp import (
     AllGatherComm,
     ReshardMode,
@@ -60,6 +62,7 @@ from torchtitan_lite.distributed.pipeline_parallel import (
     StagePart,
     rank_actions,
 )
+from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
@@ -72,7 +75,7 @@ from torchtitan_lite.optim import build_optimizer
 if TYPE_CHECKING:
     from torchtitan_lite.job import JobPlan
 
-__all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "estimate_stages", "job_estimate_kwargs",
+__all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "estimate_stages", "job_estimate_shape",
            "not_modelled", "size_text", "where_text"]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
@@ -289,9 +292,18 @@ def check_arguments(shape: JobShape, args: Any) -> None:
         raise ValueError(f"reshard_after_forward_mode: invalid value {reshard_after_forward_mode!r}; "
                          f"{shape.pipeline.schedule} keeps every unit gathered from its forward to its weight pass: "
                          "expected 'never'")
-    if shape.context_parallel > 1 and seq_len % (2 * shape.context_parallel):
-        raise ValueError(f"seq_len: invalid value {seq_len}; context parallel {shape.context_parallel} splits it "
-                         f"into {2 * shape.context_parallel} equal chunks")
+    # The axes' own rules, as the plan checks them (one place each).
+    problems = {
+        "tensor_parallel": tensor_parallel_problem(args, tensor_parallel),
+        "expert_parallel": expert_parallel_problem(getattr(args, "num_experts", 0), shape.expert_parallel)
+        if getattr(args, "num_experts", 0) else None,
+        "context_parallel": context_parallel_problem(
+            seq_len=seq_len, degree=shape.context_parallel, method=shape.context_parallel_method,
+            n_heads=args.n_heads, kv_heads=args.kv_heads, tensor_parallel=tensor_parallel),
+    }
+    for name, problem in problems.items():
+        if problem is not None:
+            raise ValueError(f"{name}: invalid value {getattr(shape, name)!r}; {problem}")
     if optimizer not in ("AdamW", "Adam"):
         raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
     if optimizer_implementation not in ("foreach", "fused", "for-loop"):
@@ -697,18 +709,19 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def job_estimate_kwargs(config: JobConfig, plan: JobPlan) -> dict[str, Any]:
-    """The job's shape (:attr:`JobPlan.shape`) as keywords of :func:`estimate_memory`: the fields
-    the estimate models, but the reshard mode and per-block checkpointing (each estimate names
-    its own), with the units on the device where ``auto`` is to choose their offload."""
-    shape = plan.shape.replace(cpu_offload=False) if plan.shape.cpu_offload == "auto" else plan.shape
+def job_estimate_shape(plan: JobPlan) -> JobShape:
+    """The job's shape (:attr:`JobPlan.shape`) as :func:`estimate_memory` takes it: the fields
+    the estimate models, the reshard mode and per-block checkpointing at their defaults (each
+    estimate names its own), the units on the device where ``auto`` is to choose their offload."""
+    defaults = JobShape()
     left_out = {"reshard_after_forward_mode", "ac_policies", *_NOT_MODELLED}
-    return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name not in left_out}
+    shape = plan.shape.replace(**{name: getattr(defaults, name) for name in left_out})
+    return shape.replace(cpu_offload=False) if shape.cpu_offload == "auto" else shape
 
 
 def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     """What of the job the estimate leaves out, one line each (the memory CLI prints them and
-    ``auto`` logs them): an estimate is of the job as :func:`job_estimate_kwargs` describes it."""
+    ``auto`` logs them): an estimate is of the job as :func:`job_estimate_shape` describes it."""
     lines = []
     if not plan.shard:
         lines.append("one process without CPU offload trains the plain model (no FSDP), which is not modelled: "
