@@ -178,3 +178,45 @@ def test_an_unknown_model_name_lists_the_registered_ones(registered: ModelSpec,
     assert f"'{NAME}'" in lines[0], lines
     assert main(["--help"]) == 0
     assert f"registered: {', '.join(MODEL_SPECS)}" in capsys.readouterr().out
+
+
+_SCRIPT_FAMILY = '''
+import dataclasses
+
+from torchtitan_lite.distributed.job_shape import JobShape
+from torchtitan_lite.memory.estimate import estimate_here, in_child_process
+from torchtitan_lite.models import register_model_spec
+from torchtitan_lite.models.llama3 import LLAMA3_SPEC, Transformer
+
+
+class ScriptDecoder(Transformer):
+    """A family of this script's own (its model class defined here, in __main__)."""
+
+
+SPEC = dataclasses.replace(LLAMA3_SPEC, name="script_family", model_cls=ScriptDecoder)
+
+if __name__ == "__main__":
+    register_model_spec(SPEC)
+    shape = JobShape(world_size=2, seq_len=32, local_batch_size=2, device_type="cpu")
+    here = estimate_here(SPEC, SPEC.flavors["tiny"], shape)
+    child = in_child_process(estimate_here, SPEC, SPEC.flavors["tiny"], {"shape": shape})
+    print("peaks", here.peak, child.peak)
+'''
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_a_family_registered_by_a_script_is_estimated_in_the_child_process(tmp_path) -> None:
+    """The estimator's child process (what ``auto`` uses while a process group exists) gets a
+    family that a script registered at run time, its model class defined in the script itself:
+    the same estimate as in this process, not an unknown model.name."""
+    import sys
+
+    from tests.dist_utils import run_command
+
+    script = tmp_path / "my_family.py"
+    script.write_text(_SCRIPT_FAMILY)
+    result = run_command([sys.executable, str(script)], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    here, child = result.stdout.split()[-2:]
+    assert here == child and int(here) > 0, result.stdout

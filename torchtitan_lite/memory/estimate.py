@@ -233,7 +233,8 @@ def in_child_process(function: Callable[..., Any], spec: ModelSpec, args: Any, k
         if os.stat(folder).st_mode & 0o077:
             raise RuntimeError(f"the memory estimate's temporary folder {folder!r} is open to other users")
         path = Path(folder) / "estimate.pickle"
-        path.write_bytes(pickle.dumps((function, spec.name, args, kwargs)))
+        payload = pickle.dumps((function, _handed_spec(spec), args, kwargs))
+        path.write_bytes(pickle.dumps((_main_path(spec), payload)))
         try:
             done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env,
                                   text=True, check=False, timeout=timeout_s)
@@ -248,13 +249,44 @@ def in_child_process(function: Callable[..., Any], spec: ModelSpec, args: Any, k
     return value
 
 
+def _handed_spec(spec: ModelSpec) -> ModelSpec | str:
+    """How the child gets the family: by name when it is one of the package's own, registered
+    (a fresh interpreter's registry has it), else the spec itself (a family registered at run
+    time, by a script or research code, is not in that registry)."""
+    from torchtitan_lite.models import MODEL_SPECS
+
+    own = MODEL_SPECS.get(spec.name) is spec and getattr(spec.model_cls, "__module__", "").startswith(
+        "torchtitan_lite.")
+    return spec.name if own else spec
+
+
+def _main_path(spec: ModelSpec) -> str | None:
+    """The main script's file when the spec refers to something it defines (a model class of a
+    script's own): the child runs it as ``__mp_main__`` first, as multiprocessing's spawn does,
+    so that the spec unpickles there (the script's own work stays behind its ``if __name__ ==
+    "__main__"`` guard)."""
+    if isinstance(_handed_spec(spec), str):
+        return None
+    refers = any(getattr(getattr(spec, f.name), "__module__", None) == "__main__" for f in dataclasses.fields(spec))
+    return getattr(sys.modules.get("__main__"), "__file__", None) if refers else None
+
+
 def _child_main(path: str) -> None:
     """Body of :func:`in_child_process`'s interpreter: arguments in, result out."""
+    import runpy
+    import types
+
     from torchtitan_lite.models import get_model_spec
 
-    function, name, args, kwargs = pickle.loads(Path(path).read_bytes())
+    main_path, payload = pickle.loads(Path(path).read_bytes())
+    if main_path is not None:  # the parent's main script, as __mp_main__ (see _main_path)
+        main = types.ModuleType("__mp_main__")
+        main.__dict__.update(runpy.run_path(main_path, run_name="__mp_main__"))
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
+    function, handed, args, kwargs = pickle.loads(payload)
     try:
-        result: tuple[str, Any] = ("ok", function(get_model_spec(name), args, **kwargs))
+        spec = get_model_spec(handed) if isinstance(handed, str) else handed
+        result: tuple[str, Any] = ("ok", function(spec, args, **kwargs))
     except Exception as exc:  # handed to the parent, which raises it
         result = ("error", exc)
     Path(path).write_bytes(pickle.dumps(result))
