@@ -289,9 +289,9 @@ def test_keep_latest_k_keeps_the_newest_checkpoint_with_checksums_until_a_newer_
     pruning to keep_latest_k = 1 keeps the newest checkpoint whose checksums were recorded, and
     lets it go once the newer one has its own."""
     import json
-    from types import SimpleNamespace
 
-    from torchtitan_lite.checkpoint.manager import CHECKSUMS_FILE, TRAIN_STATE_FILE, CheckpointManager
+    from torchtitan_lite.checkpoint.commit import prune
+    from torchtitan_lite.checkpoint.manager import CHECKSUMS_FILE, TRAIN_STATE_FILE
 
     folder = tmp_path / "checkpoint"
     for step in (2, 4, 6):
@@ -299,9 +299,8 @@ def test_keep_latest_k_keeps_the_newest_checkpoint_with_checksums_until_a_newer_
         (folder / f"step-{step}" / TRAIN_STATE_FILE).write_text(json.dumps({"step": step}))
         if step < 6:
             (folder / f"step-{step}" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
-    manager = SimpleNamespace(config=SimpleNamespace(keep_latest_k=1), folder=folder)
-    CheckpointManager._prune(manager)
+    prune(folder, 1)
     assert committed_steps(folder) == [4, 6]
     (folder / "step-6" / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": "crc32", "files": {}}))
-    CheckpointManager._prune(manager)
+    prune(folder, 1)
     assert committed_steps(folder) == [6]

@@ -358,3 +358,12 @@ def test_fsdp_internals_are_used_in_fsdp_py_only() -> None:
     found = [f"{path.relative_to(PACKAGE.parent)}: {name}" for module, path in _modules().items()
              if module != "torchtitan_lite.distributed.fsdp" for name in _FSDP_PRIVATE if name in path.read_text()]
     assert found == []
+
+
+def test_the_checkpoint_manager_is_policy_under_250_lines() -> None:
+    """``CheckpointManager`` decides when and what to save and load; the storage formats
+    (``storage.py``), the step folders and what a failed save does (``commit.py``) live apart."""
+    path = PACKAGE / "checkpoint" / "manager.py"
+    (manager,) = [node for node in ast.parse(path.read_text()).body
+                  if isinstance(node, ast.ClassDef) and node.name == "CheckpointManager"]
+    assert manager.end_lineno - manager.lineno + 1 < 250

@@ -13,9 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_lite.checkpoint.storage import CHECKSUMS_FILE, committed_steps, fsync_dir, weights_only
+import torch.distributed as dist
 
-__all__ = ["PendingSave", "StepFolders", "prune"]
+from torchtitan_lite.checkpoint.safe_reading import failure_reason
+from torchtitan_lite.checkpoint.storage import CHECKSUMS_FILE, committed_steps, fsync_dir, weights_only
+from torchtitan_lite.errors import CheckpointError
+
+__all__ = ["PendingSave", "SaveFailures", "StepFolders", "newest_that_verifies", "prune"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -121,3 +125,60 @@ class PendingSave:
                 self.commit_once()
         except BaseException:  # reported by wait(), which commits again or raises
             logger.exception("checkpoint step %d: committing in the background failed", self.step)
+
+
+class SaveFailures:
+    """What a failed save does (``checkpoint.max_failed_saves``): one log line (rank 0) naming the
+    folder, the cause and the checkpoints that stay, and training goes on; a
+    :class:`~torchtitan_lite.errors.CheckpointError` (exit 4) for a save that had to succeed (the
+    seed, the last step, a save before exiting on a signal) or the ``limit``-th failure in a row."""
+
+    def __init__(self, folder: Path, *, limit: int, rank: int) -> None:
+        self.folder, self.limit, self.rank = folder, limit, rank
+        self.in_a_row = 0  # saves that failed since the last one committed
+
+    def failed(self, step: int, exc: BaseException, *, must_succeed: bool) -> None:
+        self.in_a_row += 1
+        kept = committed_steps(self.folder)
+        line = (f"saving checkpoint step {step} to {str(self.folder)!r} failed: {failure_reason(exc)}; "
+                f"the partial folder was removed and the checkpoints {kept or 'before it'} are intact")
+        if must_succeed or self.in_a_row >= self.limit:
+            why = ("" if must_succeed or self.limit == 1 else
+                   f" ({self.in_a_row} saves in a row failed: checkpoint.max_failed_saves = {self.limit})")
+            raise CheckpointError(line + why)
+        if self.rank == 0:
+            logger.error("%s; training goes on and the next save tries again (%d of "
+                         "checkpoint.max_failed_saves = %d failed in a row)", line, self.in_a_row, self.limit)
+
+
+def newest_that_verifies(storage: Any, folders: StepFolders, steps: list[int], *, load_step: int, on_corrupt: str,
+                         rank: int) -> int:
+    """The step to resume: ``load_step`` (when >= 0), else the newest of the committed ``steps``
+    that verifies (``storage.verify``). A damaged one is logged with the file at fault; with
+    ``on_corrupt = "fallback"`` it is renamed ``step-<N>.corrupt`` (kept, out of the way of this
+    run's saves) and the one before is tried; with ``"stop"``, or an explicit ``load_step``, or
+    none left, it is a :class:`~torchtitan_lite.errors.CheckpointError` (exit 4). Every rank calls it."""
+    set_aside: list[int] = []
+    newest: str | None = None
+    for step in [load_step] if load_step >= 0 else list(reversed(steps)):
+        problem = storage.verify(folders.final(step))
+        if problem is None:
+            if set_aside and rank == 0:
+                logger.info("resuming from checkpoint step %d, the newest that verifies (set aside: %s)",
+                            step, ", ".join(f"step-{s}.corrupt" for s in set_aside))
+            return step
+        newest = newest or problem
+        if rank == 0:
+            logger.warning("checkpoint step %d does not verify: %s", step, problem)
+        if on_corrupt == "stop" or load_step >= 0:
+            how = "checkpoint.load_step names it" if load_step >= 0 else "checkpoint.on_corrupt = 'stop'"
+            raise CheckpointError(f"{problem}; not resuming ({how}): move the folder away, or set "
+                                  "checkpoint.on_corrupt = 'fallback' to resume from the newest earlier "
+                                  "checkpoint that verifies")
+        folders.set_aside(step)
+        dist.barrier()
+        set_aside.append(step)
+    raise CheckpointError(f"{newest}; no checkpoint in {str(folders.folder)!r} verifies (steps {steps}, now "
+                          "renamed step-<N>.corrupt; each one's reason is logged): not starting afresh over "
+                          "them; move the folder away to start from scratch")
+

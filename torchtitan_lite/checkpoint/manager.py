@@ -17,7 +17,6 @@ metadata file that tries to stops the job, exit 4, and is not set aside as damag
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import time
@@ -30,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchtitan_lite.checkpoint.commit import PendingSave, StepFolders, prune
+from torchtitan_lite.checkpoint.commit import PendingSave, SaveFailures, StepFolders, newest_that_verifies, prune
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.safe_reading import failure_reason
 from torchtitan_lite.checkpoint.storage import (
@@ -44,6 +43,7 @@ from torchtitan_lite.checkpoint.storage import (
     read_train_state,
     rng_state,
     set_rng_state,
+    train_state_record,
     weights_only,
     write_json,
 )
@@ -103,7 +103,7 @@ class CheckpointManager:
         self._pending: PendingSave | None = None
         self.saved_step = -1  # the step of the last save this manager made (committed or in flight)
         self.last_blocked_s = 0.0  # how long the last save held up training
-        self.failed_in_a_row = 0  # saves that failed since the last one committed
+        self.failures = SaveFailures(self.folder, limit=config.max_failed_saves, rank=self.rank)
         # Background saves talk over their own gloo group: collectives of the training loop on
         # the default group and those of the save thread must never interleave.
         self._async_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -150,18 +150,14 @@ class CheckpointManager:
             staging = self.folders.staging(step)
             try:
                 self.folders.begin(step)
-                if self.rank == 0:
-                    args = getattr(self.storage.model, "args", None)
-                    write_json(staging / TRAIN_STATE_FILE, {
-                        **train_state, "step": step, "format": "peft" if in_peft else "hf" if in_hf else "dcp",
-                        "model_only": model_only, "export_dtype": cfg.export_dtype if model_only else None,
-                        "world_size": self.world_size,
-                        "model_name": None if self.model_spec is None else self.model_spec.name,
-                        "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
-                        "config": self.run_config,
-                        # a seed checkpoint is weights only: runs from it choose their own data and schedule
-                        **({} if step == 0 else {"dataloader": self.loader.state_dict(),
-                                                  "lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng})})
+                if self.rank == 0:  # (a seed checkpoint is weights only: no data, schedule or RNG position)
+                    write_json(staging / TRAIN_STATE_FILE, train_state_record(
+                        train_state, step=step, fmt="peft" if in_peft else "hf" if in_hf else "dcp",
+                        export_dtype=cfg.export_dtype if model_only else None, world_size=self.world_size,
+                        model=self.storage.model, model_spec=self.model_spec, run_config=self.run_config,
+                        positions=None if step == 0 else {"dataloader": self.loader.state_dict(),
+                                                          "lr_scheduler": self.lr_scheduler.state_dict(),
+                                                          "rng": rng}))
             except Exception as exc:  # agreed below: every rank takes the same path
                 local = exc
             _agree(local, self.world_size)  # the barrier before any rank writes
@@ -186,7 +182,6 @@ class CheckpointManager:
             # dcp.save returns on every rank only after rank 0 has written the metadata, which it
             # does only after every rank reported its shards written; a rank's failure reaches all.
             dcp.save(state, checkpoint_id=str(staging))
-            local = None
             try:
                 self.storage.record_checksums(staging)  # (a collective, then rank 0 writes)
             except SaveFailed:
@@ -209,7 +204,7 @@ class CheckpointManager:
         except OSError as exc:
             local = exc
         _agree(local, self.world_size)
-        self.failed_in_a_row = 0
+        self.failures.in_a_row = 0
 
     def wait(self) -> None:
         """Wait for the background save (if any) to finish and commit it. A failed one is
@@ -228,35 +223,20 @@ class CheckpointManager:
         except (SaveFailed, CheckpointException) as exc:
             self._failed(pending.step, exc, must_succeed=pending.last)
             return
-        self.failed_in_a_row = 0
+        self.failures.in_a_row = 0
         # Committed from the writer thread, where no collective can run: its checksums now (until
         # then keep_latest_k keeps the newest checkpoint that has them).
         self.storage.record_checksums(self.folders.final(pending.step), committed=True)
         if self.rank == 0:
-            self._prune()
+            prune(self.folder, self.config.keep_latest_k)
 
     def _failed(self, step: int, exc: BaseException, *, must_succeed: bool) -> None:
-        """A save that failed (its cause: e.g. "No space left on device"): the partial folder is
-        removed, earlier checkpoints are untouched. One line (rank 0) and training goes on,
-        or a :class:`CheckpointError` when the save had to succeed or too many failed in a row."""
+        """A save that failed: its partial folder removed, earlier checkpoints untouched, then
+        the policy of :class:`~.commit.SaveFailures` (go on, or a :class:`CheckpointError`)."""
         self.folders.discard(step)
         if self.saved_step == step:
             self.saved_step = -1  # nothing of this step is saved: a save on a signal tries again
-        self.failed_in_a_row += 1
-        kept = committed_steps(self.folder)
-        line = (f"saving checkpoint step {step} to {str(self.folder)!r} failed: {failure_reason(exc)}; "
-                f"the partial folder was removed and the checkpoints {kept or 'before it'} are intact")
-        limit = self.config.max_failed_saves
-        if must_succeed or self.failed_in_a_row >= limit:
-            why = ("" if must_succeed or limit == 1 else
-                   f" ({self.failed_in_a_row} saves in a row failed: checkpoint.max_failed_saves = {limit})")
-            raise CheckpointError(line + why)
-        if self.rank == 0:
-            logger.error("%s; training goes on and the next save tries again (%d of "
-                         "checkpoint.max_failed_saves = %d failed in a row)", line, self.failed_in_a_row, limit)
-
-    def _prune(self) -> None:
-        prune(self.folder, self.config.keep_latest_k)
+        self.failures.failed(step, exc, must_succeed=must_succeed)
 
     @property
     def process_groups(self) -> list[Any]:
@@ -291,7 +271,8 @@ class CheckpointManager:
             self.storage.load_weights(initial, initial_format, {"model"}, base=True)
             self._loaded("base weights loaded from %s (LoRA: frozen, never saved)", initial)
         if steps:
-            step = self._newest_that_verifies(steps)
+            step = newest_that_verifies(self.storage, self.folders, steps, load_step=cfg.load_step,
+                                        on_corrupt=cfg.on_corrupt, rank=self.rank)
             start = step if "train_state" in parts else 0
             later = [s for s in committed_steps(self.folder) if s > start]  # damaged ones were set aside
             if later:  # the run would save over them: never without being asked
@@ -313,37 +294,6 @@ class CheckpointManager:
     def _loaded(self, message: str, *args: Any) -> None:
         if self.rank == 0:
             logger.info(message, *args)
-
-    def _newest_that_verifies(self, steps: list[int]) -> int:
-        """The step to resume: ``load_step``, else the newest committed one that verifies
-        (:meth:`CheckpointStorage.verify`). A damaged one is logged with the file at fault; with
-        ``on_corrupt = "fallback"`` it is renamed ``step-<N>.corrupt`` (kept, out of the way of
-        this run's saves) and the one before is tried; with ``"stop"``, or an explicit
-        ``load_step``, or none left, it is a :class:`CheckpointError` (exit 4)."""
-        cfg = self.config
-        set_aside: list[int] = []
-        newest: str | None = None
-        for step in [cfg.load_step] if cfg.load_step >= 0 else list(reversed(steps)):
-            problem = self.storage.verify(self.folders.final(step))
-            if problem is None:
-                if set_aside:
-                    self._loaded("resuming from checkpoint step %d, the newest that verifies (set aside: %s)",
-                                 step, ", ".join(f"step-{s}.corrupt" for s in set_aside))
-                return step
-            newest = newest or problem
-            if self.rank == 0:
-                logger.warning("checkpoint step %d does not verify: %s", step, problem)
-            if cfg.on_corrupt == "stop" or cfg.load_step >= 0:
-                how = ("checkpoint.load_step names it" if cfg.load_step >= 0 else "checkpoint.on_corrupt = 'stop'")
-                raise CheckpointError(f"{problem}; not resuming ({how}): move the folder away, or set "
-                                      "checkpoint.on_corrupt = 'fallback' to resume from the newest earlier "
-                                      "checkpoint that verifies")
-            self.folders.set_aside(step)
-            dist.barrier()
-            set_aside.append(step)
-        raise CheckpointError(f"{newest}; no checkpoint in {str(self.folder)!r} verifies (steps {steps}, now "
-                              "renamed step-<N>.corrupt; each one's reason is logged): not starting afresh over "
-                              "them; move the folder away to start from scratch")
 
     def rollback(self) -> dict[str, Any] | None:
         """Reload everything from the latest committed checkpoint of this run that holds the

@@ -14,6 +14,7 @@ places outside the folder is refused.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ class SaveFailed(OSError):
 
 __all__ = ["CHECKSUMS_FILE", "TRAIN_STATE_FILE", "CheckpointStorage", "SaveFailed", "check_initial_load_path",
            "checkpoint_model_args", "committed_steps", "fsync_dir", "read_train_state", "rng_state",
-           "set_rng_state", "weights_only", "write_json"]
+           "set_rng_state", "train_state_record", "weights_only", "write_json"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE_FILE = "train_state.json"
@@ -170,6 +171,22 @@ def read_train_state(path: Path) -> dict[str, Any]:
     elif not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: its DCP .metadata file is missing")
     return state
+
+
+def train_state_record(train_state: dict[str, Any], *, step: int, fmt: str, export_dtype: str | None,
+                       world_size: int, model: Any, model_spec: ModelSpec | None, run_config: dict[str, Any] | None,
+                       positions: dict[str, Any] | None) -> dict[str, Any]:
+    """What a step folder's ``train_state.json`` holds: the trainer's ``train_state`` (tokens
+    seen …), the step, the weights' ``format`` (``dcp``, ``hf``, ``peft``), whether it is
+    weights only (``export_dtype`` set: the dtype they were written in), the world size, the
+    model's family and shape (``model_args``), the run's settings (``config``) and, but for a
+    seed checkpoint, the ``positions`` of the data loader, the LR schedule and every rank's RNG."""
+    args = getattr(model, "args", None)
+    return {**train_state, "step": step, "format": fmt, "model_only": export_dtype is not None,
+            "export_dtype": export_dtype, "world_size": world_size,
+            "model_name": None if model_spec is None else model_spec.name,
+            "model_args": dataclasses.asdict(args) if dataclasses.is_dataclass(args) else None,
+            "config": run_config, **(positions or {})}
 
 
 def _file_crc32(path: Path) -> str:
