@@ -64,3 +64,45 @@ def test_every_example_of_the_docs_is_run_or_skipped_with_a_reason() -> None:
 
     assert not [f"{e.id}: {e.problem}" for e in all_examples() if e.problem]
     assert not orphan_markers()
+
+
+# The first call of each build step in parallelize (the function is the one source of the order).
+_STEP_CALLS = {"pipeline split": "prune_to_stages", "LoRA": "apply", "float8": "apply", "tensor parallel": "split",
+               "context parallel": "ContextParallel", "expert parallel": "shard_experts",
+               "activation checkpointing": "apply_activation_checkpointing", "compile": "compile_blocks",
+               "FSDP2": "apply_fsdp"}
+
+
+def _build_calls() -> list[str]:
+    """The calls of ``parallelize``'s body, in source order (attribute calls by their name)."""
+    import ast
+
+    source = (REPO_ROOT / "torchtitan_lite" / "distributed" / "parallelize.py").read_text()
+    (function,) = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)
+                   and node.name == "parallelize"]
+    calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+    calls.sort(key=lambda node: (node.lineno, node.col_offset))
+    return [c.func.id if isinstance(c.func, ast.Name) else c.func.attr if isinstance(c.func, ast.Attribute) else ""
+            for c in calls]
+
+
+def test_the_build_order_is_written_once_and_the_pages_draw_it() -> None:
+    """``BUILD_STEPS`` is the order ``parallelize`` takes its steps in (its calls, read from its
+    source), and the marked diagrams of parallelism.md and architecture.md name those steps in
+    that order."""
+    from torchtitan_lite.distributed.parallelize import BUILD_STEPS
+
+    calls = _build_calls()
+    assert list(_STEP_CALLS) == list(BUILD_STEPS)
+    positions, start = [], 0
+    for step in BUILD_STEPS:
+        start = calls.index(_STEP_CALLS[step], start)  # each after the one before
+        positions.append(start)
+    assert positions == sorted(positions)
+    for page in ("parallelism.md", "architecture.md"):
+        text = (DOCS / page).read_text()
+        block = re.search(r"<!-- build-order:start -->\n```text\n(.*?)```\n<!-- build-order:end -->", text, re.S)
+        assert block, f"{page} lost its marked build-order diagram"
+        pieces = [part.strip().split("  ")[0].strip() for part in re.split(r"→|\n", block.group(1))]
+        drawn = [name for name in pieces if name in BUILD_STEPS]  # (a step renamed or left out fails here)
+        assert drawn == list(BUILD_STEPS), (page, drawn)

@@ -44,7 +44,12 @@ from torchtitan_lite.distributed.tensor_parallel import (
 )
 from torchtitan_lite.models.spec import ModelSpec
 
-__all__ = ["JobShape", "Parallelized", "build_parallelized", "build_sharded_model", "parallelize"]
+__all__ = ["BUILD_STEPS", "JobShape", "Parallelized", "build_parallelized", "build_sharded_model", "parallelize"]
+
+BUILD_STEPS = ("pipeline split", "LoRA", "float8", "tensor parallel", "context parallel", "expert parallel",
+               "activation checkpointing", "compile", "FSDP2")
+"""The steps of :func:`parallelize`, in the order it takes them (``tests/test_docs.py`` holds the
+function's calls and the pages' diagrams to this order)."""
 
 
 @dataclass(frozen=True)
