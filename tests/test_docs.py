@@ -4,6 +4,7 @@ links that resolve, and an architecture page whose file list is the package's.""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 from tests.dist_utils import REPO_ROOT
@@ -106,3 +107,52 @@ def test_the_build_order_is_written_once_and_the_pages_draw_it() -> None:
         pieces = [part.strip().split("  ")[0].strip() for part in re.split(r"→|\n", block.group(1))]
         drawn = [name for name in pieces if name in BUILD_STEPS]  # (a step renamed or left out fails here)
         assert drawn == list(BUILD_STEPS), (page, drawn)
+
+
+_PATH = re.compile(r"[A-Za-z0-9_./-]+\.(?:py|toml|md|json|sh|slurm|jsonl|yaml|jinja)")
+_GENERATED = ("outputs/", "artifacts/", "data/", "assets/", "my_", "research_", "z_loss_")  # made by the examples
+
+
+def _reference_problems() -> list[str]:
+    """Every backticked ``section.key`` (ours, or TorchTitan's that we read), ``torchtitan_lite.x.y``
+    name and repository path of the README and the pages that does not exist."""
+    import importlib
+
+    from torchtitan_lite.config.schema import SECTIONS, field_types
+    from torchtitan_lite.config.torchtitan import lookup
+
+    problems = []
+    for page in _pages():
+        for token in re.findall(r"`([^`\n]+)`", page.read_text()):
+            token = token.strip()
+            key = re.fullmatch(r"([a-z_]+)\.([a-z_0-9]+)(?:\s*=.*)?", token)
+            if key and key.group(1) in SECTIONS and not _PATH.fullmatch(token.split()[0]):
+                name = f"{key.group(1)}.{key.group(2)}"
+                if key.group(2) not in field_types(SECTIONS[key.group(1)]) and lookup(name) is None:
+                    problems.append(f"{page.name}: key {name}")
+            elif re.fullmatch(r"torchtitan_lite(\.[A-Za-z_]\w*)+", token):
+                parts = token.split(".")
+                for cut in range(len(parts), 0, -1):
+                    try:
+                        found: object = importlib.import_module(".".join(parts[:cut]))
+                    except ImportError:
+                        continue
+                    if not all(hasattr(found := getattr(found, a, None), "__class__") and found is not None
+                               for a in parts[cut:]):
+                        problems.append(f"{page.name}: name {token}")
+                    break
+            elif _PATH.fullmatch(token) and "/" in token and not token.startswith(("/", "~", ".", *_GENERATED)):
+                if not any((REPO_ROOT / base / token).exists() for base in ("", "torchtitan_lite", "docs")):
+                    problems.append(f"{page.name}: path {token}")
+    return problems
+
+
+def test_every_key_name_and_path_the_pages_name_exists(tmp_path, monkeypatch) -> None:
+    """A renamed key, a moved module or a deleted script shows here, not in a reader's shell."""
+    assert _reference_problems() == []
+    probe = tmp_path / "probe.md"  # the check itself sees each kind of stale reference
+    probe.write_text("`training.stepz` `training.steps` `training.batch_size` `torchtitan_lite.trainer.Nope` "
+                     "`torchtitan_lite.trainer.Trainer` `scripts/nope.py` `scripts/benchmark.py`")
+    monkeypatch.setattr(sys.modules[__name__], "_pages", lambda: [probe])
+    assert _reference_problems() == ["probe.md: key training.stepz", "probe.md: name torchtitan_lite.trainer.Nope",
+                                     "probe.md: path scripts/nope.py"]
