@@ -156,3 +156,47 @@ def test_every_key_name_and_path_the_pages_name_exists(tmp_path, monkeypatch) ->
     monkeypatch.setattr(sys.modules[__name__], "_pages", lambda: [probe])
     assert _reference_problems() == ["probe.md: key training.stepz", "probe.md: name torchtitan_lite.trainer.Nope",
                                      "probe.md: path scripts/nope.py"]
+
+
+# Narration of how the project got here: a page says what is true now, and a figure carries one
+# "measured on <machine>, <date>", not a timeline of the runs before it.
+_HISTORY = re.compile("|".join((
+    r"\bbefore\)",                                          # "50 s (70 s before)"
+    r"\b(?:same|next|that|previous) day\b|\bof the day\b|\blater that\b|\bthe day before\b",
+    r"\bre-measured\b|\bhas since\b|\bsince that run\b|\bfirst session\b",
+    r"\bbefore (?:this|that|the) (?:change|move|fix)\b",
+    r"\bearlier (?:series|figures|runs)\b",
+    r"^\|[^|]*\b(?:before|after)\b[^|]*\|",                 # a table row "| the suite before | ..."
+)), re.I)
+_DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+_MAX_DATES = 6  # distinct dates a page may carry; past it, its tables belong in docs/benchmarks/*.json
+
+
+def _history_problems() -> list[str]:
+    problems = []
+    for page in _pages():
+        lines = page.read_text().splitlines()
+        problems += [f"{page.name}:{n}: {line.strip()[:80]}" for n, line in enumerate(lines, 1)
+                     if _HISTORY.search(line) or len(set(_DATE.findall(line))) > 1]
+        dates = sorted(set(_DATE.findall("\n".join(lines))))
+        if len(dates) > _MAX_DATES:
+            problems.append(f"{page.name}: {len(dates)} dates {dates}")
+    return problems
+
+
+def test_the_pages_tell_what_is_not_how_it_came_to_be(tmp_path, monkeypatch) -> None:
+    """No dated timeline, before/after row or "re-measured" aside: state the current fact once, with
+    the command that gives it or one "measured on" line (docs/testing.md's tiers, for one)."""
+    assert _history_problems() == []
+    probe = tmp_path / "probe.md"  # the check sees each kind of narration, and passes plain facts
+    probe.write_text("| the fast tier | 601 | 50 s (70 s before) |\n"
+                     "| with DPO's tests (same day, later) | 758 | 325 s |\n"
+                     "| the suite after | 729 | 335 s |\n"
+                     "timed without the counter (re-measured 2026-11-26)\n"
+                     "Measured on 2026-11-28, then again on 2026-11-29.\n"
+                     "Measured on 2026-11-28 on a 2-core machine: 340 s. Checkpoints saved before it load.\n"
+                     + "".join(f"(measured 2026-11-{day})\n" for day in range(20, 27)))
+    monkeypatch.setattr(sys.modules[__name__], "_pages", lambda: [probe])
+    found = _history_problems()
+    assert [problem.split(": ")[0] for problem in found] == [f"probe.md:{n}" for n in range(1, 6)] + ["probe.md"]
+    assert found[-1].startswith("probe.md: 9 dates")
