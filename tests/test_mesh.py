@@ -35,6 +35,10 @@ def test_degrees_resolve_by_name() -> None:
          "parallelism.tensor_parallel_degree=2 = 6 does not equal the world size 8"),
         ({"ep": 3, "world_size": 4}, "parallelism.expert_parallel_degree=3 does not divide "
                                      "data_parallel_shard_degree × context_parallel_degree = 4"),
+        ({"pp": 2, "world_size": 1}, "parallelism.pipeline_parallel_degree=2 does not divide the world size 1"),
+        ({"pp": 2, "tp": 2, "world_size": 6},
+         "parallelism.pipeline_parallel_degree=2 × parallelism.tensor_parallel_degree=2 = 4 does not divide the "
+         "world size 6"),
     ]:
         with pytest.raises(ValueError) as info:
             ParallelDims.resolve(**{"dp_replicate": 1, "dp_shard": -1, **kwargs})

@@ -95,9 +95,9 @@ class ParallelDims:
             raise ValueError(f"{DEGREE_KEYS['cp']}={cp} × {DEGREE_KEYS['tp']}={tp} = {inner} does not divide the world "
                              f"size {world_size}")
         if world_size % (inner * pp):
-            raise ValueError(f"{DEGREE_KEYS['pp']}={pp}" + "".join(f" × {DEGREE_KEYS[n]}={v}" for n, v in
-                                                                 (("cp", cp), ("tp", tp)) if v > 1)
-                             + f" = {inner * pp} does not divide the world size {world_size}")
+            factors = [f"{DEGREE_KEYS[n]}={v}" for n, v in (("pp", pp), ("cp", cp), ("tp", tp)) if n == "pp" or v > 1]
+            product = f" = {inner * pp}" if len(factors) > 1 else ""  # (one factor: its value says it)
+            raise ValueError(f"{' × '.join(factors)}{product} does not divide the world size {world_size}")
         dp_world = world_size // (inner * pp)
         if dp_replicate == 0 and pp > 1:
             dp_replicate = -1 if dp_shard != -1 else 1
