@@ -47,6 +47,7 @@ def single_process_result(tmp_path_factory):
     return run_command([sys.executable, str(script)], cwd=folder, timeout=120)
 
 
+@pytest.mark.docs  # (the docs tier, -m docs: an example of a page; .ci/run runs it)
 @pytest.mark.slow
 def test_readme_example_under_torchrun(torchrun_result):
     result = torchrun_result
@@ -55,6 +56,7 @@ def test_readme_example_under_torchrun(torchrun_result):
     assert "DTensor (Shard(dim=0),)" in result.stdout
 
 
+@pytest.mark.docs  # (the docs tier, -m docs: an example of a page; .ci/run runs it)
 @pytest.mark.slow
 def test_readme_example_single_process(single_process_result):
     result = single_process_result
@@ -62,6 +64,7 @@ def test_readme_example_single_process(single_process_result):
     assert "ok: loss" in result.stdout
 
 
+@pytest.mark.docs  # (the docs tier, -m docs: an example of a page; .ci/run runs it)
 @pytest.mark.slow
 def test_readme_example_init_does_not_depend_on_sharding(torchrun_result, single_process_result):
     assert _weight_sum(torchrun_result) == _weight_sum(single_process_result)
