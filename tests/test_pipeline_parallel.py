@@ -97,7 +97,7 @@ def test_a_split_the_model_or_schedule_cannot_take_is_one_line(settings: dict[st
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--parallelism.pipeline_parallel_degree", "3"], "parallelism.pipeline_parallel_degree=3 = 3 does not divide "
+    (["--parallelism.pipeline_parallel_degree", "3"], "parallelism.pipeline_parallel_degree=3 does not divide "
                                                       "the world size 4"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.pipeline_parallel_degree: invalid value 2; "
                                                      "pipeline parallel is not combined with "
