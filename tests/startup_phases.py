@@ -75,7 +75,7 @@ def _patch(name: str, module: ModuleType) -> None:
         module.build_data = _marked("data", module.build_data)
         module.init_distributed = _marked("rendezvous", module.init_distributed)
         module.agree_auto_reshard = _marked("auto", module.agree_auto_reshard)
-        module.build_model = _marked("model", module.build_model, once=True)
+        module.build_parallel_model = _marked("model", module.build_parallel_model, once=True)
         module.Trainer.train_step = _marked("steps", module.Trainer.train_step, once=True)
 
 
