@@ -210,7 +210,7 @@ def test_a_worker_blocked_in_a_collective_exits_within_5_s_of_its_launcher(tmp_p
         killed = time.monotonic()
         while True:
             done, status = os.waitpid(blocked[0], os.WNOHANG)
-            if done or time.monotonic() - killed > 60:
+            if done or time.monotonic() - killed > 60:  # (the hang bound: the dead store's timeout is 300 s)
                 break
             time.sleep(0.02)
         waited = time.monotonic() - killed
@@ -221,9 +221,6 @@ def test_a_worker_blocked_in_a_collective_exits_within_5_s_of_its_launcher(tmp_p
                 os.waitpid(pid, 0)
         _set_child_subreaper(False)
     assert done and os.waitstatus_to_exitcode(status) == LAUNCHER_GONE_EXIT_CODE, (waited, stderr.read_text()[-3000:])
-    # (noticed, not waited out: the dead store's timeout is 300 s; the measured figure is
-    # scripts/launcher_kills.py's, this is no duration bound)
-    assert waited < 60.0, f"rank 0 outlived its launcher by {waited:.1f} s"
     assert "error: rank 0: the launcher of this worker" in stderr.read_text()
 
 

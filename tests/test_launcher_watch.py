@@ -22,7 +22,7 @@ import pytest
 
 from scripts.launcher_kills import children, launch_job, logged_losses, run_chain
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import REPO_ROOT, free_port
+from tests.dist_utils import REPO_ROOT, captured_log, free_port
 from tests.test_dump_lock import start_torchrun
 from tests.test_job_locks import _set_child_subreaper
 from torchtitan_lite.dump_lock import LOCK_FILE, DumpFolderLock
@@ -31,8 +31,6 @@ from torchtitan_lite.launcher_watch import LAUNCHER_GONE_EXIT_CODE
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
 
 HANG_S = 120  # a bound on hangs only, never a speed requirement
-GONE_S = 60.0  # noticed, not waited out: noticing takes 0.1-1 s (scripts/launcher_kills.py measures it), not
-# noticing waits for the dead store (comm.init_timeout_seconds, 300 s). Not a duration bound: a loaded machine passes.
 ENTRY = ("tests/startup_phases.py",)  # python -m torchtitan_lite.train, with its phases marked
 TAIL = ("exiting with code 76 so that no orphaned rank trains on or holds the job's locks; start the job again "
         "(with checkpoint.enable it resumes from its last checkpoint)")
@@ -197,8 +195,7 @@ def test_a_relaunch_waits_for_the_lock_of_a_worker_that_is_still_ending(tmp_path
         launcher.kill()
         launcher.wait()
         threading.Timer(0.5, os.kill, (holder, signal.SIGCONT)).start()
-        lines: list[str] = []
-        with _captured(lines):
+        with captured_log() as lines:
             lock = DumpFolderLock(folder)
             lock.acquire()
         lock.release()
@@ -213,25 +210,6 @@ def _read_json(path: Path) -> dict[str, object]:
         return json.loads(path.read_text())
     except (OSError, ValueError):  # not there yet, or being written
         return {}
-
-
-@contextlib.contextmanager
-def _captured(lines: list[str]) -> Iterator[None]:
-    import logging
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    log, handler = logging.getLogger("torchtitan_lite"), Lines()
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +247,7 @@ def _workers_after_a_launcher_kill(tmp_path: Path, args: list[str], ready: list[
             killed = time.monotonic()
             agent.wait()
         for pid in workers:
-            ended[pid] = _exit_of(pid, 60, since=killed)
+            ended[pid] = _exit_of(pid, 60, since=killed)  # (the hang bound: noticing takes 0.1-1 s, not noticing 300 s)
         for pid in grandchildren:
             _exit_of(pid, 60)
     return agent.pid, ended, err.read_text(), grandchildren
@@ -288,7 +266,6 @@ def test_workers_end_with_a_launcher_killed_in_each_phase_of_start_up(tmp_path: 
     print(f"launcher killed with rank 0 paused in {phase}: workers ended after "
           f"{', '.join(f'{seconds:.3f} s' for _, seconds in ended.values())}")
     assert [code for code, _ in ended.values()] == [LAUNCHER_GONE_EXIT_CODE] * 2, (ended, err[-3000:])
-    assert max(seconds for _, seconds in ended.values()) < GONE_S, ended
     lines = sorted(line for line in err.splitlines() if "the launcher of this worker" in line)
     assert lines == [f"error: rank {rank}: the launcher of this worker (pid {agent}) is gone; {TAIL}"
                      for rank in (0, 1)]
@@ -305,7 +282,6 @@ def test_workers_and_autos_planner_end_with_a_launcher_killed_while_auto_plans(t
     print(f"launcher killed while auto plans: workers ended after "
           f"{', '.join(f'{seconds:.3f} s' for _, seconds in ended.values())}")
     assert [code for code, _ in ended.values()] == [LAUNCHER_GONE_EXIT_CODE] * 2, (ended, err[-3000:])
-    assert max(seconds for _, seconds in ended.values()) < GONE_S, ended
     assert len(planners) == 1, planners  # (killed by rank 0 and reaped by _workers_after_a_launcher_kill)
 
 
@@ -327,6 +303,6 @@ def test_random_launcher_kills_across_start_up_then_relaunches_give_the_uninterr
     finally:
         _set_child_subreaper(False)
     hit = [w for result in chain["rounds"] if not result["finished"] for w in result["workers"]]
-    assert all(w["outlived_s"] is not None and w["outlived_s"] < GONE_S for w in hit), (seed, chain["rounds"])
+    assert all(w["outlived_s"] is not None for w in hit), (seed, chain["rounds"])  # (gone within the 60 s hang bound)
     assert chain["refused"] == 0 and chain["final_exit"] == 0, (seed, chain)
     assert chain["steps_covered"] == steps and not chain["differ"] and not chain["damaged"], (seed, chain)
