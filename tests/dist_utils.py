@@ -242,22 +242,30 @@ def run_torchrun(args: list[str], *, nproc: int, timeout: float = 300.0,
 
 
 def run_command(cmd: list[str], *, timeout: float = 300.0, cwd: Path | None = None,
-                extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command in its own process group; kill the whole group on timeout."""
+                extra_env: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                ) -> subprocess.CompletedProcess[str]:
+    """Run a command in its own process group; kill the whole group on timeout, and whatever of
+    it is left when it ends (nothing it started outlives it). ``env``: exactly this environment
+    (default: this one without torchrun's variables, one thread, the repository importable, with
+    ``extra_env``)."""
+    import signal
+
     launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), **(extra_env or {})}
+    if env is None:
+        env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO_ROOT), **(extra_env or {})}
     proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(f"command timed out after {timeout}s: {cmd}\n{out}\n{err}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -44,7 +44,6 @@ Actions, separated by ``;`` (arguments as a shell splits them):
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -52,8 +51,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -62,10 +59,10 @@ from typing import Any
 import pytest
 
 try:
-    from tests.dist_utils import REPO_ROOT
+    from tests.dist_utils import REPO_ROOT, run_command
 except ImportError:  # run as a script: python tests/test_docs_examples.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.dist_utils import REPO_ROOT
+    from tests.dist_utils import REPO_ROOT, run_command
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -549,22 +546,6 @@ def _check_output(example: Example, work: Path, output: str) -> None:
         assert (work / path).exists(), f"{example.id}: {path} was not written"
 
 
-def _run(cmd: list[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run a command in its own process group, with exactly ``env``; kill the group on timeout."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout:.0f} s: {cmd}\n{out}\n{err}") from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing it started outlives it
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def run_example(example: Example, folder: Path) -> None:
     if example.problem:
         pytest.fail(f"{example.id}: {example.problem}", pytrace=False)
@@ -592,7 +573,7 @@ def run_example(example: Example, folder: Path) -> None:
     env = {**keep, "TMPDIR": str(folder / "tmp"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     timeout = float(example.get("timeout")[0][0]) if example.get("timeout") else 240.0
-    result = _run(["bash", "-c", command], cwd=work, timeout=timeout, env=env)
+    result = run_command(["bash", "-c", command], cwd=work, timeout=timeout, env=env)
     output = result.stdout + result.stderr
     expected = int(example.get("exit")[0][0]) if example.get("exit") else 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]

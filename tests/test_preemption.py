@@ -20,8 +20,7 @@ from torchtitan_lite.errors import PREEMPTED_EXIT_CODE
 
 def _launch(script: str, *args: str) -> list[str]:
     """``python -m torchtitan_lite.launch`` (torchrun's arguments, the table's exit code) of 2 ranks."""
-    return [sys.executable, "-m", "torchtitan_lite.launch", "--nproc_per_node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", "--max-restarts=0", script, *args]
+    return _torchrun(script, *args, max_restarts=0, launcher="torchtitan_lite.launch")
 
 
 def _argv(dump: Path, *extra: str) -> list[str]:
@@ -248,7 +247,7 @@ def test_slurm_script_passes_sigterm_on_and_requeues_the_job(tmp_path: Path) -> 
     import sys
     import time
 
-    from tests.dist_utils import REPO_ROOT, free_port
+    from tests.dist_utils import REPO_ROOT
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -20,8 +20,10 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import free_port, read_jsonl, run_command, run_distributed
 
 
-def _torchrun(script: str, *args: str, max_restarts: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+def _torchrun(script: str, *args: str, max_restarts: int, launcher: str = "torch.distributed.run") -> list[str]:
+    """A 2-rank launch of ``script`` (or ``-m module``) by ``launcher`` (torchrun, or
+    ``torchtitan_lite.launch``, which takes its arguments)."""
+    return [sys.executable, "-m", launcher, "--nproc_per_node=2", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", f"--max-restarts={max_restarts}",
             script, *args]
 

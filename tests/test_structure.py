@@ -7,6 +7,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torchtitan_lite"
 
@@ -205,6 +206,16 @@ def _unnamed_collectives(path: Path) -> list[str]:
     return found
 
 
+def _probed(check: Any, source: str) -> list[str]:
+    """What ``check`` (a checker of one file) finds in ``source``, written as a file of the tests."""
+    probe = PACKAGE.parent / "tests" / "_probe_structure.py"
+    probe.write_text(source)
+    try:
+        return check(probe)
+    finally:
+        probe.unlink()
+
+
 def test_every_collective_of_the_loop_validation_and_data_names_its_group() -> None:
     """Losses, metrics, validation and data reduce over the data-parallel group; what every rank
     must agree on (the lock, auto's plan, finite weights) names the world group: none falls back to
@@ -212,12 +223,8 @@ def test_every_collective_of_the_loop_validation_and_data_names_its_group() -> N
     files = [PACKAGE / "trainer.py", PACKAGE / "validate.py", *sorted((PACKAGE / "data").rglob("*.py"))]
     assert [line for f in files for line in _unnamed_collectives(f)] == []
     # The checker itself sees an unnamed call.
-    probe = PACKAGE.parent / "tests" / "_probe_collective.py"
-    probe.write_text("import torch.distributed as dist\ndist.all_reduce(x)\ndist.all_reduce(x, group=g)\n")
-    try:
-        assert len(_unnamed_collectives(probe)) == 1
-    finally:
-        probe.unlink()
+    assert len(_probed(_unnamed_collectives, "import torch.distributed as dist\ndist.all_reduce(x)\n"
+                                             "dist.all_reduce(x, group=g)\n")) == 1
 
 
 def _calls(name: str) -> dict[str, set[str]]:
@@ -339,12 +346,8 @@ def test_no_attribute_of_a_model_is_set_outside_its_own_module() -> None:
     assert found == []
     trainer = (PACKAGE / "trainer.py").read_text()
     assert "getattr(self.model" not in trainer and "getattr(model" not in trainer
-    probe = PACKAGE.parent / "tests" / "_probe_model_attribute.py"
-    probe.write_text("model.context_parallel = 1\nself.model.x = 2\nmodel.__class__ = object\nother.x = 3\n")
-    try:
-        assert len(_model_attribute_assignments(probe)) == 2
-    finally:
-        probe.unlink()
+    assert len(_probed(_model_attribute_assignments,
+                       "model.context_parallel = 1\nself.model.x = 2\nmodel.__class__ = object\nother.x = 3\n")) == 2
 
 
 _FSDP_PRIVATE = ("_get_fsdp_state", "_fsdp_param_groups", "_fully_shard", "_state_ctx", "fully_shard.state",

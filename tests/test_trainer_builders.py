@@ -12,14 +12,18 @@ import pytest
 from tests.dist_utils import REPO_ROOT, run_command
 
 
-def _research_script(folder):
+def _research_example(name: str, folder, file_name: str):
+    """docs/research.md's python block marked ``<!-- NAME:start -->``, written to ``folder / file_name``."""
     text = (REPO_ROOT / "docs" / "research.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- research-example:start -->\n```python\n(.*?)```\n<!-- research-example:end -->",
-                      text, re.S)
-    assert match, "docs/research.md lost its marked research script"
-    script = folder / "research_loop.py"
+    match = re.search(rf"<!-- {name}:start -->\n```python\n(.*?)```\n<!-- {name}:end -->", text, re.S)
+    assert match, f"docs/research.md lost its marked {name}"
+    script = folder / file_name
     script.write_text(match.group(1), encoding="utf-8")
     return script
+
+
+def _research_script(folder):
+    return _research_example("research-example", folder, "research_loop.py")
 
 
 @pytest.mark.slow
@@ -43,12 +47,7 @@ def _objective_example(folder):
     """docs/research.md's objective script, imported as a module (its ``__main__`` part not run)."""
     import importlib.util
 
-    text = (REPO_ROOT / "docs" / "research.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- objective-example:start -->\n```python\n(.*?)```\n<!-- objective-example:end -->",
-                      text, re.S)
-    assert match, "docs/research.md lost its marked objective example"
-    script = folder / "z_loss_objective.py"
-    script.write_text(match.group(1), encoding="utf-8")
+    script = _research_example("objective-example", folder, "z_loss_objective.py")
     spec = importlib.util.spec_from_file_location("z_loss_objective", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
