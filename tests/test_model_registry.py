@@ -117,8 +117,17 @@ def tiny_lm_units(model: nn.Module) -> FSDPLayout:
                       last_unit=[model.norm, model.output])
 
 
+def split_mlps(model: nn.Module, tp_mesh: object, *, loss_parallel: bool) -> None:
+    """TinyLM's own tensor-parallel plan: each block's MLP split (``up`` by columns, ``down`` by
+    rows), attention and the embeddings whole on every rank (``loss_parallel`` not taken)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
 SPEC = ModelSpec(name=NAME, model_cls=TinyLM, args_cls=TinyLMArgs, flavors={"small": TinyLMArgs()},
-                 fsdp_units=tiny_lm_units)
+                 fsdp_units=tiny_lm_units, parallel_dims=frozenset({"tp"}), tensor_parallel=split_mlps)
 
 
 @pytest.fixture
@@ -147,6 +156,67 @@ def test_a_registered_model_trains_through_main(registered: ModelSpec, sharded: 
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
     assert losses[0] > math.log(258) - 0.5, losses  # untrained: near uniform over the byte vocabulary
     assert sum(losses[-2:]) / 2 < losses[0] - 0.5, losses
+
+
+def _trained_with_own_split(argv: list[str]) -> tuple[list[float], dict[str, dict[str, str]]]:
+    """Register the family in this (spawned) process, train; the losses and some placements."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.trainer import Trainer
+
+    register_model_spec(SPEC, replace=True)
+    trainer = Trainer(load_job_config(argv))
+    try:
+        losses = [h["loss"] for h in trainer.train()]
+        placed = {name: dict(zip(p.device_mesh.mesh_dim_names, (str(x) for x in p.placements), strict=True))
+                  for name, p in trainer.model.named_parameters()
+                  if isinstance(p, DTensor) and name.startswith("blocks.0.")}
+        return losses, placed
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_registered_family_is_split_by_its_own_tensor_parallel_plan(tmp_path: Path) -> None:
+    """``ModelSpec.tensor_parallel``: with ``tensor_parallel_degree = 2`` on 2 ranks the family's
+    own plan splits the model (its MLPs, not our decoders' projections), and the losses equal one
+    process's within 1e-5 (fp32, 6 steps)."""
+    from tests.dist_utils import run_distributed
+
+    def argv(dump: str, *extra: str) -> list[str]:
+        return ["--model.name", NAME, "--model.flavor", "small", "--training.steps", "6",
+                "--training.seq_len", "32", "--training.global_batch_size", "2", "--training.no-shuffle",
+                "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-2",
+                "--lr_scheduler.warmup_steps", "2", "--metrics.no-enable_tensorboard", "--validation.no-enable",
+                "--job.dump_folder", str(tmp_path / dump), *extra]
+
+    ((reference, _),) = run_distributed(_trained_with_own_split, 1, argv("one", "--training.local_batch_size", "2"))
+    ranks = run_distributed(_trained_with_own_split, 2, argv("tp2", "--training.local_batch_size", "2",
+                                                             "--parallelism.data_parallel_shard_degree", "1",
+                                                             "--parallelism.tensor_parallel_degree", "2"))
+    for losses, placed in ranks:
+        assert len(losses) == 6
+        for a, b in zip(losses, reference, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, reference)
+        assert placed["blocks.0.up.weight"]["tp"] == "S(0)", placed  # (and FSDP's shard over dp_shard of 1)
+        assert placed["blocks.0.down.weight"]["tp"] == "S(1)", placed
+        assert "tp" not in placed["blocks.0.qkv.weight"], placed  # attention: not split by this plan
+
+
+def test_auto_is_refused_for_a_family_s_own_tensor_parallel_plan(registered: ModelSpec) -> None:
+    """The memory planner sizes our decoders' split only: ``auto`` with a family's own plan is one line."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.errors import ConfigError
+    from torchtitan_lite.job import plan_job
+
+    argv = ["--model.name", NAME, "--model.flavor", "small", "--training.seq_len", "32",
+            "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    plan_job(load_job_config(argv), world_size=2, device_type="cpu")  # (a fixed setting: planned)
+    with pytest.raises(ConfigError, match=r"^parallelism.reshard_after_forward_mode: invalid value 'auto'; model "
+                       rf"'{NAME}' splits over tensor parallel by its own plan \(ModelSpec.tensor_parallel\)"):
+        plan_job(load_job_config([*argv, "--parallelism.reshard_after_forward_mode", "auto"]), world_size=2,
+                 device_type="cpu")
 
 
 def test_registering_a_name_twice_fails_unless_replaced(registered: ModelSpec) -> None:

@@ -256,11 +256,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     (the model's vocabulary follows it).
     """
     m, t, v, p = config.model, config.training, config.validation, config.parallelism
-    spec = get_model_spec(m.name)
-    elsewhere = [name for name, other in MODEL_SPECS.items() if m.flavor in other.flavors and name != m.name]
-    hint = f" (model.name = {elsewhere[0]!r} has a flavor of that name)" if elsewhere else ""
-    _require(m.flavor in spec.flavors or m.flavor == FROM_CHECKPOINT, "model.flavor", m.flavor,
-             f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}{hint}")
+    spec = _family(config)
     checkpoint_args = _checkpoint_shape(config, spec) if m.flavor == FROM_CHECKPOINT else None
     # The rotary table follows the job's longest sequence (as TorchTitan's does), the model's RoPE
     # scaling kept; beyond the context the model was trained for, a note says so.
@@ -269,26 +265,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     notes = () if longest <= trained_for else (
         f"the job's sequences ({longest} tokens) pass the {trained_for} that {m.name} {m.flavor} was trained for "
         "(its max_seq_len): the rotary table follows the job, with the model's RoPE scaling kept",)
-    degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
-               "pp": p.pipeline_parallel_degree}
-    for name, degree in degrees.items():
-        _require(degree == 1 or name in spec.parallel_dims, DEGREE_KEYS[name], degree,
-                 f"model {m.name!r} does not split over {_DIM_NAMES[name]} ranks (its parallelize handles "
-                 f"{', '.join(_DIM_NAMES[d] for d in sorted(spec.parallel_dims)) or 'data parallel only'}); expected 1")
-    try:
-        dims = ParallelDims.resolve(dp_replicate=p.data_parallel_replicate_degree,
-                                    dp_shard=p.data_parallel_shard_degree, world_size=world_size,
-                                    local_world_size=local_world_size, **degrees)
-        if (problem := dims.unsupported()) is not None:
-            raise ValueError(problem)
-        mode = p.reshard_after_forward_mode
-        # (FSDP shards over dp_shard × cp: an integer mode's groups are of those ranks)
-        reshard_mode = mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard * dims.cp)
-    except ValueError as exc:
-        message = str(exc)
-        raise ConfigError(message if message.startswith("parallelism.") else f"parallelism.{message}") from None
-    per_step = t.local_batch_size * dims.dp_size
-    global_batch = t.global_batch_size if t.global_batch_size > 0 else per_step
+    dims, reshard_mode = _parallel_dims(config, spec, world_size, local_world_size)
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_size
     grad_accum_steps = check_batch_split(global_batch, t.local_batch_size, dims.dp_size)
     if config.compile.enable:
         import torch._dynamo
@@ -301,22 +279,11 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
                  f"expected one process (this job has {world_size}): the seed checkpoint is written by "
                  "`python -m torchtitan_lite.train ...` or --nproc_per_node=1")
     tokenizer = build_tokenizer(m.tokenizer_path)
-    if checkpoint_args is None:
-        model_args = spec.model_args(m.flavor, vocab_size=model_vocab_size(config, tokenizer))
-    else:
-        model_args = checkpoint_args
-        vocab = checkpoint_args.vocab_size
-        _require(m.vocab_size in (-1, vocab), "model.vocab_size", m.vocab_size,
-                 f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
-        _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
-                 f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
-    if longest > model_args.max_seq_len:
-        model_args = dataclasses.replace(model_args, max_seq_len=longest)
+    model_args = _model_args(config, spec, tokenizer, checkpoint_args, longest)
     model_args = _moe_settings(config, spec, model_args, dims)
     device_type = device_type or _device_type()
-    _tensor_parallel_settings(config, dims, model_args, device_type)
+    _tensor_parallel_settings(config, spec, dims, model_args, device_type)
     _context_parallel_settings(config, dims, model_args)
-    val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     f8 = config.float8
     all_gather = f8.enable_fsdp_float8_all_gather and dims.dp_shard > 1
     float8 = None if not m.converters else Float8Conversion(
@@ -327,17 +294,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora, model_args)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
-    if pipeline is not None and pipeline.splits_backward:  # (its weight pass reads the input pass's gathered weights)
-        _require(reshard_mode in ("default", "never", "auto"), "parallelism.reshard_after_forward_mode",
-                 reshard_mode, f"{pipeline.schedule} keeps each stage's parameters gathered from its first forward to "
-                 "its last weight-gradient pass: expected 'default', 'never' or 'auto' (which then reshards none)")
-        reshard_mode = "auto" if reshard_mode == "auto" else "never"
-        ac = config.activation_checkpoint
-        _require(ac.mode != "selective" or str(ac.selective_ac_option).isdigit(),
-                 "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
-                 f"per-op checkpointing lets each region run one backward, and {pipeline.schedule} runs two (the input "
-                 "gradient, then the weight gradient): expected an integer N (every N-th block in full), or "
-                 "activation_checkpoint.mode 'full' or 'none'")
+    if pipeline is not None and pipeline.splits_backward:
+        reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
     shape = JobShape(
@@ -354,6 +312,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
         sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
         pipeline=pipeline)
+    val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
         dims=dims, spec=spec, shape=shape, model_args=model_args, tokenizer=tokenizer,
         global_batch_size=global_batch, val_local_batch_size=val_local,
@@ -362,6 +321,75 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         schedule_steps=config.lr_scheduler.total_steps or t.steps, dpo=dpo,
         memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
+
+
+def _family(config: JobConfig) -> ModelSpec:
+    """The family of ``model.name``, its ``model.flavor`` checked (a flavor of another family named)."""
+    m = config.model
+    spec = get_model_spec(m.name)
+    elsewhere = [name for name, other in MODEL_SPECS.items() if m.flavor in other.flavors and name != m.name]
+    hint = f" (model.name = {elsewhere[0]!r} has a flavor of that name)" if elsewhere else ""
+    _require(m.flavor in spec.flavors or m.flavor == FROM_CHECKPOINT, "model.flavor", m.flavor,
+             f"expected one of {', '.join(map(repr, [*spec.flavors, FROM_CHECKPOINT]))}{hint}")
+    return spec
+
+
+def _parallel_dims(config: JobConfig, spec: ModelSpec, world_size: int,
+                   local_world_size: int | None) -> tuple[ParallelDims, ReshardMode | str]:
+    """The job's degrees over ``world_size`` ranks (each above 1 one the family splits over) and
+    its reshard mode checked against the FSDP group."""
+    p, name = config.parallelism, config.model.name
+    degrees = {"tp": p.tensor_parallel_degree, "cp": p.context_parallel_degree, "ep": p.expert_parallel_degree,
+               "pp": p.pipeline_parallel_degree}
+    for dim, degree in degrees.items():
+        _require(degree == 1 or dim in spec.parallel_dims, DEGREE_KEYS[dim], degree,
+                 f"model {name!r} does not split over {_DIM_NAMES[dim]} ranks (its parallelize handles "
+                 f"{', '.join(_DIM_NAMES[d] for d in sorted(spec.parallel_dims)) or 'data parallel only'}); expected 1")
+    try:
+        dims = ParallelDims.resolve(dp_replicate=p.data_parallel_replicate_degree,
+                                    dp_shard=p.data_parallel_shard_degree, world_size=world_size,
+                                    local_world_size=local_world_size, **degrees)
+        if (problem := dims.unsupported()) is not None:
+            raise ValueError(problem)
+        mode = p.reshard_after_forward_mode
+        # (FSDP shards over dp_shard × cp: an integer mode's groups are of those ranks)
+        return dims, mode if mode == "auto" else validate_reshard_after_forward_mode(mode, dims.dp_shard * dims.cp)
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("parallelism.") else f"parallelism.{message}") from None
+
+
+def _model_args(config: JobConfig, spec: ModelSpec, tokenizer: Any, checkpoint_args: Any, longest: int) -> Any:
+    """The model's args: the flavor's with the tokenizer's vocabulary, or the checkpoint's (its
+    vocabulary checked against ``model.vocab_size`` and the tokenizer); ``max_seq_len`` at least
+    the job's ``longest`` sequence."""
+    m = config.model
+    if checkpoint_args is None:
+        model_args = spec.model_args(m.flavor, vocab_size=model_vocab_size(config, tokenizer))
+    else:
+        model_args = checkpoint_args
+        vocab = checkpoint_args.vocab_size
+        _require(m.vocab_size in (-1, vocab), "model.vocab_size", m.vocab_size,
+                 f"expected -1 or {vocab}: model.flavor = 'from_checkpoint' takes the checkpoint's vocabulary")
+        _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
+                 f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
+    return model_args if longest <= model_args.max_seq_len else dataclasses.replace(model_args, max_seq_len=longest)
+
+
+def _zero_bubble_settings(config: JobConfig, pipeline: PipelinePlan, reshard_mode: ReshardMode | str) -> str:
+    """A schedule that splits the backward (its weight pass reads the input pass's gathered
+    weights): the reshard mode it runs with ('never', or 'auto' that then reshards none), and
+    the checkpointing it takes."""
+    _require(reshard_mode in ("default", "never", "auto"), "parallelism.reshard_after_forward_mode",
+             reshard_mode, f"{pipeline.schedule} keeps each stage's parameters gathered from its first forward to "
+             "its last weight-gradient pass: expected 'default', 'never' or 'auto' (which then reshards none)")
+    ac = config.activation_checkpoint
+    _require(ac.mode != "selective" or str(ac.selective_ac_option).isdigit(),
+             "activation_checkpoint.selective_ac_option", ac.selective_ac_option,
+             f"per-op checkpointing lets each region run one backward, and {pipeline.schedule} runs two (the input "
+             "gradient, then the weight gradient): expected an integer N (every N-th block in full), or "
+             "activation_checkpoint.mode 'full' or 'none'")
+    return "auto" if reshard_mode == "auto" else "never"
 
 
 def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any) -> DPOSetup | None:
@@ -450,14 +478,23 @@ def _context_parallel_settings(config: JobConfig, dims: ParallelDims, model_args
             raise ConfigError(f"parallelism.context_parallel_degree: invalid value {dims.cp}; {problem}")
 
 
-def _tensor_parallel_settings(config: JobConfig, dims: ParallelDims, model_args: Any, device_type: str) -> None:
-    """Refuse, one line each, what tensor parallel cannot split or run with (yet)."""
+def _tensor_parallel_settings(config: JobConfig, spec: ModelSpec, dims: ParallelDims, model_args: Any,
+                              device_type: str) -> None:
+    """Refuse, one line each, what tensor parallel cannot split or run with (yet). A family with
+    its own plan (``ModelSpec.tensor_parallel``) checks its model itself when it splits it."""
     from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 
     p, tp = config.parallelism, dims.tp
     key = "parallelism.tensor_parallel_degree"
-    problem = tensor_parallel_problem(model_args, tp)
-    _require(problem is None, key, tp, f"{problem}; expected a degree that does")
+    if spec.tensor_parallel is None:
+        problem = tensor_parallel_problem(model_args, tp)
+        _require(problem is None, key, tp, f"{problem}; expected a degree that does")
+    elif tp > 1:
+        auto = [k for k, value in (("parallelism.reshard_after_forward_mode", p.reshard_after_forward_mode),
+                                   ("parallelism.cpu_offload", p.cpu_offload)) if value == "auto"]
+        _require(not auto, auto[0] if auto else key, "auto", f"model {spec.name!r} splits over tensor parallel by its "
+                 "own plan (ModelSpec.tensor_parallel), which the memory planner does not size: expected a fixed "
+                 "setting with tensor parallel")
     if tp > 1:
         seq_lens = [("training.seq_len", config.training.seq_len)]
         if config.validation.enable and config.validation.seq_len > 0:

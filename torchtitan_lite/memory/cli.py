@@ -353,10 +353,30 @@ def _stage_table(stages: list[MemoryEstimate], configured: str | int, device_byt
     return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class _Estimates:
+    """What the command estimated for a job: each mode's, each pipeline rank's, auto's."""
+
+    estimates: list[MemoryEstimate]
+    """One per reshard mode (the last: auto's plan, when there is one)."""
+    stages: list[MemoryEstimate]
+    """With a pipeline: each pipeline rank's (the configured mode's, or auto's)."""
+    auto: bool
+    """The job's own mode is ``auto``."""
+    auto_shape: Any
+    """The shape auto planned (its ``cpu_offload`` 'auto' when the command chose offload too)."""
+    budget_source: str
+    rank_plans: list[AutoReshardPlan]
+    """Auto's plan of each pipeline rank (one without a pipeline)."""
+    plan_auto: AutoReshardPlan | None
+    """The modes table's auto row: the pipeline rank of the highest peak."""
+    auto_error: str | None
+    """Why auto would find no plan (when the job did not ask for auto)."""
+    seconds: float
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
-    from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_shape, plan_auto_reshard
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if "--help" in argv or "-h" in argv:
@@ -379,56 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         if own.longest_seq_len:
             return _print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
                                   device_bytes=device_bytes, device_source=device_source)
-        model_args, accum = plan.model_args, plan.shape.grad_accum_steps
-        t = config.training
-        shape = job_estimate_shape(plan)
-        auto = plan.shape.reshard_after_forward_mode == "auto"
-        # What auto would choose: the job's own auto, else (given a device) auto with CPU offload
-        # chosen per unit too, unless the job offloads everything.
-        would = (not auto and device_bytes is not None and not plan.shape.compile_by_parts
-                 and plan.shape.pipeline is None)
-        budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
-        configured = plan.shape.reshard_after_forward_mode
         log_to_stderr()
-        with Progress(f"planning the memory of {config.model.name} {config.model.flavor} on {world_size} "
-                      f"rank{'s' if world_size > 1 else ''}",
-                      first_s=1.0) as progress:
-            # (a zero-bubble schedule runs only with every unit gathered through the step)
-            splits = plan.shape.pipeline is not None and plan.shape.pipeline.splits_backward
-            modes = ["never"] if splits else _modes(configured)
-            estimates = []
-            for index, mode in enumerate(modes):
-                progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "
-                                f"reshard_after_forward_mode {mode!r}")
-                estimates.append(estimate_memory(plan.spec, model_args, shape, reshard_after_forward_mode=mode))
-            # With a pipeline, each rank's stages (the configured mode's; the table above: the
-            # worst stage in each mode)
-            stages = [] if plan.shape.pipeline is None or auto else estimate_stages(
-                plan.spec, model_args, shape, reshard_after_forward_mode=configured)
-            seconds = sum(e.seconds for e in estimates)
-            plan_auto, auto_error = None, None
-            auto_shape = job_auto_shape(plan)
-            if would and plan.shape.cpu_offload is False:
-                auto_shape = auto_shape.replace(cpu_offload="auto")
-            rank_plans: list[AutoReshardPlan] = []  # with a pipeline: each pipeline rank's own
-            if auto or would:
-                try:
-                    for pp_rank in range(plan.dims.pp):
-                        if plan.dims.pp > 1:
-                            progress.update(f"auto's plan of pipeline rank {pp_rank + 1} of {plan.dims.pp}")
-                        rank_plans.append(plan_auto_reshard(plan.spec, model_args, auto_shape, budget_bytes=budget,
-                                                            budget_source=budget_source, pipeline_rank=pp_rank))
-                except ValueError as exc:
-                    if auto:
-                        raise
-                    auto_error = str(exc)
-            if rank_plans:
-                # (the modes table's auto row: the pipeline rank of the highest peak)
-                plan_auto = max(rank_plans, key=lambda chosen: chosen.estimate.device_peak)
-                seconds += sum(chosen.seconds for chosen in rank_plans)
-                estimates.append(plan_auto.estimate)
-                if plan.dims.pp > 1:
-                    stages = [chosen.estimate for chosen in rank_plans]
+        done = _estimate_job(config, plan, world_size=world_size, device_bytes=device_bytes)
     except (UserError, ValueError) as exc:
         for line in str(exc).splitlines() or [""]:  # one line per problem
             print(f"error: {line}", file=sys.stderr)
@@ -437,22 +409,95 @@ def main(argv: list[str] | None = None) -> int:
         first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         print(f"error: the memory estimate's step failed: {first_line}", file=sys.stderr)
         return 1
-    first = estimates[0]
+    _print_job(config, plan, vocab_note, world_size=world_size, ranks_per_node=ranks_per_node)
+    unit = ("GiB", GIB) if max(e.device_peak for e in done.estimates) >= GIB else ("MiB", 2**20)
+    configured = plan.shape.reshard_after_forward_mode
+    print(_table(done.estimates, configured, device_bytes, unit))
+    if done.stages:
+        print(_stage_table(done.stages, configured, device_bytes, unit))
+    print("\n".join(_notes(config, plan, done, device_source)))
+    if json_path is not None:
+        record = _json_record(config, plan, done, vocab_note, world_size=world_size, ranks_per_node=ranks_per_node,
+                              device_bytes=device_bytes)
+        try:
+            json_path.write_text(json.dumps(record, indent=1))
+        except OSError as exc:
+            print(f"error: --json: cannot write {str(json_path)!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _estimate_job(config: JobConfig, plan: JobPlan, *, world_size: int, device_bytes: float | None) -> _Estimates:
+    """Every reshard mode's estimate (one, ``never``, for a zero-bubble schedule, which keeps every
+    unit gathered through the step), each pipeline rank's, and what auto chooses: the job's own
+    auto, else (given a device) auto with CPU offload chosen per unit too, unless the job offloads
+    everything."""
+    from torchtitan_lite.memory.auto import auto_budget_bytes, job_auto_shape, plan_auto_reshard
+
+    job = plan.shape
+    shape = job_estimate_shape(plan)
+    auto = job.reshard_after_forward_mode == "auto"
+    would = not auto and device_bytes is not None and not job.compile_by_parts and job.pipeline is None
+    budget, budget_source = auto_budget_bytes(plan.memory_budget_gib, device_bytes) if auto or would else (0, "")
+    configured = job.reshard_after_forward_mode
+    auto_shape = job_auto_shape(plan)
+    if would and job.cpu_offload is False:
+        auto_shape = auto_shape.replace(cpu_offload="auto")
+    with Progress(f"planning the memory of {config.model.name} {config.model.flavor} on {world_size} "
+                  f"rank{'s' if world_size > 1 else ''}", first_s=1.0) as progress:
+        modes = ["never"] if job.pipeline is not None and job.pipeline.splits_backward else _modes(configured)
+        estimates = []
+        for index, mode in enumerate(modes):
+            progress.update(f"estimate {index + 1} of {len(modes) + int(auto or would)}: "
+                            f"reshard_after_forward_mode {mode!r}")
+            estimates.append(estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode))
+        # With a pipeline, each rank's stages (the configured mode's; the modes table: the worst
+        # stage in each mode)
+        stages = [] if job.pipeline is None or auto else estimate_stages(
+            plan.spec, plan.model_args, shape, reshard_after_forward_mode=configured)
+        seconds = sum(e.seconds for e in estimates)
+        rank_plans: list[AutoReshardPlan] = []
+        auto_error = None
+        if auto or would:
+            try:
+                for pp_rank in range(plan.dims.pp):
+                    if plan.dims.pp > 1:
+                        progress.update(f"auto's plan of pipeline rank {pp_rank + 1} of {plan.dims.pp}")
+                    rank_plans.append(plan_auto_reshard(plan.spec, plan.model_args, auto_shape, budget_bytes=budget,
+                                                        budget_source=budget_source, pipeline_rank=pp_rank))
+            except ValueError as exc:
+                if auto:
+                    raise
+                auto_error = str(exc)
+    plan_auto = max(rank_plans, key=lambda chosen: chosen.estimate.device_peak) if rank_plans else None
+    if plan_auto is not None:
+        seconds += sum(chosen.seconds for chosen in rank_plans)
+        estimates.append(plan_auto.estimate)
+        if plan.dims.pp > 1:
+            stages = [chosen.estimate for chosen in rank_plans]
+    return _Estimates(estimates=estimates, stages=stages, auto=auto, auto_shape=auto_shape,
+                      budget_source=budget_source, rank_plans=rank_plans, plan_auto=plan_auto, auto_error=auto_error,
+                      seconds=seconds)
+
+
+def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, world_size: int,
+               ranks_per_node: int) -> None:
+    """The lines above the table: the plan's notes, the model and its split, the batch and settings."""
+    model_args, dims, t = plan.model_args, plan.dims, config.training
     for note in plan.notes:
         print(f"note: {note}")
-    unit = ("GiB", GIB) if max(e.device_peak for e in estimates) >= GIB else ("MiB", 2**20)
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
-          f"{first.dp_replicate} × dp_shard {first.dp_shard // plan.dims.cp}"
-          + (f" × context parallel {plan.dims.cp} ({plan.shape.context_parallel_method}: each rank holds "
-             f"{plan.shape.seq_len // plan.dims.cp} tokens of every sequence)" if plan.dims.cp > 1 else "")
-          + (f" × tensor parallel {plan.dims.tp} (attention and dense feed-forward split over {plan.dims.tp} ranks, "
-             f"sequence parallel between them)" if plan.dims.tp > 1 else "")
-          + (f" (expert parallel {plan.dims.ep}: each rank holds {model_args.num_experts // plan.dims.ep} experts' "
-             f"weights per layer, FSDP-sharded over {plan.dims.dp_shard * plan.dims.cp // plan.dims.ep} ranks"
-             + (f" and replicated {plan.dims.dp_replicate}×" if plan.dims.dp_replicate > 1 else "") + ")"
-             if plan.dims.ep > 1 else "")
-          + (f" × pipeline {plan.dims.pp}" if plan.dims.pp > 1 else ""))
+          f"{dims.dp_replicate} × dp_shard {dims.dp_shard}"
+          + (f" × context parallel {dims.cp} ({plan.shape.context_parallel_method}: each rank holds "
+             f"{plan.shape.seq_len // dims.cp} tokens of every sequence)" if dims.cp > 1 else "")
+          + (f" × tensor parallel {dims.tp} (attention and dense feed-forward split over {dims.tp} ranks, "
+             f"sequence parallel between them)" if dims.tp > 1 else "")
+          + (f" (expert parallel {dims.ep}: each rank holds {model_args.num_experts // dims.ep} experts' "
+             f"weights per layer, FSDP-sharded over {dims.dp_shard * dims.cp // dims.ep} ranks"
+             + (f" and replicated {dims.dp_replicate}×" if dims.dp_replicate > 1 else "") + ")"
+             if dims.ep > 1 else "")
+          + (f" × pipeline {dims.pp}" if dims.pp > 1 else ""))
     if plan.shape.pipeline is not None:
         print(_pipeline_text(plan.shape.pipeline, t.local_batch_size))
     if vocab_note is not None:
@@ -461,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print(absent)
     batch = (f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
              else f"{t.local_batch_size}")
+    accum = plan.shape.grad_accum_steps
     print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.shape.cpu_offload]}; "
@@ -475,62 +521,61 @@ def main(argv: list[str] | None = None) -> int:
               "reference's forward without gradients; the reference is "
               + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
                  else "a frozen copy sharded like the model (its shards counted as sharded params)"))
-    print(_table(estimates, configured, device_bytes, unit))
-    if stages:
-        print(_stage_table(stages, configured, device_bytes, unit))
+
+
+def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: str) -> list[str]:
+    """The lines below the table."""
     notes = ["* = configured mode; categories at the moment of the device peak"
-             + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if stages else "")]
+             + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if done.stages else "")]
     if plan.shape.cpu_offload is not False:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
     notes += not_modelled(config, plan)
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")
-    if plan_auto is not None and auto:
-        notes += [f"{chosen.summary()} (budget: {budget_source}; the fits column is against the whole device)"
-                  for chosen in rank_plans]
-    elif plan_auto is not None:
+    if done.plan_auto is not None and done.auto:
+        notes += [f"{chosen.summary()} (budget: {done.budget_source}; the fits column is against the whole device)"
+                  for chosen in done.rank_plans]
+    elif done.plan_auto is not None:
         keys = "parallelism.reshard_after_forward_mode = 'auto'" + (
-            ", parallelism.cpu_offload = 'auto'" if auto_shape.cpu_offload == "auto" else "")
-        notes.append(f"auto would choose, with {keys}: {plan_auto.summary()} (budget: {budget_source})")
-    elif auto_error is not None:
-        notes.append(f"auto would find no plan: {auto_error}")
-    notes.append(f"estimated in {seconds:.1f} s")
-    print("\n".join(notes))
-    if json_path is not None:
-        record = {
-            "world_size": world_size,
-            "ranks_per_node": ranks_per_node,
-            "model": config.model.name,
-            "flavor": config.model.flavor,
-            "num_params": model_args.num_params(),
-            "vocab_size": model_args.vocab_size,
-            "vocab_note": vocab_note,
-            "not_modelled": not_modelled(config, plan),
-            "configured_mode": configured,
-            "device_memory_bytes": device_bytes,
-            "estimates": [
-                {
-                    **e.to_dict(),
-                    "configured": _label(e.reshard_after_forward_mode) == str(configured),
-                    "fits": None if device_bytes is None else e.fits(device_bytes),
-                }
-                for e in estimates
-            ],
-            "pipeline_ranks": [
-                {**e.to_dict(), "fits": None if device_bytes is None else e.fits(device_bytes)} for e in stages
-            ],
-            "auto": None if plan_auto is None else _auto_record(plan_auto, auto),
-            # with a pipeline: each pipeline rank's plan ("auto" is the one of the highest peak)
-            "pipeline_auto": [_auto_record(chosen, auto) for chosen in rank_plans] if plan.dims.pp > 1 else [],
-        }
-        try:
-            json_path.write_text(json.dumps(record, indent=1))
-        except OSError as exc:
-            print(f"error: --json: cannot write {str(json_path)!r}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
-    return 0
+            ", parallelism.cpu_offload = 'auto'" if done.auto_shape.cpu_offload == "auto" else "")
+        notes.append(f"auto would choose, with {keys}: {done.plan_auto.summary()} (budget: {done.budget_source})")
+    elif done.auto_error is not None:
+        notes.append(f"auto would find no plan: {done.auto_error}")
+    notes.append(f"estimated in {done.seconds:.1f} s")
+    return notes
 
+
+def _json_record(config: JobConfig, plan: JobPlan, done: _Estimates, vocab_note: str | None, *, world_size: int,
+                 ranks_per_node: int, device_bytes: float | None) -> dict[str, Any]:
+    """Every figure of the command, for ``--json``."""
+    configured = plan.shape.reshard_after_forward_mode
+    return {
+        "world_size": world_size,
+        "ranks_per_node": ranks_per_node,
+        "model": config.model.name,
+        "flavor": config.model.flavor,
+        "num_params": plan.model_args.num_params(),
+        "vocab_size": plan.model_args.vocab_size,
+        "vocab_note": vocab_note,
+        "not_modelled": not_modelled(config, plan),
+        "configured_mode": configured,
+        "device_memory_bytes": device_bytes,
+        "estimates": [
+            {
+                **e.to_dict(),
+                "configured": _label(e.reshard_after_forward_mode) == str(configured),
+                "fits": None if device_bytes is None else e.fits(device_bytes),
+            }
+            for e in done.estimates
+        ],
+        "pipeline_ranks": [
+            {**e.to_dict(), "fits": None if device_bytes is None else e.fits(device_bytes)} for e in done.stages
+        ],
+        "auto": None if done.plan_auto is None else _auto_record(done.plan_auto, done.auto),
+        # with a pipeline: each pipeline rank's plan ("auto" is the one of the highest peak)
+        "pipeline_auto": [_auto_record(chosen, done.auto) for chosen in done.rank_plans] if plan.dims.pp > 1 else [],
+    }
 
 
 def _auto_record(chosen: AutoReshardPlan, configured: bool) -> dict[str, Any]:
