@@ -199,7 +199,9 @@ _MODES = {2: [("default", "full", "op", ["--compile.enable"]),
 
 
 @pytest.mark.slow
-def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.scenario)])  # (4 ranks: the scenario tier)
+def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_the_experts(tmp_path: Path,
+                                                                                          world: int) -> None:
     """Tiny Qwen3-MoE (8 experts, top-2), fp32, 10 steps of a global batch of 4: one process,
     2 and 4 ranks in every reshard mode and AC mode (with per-block compile and CPU offload on two
     of the runs) give the same losses within 1e-5 (the
@@ -208,16 +210,16 @@ def test_losses_agree_over_ranks_reshard_and_ac_modes_and_experts_shard_along_th
     ((reference, plain),), = run_distributed(_losses_and_expert_placements, 1, _tiny_argv(tmp_path / "one", 4))
     assert plain == {"placements": None, "local": [8, 32, 64]}
     assert len(reference) == 10
-    for world, modes in _MODES.items():
-        runs = [_tiny_argv(tmp_path / f"{world}-{i}", 4 // world, "--parallelism.reshard_after_forward_mode", mode,
-                           "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option,
-                           *more)
-                for i, (mode, ac, option, more) in enumerate(modes)]
-        for argv, run in zip(runs, modes, strict=True):  # (one job per process group)
-            for ((losses, placed),) in run_distributed(_losses_and_expert_placements, world, argv):
-                assert placed == {"placements": ["S(0)"], "local": [8 // world, 32, 64]}, (world, run, placed)
-                for a, b in zip(losses, reference, strict=True):
-                    assert abs(a - b) <= 1e-5 * abs(b), (world, run, losses, reference)
+    modes = _MODES[world]
+    runs = [_tiny_argv(tmp_path / f"{world}-{i}", 4 // world, "--parallelism.reshard_after_forward_mode", mode,
+                       "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", option,
+                       *more)
+            for i, (mode, ac, option, more) in enumerate(modes)]
+    for argv, run in zip(runs, modes, strict=True):  # (one job per process group)
+        for ((losses, placed),) in run_distributed(_losses_and_expert_placements, world, argv):
+            assert placed == {"placements": ["S(0)"], "local": [8 // world, 32, 64]}, (world, run, placed)
+            for a, b in zip(losses, reference, strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (world, run, losses, reference)
 
 
 def _unbalanced_deepseek(folder: Path) -> Path:

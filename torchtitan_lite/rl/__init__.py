@@ -1,0 +1,1 @@
+"""Online reinforcement learning: rollouts on the training layout, rewards, GRPO-family objectives."""
