@@ -137,6 +137,10 @@ class PreferenceObjective:
         self.setup, self.ranks, self.global_pairs, self.group = setup, ranks, global_pairs, group
         self.reference, self.loader = reference, loader
 
+    def needs_batch(self) -> bool:
+        """Every step reads a new global batch of pairs."""
+        return True
+
     def _losses(self, runner: MicroBatchRunner, batch: MicroBatch) -> tuple[PairLosses, torch.Tensor]:
         """The pairs' losses and the sums behind :data:`METRICS` of each pair ``(pairs,
         len(METRICS))``, of a placed micro-batch."""

@@ -26,7 +26,7 @@ from torchtitan_lite.checkpoint.manager import (
     initial_load_used,
     resumable_steps,
 )
-from torchtitan_lite.config.schema import DPO, JobConfig, MoEConfig
+from torchtitan_lite.config.schema import DPO, GRPO, JobConfig, MoEConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
@@ -44,6 +44,7 @@ from torchtitan_lite.dtypes import DTYPES
 from torchtitan_lite.errors import CheckpointError, ConfigError, DataError, UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of, get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.rl.grpo import GRPOSetup
 
 __all__ = ["FROM_CHECKPOINT", "JobPlan", "check_initial_load", "model_vocab_size", "plan_job", "preflight"]
 
@@ -134,6 +135,8 @@ class JobPlan:
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
     dpo: DPOSetup | None = None
     """Preference tuning when ``training.dataset = "preference"`` (``[dpo]``), else None."""
+    grpo: GRPOSetup | None = None
+    """Online RL when ``training.dataset = "prompts"`` or ``grpo.rollouts_path`` (``[grpo]``), else None."""
     memory_budget_gib: float | None = None
     """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
     notes: tuple[str, ...] = ()
@@ -176,6 +179,12 @@ class JobPlan:
     def dp_size(self) -> int:
         """Data-parallel ranks: how many different batches one step reads."""
         return self.dims.dp_size
+
+    @property
+    def rollout_group(self) -> int:
+        """Completions per prompt (online RL: ``grpo.num_generations``; else 1): a step reads
+        ``global_batch_size / rollout_group`` prompts."""
+        return 1 if self.grpo is None else self.grpo.num_generations
 
     @property
     def token_ranks(self) -> int:
@@ -293,6 +302,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora, model_args)
+    grpo = _grpo_plan(config, dims, lora, model_args, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
@@ -318,7 +328,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         global_batch_size=global_batch, val_local_batch_size=val_local,
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
-        schedule_steps=config.lr_scheduler.total_steps or t.steps, dpo=dpo,
+        schedule_steps=config.lr_scheduler.total_steps or t.steps, dpo=dpo, grpo=grpo,
         memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
 
@@ -424,6 +434,68 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mod
     _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
              "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
     return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
+
+
+def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any,
+               global_batch: int) -> GRPOSetup | None:
+    """The job's online RL (``[grpo]``) when ``training.dataset = "prompts"`` or ``grpo.rollouts_path``
+    is set (None otherwise); one :class:`ConfigError` line for a setting it cannot take."""
+    from torchtitan_lite.rl.rewards import resolve_reward_functions
+
+    g, t = config.grpo, config.training
+    kinds = [s.dataset for s in t.datasets] or [t.dataset]
+    if "prompts" not in kinds and g.rollouts_path is None:
+        changed = [f.name for f in dataclasses.fields(g) if getattr(g, f.name) != getattr(GRPO(), f.name)]
+        _require(not changed, f"grpo.{changed[0]}" if changed else "grpo", getattr(g, changed[0]) if changed else None,
+                 f"[grpo] applies to training.dataset = 'prompts' (this job's is {t.dataset!r})")
+        return None
+    key = "training.datasets" if t.datasets else "training.dataset"
+    _require(set(kinds) == {"prompts"} or g.rollouts_path is not None, key, kinds,
+             "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'")
+    v = config.validation
+    _require(not v.enable or "prompts" not in ([s.dataset for s in v.datasets] or [v.dataset]), "validation.dataset",
+             "prompts", "prompts are not validated yet: expected a text, token or chat source, or validation.enable "
+             "= false")
+    _require(g.num_generations >= 2, "grpo.num_generations", g.num_generations,
+             "a group needs at least 2 completions to compare: expected 2 or more")
+    _require(global_batch % g.num_generations == 0, "training.global_batch_size", global_batch,
+             f"it counts completions: expected a multiple of grpo.num_generations = {g.num_generations}")
+    prompts = global_batch // g.num_generations
+    _require(prompts % dims.dp_size == 0, "training.global_batch_size", global_batch,
+             f"its {prompts} prompts (global_batch_size / grpo.num_generations) are split over the "
+             f"{dims.dp_size} data-parallel ranks: expected a multiple of {g.num_generations * dims.dp_size}")
+    _require(0 < g.max_completion_length < t.seq_len, "grpo.max_completion_length", g.max_completion_length,
+             f"a prompt and its completion share training.seq_len = {t.seq_len}: expected 1 to {t.seq_len - 1}")
+    _require(g.temperature >= 0, "grpo.temperature", g.temperature, "expected a number >= 0 (0: greedy)")
+    _require(0 < g.top_p <= 1, "grpo.top_p", g.top_p, "expected 0 < top_p <= 1")
+    _require(g.top_k >= 0, "grpo.top_k", g.top_k, "expected an integer >= 0 (0: off)")
+    _require(g.epsilon > 0, "grpo.epsilon", g.epsilon, "expected a number > 0")
+    _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high,
+             "expected a number > 0, or unset (epsilon)")
+    _require(g.beta >= 0, "grpo.beta", g.beta, "expected a number >= 0 (0: no reference model)")
+    _require(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "expected an integer >= 1")
+    _require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
+             "expected at least one (a shipped name: accuracy, format, length_penalty, or a dotted path)")
+    _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
+             g.reward_weights, f"expected one weight per reward function ({len(g.reward_functions)}), or none")
+    resolve_reward_functions(g.reward_functions)
+    for dim, degree in (("context_parallel_degree", dims.cp), ("pipeline_parallel_degree", dims.pp)):
+        _require(degree == 1, f"parallelism.{dim}", degree, "online RL with this axis is not supported yet: expected 1")
+    _require(not getattr(model_args, "num_experts", 0), "model.name", config.model.name,
+             "online RL of a mixture of experts (its router losses and balancing) is not supported yet")
+    reference = None
+    if g.beta > 0:
+        reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference
+        _require(reference != "adapters_off" or lora is not None, "grpo.reference", g.reference,
+                 "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
+    return GRPOSetup(
+        num_generations=g.num_generations, max_completion_length=g.max_completion_length, temperature=g.temperature,
+        top_p=g.top_p, top_k=g.top_k, stop_strings=tuple(g.stop_strings), reward_functions=tuple(g.reward_functions),
+        reward_weights=tuple(g.reward_weights), scale_rewards=g.scale_rewards, loss_type=g.loss_type,
+        epsilon=g.epsilon, epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
+        kl_bias_correction=g.kl_bias_correction,
+        reference=reference, num_iterations=g.num_iterations, mask_truncated_completions=g.mask_truncated_completions,
+        given=g.rollouts_path is not None)
 
 
 def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, float8: Any, lora: Any,

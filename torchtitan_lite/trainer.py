@@ -71,6 +71,7 @@ from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
 from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight, moe_layers
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
+from torchtitan_lite.rl.grpo import GRPOObjective
 from torchtitan_lite.startup_log import log_startup
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.training import LossFn, MicroBatch, MicroBatchRunner, Objective, TokenObjective
@@ -234,38 +235,76 @@ def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     return token_loss_sum
 
 
+def build_reference(config: JobConfig, plan: JobPlan, kind: str | None, *, mesh: ParallelMesh, device: torch.device,
+                    reshard_plan: AutoReshardPlan | None = None) -> nn.Module | None:
+    """The reference model of DPO or online RL (``kind``): None for ``adapters_off`` (the policy
+    with its LoRA adapters switched off is its own) or no reference; for ``copy`` a frozen copy of
+    the starting weights built and sharded like the policy (from ``debug.seed``, or
+    ``checkpoint.initial_load_path``, a Hugging Face folder or a DCP checkpoint: on every start,
+    resumes included), never trained or saved."""
+    if kind != "copy":
+        return None
+    reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
+    reference.requires_grad_(False)
+    ck = config.checkpoint
+    if ck.initial_load_path is not None:
+        storage = CheckpointStorage(model=reference, optimizer=None, model_spec=plan.spec, lora=None, hf_extras=None)
+        storage.load_weights(Path(ck.initial_load_path), "hf" if ck.initial_load_in_hf else "dcp", {"model"})
+    return reference
+
+
 def build_preference(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh, device: torch.device,
                      loader: BatchLoader | None = None,
                      reshard_plan: AutoReshardPlan | None = None) -> PreferenceObjective | None:
-    """DPO's objective (None unless the plan has ``dpo``: a preference dataset) with its reference: the
-    policy with its LoRA adapters switched off, or a frozen copy of the starting weights built
-    and sharded like the policy (from ``debug.seed``, or ``checkpoint.initial_load_path``, a Hugging
-    Face folder or a DCP checkpoint: on every start, resumes included), never trained or saved."""
+    """DPO's objective (None unless the plan has ``dpo``: a preference dataset) with its reference
+    (:func:`build_reference`)."""
     if plan.dpo is None:
         return None
-    reference = None  # adapters_off: the policy is its own reference
-    if plan.dpo.reference == "copy":
-        reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
-        reference.requires_grad_(False)
-        ck = config.checkpoint
-        if ck.initial_load_path is not None:
-            storage = CheckpointStorage(model=reference, optimizer=None, model_spec=plan.spec, lora=None,
-                                        hf_extras=None)
-            storage.load_weights(Path(ck.initial_load_path), "hf" if ck.initial_load_in_hf else "dcp", {"model"})
+    reference = build_reference(config, plan, plan.dpo.reference, mesh=mesh, device=device, reshard_plan=reshard_plan)
     return PreferenceObjective(plan.dpo, reference=reference, ranks=plan.token_ranks,
                                global_pairs=plan.global_batch_size, group=mesh.tokens,
                                loader=loader if loader is not None and loader.named else None)
 
 
-def build_objective(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh, device: torch.device,
-                    loader: BatchLoader, loss_fn: LossFn,
+def build_grpo(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
+               reshard_plan: AutoReshardPlan | None = None) -> GRPOObjective | None:
+    """Online RL's objective (None unless the plan has ``grpo``): rollouts on ``model`` itself
+    (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`; none with given rollouts), the reward
+    functions, the reference with ``beta`` > 0 (:func:`build_reference`)."""
+    from torchtitan_lite.rl.rewards import resolve_reward_functions
+
+    g = plan.grpo
+    if g is None:
+        return None
+    tokenizer = plan.tokenizer
+    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    engine = None
+    if not g.given:
+        from torchtitan_lite.rl.rollout import DecoderRollouts
+
+        engine = DecoderRollouts(model, device=device, pad_id=pad_id, decode=tokenizer.decode)
+    reference = build_reference(config, plan, g.reference, mesh=mesh, device=device, reshard_plan=reshard_plan)
+    return GRPOObjective(g, engine=engine, rewards=resolve_reward_functions(g.reward_functions), reference=reference,
+                         ranks=plan.token_ranks, group=mesh.tokens, global_completions=plan.global_batch_size,
+                         local_batch_size=config.training.local_batch_size, seq_len=config.training.seq_len,
+                         vocab_size=plan.model_args.vocab_size, pad_id=pad_id,
+                         stop_ids=tuple(i for i in (tokenizer.eos_id,) if i is not None),
+                         decode=tokenizer.decode, seed=config.debug.seed, dp_rank=mesh.dp_rank)
+
+
+def build_objective(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh,
+                    device: torch.device, loader: BatchLoader, loss_fn: LossFn,
                     reshard_plan: AutoReshardPlan | None = None) -> Objective:
     """What the job's steps optimise: DPO's pair loss on a preference dataset
-    (:func:`build_preference`), else the mean token loss (``loss_fn``; chat SFT's ignored labels
+    (:func:`build_preference`), online RL's policy loss on prompts (:func:`build_grpo`, its
+    rollouts made on ``model``), else the mean token loss (``loss_fn``; chat SFT's ignored labels
     counted over the data-parallel group)."""
     preference = build_preference(config, plan, mesh=mesh, device=device, loader=loader, reshard_plan=reshard_plan)
     if preference is not None:
         return preference
+    grpo = build_grpo(config, plan, model, mesh=mesh, device=device, reshard_plan=reshard_plan)
+    if grpo is not None:
+        return grpo
     return TokenObjective(loss_fn, token_ranks=plan.token_ranks, masked=loader.masked, group=mesh.dp_group,
                           loader=loader if loader.named else None, pipeline_degree=plan.dims.pp)
 
@@ -405,7 +444,8 @@ class Trainer:
                                    loss_fn=self.loss_fn, num_sources=sources)
         self.runner = runner(balance=build_router_balance(config, plan, self.model, self.mesh))
         evaluation = runner(forward_only=True) if plan.shape.pipeline is not None and validation_sets else self.runner
-        self.objective = build_objective(config, plan, mesh=self.mesh, device=self.device, loader=self.loader,
+        self.objective = build_objective(config, plan, self.model, mesh=self.mesh, device=self.device,
+                                         loader=self.loader,
                                          loss_fn=self.loss_fn, reshard_plan=self.reshard_plan)
         self.validators = build_validators(
             config, plan, validation_sets, dp_rank=dp_rank, runner=evaluation, group=self.mesh.tokens,
@@ -459,6 +499,8 @@ class Trainer:
         """This rank's micro-batches of the next global batch, with their document ids and each
         row's source (a mixture) where the loader gives them."""
         micro_batches = self.loader.next_batch()
+        if self.plan.grpo is not None:  # prompts: the objective makes its rows from them
+            return micro_batches
         docs = self.loader.batch_documents
         sources = self.loader.batch_sources if self.loader.named else None
         return [MicroBatch(inputs, labels, None if docs is None else docs[i], None if sources is None else sources[i])
@@ -470,7 +512,7 @@ class Trainer:
         (same on every rank)."""
         data_start = time.perf_counter()
         self.runner.start_step()
-        batch = self.next_batch()
+        batch = self.next_batch() if self.objective.needs_batch() else []
         data_time = time.perf_counter() - data_start
         result = self.objective.forward_backward(self.runner, batch)
         values = self.optimizer_step(result.loss_sum, result.denominator)

@@ -417,6 +417,63 @@ class DPO:
 
 
 @dataclass
+class GRPO:
+    """``[grpo]``: online reinforcement learning with group-relative advantages on training.dataset =
+    "prompts" (TRL's GRPOTrainer definitions and names; docs/rl.md). A step's global batch
+    (training.global_batch_size) counts completions: global_batch_size / num_generations prompts, each
+    answered num_generations times; training.local_batch_size completions per micro-batch."""
+
+    num_generations: int = 8
+    """Completions per prompt (the group whose rewards give each completion's advantage)."""
+    max_completion_length: int = 256
+    """Tokens a completion may have; one cut there is truncated (finish reason "length")."""
+    temperature: float = 1.0
+    """Sampling temperature; the training log-probabilities are of the logits divided by it too, as TRL's
+    are. 0: greedy (log-probabilities then at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1: off."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens; 0: off."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Text that ends a completion (kept in it), besides the tokenizer's EOS."""
+    reward_functions: list[str] = field(default_factory=list)
+    """Reward functions by name: shipped ones (accuracy, format, length_penalty; docs/rl.md) or a dotted path
+    to your own (module.function, importable on every rank), TRL's signature: f(prompts, completions,
+    **columns) -> one float or None per completion."""
+    reward_weights: list[float] = field(default_factory=list)
+    """A weight per reward function (empty: 1 each); a completion's reward is the weighted sum."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage = reward − its group's mean, divided by the group's standard deviation (group), the global
+    batch's (batch), or not divided (none: Dr. GRPO's)."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
+    """How the per-token losses are averaged: grpo (each completion's token mean, then the mean over
+    completions), bnpo and dapo (the mean over every completion token of the global batch), dr_grpo (the sum
+    over the batch / (completions × max_completion_length)); cispo: the clipped importance weight (at most
+    epsilon_high, no gradient) × advantage × log-probability, averaged as dapo."""
+    epsilon: float = 0.2
+    """Lower clip of the importance ratio: 1 − epsilon."""
+    epsilon_high: float | None = None
+    """Upper clip: 1 + epsilon_high (DAPO's clip-higher; unset: epsilon); for cispo the ratio's cap itself."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference model (the k3 estimator per token); 0: no reference."""
+    kl_bias_correction: bool = True
+    """Weigh each token's KL estimate by its importance ratio (with gradient), so that its gradient is the
+    unbiased one of the reverse KL divergence (DeepSeek-V3.2; TRL's use_bias_correction_kl); it changes
+    only later steps on one batch of rollouts (num_iterations > 1)."""
+    reference: Literal["auto", "adapters_off", "copy"] = "auto"
+    """The reference model with beta > 0, as in [dpo]: adapters_off (LoRA: the adapters switched off),
+    copy (a frozen sharded copy of the starting weights), auto (adapters_off with LoRA, else copy)."""
+    num_iterations: int = 1
+    """Optimizer steps on each batch of rollouts (μ); above 1 the later ones weigh each token by its
+    importance ratio to the policy that sampled it."""
+    mask_truncated_completions: bool = False
+    """Leave truncated completions (no EOS or stop string within max_completion_length) out of the loss."""
+    rollouts_path: str | None = None
+    """Train on rollouts made elsewhere instead of generating: JSON lines, one prompt group a row (prompt or
+    prompt_ids, completions or completion_ids, rewards, optionally logprobs; docs/rl.md)."""
+
+
+@dataclass
 class MoEConfig:
     """``[moe]``: the mixture-of-experts router and its balancing."""
 
@@ -598,6 +655,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
     dpo: DPO = field(default_factory=DPO)
+    grpo: GRPO = field(default_factory=GRPO)
     moe: MoEConfig = field(default_factory=MoEConfig)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)

@@ -35,6 +35,11 @@ class DataNeeds(Protocol):
     @property
     def dp_size(self) -> int: ...
 
+    @property
+    def rollout_group(self) -> int:
+        """Completions per prompt (online RL; 1 otherwise): the loader gives global batch / this prompts."""
+        ...
+
 
 @dataclass(frozen=True)
 class NamedSource:
@@ -53,13 +58,17 @@ def _reading(config: JobConfig) -> dict[str, Any]:
             "truncate": t.truncate, "chat_template": t.chat_template, "on_bad_row": t.on_bad_row,
             "chat_template_kwargs": tuple(sorted(t.chat_template_kwargs.items())),
             "cache_dir": str(Path(config.job.dump_folder) / t.chat_cache_dir) if t.chat_cache_dir else None,
-            "packing": t.packing, "pair_truncation": config.dpo.truncation}
+            "packing": t.packing, "pair_truncation": config.dpo.truncation,
+            "max_prompt_length": max(t.seq_len - config.grpo.max_completion_length, 0)}
 
 
 def training_sources(config: JobConfig) -> list[NamedSource]:
     """The training sources: the ``[[training.datasets]]`` mixture, or the one ``training.dataset``."""
     t = config.training
     common = _reading(config)
+    if config.grpo.rollouts_path is not None:  # (given rollouts in place of prompts)
+        return [NamedSource(None, SourceSpec("prompts", config.grpo.rollouts_path, section="grpo", rollouts=True,
+                                             **common))]
     if not t.datasets:
         return [NamedSource(None, SourceSpec(t.dataset, t.dataset_path, section="training", **common))]
     return [NamedSource(d.name, SourceSpec(d.dataset, d.dataset_path, section=f"training.datasets[{d.name}]", **common),
@@ -89,7 +98,8 @@ def check_sources(config: JobConfig) -> list[UserError]:
     for source in [*training_sources(config), *validation_sources(config)]:
         s = source.spec
         try:
-            check_dataset(s.dataset, s.dataset_path, section=s.section, text_column=s.text_column)
+            check_dataset(s.dataset, s.dataset_path, section=s.section, text_column=s.text_column,
+                          key=s.key if s.rollouts else None)
         except UserError as exc:  # reported with the others
             problems.append(exc)
     return problems
@@ -102,18 +112,21 @@ def build_data(config: JobConfig, plan: DataNeeds, *, dp_rank: int,
     metadata only), so a bad path, an empty source or a tokenizer that does not fit fails here,
     on every rank alike, before any process group; needs none itself."""
     t, v = config.training, config.validation
-    lanes = rank_samples(plan.global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size)
+    # (online RL: the loader gives prompts, a step's global batch / num_generations of them)
+    global_batch = plan.global_batch_size // plan.rollout_group
+    local_batch = t.local_batch_size if plan.rollout_group == 1 else global_batch // plan.dp_size
+    lanes = rank_samples(global_batch, dp_rank=dp_rank, dp_size=plan.dp_size)
     sources = []
     for source in training_sources(config):
         key = () if source.name is None else (zlib.crc32(source.name.encode()),)
-        reader = open_reader(source.spec, plan.tokenizer, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
+        reader = open_reader(source.spec, plan.tokenizer, seq_len=t.seq_len, global_batch_size=global_batch,
                              lanes=lanes, seed=config.debug.seed, shuffle=t.shuffle, shuffle_buffer=t.shuffle_buffer,
                              key=key, name=source.name)
         sources.append(LoaderSource(source.name or source.spec.dataset, reader, weight=source.weight,
                                     max_epochs=source.max_epochs,
                                     where=source.spec.dataset_path or source.spec.dataset))
-    loader = BatchLoader(sources, seq_len=t.seq_len, global_batch_size=plan.global_batch_size,
-                         local_batch_size=t.local_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
+    loader = BatchLoader(sources, seq_len=t.seq_len, global_batch_size=global_batch,
+                         local_batch_size=local_batch, dp_rank=dp_rank, dp_size=plan.dp_size,
                          named=bool(t.datasets), allow_mixture_change=t.allow_mixture_change,
                          documents=document_bounds(config, plan.tokenizer))
     max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)

@@ -95,11 +95,11 @@ ROW_COLUMNS = ("messages", "tools", "prompt", "completion")
 
 
 def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1), *,
-               columns: tuple[str, ...] = ROW_COLUMNS) -> Iterator[tuple[int, str, Any]]:
+               columns: tuple[str, ...] | None = ROW_COLUMNS) -> Iterator[tuple[int, str, Any]]:
     """The rows ``(number, where, record)`` of the files whose number (counted over the files, in
     order) is ``index`` modulo ``count`` for ``share = (index, count)``; other rows are only
     counted (a JSON line not parsed, a Parquet batch's other rows not converted). Parquet rows
-    hold the ``columns`` the file has."""
+    hold the ``columns`` the file has (None: all of its columns)."""
     index, count = share
     number = 0
     for file in files:
@@ -108,7 +108,8 @@ def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1), *,
 
             try:
                 reader = pq.ParquetFile(str(file))
-                present = [c for c in columns if c in reader.schema_arrow.names]
+                names = reader.schema_arrow.names
+                present = names if columns is None else [c for c in columns if c in names]
                 row = 0
                 for batch in reader.iter_batches(columns=present, batch_size=4096):
                     mine = [i for i in range(batch.num_rows) if (number + i) % count == index]

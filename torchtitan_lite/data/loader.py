@@ -178,9 +178,10 @@ class BatchLoader:
                 self.schedule.retire(i, f"has read all its rows {self.sources[i].max_epochs} times in some lane "
                                         f"(max_epochs = {self.sources[i].max_epochs})")
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self) -> list[Any]:
         """The micro-batches of this rank for the next global batch (batches in :attr:`skipped`
-        are read and left out)."""
+        are read and left out): ``(inputs, labels)`` tensors, or for prompts (online RL) lists of
+        :class:`~torchtitan_lite.data.prompts.PromptRow`."""
         while self.step in self.skipped:
             self._read()
             self.step += 1
@@ -195,6 +196,9 @@ class BatchLoader:
         self.batch_sources = [
             sources[i : i + self.local_batch_size] for i in range(0, len(sources), self.local_batch_size)
         ]
+        if rows and not isinstance(rows[0], np.ndarray):  # prompts (online RL): the rows themselves
+            self.batch_documents = None
+            return [rows[i:i + self.local_batch_size] for i in range(0, len(rows), self.local_batch_size)]
         if self.masked:
             rows = [as_packed(row, self.documents) for row in rows]
         batches, self.batch_documents = micro_batches(np.stack(rows), self.local_batch_size, self.documents)

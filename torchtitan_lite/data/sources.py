@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_lite.data import arrow, c4, chat, preference, stdlib, text, tokens
+from torchtitan_lite.data import arrow, c4, chat, preference, prompts, stdlib, text, tokens
 from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import Encoder, PackedWindows, TokenStream, TokenWindows, WindowReader
 from torchtitan_lite.errors import ConfigError
 
 __all__ = ["DATASETS", "STREAMED", "SourceSpec", "check_dataset", "open_reader", "source_windows", "token_stream"]
 
-_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4, chat, preference)
+_MODULES: dict[str, Any] = {kind: module for module in (stdlib, text, tokens, arrow, c4, chat, preference, prompts)
                             for kind in module.KINDS}
 DATASETS: dict[str, str] = {kind: module.KINDS[kind] for kind, module in _MODULES.items()}
 """Every source kind and what it reads (shown in errors and ``--help``)."""
@@ -56,9 +56,16 @@ class SourceSpec:
     """Chat sources: how conversations fill the windows (``training.packing``)."""
     pair_truncation: str = "keep_start"
     """Preference sources: how a pair longer than a window is cut (``dpo.truncation``)."""
+    max_prompt_length: int = 0
+    """Prompt sources: the tokens a prompt keeps (its last ones; ``training.seq_len −
+    grpo.max_completion_length``)."""
+    rollouts: bool = False
+    """Prompt sources: each row a prompt group with its completions (``grpo.rollouts_path``)."""
 
     @property
     def key(self) -> str:
+        if self.rollouts:
+            return "grpo.rollouts_path"
         return f"{self.section}.dataset_path" if self.dataset_path is not None or self.dataset in STREAMED \
             else f"{self.section}.dataset"
 
@@ -96,8 +103,9 @@ def token_stream(spec: SourceSpec, tokenizer: Encoder, *, max_tokens: int | None
     files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
     if spec.dataset in tokens.KINDS:
         return tokens.token_stream(files, tokenizer, key=spec.key, where=spec.where, token_dtype=spec.token_dtype)
-    if spec.dataset in chat.KINDS or spec.dataset in preference.KINDS:
-        what = "packed conversations" if spec.dataset in chat.KINDS else "preference pairs"
+    if spec.dataset in chat.KINDS or spec.dataset in preference.KINDS or spec.dataset in prompts.KINDS:
+        what = {**{k: "packed conversations" for k in chat.KINDS}, **{k: "preference pairs" for k in preference.KINDS},
+                **{k: "prompts" for k in prompts.KINDS}}[spec.dataset]
         raise ConfigError(f"{spec.section}.dataset: {spec.dataset!r} is read as {what}, not as a token stream")
     return _MODULES[spec.dataset].token_stream(files, tokenizer, key=spec.key, where=spec.where)
 
@@ -122,10 +130,16 @@ def open_reader(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, global_
 
 def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, source: str,
                    seq_len_key: str = "training.seq_len", max_tokens: int | None = None,
-                   ) -> TokenWindows | PackedWindows | preference.PairWindows:
+                   ) -> TokenWindows | PackedWindows | preference.PairWindows | prompts.PromptWindows:
     """A source read whole into windows of ``seq_len + 1`` tokens: its token stream cut into
-    windows, (chat) its conversations packed into them, or (preference) a window per pair.
-    ``source`` names it in errors."""
+    windows, (chat) its conversations packed into them, (preference) a window per pair, or
+    (prompts) a window per prompt. ``source`` names it in errors."""
+    if spec.dataset in prompts.KINDS:
+        files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section, key=spec.key)
+        return prompts.prompt_windows(files, tokenizer, max_prompt_length=spec.max_prompt_length, key=spec.key,
+                                      where=spec.where, chat_template=spec.chat_template,
+                                      template_kwargs=dict(spec.chat_template_kwargs), on_bad_row=spec.on_bad_row,
+                                      rollouts=spec.rollouts)
     if spec.dataset in preference.KINDS:
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
         return preference.pair_windows(files, tokenizer, seq_len=seq_len, key=spec.key, where=spec.where,

@@ -6,9 +6,10 @@ every objective.
 - :class:`TokenObjective`: the mean token loss over the global batch (next-token prediction,
   chat SFT with ignored labels), with a mixture's per-source losses and a mixture of experts'
   router losses;
-- :class:`~torchtitan_lite.dpo.PreferenceObjective`: DPO's pair loss against a reference.
+- :class:`~torchtitan_lite.dpo.PreferenceObjective`: DPO's pair loss against a reference;
+- :class:`~torchtitan_lite.rl.grpo.GRPOObjective`: online RL's policy loss on its own rollouts.
 
-A new objective (an RL policy loss, distillation, a z-loss) is a class with ``forward_backward``
+A new objective (distillation, a z-loss) is a class with ``needs_batch`` and ``forward_backward``
 (:class:`Objective`); the loop does not change (``docs/research.md`` has one).
 """
 
@@ -56,6 +57,11 @@ class StepResult:
 class Objective(Protocol):
     """What a training step optimises (see the module's text)."""
 
+    def needs_batch(self) -> bool:
+        """Whether the next step reads a new global batch (online RL trains on one batch's
+        rollouts for several steps)."""
+        ...
+
     def forward_backward(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> StepResult:
         """Forward and backward over this rank's micro-batches of one global batch, gradients
         scaled so that the step's are those of the objective's mean over the global batch (FSDP
@@ -77,6 +83,10 @@ class TokenObjective:
                  loader: Any = None, pipeline_degree: int = 1) -> None:
         self.loss_fn, self.token_ranks, self.masked, self.group = loss_fn, token_ranks, masked, group
         self.loader, self.pipeline_degree = loader, pipeline_degree
+
+    def needs_batch(self) -> bool:
+        """Every step reads a new global batch."""
+        return True
 
     def forward_backward(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> StepResult:
         counted = self._counted(runner, batch) if self.masked else None

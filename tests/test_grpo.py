@@ -1,0 +1,255 @@
+"""Online RL (``torchtitan_lite/rl/``): GRPO and its fixes against TRL's ``GRPOTrainer`` (1.16, the
+dev extra) on TRL's own rollouts, the prompts source, the reward functions, and one-line errors.
+
+TRL generates the completions and scores them; its ``_compute_loss`` on that batch is the
+reference. Ours takes the same prompts, completions and rewards (as a ``grpo.rollouts_path`` file
+would give them) and must give the same loss and gradient norm within 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.dist_utils import refused_lines, run_distributed, train_history
+from tests.test_data_chat import write_chat_tokenizer
+from tests.test_dpo import _hf_folder
+from torchtitan_lite.data.prompts import PromptRow
+from torchtitan_lite.rl.grpo import GRPOObjective, GRPOSetup, group_advantages
+from torchtitan_lite.rl.rewards import accuracy, call_reward, final_answer, format_reward, length_penalty
+from torchtitan_lite.training import MicroBatchRunner
+
+trl = pytest.importorskip("trl")
+
+PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)}
+           for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
+GENERATIONS, COMPLETION, SEQ_LEN = 4, 8, 63
+CASES = [(loss, beta) for loss in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo") for beta in (0.0, 0.04)]
+
+
+def score(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """A reward with spread (the text's length mod 5, plus 1 for the answer in it)."""
+    return [float(len(c[-1]["content"]) % 5) / 4 + float(a in c[-1]["content"]) for c, a in zip(completions, answer,
+                                                                                                strict=True)]
+
+
+def _epsilon_high(loss_type: str) -> float:
+    return 5.0 if loss_type == "cispo" else 0.28  # (CISPO's cap of the ratio; DAPO's clip-higher)
+
+
+def _trl_trainer(folder: Path, *, beta: float, num_iterations: int = 1, steps: int = 1, **extra: Any) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    config = GRPOConfig(output_dir=str(folder / "out"), per_device_train_batch_size=len(PROMPTS) * GENERATIONS,
+                        num_generations=GENERATIONS, max_completion_length=COMPLETION, learning_rate=1e-3, beta=beta,
+                        num_iterations=num_iterations, max_steps=steps, logging_steps=1, report_to=[], use_cpu=True,
+                        bf16=False, seed=0, save_strategy="no", **extra)
+    return GRPOTrainer(model=model, reward_funcs=score, args=config, train_dataset=Dataset.from_list(PROMPTS),
+                       processing_class=AutoTokenizer.from_pretrained(str(folder)))
+
+
+def _rollout_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float]) -> list[dict]:
+    """TRL's rollouts (one entry per completion, groups consecutive) as rows of a rollouts file."""
+    rows = []
+    for first in range(0, len(completion_ids), GENERATIONS):
+        group = slice(first, first + GENERATIONS)
+        rows.append({"prompt_ids": prompt_ids[first], "completion_ids": completion_ids[group],
+                     "rewards": rewards[group]})
+    return rows
+
+
+def _as_prompt_rows(rows: list[dict]) -> list[PromptRow]:
+    return [PromptRow(i, np.asarray(r["prompt_ids"]), None, True, {}, r["completion_ids"], r["rewards"])
+            for i, r in enumerate(rows)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", pytest.param("qwen3", marks=pytest.mark.scenario)])
+def test_the_first_step_equals_trls_grpo_trainer_for_every_loss_type(tmp_path: Path, family: str) -> None:
+    """One process, fp32, TRL's rollouts of 4 prompts × 4 completions (its own generation and
+    rewards, with the reference's and the old policy's log-probabilities): TRL's ``_compute_loss``
+    and our objective's step (micro-batches of 4 completions) give the same loss and gradient norm
+    within 1e-5 for grpo, dr_grpo, dapo, bnpo and cispo, at beta 0 and 0.04; the advantages are
+    TRL's."""
+    write_chat_tokenizer(tmp_path / "tok", family)
+    ours = _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
+    trainer = _trl_trainer(tmp_path / "policy", beta=0.04, num_iterations=2)
+    captured: dict[str, Any] = {}
+    generate, rewards_of = trainer._generate, trainer._calculate_rewards
+
+    def _generate(prompts: Any) -> Any:
+        out = generate(prompts)
+        captured["prompt_ids"], captured["completion_ids"] = out[0], out[1]
+        return out
+
+    def _calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
+        captured["rewards"] = rewards_of(*args, **kwargs)
+        return captured["rewards"]
+
+    trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([p for p in PROMPTS for _ in range(GENERATIONS)])
+    trainer.current_gradient_accumulation_steps = 1
+    rewards = captured["rewards"][:, 0].tolist()
+    ours_advantages, _ = group_advantages(torch.tensor(rewards), GENERATIONS, "group")
+    assert torch.allclose(ours_advantages, batch["advantages"], atol=1e-6)
+    rows = _as_prompt_rows(_rollout_rows(captured["prompt_ids"], captured["completion_ids"], rewards))
+    reference = copy.deepcopy(ours).requires_grad_(False)
+    runner = MicroBatchRunner(ours, device=torch.device("cpu"))
+    eos = trainer.processing_class.eos_token_id
+    for loss_type, beta in CASES:
+        trainer.loss_type, trainer.beta, trainer.epsilon_high = loss_type, beta, _epsilon_high(loss_type)
+        trainer.model.zero_grad(set_to_none=True)
+        theirs = trainer._compute_loss(trainer.model, batch)
+        theirs.backward()
+        their_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1e9).item()
+        setup = GRPOSetup(num_generations=GENERATIONS, max_completion_length=COMPLETION, loss_type=loss_type,
+                          beta=beta, epsilon_high=_epsilon_high(loss_type), given=True,
+                          reference="copy" if beta else None)
+        objective = GRPOObjective(setup, engine=None, rewards=[], reference=reference if beta else None, ranks=1,
+                                  group=None, global_completions=len(rows) * GENERATIONS, local_batch_size=4,
+                                  seq_len=SEQ_LEN, vocab_size=512, pad_id=0, stop_ids=(eos,), decode=None, seed=0,
+                                  dp_rank=0)
+        ours.zero_grad(set_to_none=True)
+        result = objective.forward_backward(runner, [rows])
+        norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e9).item()
+        loss = float(result.loss_sum[0])
+        label = (family, loss_type, beta)
+        assert abs(loss - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item())), (label, loss, theirs)
+        assert abs(norm - their_norm) <= 1e-5 * their_norm, (label, norm, their_norm)
+        if beta:
+            assert result.metrics["grpo/kl"] == pytest.approx(0.0, abs=1e-6), label  # (the policy is the reference)
+
+
+def _argv(tmp_path: Path, family: str, rollouts: Path, dump: str, *extra: str) -> list[str]:
+    return ["--model.name", family, "--model.flavor", "tiny", "--model.tokenizer_path", str(tmp_path / "tok"),
+            "--model.vocab_size", "512", "--grpo.rollouts_path", str(rollouts),
+            "--grpo.num_generations", str(GENERATIONS), "--grpo.max_completion_length", str(COMPLETION),
+            "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "4", "--training.global_batch_size",
+            str(len(PROMPTS) * GENERATIONS), "--training.mixed_precision_param", "float32", "--training.no-shuffle",
+            "--validation.no-enable", "--metrics.log_freq", "1", "--metrics.no-enable_tensorboard",
+            "--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.01", "--lr_scheduler.warmup_steps", "1",
+            "--debug.deterministic", "--checkpoint.initial_load_path", str(tmp_path / "policy"),
+            "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path / dump), *extra]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_on_given_rollouts_as_trl_does_for_two_iterations(tmp_path: Path) -> None:
+    """2 ranks, fp32, a full fine-tune from a Hugging Face folder, dapo with beta 0.04 (a frozen
+    sharded copy as the reference) and num_iterations 2: on TRL's rollouts (a rollouts file) both
+    steps' losses and gradient norms are those of TRL's ``GRPOTrainer.train`` within 1e-5 (the
+    second step reuses the rollouts with importance ratios after one AdamW update), with TRL's
+    reward metrics."""
+    family = "llama3"
+    write_chat_tokenizer(tmp_path / "tok", family)
+    _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
+    trainer = _trl_trainer(tmp_path / "policy", beta=0.04, num_iterations=2, steps=2, epsilon_high=0.28)
+    captured: dict[str, Any] = {}
+    generate, rewards_of = trainer._generate, trainer._calculate_rewards
+
+    def _generate(prompts: Any) -> Any:
+        out = generate(prompts)
+        captured["prompt_ids"], captured["completion_ids"] = out[0], out[1]
+        return out
+
+    def _calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
+        captured["rewards"] = rewards_of(*args, **kwargs)
+        return captured["rewards"]
+
+    trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    rows = _rollout_rows(captured["prompt_ids"], captured["completion_ids"], captured["rewards"][:, 0].tolist())
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ranks = run_distributed(train_history, 2, _argv(tmp_path, family, rollouts, "dump", "--training.steps", "2",
+                                                    "--grpo.beta", "0.04", "--grpo.num_iterations", "2",
+                                                    "--grpo.epsilon_high", "0.28", "--grpo.loss_type", "dapo"))
+    for history in ranks:
+        assert len(history) == 2
+        for ours, their in zip(history, theirs, strict=True):
+            assert abs(ours["loss"] - their["loss"]) <= 1e-5 * max(1.0, abs(their["loss"])), (ours, their)
+            assert abs(ours["grad_norm"] - their["grad_norm"]) <= 1e-5 * their["grad_norm"], (ours, their)
+        first = history[0]
+        assert first["grpo/reward"] == pytest.approx(theirs[0]["reward"], abs=1e-6)
+        assert first["grpo/reward_std"] == pytest.approx(theirs[0]["reward_std"], abs=1e-6)
+        assert first["grpo/frac_reward_zero_std"] == pytest.approx(theirs[0]["frac_reward_zero_std"])
+        assert first["grpo/completion_length/mean"] == pytest.approx(theirs[0]["completions/mean_length"])
+        assert history[1]["grpo/kl"] == pytest.approx(theirs[1]["kl"], rel=1e-4)
+
+
+def test_advantages_scale_by_group_batch_or_not_and_leave_unscorable_at_zero() -> None:
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, float("nan")])
+    group, zero = group_advantages(rewards, 4, "group")
+    assert torch.allclose(group[:4], torch.tensor([0.5, -0.5, 0.5, -0.5]) / (math.sqrt(1 / 3) + 1e-4), atol=1e-6)
+    assert group[4:].tolist() == [0.0, 0.0, 0.0, 0.0] and zero.tolist() == [False] * 4 + [True] * 4
+    none, _ = group_advantages(rewards, 4, "none")
+    assert none[:4].tolist() == [0.5, -0.5, 0.5, -0.5]
+    batch, _ = group_advantages(rewards, 4, "batch")
+    std = float(torch.tensor([1.0, 0, 1, 0, 2, 2, 2]).std())
+    assert batch[0].item() == pytest.approx(0.5 / (std + 1e-4), rel=1e-6)
+
+
+def test_shipped_rewards_check_answers_format_and_length() -> None:
+    completions = ["so \\boxed{1,234.}", "#### 42\nmore", "<answer> 7 </answer>", "the sum is 3 or maybe 5", "none"]
+    assert [final_answer(c) for c in completions] == ["1,234.", "42", " 7 ", "5", None]
+    assert accuracy(None, completions, answer=["1234", "42", "7", "3", "x"]) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert accuracy(None, completions[:2], answer_pattern=["1,?234\\.?", "4\\d"]) == [1.0, 1.0]
+    assert accuracy(None, [[{"role": "assistant", "content": "5"}]], answer=[None]) == [None]
+    assert format_reward(None, ["<think>a</think> b", "<think>a</think><think>", "b"]) == [1.0, 0.0, 0.0]
+    assert length_penalty(None, [""] * 3, completion_ids=[[0] * 6, [0] * 7, [0] * 8],
+                          max_completion_length=8) == [0.0, -0.5, -1.0]
+
+
+def test_a_reward_function_that_raises_or_miscounts_is_one_line() -> None:
+    from torchtitan_lite.errors import TrainingError
+
+    def broken(prompts: Any, completions: Any, **_: Any) -> list[float]:
+        raise KeyError("answer")
+
+    with pytest.raises(TrainingError, match=r"^grpo.reward_functions: 'broken' raised KeyError: 'answer'$"):
+        call_reward("broken", broken, [None], ["a"], {})
+    with pytest.raises(TrainingError, match=r"^grpo.reward_functions: 'short' returned 0 values; expected one number "
+                                            r"or None per completion \(1\)$"):
+        call_reward("short", lambda prompts, completions, **_: [], [None], ["a"], {})
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--grpo.reward_functions", "nope"], "grpo.reward_functions: invalid value 'nope'; not a shipped reward function"),
+    (["--grpo.reward_functions", "tests.no_such_module.f"],
+     "grpo.reward_functions: invalid value 'tests.no_such_module.f'; its module 'tests.no_such_module' does not "
+     "import"),
+    (["--grpo.num_generations", "3"], "training.global_batch_size: invalid value 8; it counts completions: expected "
+                                      "a multiple of grpo.num_generations = 3"),
+    (["--grpo.max_completion_length", "64"], "grpo.max_completion_length: invalid value 64; a prompt and its "
+                                             "completion share training.seq_len = 64"),
+    (["--grpo.reward_weights", "1,2"], "grpo.reward_weights: invalid value [1.0, 2.0]; expected one weight per reward "
+                                       "function (1), or none"),
+    (["--training.dataset", "python_stdlib"],
+     "grpo.num_generations: invalid value 4; [grpo] applies to training.dataset = 'prompts' (this job's is "
+     "'python_stdlib')"),
+])
+def test_bad_grpo_settings_are_one_line_before_any_process_group(tmp_path: Path, capsys: Any, extra: list[str],
+                                                                  line: str) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    data = [] if "--training.dataset" in extra else ["--training.dataset", "prompts", "--training.dataset_path",
+                                                     str(prompts)]
+    argv = ["--model.flavor", "tiny", "--model.tokenizer_path", str(tmp_path / "tok"), *data,
+            "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "4",
+            "--grpo.num_generations", "4",
+            "--grpo.max_completion_length", "16", "--grpo.reward_functions", "accuracy",
+            "--job.dump_folder", str(tmp_path / "dump"), *extra]
+    lines = refused_lines(argv, capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), lines

@@ -1,0 +1,419 @@
+"""Group-relative policy optimisation and its fixes (GRPO, Dr. GRPO, DAPO, BNPO, CISPO), with the
+definitions and names of TRL's ``GRPOTrainer`` (1.16).
+
+A step's rollouts: each prompt answered ``num_generations`` times (a group); every completion gets
+a reward (the weighted sum of the reward functions', NaN where none applies) and an advantage
+``A = (r − mean of its group) / (std + 1e-4)`` (the std of its group, of the global batch, or none:
+:data:`SCALES`; NaN rewards left out of both, their advantage 0). Per completion token, with the
+log-probability ``logp`` under the policy (logits divided by the sampling temperature), ``old`` under
+the policy that sampled it (``logp`` itself, without gradient, on the first of ``num_iterations``
+steps) and the importance ratio ``ρ = exp(logp − old)``:
+
+- ``grpo``, ``dr_grpo``, ``dapo``, ``bnpo``: ``−min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A)``;
+- ``cispo``: ``−min(ρ, ε_high)·A·logp`` (the weight without gradient);
+- with ``beta`` > 0, plus ``beta·(exp(ref − logp) − (ref − logp) − 1)`` (the k3 estimate of the KL
+  divergence to the reference, ``ref`` its log-probability), times ``ρ`` with ``kl_bias_correction``
+  (TRL's default: the reverse KL's unbiased gradient).
+
+The step's loss averages them (:data:`LOSS_TYPES`): ``grpo`` each completion's token mean, then the
+mean over the global batch's completions; ``bnpo`` and ``dapo`` the mean over every completion
+token of the global batch; ``dr_grpo`` their sum over ``completions × max_completion_length``. The
+averages are over the global batch whatever the ranks and micro-batches (TRL's equal them with one
+process and no gradient accumulation; its ``bnpo`` averages each micro-batch on its own).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_lite.data.prompts import PromptRow
+from torchtitan_lite.data.windows import IGNORE_INDEX
+from torchtitan_lite.dpo import as_reference
+from torchtitan_lite.errors import DataError
+from torchtitan_lite.rl.rewards import RewardFunction, call_reward
+from torchtitan_lite.training.objectives import StepResult
+from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
+
+__all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "group_advantages", "policy_losses",
+           "token_logps"]
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
+SCALES = ("group", "batch", "none")
+
+
+@dataclass(frozen=True)
+class GRPOSetup:
+    """A job's ``[grpo]``, resolved by the plan."""
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple[str, ...] = ()
+    reward_functions: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    kl_bias_correction: bool = True
+    reference: str | None = None
+    """With ``beta`` > 0: ``adapters_off`` or ``copy`` (as DPO's)."""
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    given: bool = False
+    """The completions come from ``grpo.rollouts_path`` (nothing is generated)."""
+
+    @property
+    def logit_temperature(self) -> float:
+        """What the training logits are divided by (the sampling temperature; 1 for greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs, with Bessel's correction (NaN below 2 values), as TRL's."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = variance.sqrt()
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str, *,
+                     batch_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's advantage (fp32, 0 where its reward is NaN) from ``rewards`` ``(n,)``, groups
+    of ``group`` consecutive completions; ``batch_rewards``: the global batch's (``scale = "batch"``;
+    default ``rewards``). Also whether each completion's std is 0 (for the metric)."""
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards: {scale!r} is not one of {SCALES}")
+    grouped = rewards.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "batch":
+        whole = rewards if batch_rewards is None else batch_rewards
+        std = (_nanstd(whole) if whole.numel() > 1 else torch.zeros(())).expand_as(rewards)
+    else:
+        std = _nanstd(grouped, dim=1).repeat_interleave(group) if group > 1 else torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each label's log-probability under ``logits / temperature`` ``(rows, seq)`` in fp32 (0 where
+    the label is ignored), a row at a time; with ``entropy``, each position's entropy (no gradient).
+    Logits split over the vocabulary (tensor parallel) are gathered first."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    rows, entropies = [], []
+    for r in range(logits.shape[0]):
+        logp = torch.log_softmax(logits[r].float() / temperature, dim=-1)
+        label = labels[r]
+        picked = logp.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        rows.append(torch.where(label == IGNORE_INDEX, torch.zeros_like(picked), picked))
+        if entropy:
+            with torch.no_grad():
+                entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows), torch.stack(entropies) if entropy else None
+
+
+def policy_losses(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, setup: GRPOSetup,
+                  ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token losses ``(rows, seq)`` of :data:`LOSS_TYPES` (the module's text) and, per token,
+    the KL estimate and whether the ratio was clipped low, high or at all (cispo: capped)."""
+    ratio = torch.exp(logp - old)
+    a = advantages.unsqueeze(1)
+    parts: dict[str, torch.Tensor] = {}
+    if setup.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=setup.epsilon_high).detach() * a * logp
+        parts["clip_high"] = ((ratio > setup.epsilon_high) & (a > 0)).float()
+        parts["clip_low"] = torch.zeros_like(ratio)
+    else:
+        clipped = torch.clamp(ratio, 1 - setup.epsilon, 1 + setup.epsilon_high)
+        loss = -torch.min(ratio * a, clipped * a)
+        parts["clip_low"] = ((ratio < 1 - setup.epsilon) & (a < 0)).float()
+        parts["clip_high"] = ((ratio > 1 + setup.epsilon_high) & (a > 0)).float()
+    parts["clip_region"] = ((parts["clip_low"] + parts["clip_high"]) > 0).float()
+    if setup.beta and ref is not None:
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if setup.kl_bias_correction:
+            kl = kl * ratio
+        loss = loss + setup.beta * kl
+        parts["kl"] = kl.detach()
+    return loss, parts
+
+
+@dataclass
+class Rollouts:
+    """This rank's rollouts of one batch of prompts, as the policy steps train on them."""
+
+    inputs: torch.Tensor
+    """``(completions, seq_len)``: each prompt then its completion, right-padded."""
+    labels: torch.Tensor
+    """The next token at each position where it is a completion's (and counted), else ignored."""
+    advantages: torch.Tensor
+    """``(completions,)`` fp32."""
+    old: torch.Tensor | None = None
+    """The sampling policy's log-probabilities (``num_iterations`` > 1), ``(completions, seq_len)``."""
+    ref: torch.Tensor | None = None
+    """The reference's log-probabilities (``beta`` > 0)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The rollouts' metrics (rewards, lengths, generation time), the same on every rank."""
+    uses_left: int = 0
+    """Steps still to take on them (``num_iterations``)."""
+
+
+class GRPOObjective:
+    """GRPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`) over prompts.
+
+    Each batch of prompts (this rank's: a list of :class:`~torchtitan_lite.data.prompts.PromptRow`)
+    is answered by ``engine`` (a :class:`~torchtitan_lite.rl.rollout.RolloutEngine`) or, with given
+    rollouts, by the rows' own completions; scored by ``rewards`` (name, function) pairs unless the
+    rows carry rewards; then trained on for ``num_iterations`` steps (:meth:`needs_batch` is false
+    in between). ``ranks``: the data-parallel ranks FSDP averages gradients over (``group``);
+    ``global_completions``: the step's completions over all ranks; ``local_batch_size``: completion
+    rows per micro-batch; ``seq_len``: the width of a row; ``vocab_size``: the model's."""
+
+    def __init__(self, setup: GRPOSetup, *, engine: Any, rewards: list[tuple[str, RewardFunction]],
+                 reference: nn.Module | None, ranks: int, group: Any, global_completions: int,
+                 local_batch_size: int, seq_len: int, vocab_size: int, pad_id: int, stop_ids: tuple[int, ...],
+                 decode: Any, seed: int, dp_rank: int) -> None:
+        self.setup, self.engine, self.rewards, self.reference = setup, engine, rewards, reference
+        self.ranks, self.group, self.global_completions = ranks, group, global_completions
+        self.local_batch_size, self.seq_len, self.pad_id, self.stop_ids = local_batch_size, seq_len, pad_id, stop_ids
+        self.vocab_size = vocab_size
+        self.decode, self.seed, self.dp_rank = decode, seed, dp_rank
+        self.rollouts: Rollouts | None = None
+        self.batches_made = 0  # rollout batches made (the generation seed of the next)
+
+    def needs_batch(self) -> bool:
+        """Whether the next step takes new prompts (false while rollouts have steps left)."""
+        return self.rollouts is None or self.rollouts.uses_left == 0
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def _completions(self, runner: MicroBatchRunner, prompts: list[PromptRow]) -> tuple[list[list[int]], float]:
+        """Each prompt's ``num_generations`` completions (given, or generated), in prompt order, and
+        the seconds generation took."""
+        s = self.setup
+        if s.given:
+            for row in prompts:
+                if len(row.completion_ids or []) != s.num_generations:
+                    raise DataError(f"grpo.rollouts_path: row {row.index} has {len(row.completion_ids or [])} "
+                                    f"completions; expected grpo.num_generations = {s.num_generations}")
+            return [ids for row in prompts for ids in row.completion_ids or []], 0.0
+        from torchtitan_lite.rl.rollout import SamplingParams
+
+        params = SamplingParams(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p,
+                                top_k=s.top_k, stop_token_ids=self.stop_ids, stop_strings=s.stop_strings)
+        start = time.perf_counter()
+        seed = (self.seed * 1_000_003 + self.batches_made) * 4099 + self.dp_rank
+        completions = self.engine.generate([row.ids.tolist() for row in prompts for _ in range(s.num_generations)],
+                                           params, seed=seed)
+        return [c.token_ids for c in completions], time.perf_counter() - start
+
+    def _rewards(self, prompts: list[PromptRow], completions: list[list[int]]) -> tuple[torch.Tensor, list[str]]:
+        """``(completions, functions)`` fp32 rewards (NaN: none) and the functions' names."""
+        s = self.setup
+        given = prompts[0].rewards if s.given else None
+        if given is not None:
+            if isinstance(given, dict):
+                names = list(given)
+                rows = [[row.rewards[name][i] for name in names] for row in prompts  # type: ignore[index]
+                        for i in range(s.num_generations)]
+            else:
+                names = ["reward"]
+                rows = [[row.rewards[i]] for row in prompts for i in range(s.num_generations)]  # type: ignore[index]
+            return torch.tensor([[float("nan") if v is None else v for v in r] for r in rows],
+                                dtype=torch.float32), names
+        repeat = [row for row in prompts for _ in range(s.num_generations)]
+        texts = [self.decode(ids) for ids in completions]
+        shown = [[{"role": "assistant", "content": t}] if row.conversational else t for row, t in zip(repeat, texts,
+                                                                                                     strict=True)]
+        keys = sorted({k for row in prompts for k in row.columns})
+        columns = {k: [row.columns.get(k) for row in repeat] for k in keys}
+        columns.update(completion_ids=completions, max_completion_length=s.max_completion_length)
+        values = [call_reward(name, fn, [row.prompt for row in repeat], shown, columns) for name, fn in self.rewards]
+        return torch.tensor(values, dtype=torch.float32).T.reshape(len(repeat), len(values)), \
+            [name for name, _ in self.rewards]
+
+    def _gather(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``x`` of every data-parallel rank, concatenated in rank order (equal shapes)."""
+        if not dist.is_initialized() or self.ranks == 1:
+            return x
+        parts = [torch.empty_like(x.to(device)) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, x.to(device), group=self.group)
+        return torch.cat(parts).cpu()
+
+    def make_rollouts(self, runner: MicroBatchRunner, prompts: list[PromptRow]) -> Rollouts:
+        """Answer, score and lay out this rank's ``prompts`` (module's text); the metrics over all ranks."""
+        s = self.setup
+        completions, generation_s = self._completions(runner, prompts)
+        per_function, names = self._rewards(prompts, completions)
+        weights = torch.tensor(list(s.reward_weights) if s.reward_weights else [1.0] * len(names))
+        if len(weights) != len(names):
+            weights = torch.ones(len(names))
+        unscorable = torch.isnan(per_function).all(dim=1)
+        rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = float("nan")
+        device = runner.device
+        all_rewards = self._gather(rewards, device)
+        advantages, std_zero = group_advantages(rewards, s.num_generations, s.scale_rewards,
+                                                batch_rewards=all_rewards)
+        inputs, labels, truncated, lengths = self._rows(prompts, completions)
+        all_functions = self._gather(per_function, device)
+        stats = self._gather(torch.tensor([[float(n), float(t), float(z)] for n, t, z in
+                                           zip(lengths, truncated, std_zero.tolist(), strict=True)]), device)
+        metrics = {"grpo/reward": float(torch.nanmean(all_rewards)), "grpo/reward_std": float(_nanstd(all_rewards)),
+                   "grpo/frac_reward_zero_std": float(stats[:, 2].mean()),
+                   "grpo/completion_length/mean": float(stats[:, 0].mean()),
+                   "grpo/completion_length/min": float(stats[:, 0].min()),
+                   "grpo/completion_length/max": float(stats[:, 0].max()),
+                   "grpo/truncated_ratio": float(stats[:, 1].mean())}
+        for i, name in enumerate(names):
+            metrics[f"grpo/rewards/{name}/mean"] = float(torch.nanmean(all_functions[:, i]))
+            metrics[f"grpo/rewards/{name}/std"] = float(_nanstd(all_functions[:, i]))
+        if not s.given:
+            generated = float(stats[:, 0].sum())
+            seconds = torch.tensor([generation_s], dtype=torch.float64, device=device)
+            if dist.is_initialized() and self.ranks > 1:
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
+            metrics["generation_time_s"] = float(seconds.item())
+            metrics["generation_tokens_per_s"] = generated / max(float(seconds.item()), 1e-9)
+        rollouts = Rollouts(inputs, labels, advantages, metrics=metrics, uses_left=s.num_iterations)
+        with torch.no_grad():
+            if s.num_iterations > 1:
+                rollouts.old = self._logps(runner, rollouts, None)
+            if s.beta:
+                with as_reference(runner.model, self.reference) as reference:
+                    rollouts.ref = self._logps(runner, rollouts, reference)
+        self.batches_made += 1
+        return rollouts
+
+    def _rows(self, prompts: list[PromptRow], completions: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
+        """Each completion after its prompt as one row of ``seq_len`` inputs and labels (the
+        completion's tokens counted; a truncated one's not, with ``mask_truncated_completions``),
+        whether each is truncated (no stop token at its end) and its length."""
+        s, n = self.setup, len(completions)
+        inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
+        labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        truncated, lengths = [], []
+        repeat = [row for row in prompts for _ in range(s.num_generations)]
+        for i, (row, ids) in enumerate(zip(repeat, completions, strict=True)):
+            ids = list(ids)[: s.max_completion_length]
+            cut = not ids or ids[-1] not in self.stop_ids
+            truncated.append(cut)
+            lengths.append(len(ids))
+            sequence = torch.tensor([*row.ids.tolist(), *ids], dtype=torch.long)
+            if int(sequence.max()) >= self.vocab_size:
+                raise DataError(f"grpo: row {row.index} has token id {int(sequence.max())}, beyond the model's "
+                                f"vocabulary of {self.vocab_size}")
+            if len(sequence) - 1 > self.seq_len:
+                raise DataError(f"grpo: a prompt of {len(row.ids)} tokens and a completion of {len(ids)} exceed "
+                                f"training.seq_len + 1 = {self.seq_len + 1}")
+            width = len(sequence) - 1
+            inputs[i, :width] = sequence[:-1]
+            if ids and not (cut and s.mask_truncated_completions):
+                start = len(row.ids) - 1  # (the position whose next token is the completion's first)
+                labels[i, start:width] = sequence[start + 1:]
+        return inputs, labels, truncated, lengths
+
+    def _micro_batches(self, rollouts: Rollouts) -> list[slice]:
+        rows = rollouts.inputs.shape[0]
+        return [slice(i, min(i + self.local_batch_size, rows)) for i in range(0, rows, self.local_batch_size)]
+
+    def _logps(self, runner: MicroBatchRunner, rollouts: Rollouts, model: nn.Module | None) -> torch.Tensor:
+        """Every row's label log-probabilities under ``model`` (default the policy), without gradient."""
+        out = []
+        for part in self._micro_batches(rollouts):
+            placed = runner.place(MicroBatch(rollouts.inputs[part], rollouts.labels[part]))
+            logp, _ = token_logps(runner.logits(placed, model), placed.labels,
+                                  temperature=self.setup.logit_temperature)
+            out.append(logp.detach())
+        return torch.cat(out)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def forward_backward(self, runner: MicroBatchRunner, batch: list[Any]) -> StepResult:
+        """One policy step on the current rollouts (made from ``batch``'s prompts when
+        :meth:`needs_batch`): the loss of :data:`LOSS_TYPES` over the global batch, its gradient
+        accumulated; the step's metrics over all ranks."""
+        s = self.setup
+        if self.needs_batch():
+            self.rollouts = self.make_rollouts(runner, [row for micro in batch for row in micro])
+        rollouts = self.rollouts
+        assert rollouts is not None
+        device = runner.device
+        counted = rollouts.labels != IGNORE_INDEX
+        totals = torch.tensor([float(counted.sum())], dtype=torch.float64, device=device)
+        if dist.is_initialized() and self.ranks > 1:
+            dist.all_reduce(totals, group=self.group)
+        global_tokens = max(float(totals.item()), 1.0)
+        parts = self._micro_batches(rollouts)
+        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
+        # token sums: KL, entropy, clipped low, high, region; then the counted tokens
+        sums = torch.zeros(6, dtype=torch.float64, device=device)
+        for part in parts:
+            placed = runner.place(MicroBatch(rollouts.inputs[part], rollouts.labels[part]))
+            logp, entropy = token_logps(runner.logits(placed), placed.labels, temperature=s.logit_temperature,
+                                        entropy=True)
+            mask = (placed.labels != IGNORE_INDEX).float()
+            old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
+            ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
+            loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), s, ref)
+            if s.loss_type == "grpo":
+                contribution = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / self.global_completions
+            elif s.loss_type == "dr_grpo":
+                contribution = (loss * mask).sum() / (self.global_completions * s.max_completion_length)
+            else:  # dapo, bnpo, cispo
+                contribution = (loss * mask).sum() / global_tokens
+            runner.backward(contribution * self.ranks, accumulation=len(parts))
+            loss_sum += contribution.detach().double()
+            assert entropy is not None
+            for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
+                                       stats["clip_region"])):
+                if value is not None:
+                    sums[i] += (value * mask).sum().double()
+            sums[5] += mask.sum().double()
+        if dist.is_initialized() and self.ranks > 1:
+            dist.all_reduce(sums, group=self.group)
+        tokens = max(float(sums[5]), 1.0)
+        metrics = dict(rollouts.metrics) if rollouts.uses_left == s.num_iterations else {}
+        metrics.update({"grpo/entropy": float(sums[1]) / tokens, "grpo/clip_ratio/low_mean": float(sums[2]) / tokens,
+                        "grpo/clip_ratio/high_mean": float(sums[3]) / tokens,
+                        "grpo/clip_ratio/region_mean": float(sums[4]) / tokens})
+        if s.beta:
+            metrics["grpo/kl"] = float(sums[0]) / tokens
+        rollouts.uses_left -= 1
+        rows = rollouts.inputs.numel()
+        return StepResult(loss_sum, 1.0, global_tokens=int(rows * self.ranks), tokens_per_rank=float(rows),
+                          metrics=metrics)
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the rollout batches made and, between the steps of one batch, its rollouts."""
+        r = self.rollouts
+        held = None if r is None or r.uses_left == 0 else {
+            "inputs": r.inputs, "labels": r.labels, "advantages": r.advantages, "old": r.old, "ref": r.ref,
+            "metrics": dict(r.metrics), "uses_left": r.uses_left}
+        return {"batches_made": self.batches_made, "rollouts": held}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches_made = int(state.get("batches_made", 0))
+        held = state.get("rollouts")
+        self.rollouts = None if held is None else Rollouts(**held)
+
