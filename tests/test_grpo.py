@@ -253,3 +253,47 @@ def test_bad_grpo_settings_are_one_line_before_any_process_group(tmp_path: Path,
             "--job.dump_folder", str(tmp_path / "dump"), *extra]
     lines = refused_lines(argv, capsys)
     assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), lines
+
+
+def _random_rollouts(path: Path, rows: int, *, seed: int = 0) -> Path:
+    """A rollouts file of ``rows`` prompt groups: random prompt and completion ids (some ending
+    with EOS, 0) and random rewards (one null)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(rows):
+        completions = [rng.integers(3, 400, size=int(rng.integers(1, COMPLETION + 1))).tolist()
+                       for _ in range(GENERATIONS)]
+        completions[0][-1] = 0
+        rewards: list[float | None] = [float(x) for x in rng.random(GENERATIONS).round(3)]
+        lines.append({"prompt_ids": rng.integers(3, 400, size=int(rng.integers(4, 20))).tolist(),
+                      "completion_ids": completions, "rewards": rewards})
+    lines[1]["rewards"][2] = None
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+@pytest.mark.slow
+def test_a_resume_between_two_iterations_on_one_batch_repeats_the_run(tmp_path: Path) -> None:
+    """2 ranks, fp32, num_iterations 2, beta 0.04, grpo loss, micro-batches of 2: a run of 4
+    steps saves at every step; resumed from step 1 (between the two steps on the first batch of
+    rollouts, which the checkpoint keeps) and from step 2, steps 2-4 and 3-4 repeat the
+    uninterrupted run's losses, gradient norms and rewards within 1e-6."""
+    import shutil
+
+    family = "llama3"
+    write_chat_tokenizer(tmp_path / "tok", family)
+    _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
+    rollouts = _random_rollouts(tmp_path / "rollouts.jsonl", 8)
+    extra = ["--training.steps", "4", "--grpo.num_iterations", "2", "--grpo.beta", "0.04", "--grpo.loss_type",
+             "grpo", "--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "1"]
+    whole = run_distributed(train_history, 2, _argv(tmp_path, family, rollouts, "whole", *extra))[0]
+    assert len(whole) == 4 and whole[0]["grpo/reward"] != whole[2]["grpo/reward"]
+    for start in (1, 2):
+        dump = tmp_path / f"from-{start}"
+        shutil.copytree(tmp_path / "whole" / "checkpoint" / f"step-{start}", dump / "checkpoint" / f"step-{start}")
+        resumed = run_distributed(train_history, 2, _argv(tmp_path, family, rollouts, dump.name, *extra))[0]
+        assert [r["step"] for r in resumed] == list(range(start + 1, 5))
+        for ours, theirs in zip(resumed, whole[start:], strict=True):
+            for key in ("loss", "grad_norm", "grpo/entropy"):
+                assert abs(ours[key] - theirs[key]) <= 1e-6 * max(1.0, abs(theirs[key])), (start, key, ours, theirs)
+            assert ours.get("grpo/reward") == theirs.get("grpo/reward"), (start, ours, theirs)

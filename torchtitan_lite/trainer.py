@@ -75,6 +75,7 @@ from torchtitan_lite.rl.grpo import GRPOObjective
 from torchtitan_lite.startup_log import log_startup
 from torchtitan_lite.stop_signals import StopSignals
 from torchtitan_lite.training import LossFn, MicroBatch, MicroBatchRunner, Objective, TokenObjective
+from torchtitan_lite.training.objectives import StatefulObjective
 from torchtitan_lite.validate import Validator
 
 if TYPE_CHECKING:
@@ -462,6 +463,7 @@ class Trainer:
             else self.checkpointer.load()
         if state:
             self.step, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
+            self._load_objective_state(state.get("objective"))
         self.flops_per_token = plan.model_args.flops_per_token(config.training.seq_len)
         self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops,
                                                            compute_dtype=plan.shape.param_dtype)
@@ -592,12 +594,29 @@ class Trainer:
         started = time.perf_counter()
         self.checkpointer.wait()  # a background save in flight is completed (and committed) first
         if self.checkpointer.saved_step != self.step:
-            self.checkpointer.save(self.step, {"tokens_seen": self.tokens_seen}, sync=True)
+            self.checkpointer.save(self.step, self.train_state(), sync=True)
         if self.rank == 0:
             again = f"; {signals.repeats} more signal(s) during the save were ignored" if signals.repeats else ""
             logger.warning("%s received: checkpoint step %d saved in %.2f s (size the grace period before "
                            "SIGKILL above this)%s; stopping (exit code %d: run the job again to resume)",
                            name, self.step, time.perf_counter() - started, again, PREEMPTED_EXIT_CODE)
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run besides weights, optimizer, schedule and data: the
+        tokens seen, and an objective's own state (online RL's rollouts in progress), every
+        rank's (a collective)."""
+        state: dict[str, Any] = {"tokens_seen": self.tokens_seen}
+        if isinstance(self.objective, StatefulObjective):
+            ranks: list[Any] = [None] * self.world_size
+            dist.all_gather_object(ranks, self.objective.state_dict())
+            state["objective"] = ranks
+        return state
+
+    def _load_objective_state(self, ranks: list[Any] | None) -> None:
+        """Each rank's objective state back (another world size: rank 0's, without what is per rank)."""
+        if ranks and isinstance(self.objective, StatefulObjective):
+            same = len(ranks) == self.world_size
+            self.objective.load_state_dict(ranks[self.rank] if same else ranks[0], same_ranks=same)
 
     def save_seed_checkpoint(self) -> str:
         """Write the initialised weights as ``step-0`` (one process); returns its path."""

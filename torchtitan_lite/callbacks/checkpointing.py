@@ -16,7 +16,7 @@ class CheckpointCallback(Callback):
         if not trainer.weights_finite():
             raise TrainingError(f"step {trainer.step}: the weights are not finite (the loss was "
                                 f"{state.values['loss']}); no checkpoint was written from them; lower optimizer.lr")
-        checkpointer.save(trainer.step, {"tokens_seen": trainer.tokens_seen}, last=state.last)
+        checkpointer.save(trainer.step, trainer.train_state(), last=state.last)
 
     def on_train_end(self, trainer: Any, error: BaseException | None) -> None:
         if error is None and trainer.checkpointer is not None:

@@ -24,6 +24,8 @@ process and no gradient accumulation; its ``bnpo`` averages each micro-batch on 
 
 from __future__ import annotations
 
+import base64
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,8 @@ from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "group_advantages", "policy_losses",
            "token_logps"]
+
+logger = logging.getLogger("torchtitan_lite")
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
 SCALES = ("group", "batch", "none")
@@ -405,15 +409,57 @@ class GRPOObjective:
     # -- checkpoint ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs: the rollout batches made and, between the steps of one batch, its rollouts."""
+        """What a resume needs: the rollout batches made and, between the steps on one batch, its
+        rollouts (this rank's rows cut to their longest, as base64)."""
         r = self.rollouts
-        held = None if r is None or r.uses_left == 0 else {
-            "inputs": r.inputs, "labels": r.labels, "advantages": r.advantages, "old": r.old, "ref": r.ref,
-            "metrics": dict(r.metrics), "uses_left": r.uses_left}
+        held = None
+        if r is not None and r.uses_left > 0:
+            width = int((r.labels != IGNORE_INDEX).nonzero()[:, 1].max()) + 1 if (r.labels != IGNORE_INDEX).any() else 1
+            held = {"width": width, "metrics": dict(r.metrics), "uses_left": r.uses_left,
+                    **{name: None if t is None else _packed(t if t.dim() == 1 else t[:, :width])
+                       for name, t in (("inputs", r.inputs), ("labels", r.labels), ("advantages", r.advantages),
+                                       ("old", r.old), ("ref", r.ref))}}
         return {"batches_made": self.batches_made, "rollouts": held}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, same_ranks: bool = True) -> None:
+        """A saved :meth:`state_dict`; another world size's rollouts in progress are not this
+        rank's, so the next step makes new ones (logged)."""
         self.batches_made = int(state.get("batches_made", 0))
         held = state.get("rollouts")
-        self.rollouts = None if held is None else Rollouts(**held)
+        self.rollouts = None
+        if held is None:
+            return
+        if not same_ranks:
+            logger.warning("grpo: the checkpoint holds rollouts in progress of another world size; the next step "
+                           "makes new ones")
+            return
 
+        def wide(name: str, fill: float) -> torch.Tensor | None:
+            packed = held.get(name)
+            if packed is None:
+                return None
+            t = _unpacked(packed)
+            if t.dim() == 1:
+                return t
+            out = torch.full((t.shape[0], self.seq_len), fill, dtype=t.dtype)
+            out[:, : t.shape[1]] = t
+            return out
+
+        labels = wide("labels", IGNORE_INDEX)
+        inputs, advantages = wide("inputs", self.pad_id), wide("advantages", 0.0)
+        assert labels is not None and inputs is not None and advantages is not None
+        self.rollouts = Rollouts(inputs, labels, advantages, old=wide("old", 0.0), ref=wide("ref", 0.0),
+                                 metrics=dict(held["metrics"]), uses_left=int(held["uses_left"]))
+
+
+def _packed(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as JSON: dtype, shape and its bytes in base64."""
+    t = t.detach().cpu().contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.numpy().tobytes()).decode()}
+
+
+def _unpacked(packed: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, packed["dtype"])
+    flat = torch.frombuffer(bytearray(base64.b64decode(packed["data"])), dtype=dtype)
+    return flat.reshape(packed["shape"]).clone()

@@ -16,14 +16,14 @@ A new objective (distillation, a z-loss) is a class with ``needs_batch`` and ``f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_lite.training.runner import LossFn, MicroBatch, MicroBatchRunner
 
-__all__ = ["Objective", "StepResult", "TokenObjective"]
+__all__ = ["Objective", "StatefulObjective", "StepResult", "TokenObjective"]
 
 
 @dataclass
@@ -66,6 +66,18 @@ class Objective(Protocol):
         """Forward and backward over this rank's micro-batches of one global batch, gradients
         scaled so that the step's are those of the objective's mean over the global batch (FSDP
         averages them over the data-parallel ranks)."""
+        ...
+
+
+@runtime_checkable
+class StatefulObjective(Protocol):
+    """An objective with state of its own that a checkpoint keeps (online RL's rollouts in
+    progress): the trainer saves every rank's :meth:`state_dict` and gives each rank its own back."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], *, same_ranks: bool = True) -> None:
+        """``state`` as saved by this rank (``same_ranks``), or by rank 0 of another world size."""
         ...
 
 
