@@ -608,7 +608,7 @@ class Trainer:
         state: dict[str, Any] = {"tokens_seen": self.tokens_seen}
         if isinstance(self.objective, StatefulObjective):
             ranks: list[Any] = [None] * self.world_size
-            dist.all_gather_object(ranks, self.objective.state_dict())
+            dist.all_gather_object(ranks, self.objective.state_dict(), group=dist.group.WORLD)  # (by global rank)
             state["objective"] = ranks
         return state
 
