@@ -458,12 +458,8 @@ class Trainer:
         self.divergence = Divergence(config.training, checkpointer=self.checkpointer,
                                      folder_enabled=config.checkpoint.enable, loader=self.loader, rank=self.rank)
         self.stopped_by: str | None = None  # the signal that stopped train() early (checkpoint.save_on_signals)
-        # A seed checkpoint holds the freshly initialised weights: nothing is loaded.
-        state = None if self.checkpointer is None or config.checkpoint.create_seed_checkpoint \
-            else self.checkpointer.load()
-        if state:
-            self.step, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
-            self._load_objective_state(state.get("objective"))
+        if not config.checkpoint.create_seed_checkpoint:  # (a seed checkpoint holds the fresh weights)
+            self.load_checkpoint()
         self.flops_per_token = plan.model_args.flops_per_token(config.training.seq_len)
         self.peak_tflops, peak_source = device_peak_tflops(self.device, config.metrics.peak_tflops,
                                                            compute_dtype=plan.shape.param_dtype)
@@ -611,6 +607,16 @@ class Trainer:
             dist.all_gather_object(ranks, self.objective.state_dict(), group=dist.group.WORLD)  # (by global rank)
             state["objective"] = ranks
         return state
+
+    def load_checkpoint(self) -> int:
+        """Resume from the newest checkpoint of ``checkpoint.folder`` (or load
+        ``checkpoint.initial_load_path``): weights, optimizer, schedule, data position and the
+        train state; returns the step it is at (unchanged when there is nothing to load)."""
+        state = None if self.checkpointer is None else self.checkpointer.load()
+        if state:
+            self.step, self.tokens_seen = int(state.get("step", 0)), int(state.get("tokens_seen", 0))
+            self._load_objective_state(state.get("objective"))
+        return self.step
 
     def _load_objective_state(self, ranks: list[Any] | None) -> None:
         """Each rank's objective state back (another world size: rank 0's, without what is per rank)."""

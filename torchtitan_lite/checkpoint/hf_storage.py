@@ -556,6 +556,35 @@ def _write_extras(path: Path, config: dict[str, Any], extras: HFExportExtras) ->
         (path / beside[0].name).write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
 
 
+def hf_named_tensors(model: nn.Module, *, spec: ModelSpec,
+                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of ``model``'s weights under its Hugging Face name as a full tensor, one at a time (what
+    an inference engine's weight sync reads): the tensors :func:`save_hf_weights` writes (LoRA
+    merged, query/key rows in Hugging Face's order, stacked experts one per name), in ``dtype``
+    (default the parameters'; buffers keep theirs). Collective when the model is sharded: every
+    rank iterates it to the end, and each gathered tensor is freed once the next is asked for."""
+    adapter = _adapter(spec)
+    args = model.args
+    params = _named_params(model)
+    buffers = _persistent_buffers(model)
+    for name, module in lora_modules(model).items():
+        params[f"{name}.weight"] = plain_tensor(merged_weight(module))
+    for name, module in lora_expert_modules(model).items():
+        for weight in module.stacked_weights:
+            params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
+    for name, param in params.items():
+        with torch.no_grad():
+            tensor = param.detach()
+            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            index = adapter.row_permutation(name, args, to_hf=True)
+            if index is not None:
+                tensor = tensor.index_select(0, index.to(tensor.device))
+            if name not in buffers and dtype is not None:
+                tensor = tensor.to(dtype)
+        yield from _hf_parts(adapter.hf_names(name, args), tensor).items()
+        del tensor
+
+
 def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtype: torch.dtype | None = None,
                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, extras: HFExportExtras | None = None) -> None:
     """Write ``model``'s weights (sharded or not) as a Hugging Face folder of family ``spec``.

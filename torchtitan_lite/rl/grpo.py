@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,8 @@ from torchtitan_lite.rl.rewards import RewardFunction, call_reward
 from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
-__all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "group_advantages", "policy_losses",
-           "token_logps"]
+__all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "RowsLoss", "aggregate",
+           "group_advantages", "policy_losses", "rows_backward", "rows_logps", "token_logps"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -157,6 +158,59 @@ def policy_losses(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tenso
         loss = loss + setup.beta * kl
         parts["kl"] = kl.detach()
     return loss, parts
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, setup: GRPOSetup, *, completions: int,
+              tokens: float) -> torch.Tensor:
+    """Per-token losses of some rows ``(rows, seq)`` (``mask``: the counted tokens) as their part
+    of the step's loss (:data:`LOSS_TYPES`): the global batch has ``completions`` completions and
+    ``tokens`` counted tokens over all ranks."""
+    if setup.loss_type == "grpo":
+        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / completions
+    if setup.loss_type == "dr_grpo":
+        return (loss * mask).sum() / (completions * setup.max_completion_length)
+    return (loss * mask).sum() / tokens  # dapo, bnpo, cispo
+
+
+def _parts(rows: int, local_batch_size: int) -> list[slice]:
+    return [slice(i, min(i + local_batch_size, rows)) for i in range(0, rows, local_batch_size)]
+
+
+def rows_logps(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.Tensor, *, local_batch_size: int,
+               temperature: float = 1.0, model: nn.Module | None = None) -> torch.Tensor:
+    """Each label's log-probability ``(rows, seq)`` (0 where ignored) under ``model`` (default the
+    runner's policy; e.g. a reference) at ``temperature``, ``local_batch_size`` rows per forward,
+    without gradient."""
+    out = []
+    with torch.no_grad():
+        for part in _parts(inputs.shape[0], local_batch_size):
+            placed = runner.place(MicroBatch(inputs[part], labels[part]))
+            logp, _ = token_logps(runner.logits(placed, model), placed.labels, temperature=temperature)
+            out.append(logp.detach())
+    return torch.cat(out)
+
+
+RowsLoss = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(part, logp, entropy, labels)``: rows ``part``'s share of the step's loss (a scalar),
+from their label log-probabilities (with gradient), entropies and labels ``(rows, seq)``."""
+
+
+def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: RowsLoss, *,
+                  local_batch_size: int, ranks: int, temperature: float = 1.0) -> torch.Tensor:
+    """Forward and backward of this rank's rows, ``local_batch_size`` at a time: each part's label
+    log-probabilities at ``temperature`` go to ``loss_fn``, whose value's gradient accumulates
+    (times ``ranks``: FSDP averages over the data-parallel ranks, and the parts of all ranks add
+    up to the step's loss). Returns the detached sum of the parts, fp64 ``(1,)``."""
+    parts = _parts(inputs.shape[0], local_batch_size)
+    total = torch.zeros(1, dtype=torch.float64, device=runner.device)
+    for part in parts:
+        placed = runner.place(MicroBatch(inputs[part], labels[part]))
+        logp, entropy = token_logps(runner.logits(placed), placed.labels, temperature=temperature, entropy=True)
+        assert entropy is not None
+        loss = loss_fn(part, logp, entropy, placed.labels)
+        runner.backward(loss * ranks, accumulation=len(parts))
+        total += loss.detach().double()
+    return total
 
 
 @dataclass
@@ -335,19 +389,10 @@ class GRPOObjective:
                 labels[i, start:width] = sequence[start + 1:]
         return inputs, labels, truncated, lengths
 
-    def _micro_batches(self, rollouts: Rollouts) -> list[slice]:
-        rows = rollouts.inputs.shape[0]
-        return [slice(i, min(i + self.local_batch_size, rows)) for i in range(0, rows, self.local_batch_size)]
-
     def _logps(self, runner: MicroBatchRunner, rollouts: Rollouts, model: nn.Module | None) -> torch.Tensor:
         """Every row's label log-probabilities under ``model`` (default the policy), without gradient."""
-        out = []
-        for part in self._micro_batches(rollouts):
-            placed = runner.place(MicroBatch(rollouts.inputs[part], rollouts.labels[part]))
-            logp, _ = token_logps(runner.logits(placed, model), placed.labels,
-                                  temperature=self.setup.logit_temperature)
-            out.append(logp.detach())
-        return torch.cat(out)
+        return rows_logps(runner, rollouts.inputs, rollouts.labels, local_batch_size=self.local_batch_size,
+                          temperature=self.setup.logit_temperature, model=model)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -361,37 +406,28 @@ class GRPOObjective:
         rollouts = self.rollouts
         assert rollouts is not None
         device = runner.device
-        counted = rollouts.labels != IGNORE_INDEX
-        totals = torch.tensor([float(counted.sum())], dtype=torch.float64, device=device)
+        totals = torch.tensor([float((rollouts.labels != IGNORE_INDEX).sum())], dtype=torch.float64, device=device)
         if dist.is_initialized() and self.ranks > 1:
             dist.all_reduce(totals, group=self.group)
         global_tokens = max(float(totals.item()), 1.0)
-        parts = self._micro_batches(rollouts)
-        loss_sum = torch.zeros(1, dtype=torch.float64, device=device)
         # token sums: KL, entropy, clipped low, high, region; then the counted tokens
         sums = torch.zeros(6, dtype=torch.float64, device=device)
-        for part in parts:
-            placed = runner.place(MicroBatch(rollouts.inputs[part], rollouts.labels[part]))
-            logp, entropy = token_logps(runner.logits(placed), placed.labels, temperature=s.logit_temperature,
-                                        entropy=True)
-            mask = (placed.labels != IGNORE_INDEX).float()
+
+        def loss_fn(part: slice, logp: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            mask = (labels != IGNORE_INDEX).float()
             old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
             ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
             loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), s, ref)
-            if s.loss_type == "grpo":
-                contribution = ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / self.global_completions
-            elif s.loss_type == "dr_grpo":
-                contribution = (loss * mask).sum() / (self.global_completions * s.max_completion_length)
-            else:  # dapo, bnpo, cispo
-                contribution = (loss * mask).sum() / global_tokens
-            runner.backward(contribution * self.ranks, accumulation=len(parts))
-            loss_sum += contribution.detach().double()
-            assert entropy is not None
             for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
                                        stats["clip_region"])):
                 if value is not None:
                     sums[i] += (value * mask).sum().double()
             sums[5] += mask.sum().double()
+            return aggregate(loss, mask, s, completions=self.global_completions, tokens=global_tokens)
+
+        loss_sum = rows_backward(runner, rollouts.inputs, rollouts.labels, loss_fn,
+                                 local_batch_size=self.local_batch_size, ranks=self.ranks,
+                                 temperature=s.logit_temperature)
         if dist.is_initialized() and self.ranks > 1:
             dist.all_reduce(sums, group=self.group)
         tokens = max(float(sums[5]), 1.0)
