@@ -44,7 +44,8 @@ from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "RowsLoss", "aggregate",
-           "group_advantages", "policy_losses", "rows_backward", "rows_logps", "token_logps"]
+           "completion_rows", "generation_seed", "group_advantages", "policy_losses", "rows_backward", "rows_logps",
+           "token_logps"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -213,6 +214,46 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
     return total
 
 
+def generation_seed(seed: int, batch: int, dp_rank: int) -> int:
+    """The sampling seed of rollout batch ``batch`` (from 0) on data-parallel rank ``dp_rank`` of a
+    job seeded ``seed`` (``debug.seed``): every rank of one data-parallel rank (tensor parallel)
+    samples alike, the others differently."""
+    return (seed * 1_000_003 + batch) * 4099 + dp_rank
+
+
+def completion_rows(prompts: list[list[int]], completions: list[list[int]], *, seq_len: int, pad_id: int,
+                    stop_ids: tuple[int, ...], max_completion_length: int, mask_truncated: bool = False,
+                    vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
+    """Each completion after its prompt (``prompts[i]`` the prompt of ``completions[i]``) as one
+    row of ``seq_len`` inputs and labels, right-padded with ``pad_id``: the labels are the
+    completion's tokens (its first ``max_completion_length``), none for a truncated one with
+    ``mask_truncated``. Also whether each is truncated (its last token not in ``stop_ids``) and
+    its length. A :class:`DataError` line for a row longer than ``seq_len + 1`` tokens or a token
+    beyond ``vocab_size``."""
+    n = len(completions)
+    inputs = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
+    truncated, lengths = [], []
+    for i, (prompt, ids) in enumerate(zip(prompts, completions, strict=True)):
+        ids = list(ids)[:max_completion_length]
+        cut = not ids or ids[-1] not in stop_ids
+        truncated.append(cut)
+        lengths.append(len(ids))
+        sequence = torch.tensor([*prompt, *ids], dtype=torch.long)
+        if vocab_size is not None and int(sequence.max()) >= vocab_size:
+            raise DataError(f"grpo: completion {i} has token id {int(sequence.max())}, beyond the model's "
+                            f"vocabulary of {vocab_size}")
+        if len(sequence) - 1 > seq_len:
+            raise DataError(f"grpo: a prompt of {len(prompt)} tokens and a completion of {len(ids)} exceed "
+                            f"training.seq_len + 1 = {seq_len + 1}")
+        width = len(sequence) - 1
+        inputs[i, :width] = sequence[:-1]
+        if ids and not (cut and mask_truncated):
+            start = len(prompt) - 1  # (the position whose next token is the completion's first)
+            labels[i, start:width] = sequence[start + 1:]
+    return inputs, labels, truncated, lengths
+
+
 @dataclass
 class Rollouts:
     """This rank's rollouts of one batch of prompts, as the policy steps train on them."""
@@ -277,7 +318,7 @@ class GRPOObjective:
         params = SamplingParams(max_new_tokens=s.max_completion_length, temperature=s.temperature, top_p=s.top_p,
                                 top_k=s.top_k, stop_token_ids=self.stop_ids, stop_strings=s.stop_strings)
         start = time.perf_counter()
-        seed = (self.seed * 1_000_003 + self.batches_made) * 4099 + self.dp_rank
+        seed = generation_seed(self.seed, self.batches_made, self.dp_rank)
         completions = self.engine.generate([row.ids.tolist() for row in prompts for _ in range(s.num_generations)],
                                            params, seed=seed)
         return [c.token_ids for c in completions], time.perf_counter() - start
@@ -362,32 +403,11 @@ class GRPOObjective:
 
     def _rows(self, prompts: list[PromptRow], completions: list[list[int]]
               ) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
-        """Each completion after its prompt as one row of ``seq_len`` inputs and labels (the
-        completion's tokens counted; a truncated one's not, with ``mask_truncated_completions``),
-        whether each is truncated (no stop token at its end) and its length."""
-        s, n = self.setup, len(completions)
-        inputs = torch.full((n, self.seq_len), self.pad_id, dtype=torch.long)
-        labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
-        truncated, lengths = [], []
-        repeat = [row for row in prompts for _ in range(s.num_generations)]
-        for i, (row, ids) in enumerate(zip(repeat, completions, strict=True)):
-            ids = list(ids)[: s.max_completion_length]
-            cut = not ids or ids[-1] not in self.stop_ids
-            truncated.append(cut)
-            lengths.append(len(ids))
-            sequence = torch.tensor([*row.ids.tolist(), *ids], dtype=torch.long)
-            if int(sequence.max()) >= self.vocab_size:
-                raise DataError(f"grpo: row {row.index} has token id {int(sequence.max())}, beyond the model's "
-                                f"vocabulary of {self.vocab_size}")
-            if len(sequence) - 1 > self.seq_len:
-                raise DataError(f"grpo: a prompt of {len(row.ids)} tokens and a completion of {len(ids)} exceed "
-                                f"training.seq_len + 1 = {self.seq_len + 1}")
-            width = len(sequence) - 1
-            inputs[i, :width] = sequence[:-1]
-            if ids and not (cut and s.mask_truncated_completions):
-                start = len(row.ids) - 1  # (the position whose next token is the completion's first)
-                labels[i, start:width] = sequence[start + 1:]
-        return inputs, labels, truncated, lengths
+        s = self.setup
+        return completion_rows([row.ids.tolist() for row in prompts for _ in range(s.num_generations)], completions,
+                               seq_len=self.seq_len, pad_id=self.pad_id, stop_ids=self.stop_ids,
+                               max_completion_length=s.max_completion_length,
+                               mask_truncated=s.mask_truncated_completions, vocab_size=self.vocab_size)
 
     def _logps(self, runner: MicroBatchRunner, rollouts: Rollouts, model: nn.Module | None) -> torch.Tensor:
         """Every row's label log-probabilities under ``model`` (default the policy), without gradient."""
