@@ -16,6 +16,10 @@ token embedding. A family (``models/<family>/``) supplies the args: a frozen dat
 Nothing here knows about FSDP: the model can be built on the meta device, sharded by
 :mod:`torchtitan_lite.distributed.fsdp`, materialised with ``to_empty`` and then filled by
 :meth:`Decoder.init_weights`.
+
+Generation: ``forward(tokens, cache=KVCache(...))`` runs left-padded prompts once (prefill), then
+one token per row per call, each layer's keys and values kept in the :class:`KVCache`
+(:mod:`torchtitan_lite.rl.rollout` samples from it).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["Decoder", "SharedSequenceAttention", "apply_rotary_emb", "attend", "block_causal_mask",
-           "decoder_fsdp_units", "document_positions", "is_moe_layer", "precompute_freqs_cis", "rope_bits"]
+__all__ = ["CachedAttention", "Decoder", "KVCache", "SharedSequenceAttention", "apply_rotary_emb", "attend",
+           "block_causal_mask", "decoder_fsdp_units", "document_positions", "is_moe_layer", "precompute_freqs_cis",
+           "rope_bits"]
 
 def precompute_freqs_cis(
     head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
@@ -190,11 +195,117 @@ class SharedSequenceAttention(abc.ABC):
         """This rank's queries ``q`` over the whole sequence's keys and values."""
 
 
+class KVCache:
+    """The state of a batch being generated: each layer's keys and values, which slots hold a
+    token, each row's next position.
+
+    ``prompt_mask`` ``(bs, prompt_len)``: the prompts, left-padded (False: padding); ``capacity``:
+    the slots of each layer's cache, ``prompt_len`` plus the tokens to generate. A layer's keys
+    and values are allocated at its first write, with the heads, width and dtype it writes (this
+    rank's heads under tensor parallel; a latent attention's widths).
+
+    :meth:`Decoder.forward` with ``cache=`` takes the ``(bs, prompt_len)`` prompts first (the
+    prefill: positions start at 0 at each row's first real token, padding attends to nothing
+    real), then ``(bs, 1)``: one token per row per call, attending to its row's real prompt
+    tokens and every generated slot before it (rows that are finished keep running on padding
+    tokens; their outputs are the caller's to ignore).
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, capacity: int) -> None:
+        bs, prompt_len = prompt_mask.shape
+        if capacity < prompt_len:
+            raise ValueError(f"KVCache: capacity {capacity} is below the prompts' length {prompt_len}")
+        device = prompt_mask.device
+        self.capacity = capacity
+        self.prompt_len = prompt_len
+        self.length = 0
+        """Slots written so far (the same for every row: prompts are left-padded)."""
+        self.filled = torch.zeros(bs, capacity, dtype=torch.bool, device=device)
+        """Which slots hold a real token (the keys a query may attend to)."""
+        self.filled[:, :prompt_len] = prompt_mask
+        self._prompt_positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+        self._next_position = prompt_mask.long().sum(1)
+        self._keys: dict[str, torch.Tensor] = {}
+        self._values: dict[str, torch.Tensor] = {}
+        self._start = 0
+        self.mask: torch.Tensor | None = None
+        """The step's attention mask over the slots so far, ``(bs, 1, seq, length)`` (True attends)."""
+        self.decoding = False
+        """Whether the step being run is a decode step (one token per row), else the prefill."""
+
+    def step(self, seq_len: int) -> torch.Tensor:
+        """Begin a forward of ``seq_len`` tokens per row (the prompts, then 1); their positions
+        ``(bs, seq_len)``."""
+        if self.length == 0:
+            if seq_len != self.prompt_len:
+                raise ValueError(f"KVCache: the first forward takes the {self.prompt_len} prompt positions, "
+                                 f"got {seq_len}")
+            n = seq_len
+            device = self.filled.device
+            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            # (a padding query attends to itself: no row without a key, whose softmax is NaN)
+            diagonal = torch.eye(n, dtype=torch.bool, device=device)
+            self.mask = ((causal & self.filled[:, None, :n]) | diagonal)[:, None]
+            positions = self._prompt_positions
+            self.decoding = False
+        else:
+            if seq_len != 1:
+                raise ValueError(f"KVCache: after the prompts, one token per row per forward, got {seq_len}")
+            if self.length >= self.capacity:
+                raise ValueError(f"KVCache: all {self.capacity} slots are written")
+            self.filled[:, self.length] = True
+            self.mask = self.filled[:, None, None, : self.length + 1]
+            positions = self._next_position[:, None].clone()
+            self._next_position += 1
+            self.decoding = True
+        self._start = self.length
+        self.length += seq_len
+        return positions
+
+    def layer(self, key: str) -> CachedAttention:
+        """What layer ``key``'s attention takes in place of a mask (see :func:`attend`)."""
+        return CachedAttention(self, key)
+
+    def write(self, key: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``key``'s keys and values of this step (``(bs, heads, seq, d)``); its keys
+        and values of every slot so far."""
+        if key not in self._keys:
+            bs, heads, _, _ = k.shape
+            self._keys[key] = k.new_zeros(bs, heads, self.capacity, k.shape[-1])
+            self._values[key] = v.new_zeros(bs, v.shape[1], self.capacity, v.shape[-1])
+        keys, values = self._keys[key], self._values[key]
+        keys[:, :, self._start : self.length] = k
+        values[:, :, self._start : self.length] = v
+        return keys[:, :, : self.length], values[:, :, : self.length]
+
+
+class CachedAttention:
+    """One layer's attention through a :class:`KVCache`: this step's keys and values stored,
+    its queries over every slot so far. A decode step's rows arrive as one sequence
+    ``(1, heads, bs, d)`` (see :meth:`Decoder.forward`) and are read back out as rows."""
+
+    def __init__(self, cache: KVCache, key: str) -> None:
+        self.cache = cache
+        self.key = key
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool = False,
+               scale: float | None = None) -> torch.Tensor:
+        """This step's queries ``q`` over the cached keys and values, ``k`` and ``v`` stored first."""
+        cache = self.cache
+        if cache.decoding:  # (1, heads, bs, d) → (bs, heads, 1, d)
+            q, k, v = (t.transpose(0, 2) for t in (q, k, v))
+        keys, values = cache.write(self.key, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask, scale=scale,
+                                             enable_gqa=enable_gqa)
+        return out.transpose(0, 2) if cache.decoding else out
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, *, enable_gqa: bool = False,
            scale: float | None = None) -> torch.Tensor:
     """Attention of ``q`` ``(bs, heads, seq, d)`` over ``k``, ``v`` under ``mask``: None (causal),
-    a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, or a
-    :class:`SharedSequenceAttention` (context parallel: this rank's queries over the whole sequence)."""
+    a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, a
+    :class:`SharedSequenceAttention` (context parallel: this rank's queries over the whole sequence)
+    or a :class:`CachedAttention` (generation: over the keys and values of a :class:`KVCache`)."""
     if _CUDA_KERNELS_ON_CPU and q.device.type == "cpu" and v.shape[-1] < q.shape[-1] and mask is None:
         width = v.shape[-1]
         padded = F.pad(v, (0, q.shape[-1] - width))
@@ -204,7 +315,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    if isinstance(mask, SharedSequenceAttention):
+    if isinstance(mask, (SharedSequenceAttention, CachedAttention)):
         return mask.attend(q, k, v, scale=scale, enable_gqa=enable_gqa)
     return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
@@ -350,10 +461,12 @@ class Decoder(nn.Module):
             self.layers[key] = block
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
-                stage: int | None = None) -> torch.Tensor:
+                stage: int | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Logits of ``tokens``; with ``stage`` (pipeline parallel) that stage's part only: from
         the tokens, or the hidden states of the stage before, to the logits, or the hidden states
-        the next stage takes."""
+        the next stage takes. With ``cache`` (generation): see :meth:`forward_cached`."""
+        if cache is not None:
+            return self.forward_cached(tokens, cache)
         cp = self.context_parallel
         part = None if stage is None else self.pipeline_stages[stage]
         # (a later pipeline stage takes the hidden states, split over the sequence by tensor
@@ -376,6 +489,42 @@ class Decoder(nn.Module):
         if part is not None and not part.last:
             return h
         return self.output(self.norm(h))
+
+    def forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One step of generation through ``cache`` (a :class:`KVCache`): ``tokens`` the
+        ``(bs, prompt_len)`` left-padded prompts, then ``(bs, 1)``; the logits of each row's next
+        token, ``(bs, 1, vocab)`` (split over the vocabulary under tensor parallel's loss parallel,
+        as in training).
+
+        A decode step's ``bs`` tokens run through the blocks as one sequence ``(1, bs)``: all but
+        attention works per token, and :class:`CachedAttention` reads the rows back out. Under
+        tensor parallel's sequence parallelism (:attr:`sequence_shards` ranks) the hidden states
+        between blocks are then split over the ranks by rows, as a training sequence is by
+        positions, so ``bs`` must be a multiple of :attr:`sequence_shards`, and so must
+        ``prompt_len`` for the prefill. The prefill computes the logits of the last position only
+        (under sequence parallelism: of each rank's last position, of which the sequence's last is
+        kept)."""
+        if self.context_parallel is not None or self.pipeline_stages is not None:
+            raise ValueError("generation with a KV cache runs on the whole model: context parallel and pipeline "
+                             "parallel are not supported")
+        bs, seq_len = tokens.shape
+        decoding = cache.length > 0
+        if (bs if decoding else seq_len) % self.sequence_shards:
+            what = f"{bs} rows" if decoding else f"{seq_len} prompt positions"
+            raise ValueError(f"generation under sequence parallel: {what} is not a multiple of the "
+                             f"{self.sequence_shards} ranks the sequence is split over")
+        positions = cache.step(seq_len)
+        if int(positions.max()) >= self.freqs_cis.shape[0]:
+            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len {self.args.max_seq_len}")
+        if decoding:  # the rows as one sequence
+            tokens, positions = tokens.reshape(1, bs), positions.reshape(1, bs)
+        h = self.tok_embeddings(tokens)
+        rope = rope_bits(self.freqs_cis, self.freqs_cis.shape[0])[positions]
+        for key, layer in self.layers.items():
+            h = layer(h, rope, cache.layer(key))
+        if decoding:
+            return self.output(self.norm(h)).transpose(0, 1)
+        return self.output(self.norm(h[:, -1:]))[:, -1:]
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:

@@ -38,6 +38,13 @@ things, handled as follows:
 
 :func:`yarn_parameters` gives the last two from the args. Parameters are created empty and
 filled by :meth:`MLAttention.init_weights`, as in :mod:`torchtitan_lite.models.decoder`.
+
+Generation: with a :class:`~torchtitan_lite.models.decoder.KVCache`, the mask :class:`MLAttention`
+receives is a :class:`~torchtitan_lite.models.decoder.CachedAttention`, and :func:`attend` caches each
+head's expanded key (``qk_nope_head_dim + qk_rope_head_dim``, the shared rotary part repeated) and
+value (``v_head_dim``): the forward is the training one, step for step. (DeepSeek's inference code
+can cache the latent instead, ``kv_lora_rank + qk_rope_head_dim`` a token, absorbing ``wkv_b`` into
+the query and output; that is a smaller cache, not implemented here.)
 """
 
 from __future__ import annotations
@@ -186,7 +193,7 @@ def yarn_parameters(args: Any) -> YarnParameters:
 class MLAttention(nn.Module):
     """Multi-head latent attention; ``forward(x, freqs_cis, mask)`` as the decoder's ``Attention``
     (``freqs_cis``: the decoder's table for ``qk_rope_head_dim``, in ``rope_bits`` form or per
-    sample and position)."""
+    sample and position; ``mask``: whatever :func:`attend` takes, a generation's cache included)."""
 
     tensor_parallel_columns = ("wq", "wq_b", "wkv_b")
     """The linears whose output features are heads (split over tensor-parallel ranks)."""
