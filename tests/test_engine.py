@@ -50,3 +50,36 @@ def test_export_weights_streams_the_hugging_face_exports_tensors(tmp_path: Path,
         assert any(".mlp.experts.3." in name for name in saved)
     for name, tensor in saved.items():
         assert torch.equal(streamed[name], tensor), name
+
+
+@pytest.mark.slow
+def test_the_engine_loop_of_the_rl_page_gives_the_built_in_losses(tmp_path: Path) -> None:
+    """docs/rl.md's script, GRPO written on the engine (generate, rewards, advantages,
+    ``train_batch``), under torchrun at 2 ranks on the toy task's job: its three steps' losses and
+    gradient norms are those the built-in loop logs for the same job, within 1e-6."""
+    import re
+    import sys
+
+    from tests.dist_utils import REPO_ROOT, free_port, read_jsonl, run_command, run_torchrun
+
+    text = (REPO_ROOT / "docs" / "rl.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- engine-example:start -->\n```python\n(.*?)```\n<!-- engine-example:end -->", text, re.S)
+    assert match, "docs/rl.md lost its marked engine-example"
+    script = tmp_path / "grpo_on_the_engine.py"
+    script.write_text(match.group(1), encoding="utf-8")
+    job = ["--job.config_file", "train_configs/grpo_toy.toml", "--training.steps", "3",
+           "--training.global_batch_size", "32", "--training.local_batch_size", "16", "--metrics.log_freq", "1"]
+    ours = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--nnodes=1", str(script), *job,
+                        "--job.dump_folder", str(tmp_path / "engine")], cwd=REPO_ROOT, timeout=600)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    printed = re.findall(r"^step (\d+) loss (\S+) grad_norm (\S+)$", ours.stdout, re.M)
+    assert [int(step) for step, _, _ in printed] == [1, 2, 3], ours.stdout
+    built_in = run_torchrun([*job, "--job.dump_folder", str(tmp_path / "built-in")], nproc=2, cwd=REPO_ROOT)
+    assert built_in.returncode == 0, built_in.stderr[-3000:]
+    logged = [r for r in read_jsonl(tmp_path / "built-in" / "metrics.jsonl") if "loss" in r]
+    assert len(logged) == 3
+    for (_, loss, norm), record in zip(printed, logged, strict=True):
+        assert abs(float(loss) - record["loss"]) <= 1e-6 * max(1.0, abs(record["loss"])), (printed, logged)
+        assert abs(float(norm) - record["grad_norm"]) <= 1e-6 * record["grad_norm"], (printed, logged)
+    assert any(abs(float(loss)) > 1e-6 for _, loss, _ in printed)  # (a loss that says something)

@@ -66,6 +66,15 @@ class TrainingEngine:
     def dp_size(self) -> int:
         return self.trainer.plan.dp_size
 
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the data-parallel ranks (the ranks of one tensor-parallel group
+        hold the same rows and count once), on this rank's device."""
+        import torch.distributed as dist
+
+        value = value.to(self.trainer.device)
+        dist.all_reduce(value, group=self.trainer.mesh.tokens)
+        return value
+
     def generate(self, prompts: list[list[int]], params: Any, *, seed: int) -> list[Any]:
         """Completions of ``prompts`` (token ids) by the model as it is now, on its training layout
         (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`; ``params`` a
