@@ -222,6 +222,13 @@ class MetricsLogger:
         if r.get("dpo/accuracy") is not None:  # preference tuning: TRL's reward metrics
             parts.append(f"acc {r['dpo/accuracy']:.2f}  margin {r['dpo/margin']:.4f}  rewards "
                          f"{r['dpo/rewards_chosen']:.4f} / {r['dpo/rewards_rejected']:.4f}")
+        if r.get("grpo/reward") is not None:  # online RL: the rollouts' reward, length, generation's speed
+            gen = r.get("generation_tokens_per_s")
+            parts.append(f"reward {r['grpo/reward']:.4f} ± {_fmt(r.get('grpo/reward_std'), '.4f')}  len "
+                         f"{r['grpo/completion_length/mean']:.1f}" + ("" if gen is None else f"  gen_tps {gen:,.0f}"))
+        if r.get("grpo/entropy") is not None:
+            parts.append(f"entropy {r['grpo/entropy']:.3f}" + ("" if r.get("grpo/kl") is None
+                                                                  else f"  kl {r['grpo/kl']:.4f}"))
         if r["validation_loss"] is not None:
             ppl = r["validation_perplexity"]
             if r.get("validation/dpo/accuracy") is not None:  # preference pairs: the reward accuracy, not perplexity
