@@ -52,6 +52,7 @@ def test_export_weights_streams_the_hugging_face_exports_tensors(tmp_path: Path,
         assert torch.equal(streamed[name], tensor), name
 
 
+@pytest.mark.scenario  # (two torchrun jobs end to end: left out of the default selection; .ci/run runs it)
 @pytest.mark.slow
 def test_the_engine_loop_of_the_rl_page_gives_the_built_in_losses(tmp_path: Path) -> None:
     """docs/rl.md's script, GRPO written on the engine (generate, rewards, advantages,

@@ -374,6 +374,7 @@ def _fail_on_rank1(dump: str) -> dict:
     return {"outcome": outcome}
 
 
+@pytest.mark.scenario  # (test_process_group.py's killed rank covers a lost peer in the default selection)
 @pytest.mark.slow
 def test_failing_rank_does_not_hang_the_job(tmp_path):
     """A rank that fails mid-run leaves at once, and its peer's collective fails instead of
