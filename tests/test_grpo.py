@@ -143,7 +143,8 @@ def _argv(tmp_path: Path, family: str, rollouts: Path, dump: str, *extra: str) -
             "--checkpoint.initial_load_in_hf", "--job.dump_folder", str(tmp_path / dump), *extra]
 
 
-@pytest.mark.slow
+@pytest.mark.scenario  # (TRL's train() and a 2-rank job: the scenario tier; the first step of every loss type
+@pytest.mark.slow     # against TRL stays in the default selection)
 def test_two_ranks_train_on_given_rollouts_as_trl_does_for_two_iterations(tmp_path: Path) -> None:
     """2 ranks, fp32, a full fine-tune from a Hugging Face folder, dapo with beta 0.04 (a frozen
     sharded copy as the reference) and num_iterations 2: on TRL's rollouts (a rollouts file) both
@@ -272,6 +273,7 @@ def _random_rollouts(path: Path, rows: int, *, seed: int = 0) -> Path:
     return path
 
 
+@pytest.mark.scenario  # (three 2-rank jobs: the scenario tier; the generated rollouts' resume stays in the default)
 @pytest.mark.slow
 def test_a_resume_between_two_iterations_on_one_batch_repeats_the_run(tmp_path: Path) -> None:
     """2 ranks, fp32, num_iterations 2, beta 0.04, grpo loss, micro-batches of 2: a run of 4
