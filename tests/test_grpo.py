@@ -58,6 +58,25 @@ def _trl_trainer(folder: Path, *, beta: float, num_iterations: int = 1, steps: i
                        processing_class=AutoTokenizer.from_pretrained(str(folder)))
 
 
+def _capture_rollouts(trainer: Any) -> dict[str, Any]:
+    """What TRL's trainer generates and scores from here on (its prompts' and completions' ids,
+    its rewards), kept in the returned dict as it runs."""
+    captured: dict[str, Any] = {}
+    generate, rewards_of = trainer._generate, trainer._calculate_rewards
+
+    def _generate(prompts: Any) -> Any:
+        out = generate(prompts)
+        captured["prompt_ids"], captured["completion_ids"] = out[0], out[1]
+        return out
+
+    def _calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
+        captured["rewards"] = rewards_of(*args, **kwargs)
+        return captured["rewards"]
+
+    trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
+    return captured
+
+
 def _rollout_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float]) -> list[dict]:
     """TRL's rollouts (one entry per completion, groups consecutive) as rows of a rollouts file."""
     rows = []
@@ -84,19 +103,7 @@ def test_the_first_step_equals_trls_grpo_trainer_for_every_loss_type(tmp_path: P
     write_chat_tokenizer(tmp_path / "tok", family)
     ours = _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
     trainer = _trl_trainer(tmp_path / "policy", beta=0.04, num_iterations=2)
-    captured: dict[str, Any] = {}
-    generate, rewards_of = trainer._generate, trainer._calculate_rewards
-
-    def _generate(prompts: Any) -> Any:
-        out = generate(prompts)
-        captured["prompt_ids"], captured["completion_ids"] = out[0], out[1]
-        return out
-
-    def _calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
-        captured["rewards"] = rewards_of(*args, **kwargs)
-        return captured["rewards"]
-
-    trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
+    captured = _capture_rollouts(trainer)
     trainer.model.train()
     batch = trainer._generate_and_score_completions([p for p in PROMPTS for _ in range(GENERATIONS)])
     trainer.current_gradient_accumulation_steps = 1
@@ -155,19 +162,7 @@ def test_two_ranks_train_on_given_rollouts_as_trl_does_for_two_iterations(tmp_pa
     write_chat_tokenizer(tmp_path / "tok", family)
     _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
     trainer = _trl_trainer(tmp_path / "policy", beta=0.04, num_iterations=2, steps=2, epsilon_high=0.28)
-    captured: dict[str, Any] = {}
-    generate, rewards_of = trainer._generate, trainer._calculate_rewards
-
-    def _generate(prompts: Any) -> Any:
-        out = generate(prompts)
-        captured["prompt_ids"], captured["completion_ids"] = out[0], out[1]
-        return out
-
-    def _calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
-        captured["rewards"] = rewards_of(*args, **kwargs)
-        return captured["rewards"]
-
-    trainer._generate, trainer._calculate_rewards = _generate, _calculate_rewards
+    captured = _capture_rollouts(trainer)
     trainer.train()
     theirs = [h for h in trainer.state.log_history if "grad_norm" in h]
     rows = _rollout_rows(captured["prompt_ids"], captured["completion_ids"], captured["rewards"][:, 0].tolist())

@@ -556,6 +556,18 @@ def _write_extras(path: Path, config: dict[str, Any], extras: HFExportExtras) ->
         (path / beside[0].name).write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
 
 
+def _export_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a Hugging Face export holds, by our names: :func:`_named_params`, a linear with
+    LoRA adapters (and LoRA'd stacked experts) merged, ``W + (alpha/rank) · B A``."""
+    params = _named_params(model)
+    for name, module in lora_modules(model).items():
+        params[f"{name}.weight"] = plain_tensor(merged_weight(module))
+    for name, module in lora_expert_modules(model).items():
+        for weight in module.stacked_weights:
+            params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
+    return params
+
+
 def hf_named_tensors(model: nn.Module, *, spec: ModelSpec,
                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each of ``model``'s weights under its Hugging Face name as a full tensor, one at a time (what
@@ -565,13 +577,8 @@ def hf_named_tensors(model: nn.Module, *, spec: ModelSpec,
     rank iterates it to the end, and each gathered tensor is freed once the next is asked for."""
     adapter = _adapter(spec)
     args = model.args
-    params = _named_params(model)
+    params = _export_params(model)
     buffers = _persistent_buffers(model)
-    for name, module in lora_modules(model).items():
-        params[f"{name}.weight"] = plain_tensor(merged_weight(module))
-    for name, module in lora_expert_modules(model).items():
-        for weight in module.stacked_weights:
-            params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
     for name, param in params.items():
         with torch.no_grad():
             tensor = param.detach()
@@ -603,13 +610,8 @@ def save_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec, dtyp
         path = Path(path)
         adapter = _adapter(spec)
         args = model.args
-        params = _named_params(model)
+        params = _export_params(model)
         buffers = _persistent_buffers(model)
-        for name, module in lora_modules(model).items():
-            params[f"{name}.weight"] = plain_tensor(merged_weight(module))
-        for name, module in lora_expert_modules(model).items():
-            for weight in module.stacked_weights:
-                params[f"{name}.{weight}"] = plain_tensor(merged_stacked_weight(module, weight))
         export_dtype = dtype if dtype is not None else next(iter(params.values())).dtype
         if not export_dtype.is_floating_point:
             raise ValueError(f"dtype={export_dtype} is not a floating-point dtype")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +55,9 @@ import numpy as np
 from torchtitan_lite.data.tokenizers import SPECIAL_TOKENS, HFTokenizer, Tokenizer, special_tokens
 from torchtitan_lite.errors import DataError
 
-__all__ = ["SPECIAL_TOKENS", "TEMPLATE_DIR", "TEMPLATE_FILE", "ChatTemplate", "RowError", "load_templates"]
+__all__ = ["SPECIAL_TOKENS", "TEMPLATE_DIR", "TEMPLATE_FILE", "BadRows", "ChatTemplate", "RowError", "load_templates"]
+
+logger = logging.getLogger("torchtitan_lite")
 
 TEMPLATE_FILE = "chat_template.jinja"
 """The chat template file transformers writes beside a tokenizer (``save_pretrained``)."""
@@ -73,6 +76,37 @@ class RowError(Exception):
     def __init__(self, message: str, *, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class BadRows:
+    """The rows of a source that could not be used (a :class:`RowError` each): with
+    ``on_bad_row = "stop"`` the first is a :class:`~torchtitan_lite.errors.DataError` line naming
+    ``key`` and the row; with ``"skip"`` they are counted by kind and logged once (:meth:`log`)."""
+
+    def __init__(self, key: str, on_bad_row: str) -> None:
+        self.key, self.on_bad_row = key, on_bad_row
+        self.kinds: dict[str, int] = {}
+        self.first = ""
+
+    def add(self, row: str, exc: RowError) -> None:
+        if self.on_bad_row != "skip":
+            raise DataError(f"{self.key}: {row}: {exc} (or set training.on_bad_row = 'skip')") from None
+        self.kinds[exc.kind] = self.kinds.get(exc.kind, 0) + 1
+        self.first = self.first or f"{row}: {exc}"
+
+    @property
+    def count(self) -> int:
+        return sum(self.kinds.values())
+
+    def log(self) -> None:
+        """One warning with the skipped rows by kind and the first of them (nothing when none)."""
+        if self.kinds:
+            logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", self.key,
+                           self.count, ", ".join(f"{n} {kind}" for kind, n in sorted(self.kinds.items())), self.first)
+
+    def note(self) -> str:
+        """`` (N skipped: training.on_bad_row = 'skip')`` for an error about what is left ("" when none)."""
+        return f" ({self.count} skipped: training.on_bad_row = 'skip')" if self.kinds else ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from torchtitan_lite.data.chat import SUFFIXES, share_rows
-from torchtitan_lite.data.chat_template import ChatTemplate, RowError
+from torchtitan_lite.data.chat_template import BadRows, ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
 from torchtitan_lite.data.windows import window_tensors
@@ -237,8 +237,7 @@ def pair_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, key: 
     template: ChatTemplate | None = None
     size = seq_len + 1
     pairs: list[Pair] = []
-    skipped: dict[str, int] = {}
-    first_bad = ""
+    bad = BadRows(key, on_bad_row)
     cut = dropped = 0
     for _, row, record in share_rows(files, key, columns=ROW_COLUMNS):
         try:
@@ -246,25 +245,17 @@ def pair_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, key: 
                 template = ChatTemplate(tokenizer, template_path=chat_template, template_kwargs=template_kwargs)
             pair = encode_pair(record, tokenizer, template)
         except RowError as exc:
-            if on_bad_row != "skip":
-                raise DataError(f"{key}: {row}: {exc} (or set training.on_bad_row = 'skip')") from None
-            skipped[exc.kind] = skipped.get(exc.kind, 0) + 1
-            first_bad = first_bad or f"{row}: {exc}"
+            bad.add(row, exc)
             continue
         if truncation == "keep_start" and len(pair.prompt) >= size:
             dropped += 1
             continue
         cut += sum(len(pair.prompt) + len(answer) > size for answer in (pair.chosen, pair.rejected))
         pairs.append(pair)
-    if skipped:
-        logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", key,
-                       sum(skipped.values()), ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items())),
-                       first_bad)
+    bad.log()
     if cut or dropped:
         logger.warning("%s: %d sequence(s) longer than seq_len + 1 = %d tokens were cut (%s)%s", key, cut, size,
                        truncation, f"; {dropped} pair(s) whose prompt alone fills them were dropped" if dropped else "")
     if not pairs:
-        raise DataError(f"{key}: {where} holds no preference pair that fits seq_len + 1 = {size} tokens"
-                        + (f" ({sum(skipped.values())} skipped: training.on_bad_row = 'skip')" if skipped else ""))
-    return PairWindows(pairs, seq_len=seq_len, truncation=truncation, cut=cut, dropped=dropped,
-                       skipped=sum(skipped.values()))
+        raise DataError(f"{key}: {where} holds no preference pair that fits seq_len + 1 = {size} tokens{bad.note()}")
+    return PairWindows(pairs, seq_len=seq_len, truncation=truncation, cut=cut, dropped=dropped, skipped=bad.count)

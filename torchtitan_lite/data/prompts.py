@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_lite.data.chat import SUFFIXES, share_rows
-from torchtitan_lite.data.chat_template import ChatTemplate, RowError
+from torchtitan_lite.data.chat_template import BadRows, ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
 from torchtitan_lite.errors import DataError
@@ -157,8 +157,7 @@ def prompt_windows(files: list[Path], tokenizer: Tokenizer, *, max_prompt_length
                         f"prompts, its chat template); this job's tokenizer is {type(tokenizer).__name__}")
     template: ChatTemplate | None = None
     rows: list[PromptRow] = []
-    skipped: dict[str, int] = {}
-    first_bad = ""
+    bad = BadRows(key, on_bad_row)
     cut = 0
     for number, row, record in share_rows(files, key, columns=None):
         try:
@@ -168,27 +167,20 @@ def prompt_windows(files: list[Path], tokenizer: Tokenizer, *, max_prompt_length
             ids, prompt, conversational = encode_prompt(record, tokenizer, template)
             given = _given(record, tokenizer) if rollouts else (None, None, None)
         except RowError as exc:
-            if on_bad_row != "skip":
-                raise DataError(f"{key}: {row}: {exc} (or set training.on_bad_row = 'skip')") from None
-            skipped[exc.kind] = skipped.get(exc.kind, 0) + 1
-            first_bad = first_bad or f"{row}: {exc}"
+            bad.add(row, exc)
             continue
         if len(ids) > max_prompt_length:
             cut += 1
             ids = ids[len(ids) - max_prompt_length:]
         columns = {k: v for k, v in record.items() if k not in ROLLOUT_KEYS and k != "tools"}
         rows.append(PromptRow(number, np.asarray(ids, dtype=np.int64), prompt, conversational, columns, *given))
-    if skipped:
-        logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", key,
-                       sum(skipped.values()), ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items())),
-                       first_bad)
+    bad.log()
     if cut:
         logger.warning("%s: %d prompt(s) longer than %d tokens (training.seq_len − grpo.max_completion_length) "
                        "keep their last tokens", key, cut, max_prompt_length)
     if not rows:
-        raise DataError(f"{key}: {where} holds no usable prompt"
-                        + (f" ({sum(skipped.values())} skipped: training.on_bad_row = 'skip')" if skipped else ""))
-    return PromptWindows(rows, cut=cut, skipped=sum(skipped.values()), rollouts=rollouts)
+        raise DataError(f"{key}: {where} holds no usable prompt{bad.note()}")
+    return PromptWindows(rows, cut=cut, skipped=bad.count, rollouts=rollouts)
 
 
 def read_rollouts(path: Path, tokenizer: Tokenizer, *, max_prompt_length: int, key: str = "grpo.rollouts_path",
