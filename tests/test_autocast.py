@@ -89,18 +89,24 @@ def test_one_process_bf16_is_autocast_over_fp32_weights(tmp_path: Path) -> None:
     assert fp32["losses"] != one["losses"]  # bf16 really computed in bf16
 
 
+@pytest.mark.scenario  # (compile on a fresh machine: 30 s of inductor; test_compile.py compiles with AC at 2 ranks)
 @pytest.mark.slow
-def test_one_process_checkpointing_compile_and_float8(tmp_path: Path) -> None:
+def test_one_process_checkpointing_and_compile_give_eager_losses(tmp_path: Path) -> None:
     """Activation checkpointing and compile on the plain model: the losses of eager without
-    checkpointing (within compile's rounding); float8 (emulated on CPU) converts the blocks'
-    linears and trains."""
-    pytest.importorskip("torchao.float8")
+    checkpointing (within compile's rounding)."""
     (eager,) = run_distributed(_run, 1, [], str(tmp_path / "eager"))
     (ac_compiled,) = run_distributed(_run, 1, ["--activation_checkpoint.mode", "full", "--compile.enable"],
                                      str(tmp_path / "ac_compiled"))
     assert not ac_compiled["fsdp"] and ac_compiled["compiled"] == [True, True]
     assert ac_compiled["policies"] == ["full", "full"]
     assert _close(ac_compiled["losses"], eager["losses"], rtol=1e-5), (ac_compiled["losses"], eager["losses"])
+
+
+@pytest.mark.slow
+def test_one_process_float8_converts_the_blocks_and_trains(tmp_path: Path) -> None:
+    """float8 (emulated on CPU) converts the plain model's block linears and trains."""
+    pytest.importorskip("torchao.float8")
+    (eager,) = run_distributed(_run, 1, [], str(tmp_path / "eager"))
     (f8,) = run_distributed(_run, 1, ["--model.converters", "float8", "--float8.emulate"], str(tmp_path / "f8"))
     assert not f8["fsdp"] and f8["float8_linears"] > 0
     assert f8["losses"][-1] < f8["losses"][0] and f8["losses"] != eager["losses"]
