@@ -83,10 +83,12 @@ class TrainingEngine:
         if self._rollouts is None:
             from torchtitan_lite.rl.rollout import DecoderRollouts
 
-            tokenizer = self.trainer.plan.tokenizer
+            plan = self.trainer.plan
+            tokenizer = plan.tokenizer
+            batch = None if plan.grpo is None else plan.grpo.generation_batch_size or None
             self._rollouts = DecoderRollouts(self.model, device=self.trainer.device,
                                              pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
-                                             decode=tokenizer.decode)
+                                             decode=tokenizer.decode, max_batch=batch)
         return self._rollouts.generate(prompts, params, seed=seed)
 
     def forward_logprobs(self, inputs: torch.Tensor, labels: torch.Tensor, *,

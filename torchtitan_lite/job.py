@@ -474,6 +474,8 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
              "expected a number > 0, or unset (epsilon)")
     _require(g.beta >= 0, "grpo.beta", g.beta, "expected a number >= 0 (0: no reference model)")
     _require(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "expected an integer >= 1")
+    _require(g.generation_batch_size >= 0, "grpo.generation_batch_size", g.generation_batch_size,
+             "expected an integer >= 0 (0: a step's completions at once)")
     _require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
              "expected at least one (a shipped name: accuracy, format, length_penalty, or a dotted path)")
     _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
@@ -490,7 +492,8 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
                  "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
     return GRPOSetup(
         num_generations=g.num_generations, max_completion_length=g.max_completion_length, temperature=g.temperature,
-        top_p=g.top_p, top_k=g.top_k, stop_strings=tuple(g.stop_strings), reward_functions=tuple(g.reward_functions),
+        top_p=g.top_p, top_k=g.top_k, stop_strings=tuple(g.stop_strings),
+        generation_batch_size=g.generation_batch_size, reward_functions=tuple(g.reward_functions),
         reward_weights=tuple(g.reward_weights), scale_rewards=g.scale_rewards, loss_type=g.loss_type,
         epsilon=g.epsilon, epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
         kl_bias_correction=g.kl_bias_correction,

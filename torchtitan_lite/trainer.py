@@ -283,7 +283,8 @@ def build_grpo(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: Para
     if not g.given:
         from torchtitan_lite.rl.rollout import DecoderRollouts
 
-        engine = DecoderRollouts(model, device=device, pad_id=pad_id, decode=tokenizer.decode)
+        engine = DecoderRollouts(model, device=device, pad_id=pad_id, decode=tokenizer.decode,
+                                 max_batch=g.generation_batch_size or None)
     reference = build_reference(config, plan, g.reference, mesh=mesh, device=device, reshard_plan=reshard_plan)
     return GRPOObjective(g, engine=engine, rewards=resolve_reward_functions(g.reward_functions), reference=reference,
                          ranks=plan.token_ranks, group=mesh.tokens, global_completions=plan.global_batch_size,

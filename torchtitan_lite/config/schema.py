@@ -436,6 +436,9 @@ class GRPO:
     """Sample among the top_k most likely tokens; 0: off."""
     stop_strings: list[str] = field(default_factory=list)
     """Text that ends a completion (kept in it), besides the tokenizer's EOS."""
+    generation_batch_size: int = 0
+    """Completions a rank generates in one batch (its KV cache holds this many rows of the prompt plus
+    max_completion_length tokens); 0: all of a step's at once (global_batch_size / data-parallel ranks)."""
     reward_functions: list[str] = field(default_factory=list)
     """Reward functions by name: shipped ones (accuracy, format, length_penalty; docs/rl.md) or a dotted path
     to your own (module.function, importable on every rank), TRL's signature: f(prompts, completions,

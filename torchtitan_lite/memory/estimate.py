@@ -770,11 +770,29 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.model.attention_mask == "block_causal":
         lines.append("model.attention_mask = 'block_causal' is not modelled: off CUDA its dense mask adds "
                      "local_batch_size × seq_len² bytes per forward")
+    if plan.grpo is not None:
+        lines.append(_grpo_not_modelled(config, plan))
     if plan.dims.cp > 1 and plan.shape.device_type == "cuda":
         lines.append("context parallel's BlockMask is built once per forward from a dense mask of its queries "
                      "over the whole sequence (local_batch_size × seq_len² / context_parallel_degree bytes, "
                      "freed at once), which is not modelled")
     return lines
+
+
+def _grpo_not_modelled(config: JobConfig, plan: JobPlan) -> str:
+    """The line for an online RL job: what its step holds beyond a token-loss step of the same rows."""
+    g, args, t = plan.grpo, plan.model_args, config.training
+    assert g is not None
+    rows = g.generation_batch_size or plan.global_batch_size // plan.dims.dp_size
+    kv_heads, head_dim = getattr(args, "kv_heads", None), getattr(args, "head_dim", None)
+    cache = ""
+    if kv_heads and head_dim and getattr(args, "attention_cls", None) is None:
+        width = max(kv_heads // plan.dims.tp, 1) * head_dim
+        nbytes = args.n_layers * 2 * rows * width * t.seq_len * plan.shape.param_dtype.itemsize
+        cache = f" (its KV cache: {size_text(nbytes)} per rank for {rows} completions of up to {t.seq_len} tokens)"
+    reference = " and the reference's frozen copy" if g.reference == "copy" else ""
+    return ("online RL (training.dataset = 'prompts') is modelled as a token-loss step of the same rows: the "
+            f"generation{cache}{reference} and the per-row log-softmax of the policy loss are not counted yet")
 
 
 def where_text(phase: str, module: str) -> str:

@@ -63,6 +63,8 @@ class GRPOSetup:
     top_p: float = 1.0
     top_k: int = 0
     stop_strings: tuple[str, ...] = ()
+    generation_batch_size: int = 0
+    """Completions per generation batch on a rank (0: all of a step's at once)."""
     reward_functions: tuple[str, ...] = ()
     reward_weights: tuple[float, ...] = ()
     scale_rewards: str = "group"
