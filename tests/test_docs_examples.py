@@ -51,7 +51,9 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -570,10 +572,16 @@ def run_example(example: Example, folder: Path) -> None:
             _SETUP[kind](work / path)
     command = _command_line(example, work)
     keep = {k: v for k, v in os.environ.items() if k not in LAUNCHER and not k.startswith("PYTEST_")}
-    env = {**keep, "TMPDIR": str(folder / "tmp"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
+    # A short temporary folder of its own: multiprocessing's sockets live there, and a socket's
+    # path has at most 107 characters (one under pytest's deep tmp_path did not fit).
+    temporary = tempfile.mkdtemp(prefix="docs-")
+    env = {**keep, "TMPDIR": temporary, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     timeout = float(example.get("timeout")[0][0]) if example.get("timeout") else 240.0
-    result = run_command(["bash", "-c", command], cwd=work, timeout=timeout, env=env)
+    try:
+        result = run_command(["bash", "-c", command], cwd=work, timeout=timeout, env=env)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     output = result.stdout + result.stderr
     expected = int(example.get("exit")[0][0]) if example.get("exit") else 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]

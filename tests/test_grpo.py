@@ -1,5 +1,6 @@
-"""Online RL (``torchtitan_lite/rl/``): GRPO and its fixes against TRL's ``GRPOTrainer`` (1.16, the
-dev extra) on TRL's own rollouts, the prompts source, the reward functions, and one-line errors.
+"""Online RL (``torchtitan_lite/rl/``, docs/rl.md): GRPO and its fixes against TRL's ``GRPOTrainer``
+(1.16, the dev extra) on TRL's own rollouts, the prompts source, the reward functions, the toy task,
+layouts and resumes, and one-line errors.
 
 TRL generates the completions and scores them; its ``_compute_loss`` on that batch is the
 reference. Ours takes the same prompts, completions and rewards (as a ``grpo.rollouts_path`` file
