@@ -410,3 +410,56 @@ def test_lora_grpo_with_adapters_off_as_the_reference_exports_a_peft_folder(tmp_
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"), dtype=torch.float32)
     tuned = PeftModel.from_pretrained(base, str(tmp_path / "two" / "checkpoint" / "step-3"))
     assert any("lora_A" in name for name, _ in tuned.named_parameters())
+
+
+def test_given_sampling_logprobs_weigh_the_policy_loss_as_trl_corrects_vllm(tmp_path: Path) -> None:
+    """Given rollouts with the sampler's log-probabilities: equal to the trainer's, the weights are
+    1 and the step is the uncorrected one; 0.08 below them per token, each completion's weight is
+    exp(0.08 × its tokens), truncated at 3 (sequence_truncate) or zero above it (sequence_mask),
+    and per token exp(0.08) (token_truncate)."""
+    import dataclasses
+
+    from torchtitan_lite.rl.grpo import rows_logps
+
+    family = "llama3"
+    write_chat_tokenizer(tmp_path / "tok", family)
+    model = _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
+    runner = MicroBatchRunner(model, device=torch.device("cpu"))
+    lines = [json.loads(line) for line in _random_rollouts(tmp_path / "r.jsonl", 2, seed=3).read_text().splitlines()]
+    for row in lines:  # long completions (up to 30 tokens), so that some weights pass the cap
+        row["completion_ids"] = [ids + [7] * (4 * k) for k, ids in enumerate(row["completion_ids"])]
+    base = GRPOSetup(num_generations=GENERATIONS, max_completion_length=40, given=True, importance_sampling="none")
+
+    def objective(setup: GRPOSetup) -> GRPOObjective:
+        return GRPOObjective(setup, engine=None, rewards=[], reference=None, ranks=1, group=None,
+                             global_completions=2 * GENERATIONS, local_batch_size=4, seq_len=80, vocab_size=512,
+                             pad_id=0, stop_ids=(0,), decode=None, seed=0, dp_rank=0)
+
+    plain = objective(base)
+    rows = _as_prompt_rows(lines)
+    uncorrected = float(plain.forward_backward(runner, [rows]).loss_sum[0])
+    made = plain.rollouts
+    policy = rows_logps(runner, made.inputs, made.labels, local_batch_size=4)
+    counted = made.labels != -100
+
+    def with_logprobs(shift: float) -> list[PromptRow]:
+        per_completion = [policy[i][counted[i]].tolist() for i in range(len(policy))]
+        out = []
+        for g, row in enumerate(rows):
+            group = per_completion[g * GENERATIONS:(g + 1) * GENERATIONS]
+            out.append(dataclasses.replace(row, logprobs=[[v - shift for v in lp] for lp in group]))
+        return out
+
+    same = objective(dataclasses.replace(base, importance_sampling="sequence_truncate"))
+    assert float(same.forward_backward(runner, [with_logprobs(0.0)]).loss_sum[0]) == pytest.approx(uncorrected,
+                                                                                                    abs=1e-6)
+    assert torch.allclose(same.rollouts.weight, torch.ones_like(same.rollouts.weight), atol=1e-5)
+    tokens = counted.sum(dim=1, keepdim=True).float()
+    expected = torch.exp(0.08 * tokens)
+    assert expected.max() > 3 > expected.min()  # (some above the cap, some below)
+    for mode, want in (("sequence_truncate", expected.clamp(max=3.0)),
+                       ("sequence_mask", expected.masked_fill(expected > 3.0, 0.0)),
+                       ("token_truncate", torch.where(counted, torch.exp(torch.tensor(0.08)), torch.ones(())))):
+        weighed = objective(dataclasses.replace(base, importance_sampling=mode))
+        weighed.forward_backward(runner, [with_logprobs(0.08)])
+        assert torch.allclose(weighed.rollouts.weight, want, rtol=1e-4), mode

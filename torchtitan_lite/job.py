@@ -474,6 +474,8 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
              "expected a number > 0, or unset (epsilon)")
     _require(g.beta >= 0, "grpo.beta", g.beta, "expected a number >= 0 (0: no reference model)")
     _require(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "expected an integer >= 1")
+    _require(g.importance_sampling_max > 0, "grpo.importance_sampling_max", g.importance_sampling_max,
+             "expected a number > 0")
     _require(g.generation_batch_size >= 0, "grpo.generation_batch_size", g.generation_batch_size,
              "expected an integer >= 0 (0: a step's completions at once)")
     _require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
@@ -496,7 +498,8 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
         generation_batch_size=g.generation_batch_size, reward_functions=tuple(g.reward_functions),
         reward_weights=tuple(g.reward_weights), scale_rewards=g.scale_rewards, loss_type=g.loss_type,
         epsilon=g.epsilon, epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
-        kl_bias_correction=g.kl_bias_correction,
+        kl_bias_correction=g.kl_bias_correction, importance_sampling=g.importance_sampling,
+        importance_sampling_max=g.importance_sampling_max,
         reference=reference, num_iterations=g.num_iterations, mask_truncated_completions=g.mask_truncated_completions,
         given=g.rollouts_path is not None)
 

@@ -471,6 +471,14 @@ class GRPO:
     importance ratio to the policy that sampled it."""
     mask_truncated_completions: bool = False
     """Leave truncated completions (no EOS or stop string within max_completion_length) out of the loss."""
+    importance_sampling: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
+                                 "sequence_mask"] = "sequence_mask"
+    """Given rollouts with their sampling log-probabilities (another engine's): weigh each token's policy loss
+    by the ratio of the trainer's probability to the sampler's (TRL's vLLM correction), per token or per
+    completion (the product over its tokens), truncated at importance_sampling_max or, for the mask modes,
+    zero where above it; none: no correction. Rollouts without log-probabilities are not weighed."""
+    importance_sampling_max: float = 3.0
+    """The ratio's cap (truncate) or the largest ratio kept (mask)."""
     rollouts_path: str | None = None
     """Train on rollouts made elsewhere instead of generating: JSON lines, one prompt group a row (prompt or
     prompt_ids, completions or completion_ids, rewards, optionally logprobs; docs/rl.md)."""

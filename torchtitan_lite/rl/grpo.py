@@ -45,7 +45,7 @@ from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "RowsLoss", "aggregate",
            "completion_rows", "generation_seed", "group_advantages", "policy_losses", "rows_backward", "rows_logps",
-           "token_logps"]
+           "sampling_weights", "token_logps"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -77,6 +77,8 @@ class GRPOSetup:
     """With ``beta`` > 0: ``adapters_off`` or ``copy`` (as DPO's)."""
     num_iterations: int = 1
     mask_truncated_completions: bool = False
+    importance_sampling: str = "sequence_mask"
+    importance_sampling_max: float = 3.0
     given: bool = False
     """The completions come from ``grpo.rollouts_path`` (nothing is generated)."""
 
@@ -138,9 +140,12 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: floa
 
 
 def policy_losses(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, setup: GRPOSetup,
-                  ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  ref: torch.Tensor | None = None,
+                  weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token losses ``(rows, seq)`` of :data:`LOSS_TYPES` (the module's text) and, per token,
-    the KL estimate and whether the ratio was clipped low, high or at all (cispo: capped)."""
+    the KL estimate and whether the ratio was clipped low, high or at all (cispo: capped).
+    ``weight``: the sampler's importance correction of the policy loss (:func:`sampling_weights`),
+    before the KL term is added."""
     ratio = torch.exp(logp - old)
     a = advantages.unsqueeze(1)
     parts: dict[str, torch.Tensor] = {}
@@ -154,6 +159,8 @@ def policy_losses(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tenso
         parts["clip_low"] = ((ratio < 1 - setup.epsilon) & (a < 0)).float()
         parts["clip_high"] = ((ratio > 1 + setup.epsilon_high) & (a > 0)).float()
     parts["clip_region"] = ((parts["clip_low"] + parts["clip_high"]) > 0).float()
+    if weight is not None:
+        loss = loss * weight
     if setup.beta and ref is not None:
         kl = torch.exp(ref - logp) - (ref - logp) - 1
         if setup.kl_bias_correction:
@@ -161,6 +168,21 @@ def policy_losses(logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tenso
         loss = loss + setup.beta * kl
         parts["kl"] = kl.detach()
     return loss, parts
+
+
+def sampling_weights(policy: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, *, mode: str,
+                     cap: float) -> torch.Tensor:
+    """The importance correction of rollouts sampled by another engine (TRL's for vLLM): the
+    ratio of the trainer's probability (``policy``, the log-probabilities at rollout time) to the
+    sampler's (``sampling``), per token, or per completion (``sequence_*``: the product over its
+    counted tokens, ``mask``), then truncated at ``cap`` or (``*_mask``) zero where above it;
+    ``(rows, seq)`` or ``(rows, 1)``. A token the sampler gave no log-probability (NaN) counts 1."""
+    diff = torch.nan_to_num((policy - sampling) * mask, nan=0.0)
+    log_ratio = diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, setup: GRPOSetup, *, completions: int,
@@ -270,6 +292,8 @@ class Rollouts:
     """The sampling policy's log-probabilities (``num_iterations`` > 1), ``(completions, seq_len)``."""
     ref: torch.Tensor | None = None
     """The reference's log-probabilities (``beta`` > 0)."""
+    weight: torch.Tensor | None = None
+    """The sampler's importance correction (:func:`sampling_weights`; given log-probabilities)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The rollouts' metrics (rewards, lengths, generation time), the same on every rank."""
     uses_left: int = 0
@@ -394,14 +418,31 @@ class GRPOObjective:
             metrics["generation_time_s"] = float(seconds.item())
             metrics["generation_tokens_per_s"] = generated / max(float(seconds.item()), 1e-9)
         rollouts = Rollouts(inputs, labels, advantages, metrics=metrics, uses_left=s.num_iterations)
+        sampling = self._sampling_logps(prompts, labels) if s.importance_sampling != "none" else None
         with torch.no_grad():
-            if s.num_iterations > 1:
+            if s.num_iterations > 1 or sampling is not None:
                 rollouts.old = self._logps(runner, rollouts, None)
+            if sampling is not None:
+                assert rollouts.old is not None
+                rollouts.weight = sampling_weights(rollouts.old, sampling, (labels != IGNORE_INDEX).float(),
+                                                   mode=s.importance_sampling, cap=s.importance_sampling_max)
             if s.beta:
                 with as_reference(runner.model, self.reference) as reference:
                     rollouts.ref = self._logps(runner, rollouts, reference)
         self.batches_made += 1
         return rollouts
+
+    def _sampling_logps(self, prompts: list[PromptRow], labels: torch.Tensor) -> torch.Tensor | None:
+        """The given rollouts' sampling log-probabilities laid out as ``labels`` (None when a row has none)."""
+        if not all(row.logprobs is not None for row in prompts):
+            return None
+        out = torch.zeros(labels.shape, dtype=torch.float32)
+        given = [lp for row in prompts for lp in row.logprobs or []]
+        for i, values in enumerate(given):
+            positions = (labels[i] != IGNORE_INDEX).nonzero().flatten()
+            count = min(len(positions), len(values))
+            out[i, positions[:count]] = torch.tensor([float("nan") if v is None else v for v in values[:count]])
+        return out
 
     def _rows(self, prompts: list[PromptRow], completions: list[list[int]]
               ) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
@@ -439,7 +480,8 @@ class GRPOObjective:
             mask = (labels != IGNORE_INDEX).float()
             old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
             ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
-            loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), s, ref)
+            weight = None if rollouts.weight is None else rollouts.weight[part].to(device)
+            loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), s, ref, weight)
             for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
                                        stats["clip_region"])):
                 if value is not None:
@@ -476,7 +518,7 @@ class GRPOObjective:
             held = {"width": width, "metrics": dict(r.metrics), "uses_left": r.uses_left,
                     **{name: None if t is None else _packed(t if t.dim() == 1 else t[:, :width])
                        for name, t in (("inputs", r.inputs), ("labels", r.labels), ("advantages", r.advantages),
-                                       ("old", r.old), ("ref", r.ref))}}
+                                       ("old", r.old), ("ref", r.ref), ("weight", r.weight))}}
         return {"batches_made": self.batches_made, "rollouts": held}
 
     def load_state_dict(self, state: dict[str, Any], *, same_ranks: bool = True) -> None:
@@ -506,7 +548,11 @@ class GRPOObjective:
         labels = wide("labels", IGNORE_INDEX)
         inputs, advantages = wide("inputs", self.pad_id), wide("advantages", 0.0)
         assert labels is not None and inputs is not None and advantages is not None
+        weight = held.get("weight")  # (per completion: (rows, 1); per token: cut like the rows)
+        if weight is not None:
+            weight = _unpacked(weight) if weight["shape"][-1] == 1 else wide("weight", 1.0)
         self.rollouts = Rollouts(inputs, labels, advantages, old=wide("old", 0.0), ref=wide("ref", 0.0),
+                                 weight=weight,
                                  metrics=dict(held["metrics"]), uses_left=int(held["uses_left"]))
 
 
