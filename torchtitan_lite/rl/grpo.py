@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,7 @@ from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "RowsLoss", "aggregate",
            "completion_rows", "generation_seed", "group_advantages", "policy_losses", "rows_backward", "rows_logps",
-           "sampling_weights", "token_logps"]
+           "sampling_weights", "score_completions", "token_logps", "weighted_rewards"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -238,6 +238,31 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
     return total
 
 
+def score_completions(functions: list[tuple[str, RewardFunction]], prompts: list[PromptRow],
+                      completions: list[list[int]], *, num_generations: int, decode: Callable[[list[int]], str],
+                      max_completion_length: int) -> torch.Tensor:
+    """Every reward function's reward of each completion, ``(completions, functions)`` fp32 (NaN:
+    None), with TRL's arguments (:mod:`torchtitan_lite.rl.rewards`): ``prompts[i]`` answered by
+    ``completions[i * num_generations : (i + 1) * num_generations]``, decoded by ``decode``."""
+    repeat = [row for row in prompts for _ in range(num_generations)]
+    texts = [decode(ids) for ids in completions]
+    shown = [[{"role": "assistant", "content": t}] if row.conversational else t
+             for row, t in zip(repeat, texts, strict=True)]
+    columns = {k: [row.columns.get(k) for row in repeat] for k in sorted({k for row in prompts for k in row.columns})}
+    columns.update(completion_ids=completions, max_completion_length=max_completion_length)
+    values = [call_reward(name, fn, [row.prompt for row in repeat], shown, columns) for name, fn in functions]
+    return torch.tensor(values, dtype=torch.float32).T.reshape(len(repeat), len(values))
+
+
+def weighted_rewards(per_function: torch.Tensor, weights: Sequence[float] = ()) -> torch.Tensor:
+    """Each completion's reward: the ``weights``-weighted sum of its functions' (default 1 each),
+    NaN where none scored it (its advantage is then 0)."""
+    w = torch.tensor(list(weights) if weights else [1.0] * per_function.shape[1])
+    rewards = (per_function * w.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_function).all(dim=1)] = float("nan")
+    return rewards
+
+
 def generation_seed(seed: int, batch: int, dp_rank: int) -> int:
     """The sampling seed of rollout batch ``batch`` (from 0) on data-parallel rank ``dp_rank`` of a
     job seeded ``seed`` (``debug.seed``): every rank of one data-parallel rank (tensor parallel)
@@ -329,7 +354,7 @@ class GRPOObjective:
 
     # -- rollouts ------------------------------------------------------------------------------
 
-    def _completions(self, runner: MicroBatchRunner, prompts: list[PromptRow]) -> tuple[list[list[int]], float]:
+    def _completions(self, prompts: list[PromptRow]) -> tuple[list[list[int]], float]:
         """Each prompt's ``num_generations`` completions (given, or generated), in prompt order, and
         the seconds generation took."""
         s = self.setup
@@ -363,15 +388,8 @@ class GRPOObjective:
                 rows = [[row.rewards[i]] for row in prompts for i in range(s.num_generations)]  # type: ignore[index]
             return torch.tensor([[float("nan") if v is None else v for v in r] for r in rows],
                                 dtype=torch.float32), names
-        repeat = [row for row in prompts for _ in range(s.num_generations)]
-        texts = [self.decode(ids) for ids in completions]
-        shown = [[{"role": "assistant", "content": t}] if row.conversational else t for row, t in zip(repeat, texts,
-                                                                                                     strict=True)]
-        keys = sorted({k for row in prompts for k in row.columns})
-        columns = {k: [row.columns.get(k) for row in repeat] for k in keys}
-        columns.update(completion_ids=completions, max_completion_length=s.max_completion_length)
-        values = [call_reward(name, fn, [row.prompt for row in repeat], shown, columns) for name, fn in self.rewards]
-        return torch.tensor(values, dtype=torch.float32).T.reshape(len(repeat), len(values)), \
+        return score_completions(self.rewards, prompts, completions, num_generations=s.num_generations,
+                                 decode=self.decode, max_completion_length=s.max_completion_length), \
             [name for name, _ in self.rewards]
 
     def _gather(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -385,14 +403,10 @@ class GRPOObjective:
     def make_rollouts(self, runner: MicroBatchRunner, prompts: list[PromptRow]) -> Rollouts:
         """Answer, score and lay out this rank's ``prompts`` (module's text); the metrics over all ranks."""
         s = self.setup
-        completions, generation_s = self._completions(runner, prompts)
+        completions, generation_s = self._completions(prompts)
         per_function, names = self._rewards(prompts, completions)
-        weights = torch.tensor(list(s.reward_weights) if s.reward_weights else [1.0] * len(names))
-        if len(weights) != len(names):
-            weights = torch.ones(len(names))
-        unscorable = torch.isnan(per_function).all(dim=1)
-        rewards = (per_function * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = float("nan")
+        weights = s.reward_weights if len(s.reward_weights) == len(names) else ()
+        rewards = weighted_rewards(per_function, weights)
         device = runner.device
         all_rewards = self._gather(rewards, device)
         advantages, std_zero = group_advantages(rewards, s.num_generations, s.scale_rewards,
