@@ -463,3 +463,18 @@ def test_given_sampling_logprobs_weigh_the_policy_loss_as_trl_corrects_vllm(tmp_
         weighed = objective(dataclasses.replace(base, importance_sampling=mode))
         weighed.forward_backward(runner, [with_logprobs(0.08)])
         assert torch.allclose(weighed.rollouts.weight, want, rtol=1e-4), mode
+
+
+def test_given_rewards_of_another_number_of_functions_than_the_weights_is_one_line() -> None:
+    """A rollouts row's rewards table of 2 functions with 3 grpo.reward_weights: one line naming both."""
+    from torchtitan_lite.errors import DataError
+
+    rows = [PromptRow(0, np.asarray([3, 4]), None, False, {}, [[5], [6]], {"a": [1.0, 0.0], "b": [0.0, 1.0]})]
+    setup = GRPOSetup(num_generations=2, max_completion_length=4, given=True, reward_weights=(1.0, 1.0, 1.0))
+    objective = GRPOObjective(setup, engine=None, rewards=[], reference=None, ranks=1, group=None,
+                              global_completions=2, local_batch_size=2, seq_len=8, vocab_size=16, pad_id=0,
+                              stop_ids=(0,), decode=None, seed=0, dp_rank=0)
+    runner = MicroBatchRunner(torch.nn.Linear(1, 1), device=torch.device("cpu"))
+    with pytest.raises(DataError, match=r"^grpo.reward_weights: invalid value \[1.0, 1.0, 1.0\]; the rollouts' "
+                                        r"rewards are of 2 function\(s\) \(a, b\): expected one weight each, or none$"):
+        objective.make_rollouts(runner, rows)

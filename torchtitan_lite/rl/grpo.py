@@ -405,8 +405,10 @@ class GRPOObjective:
         s = self.setup
         completions, generation_s = self._completions(prompts)
         per_function, names = self._rewards(prompts, completions)
-        weights = s.reward_weights if len(s.reward_weights) == len(names) else ()
-        rewards = weighted_rewards(per_function, weights)
+        if s.reward_weights and len(s.reward_weights) != len(names):
+            raise DataError(f"grpo.reward_weights: invalid value {list(s.reward_weights)}; the rollouts' rewards "
+                            f"are of {len(names)} function(s) ({', '.join(names)}): expected one weight each, or none")
+        rewards = weighted_rewards(per_function, s.reward_weights)
         device = runner.device
         all_rewards = self._gather(rewards, device)
         advantages, std_zero = group_advantages(rewards, s.num_generations, s.scale_rewards,
