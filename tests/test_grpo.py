@@ -203,6 +203,12 @@ def test_shipped_rewards_check_answers_format_and_length() -> None:
     assert accuracy(None, completions, answer=["1234", "42", "7", "3", "x"]) == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert accuracy(None, completions[:2], answer_pattern=["1,?234\\.?", "4\\d"]) == [1.0, 1.0]
     assert accuracy(None, [[{"role": "assistant", "content": "5"}]], answer=[None]) == [None]
+    # what published datasets hold: GSM8K's worked answer ending "#### 72"; TRL's "solution" column,
+    # a final answer (DeepMath) or a worked solution with a boxed one (NuminaMath)
+    gsm8k = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert accuracy(None, ["She sold 72 clips. #### 72", "#### 24"], answer=[gsm8k] * 2) == [1.0, 0.0]
+    assert accuracy(None, ["\\boxed{\\frac{1}{3}}", "\\boxed{3}"], solution=["\\frac{1}{3}"] * 2) == [1.0, 0.0]
+    assert accuracy(None, ["so \\boxed{2}", "4"], solution=["Hence $x = 2$: \\boxed{2}."] * 2) == [1.0, 0.0]
     assert format_reward(None, ["<think>a</think> b", "<think>a</think><think>", "b"]) == [1.0, 0.0, 0.0]
     assert length_penalty(None, [""] * 3, completion_ids=[[0] * 6, [0] * 7, [0] * 8],
                           max_completion_length=8) == [0.0, -0.5, -1.0]

@@ -35,7 +35,7 @@ from torchtitan_lite.distributed.context_parallel import context_parallel_proble
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
-from torchtitan_lite.distributed.job_shape import JobShape
+from torchtitan_lite.distributed.job_shape import JobShape, RolloutShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan
@@ -321,6 +321,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
         sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
+        rollout=None if grpo is None else _rollout_shape(grpo, t.seq_len, global_batch // dims.dp_size),
         pipeline=pipeline)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
@@ -502,6 +503,15 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
         importance_sampling_max=g.importance_sampling_max,
         reference=reference, num_iterations=g.num_iterations, mask_truncated_completions=g.mask_truncated_completions,
         given=g.rollouts_path is not None)
+
+
+def _rollout_shape(g: GRPOSetup, seq_len: int, completions: int) -> RolloutShape:
+    """What a GRPO step of ``completions`` a rank (``seq_len`` tokens each) holds, for the memory estimate."""
+    return RolloutShape(
+        generation_rows=0 if g.given else min(g.generation_batch_size or completions, completions),
+        prompt_len=seq_len - g.max_completion_length, new_tokens=g.max_completion_length,
+        temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+        old_logps=g.num_iterations > 1 or (g.given and g.importance_sampling != "none"), reference=g.reference)
 
 
 def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, float8: Any, lora: Any,

@@ -21,7 +21,31 @@ from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan
 
-__all__ = ["JobShape"]
+__all__ = ["JobShape", "RolloutShape"]
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """What an online RL step (GRPO, :mod:`torchtitan_lite.rl`) holds beyond a token-loss step of
+    the same rows: its completions generated on the training model with a KV cache, the
+    log-probabilities it keeps of each completion's tokens (the sampling policy's and the
+    reference's), the reference itself, and the per-row log-softmax of its policy loss."""
+
+    generation_rows: int = 0
+    """Completions generated at once on a rank (``grpo.generation_batch_size``, or all of a step's);
+    0: none (``grpo.rollouts_path``: the completions are given)."""
+    prompt_len: int = 0
+    """The longest prompt, in tokens (``training.seq_len − grpo.max_completion_length``)."""
+    new_tokens: int = 0
+    """Tokens generated at most per completion (``grpo.max_completion_length``)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    old_logps: bool = False
+    """The sampling policy's log-probabilities are computed and kept (``grpo.num_iterations`` > 1,
+    or given sampling log-probabilities)."""
+    reference: str | None = None
+    """``copy`` (a frozen copy sharded like the model), ``adapters_off`` or None (``grpo.beta`` = 0)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,8 @@ class JobShape:
     """Preference tuning (DPO): each sample is a pair (two rows, chosen and rejected) and the
     reference is ``copy`` (a frozen copy sharded like the model) or ``adapters_off`` (LoRA's adapters
     switched off); None: not DPO."""
+    rollout: RolloutShape | None = None
+    """Online RL: each step is a GRPO step (:class:`RolloutShape`), its rows completions; None: not RL."""
     pipeline: PipelinePlan | None = None
     """Pipeline parallel: the stages and the schedule; each rank builds its pipeline coordinate's
     stages only (None: no pipeline)."""

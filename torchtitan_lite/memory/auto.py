@@ -259,7 +259,9 @@ def plan_auto_reshard(
     gathered parameters (what resharding frees, the headroom, the re-gather's cost) hold
     ``1 / expert_parallel`` of its experts; with ``tensor_parallel`` above 1, ``1 /
     tensor_parallel`` of its other parameters (the data-parallel ranks are the world's over
-    ``tensor_parallel``).
+    ``tensor_parallel``). With online RL (``rollout``) each estimate is of a GRPO step, its
+    generation included: resharding a unit also frees it between decode steps, but nothing here
+    shrinks the KV cache (``grpo.generation_batch_size`` does).
     """
     shape = modelled((shape or JobShape()).replace(**fields))
     check_arguments(shape.replace(reshard_after_forward_mode="never"), args)
@@ -626,15 +628,18 @@ def plan_here(spec: ModelSpec, args: Any, *, budget_bytes: int, count_offloaded:
         if peak(plan(k)) > limit:  # only when k is every action: nothing fits
             source = f" ({budget_source})" if budget_source else ""
             stages = f"pipeline rank {pipeline_rank}'s stages: " if pipeline is not None else ""
+            generating = _compared(estimates[plan(k)], count_offloaded)[1] == "generation"
             raise ValueError(
                 f"parallelism.memory_budget_gib: {stages}the estimated peak is {size_text(peak(plan(k)))} per rank "
+                + ("in generation (its KV cache), " if generating else "")
                 + (f"even with every block fully recomputed ({pipeline.schedule} keeps every unit gathered)"
                    if splits and pipeline is not None else
                    "even with every unit resharded after forward and every block fully recomputed")
                 + (" and every unit offloaded to CPU" if choose_offload else "") + ", plus "
                 f"{size_text(headroom)} of headroom for a collective buffer: above the budget of "
                 f"{size_text(budget_bytes)}{source}; allow more memory, or need less (smaller "
-                "training.local_batch_size or seq_len, bf16 mixed precision, "
+                + ("grpo.generation_batch_size, " if generating else "")
+                + "training.local_batch_size or seq_len, bf16 mixed precision, "
                 + ("more ranks)" if choose_offload else "parallelism.cpu_offload = 'auto', more ranks)"))
     chosen = plan(k)
     cost = sum(a.cost for a in actions[:k])

@@ -42,6 +42,7 @@ from torchtitan_lite.memory.estimate import (
     estimate_stages,
     job_estimate_shape,
     not_modelled,
+    size_text,
     where_text,
 )
 from torchtitan_lite.models import get_model_spec
@@ -505,7 +506,7 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
     for absent in _data_not_here(config):
         print(absent)
     batch = (f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
-             else f"{t.local_batch_size}")
+             else f"{t.local_batch_size} completions" if plan.grpo is not None else f"{t.local_batch_size}")
     accum = plan.shape.grad_accum_steps
     print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
@@ -522,6 +523,26 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
               + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
                  else "a frozen copy sharded like the model (its shards counted as sharded params)"))
 
+    if plan.grpo is not None:
+        print(_grpo_text(plan))
+
+
+def _grpo_text(plan: JobPlan) -> str:
+    """The line describing an online RL job's step, as the estimate runs it."""
+    g, r = plan.grpo, plan.shape.rollout
+    assert g is not None and r is not None
+    made = ("its completions given (grpo.rollouts_path: nothing generated)" if not r.generation_rows else
+            f"{r.generation_rows} completions generated at once per rank on the training model, through a KV cache "
+            f"of {r.prompt_len} + {r.new_tokens} positions (the longest prompt: training.seq_len − "
+            "grpo.max_completion_length)")
+    kept = [name for name, on in (("the sampling policy's", r.old_logps), ("the reference's", bool(r.reference))) if on]
+    reference = {"copy": "; the reference is a frozen copy sharded like the model (its shards counted as sharded "
+                         "params)", "adapters_off": "; the reference is the policy with its LoRA adapters off"}
+    return (f"online RL (GRPO, {g.loss_type}): {made}"
+            + (f"; {' and '.join(kept)} log-probabilities of them kept for the step" if kept else "")
+            + reference.get(r.reference or "", "")
+            + "; then the policy step, each row's log-softmax at the sampling temperature")
+
 
 def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: str) -> list[str]:
     """The lines below the table."""
@@ -530,6 +551,14 @@ def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: st
     if plan.shape.cpu_offload is not False:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
+    if plan.shape.rollout is not None and plan.shape.rollout.generation_rows:
+        mode = str(plan.shape.reshard_after_forward_mode)
+        configured = next((e for e in done.estimates if _label(e.reshard_after_forward_mode) == mode),
+                          done.estimates[0])
+        notes.append(f"online RL: the KV cache of a generation batch is {size_text(configured.kv_cache)} per rank; "
+                     f"generation peaks at {size_text(configured.generation_peak)} (configured mode), in the peaks "
+                     "above where it is the highest ('generation' in the where column: a smaller "
+                     "grpo.generation_batch_size lowers it, resharding and checkpointing do not)")
     notes += not_modelled(config, plan)
     notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
                  "communication buffers are not included")

@@ -52,7 +52,7 @@ from torchtitan_lite.distributed.fsdp import (
     unit_offload,
     validate_reshard_after_forward_mode,
 )
-from torchtitan_lite.distributed.job_shape import JobShape
+from torchtitan_lite.distributed.job_shape import JobShape, RolloutShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
@@ -148,6 +148,11 @@ class MemoryEstimate:
     """With pipeline parallel: the pipeline rank (coordinate) whose stages these figures are of."""
     pipeline_degree: int = 1
     """Pipeline ranks (1: no pipeline)."""
+    kv_cache: int = 0
+    """Online RL: the KV cache of one generation batch (included in the peaks); 0 otherwise."""
+    generation_peak: int = 0
+    """Online RL: the highest device total while the completions are generated (the KV cache
+    included); 0 otherwise."""
 
     def fits(self, device_bytes: int | float) -> bool:
         """Whether the device peak fits in ``device_bytes`` of accelerator memory (tensor bytes
@@ -396,6 +401,8 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             self.cpu_peak = 0
             self.grads_seen = -1  # the sharded-gradient total when the offloaded bytes were last read
             self.on_cpu = 0
+            self.generating = False  # (online RL: its completions are being generated)
+            self.generation_peak = 0
 
         def where(self) -> tuple[str, str]:
             # Module names are qualified by the root's class name: "Transformer.layers.3.attention".
@@ -404,6 +411,8 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             module = innermost.partition(".")[2]
             if self._in_opt:
                 return "optimizer", ""
+            if self.generating:
+                return "generation", module
             if self._mod_tracker.is_bw:
                 # Inside no block and no unit (at most the root): the loss's and logits' backward.
                 return "backward", module or "loss"
@@ -423,6 +432,8 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             on_cpu = self.on_cpu
             if total > self.total_peak[0]:
                 self.total_peak = (total, *self.where(), self.categories())
+            if self.generating:
+                self.generation_peak = max(self.generation_peak, total - on_cpu)
             if total - on_cpu > self.device_peak[0]:
                 self.device_peak = (total - on_cpu, *self.where(), self.categories())
             self.cpu_peak = max(self.cpu_peak, on_cpu)
@@ -537,10 +548,12 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         unit_list = built.units
         if shape.device_type == "cpu":
             _gloo_all_gathers(model)
-        # DPO: every sample is a pair of rows; a frozen reference copy is built like the model.
+        # DPO: every sample is a pair of rows; DPO's or online RL's frozen reference copy is built
+        # like the model.
         rows = local_batch_size * (2 if shape.dpo_reference is not None else 1)
+        rollout = shape.rollout
         reference = None
-        if shape.dpo_reference == "copy":
+        if (shape.dpo_reference or (rollout.reference if rollout is not None else None)) == "copy":
             reference = spec.meta_model(args)
             parallelize(spec, reference, mesh, shape, device=device)
             reference.requires_grad_(False)
@@ -570,12 +583,19 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             # auto's estimates was a sixth of their time (the estimates are the same).
             kernels = attention_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
             with GarbageCollection(generation=0), tracker, kernels:
+                if reference is not None:  # (the tracker counts a tensor from the first op on it: the
+                    for param in reference.parameters():  # copy's shards from the step's start)
+                        _local(param).view(-1)
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 if pipeline is not None:
                     _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,
                                    seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank,
                                    sequence_shards=dims.tp)
-                for _ in range(micro_batches if pipeline is None else 0):
+                kv_cache = 0
+                if rollout is not None:
+                    kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=local_len,
+                                  micro_batches=micro_batches, grad_accum_steps=grad_accum_steps, device=device)
+                for _ in range(micro_batches if pipeline is None and rollout is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
@@ -597,6 +617,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             total, phase, module, categories = tracker.total_peak
             device_total, device_phase, device_module, device_categories = tracker.device_peak
             cpu_peak = tracker.cpu_peak if offloaded is not None else 0
+            generation_peak = tracker.generation_peak
             if reference_bytes:
                 # The tracker counts the copy's shards from its first forward on, among the
                 # activations (they are not the tracked model's): reported as sharded parameters.
@@ -613,8 +634,77 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         device_peak=device_total, device_peak_phase=device_phase,
         device_peak_module=device_module, device_categories=device_categories,
         cpu_peak=cpu_peak, state=state, seconds=time.perf_counter() - start,
-        pipeline_rank=pp_rank, pipeline_degree=dims.pp,
+        pipeline_rank=pp_rank, pipeline_degree=dims.pp, kv_cache=kv_cache, generation_peak=generation_peak,
     )
+
+
+def _rollout_step(model: torch.nn.Module, reference: torch.nn.Module | None, rollout: RolloutShape, tracker: Any, *,
+                  rows: int, seq_len: int, micro_batches: int, grad_accum_steps: int, device: torch.device) -> int:
+    """The forwards and backwards of an online RL step (:class:`~torchtitan_lite.rl.grpo.GRPOObjective`'s,
+    generating its completions) on fake tensors, through the functions the step runs:
+
+    - the last batch's rollouts (its rows and kept log-probabilities) are held until the new ones
+      replace them;
+    - generation (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`): the prefill of
+      ``generation_rows`` prompts of ``prompt_len`` tokens into a KV cache with room for
+      ``new_tokens`` more, a draw of the next tokens, one decode step (every later step holds the
+      same: the cache is allocated whole at its first write);
+    - without gradients, the sampling policy's and the reference's log-probabilities of the
+      completions (:func:`~torchtitan_lite.rl.grpo.rows_logps`), kept for the step;
+    - the policy step (:func:`~torchtitan_lite.rl.grpo.policy_backward`): per micro-batch of
+      ``rows`` completions, the per-row log-softmax of the logits at the sampling temperature,
+      the clipped objective and its backward.
+
+    At most ``micro_batches`` (two) of the ``grad_accum_steps`` micro-batches run; the rollouts
+    held are the whole step's. Returns the KV cache's bytes."""
+    from torchtitan_lite.rl.grpo import GRPOSetup, Rollouts, policy_backward, rows_logps
+    from torchtitan_lite.rl.rollout import DecoderRollouts, SamplingParams, generation_mode, sample_tokens
+    from torchtitan_lite.training.runner import MicroBatchRunner
+
+    completions, run = rows * grad_accum_steps, rows * micro_batches
+    setup = GRPOSetup(max_completion_length=rollout.new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                      top_k=rollout.top_k, beta=0.04 if rollout.reference else 0.0, reference=rollout.reference)
+    runner = MicroBatchRunner(model, device=device)
+
+    def held(old: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> Rollouts:
+        tokens = torch.zeros(completions, seq_len, dtype=torch.long, device=device)
+        return Rollouts(tokens, torch.zeros_like(tokens), torch.zeros(completions, device=device), old, ref)
+
+    def logps(model_: torch.nn.Module | None, rollouts: Rollouts) -> torch.Tensor:
+        part = rows_logps(runner, rollouts.inputs[:run], rollouts.labels[:run], local_batch_size=rows,
+                          temperature=setup.logit_temperature, model=model_)
+        return torch.cat([part, part.new_zeros(completions - run, seq_len)])
+
+    kept = (completions, seq_len)
+    previous = held(torch.zeros(kept, device=device) if rollout.old_logps else None,
+                    torch.zeros(kept, device=device) if rollout.reference else None)
+    kv_cache = 0
+    if rollout.generation_rows:
+        params = SamplingParams(max_new_tokens=rollout.new_tokens, temperature=rollout.temperature,
+                                top_p=rollout.top_p, top_k=rollout.top_k)
+        engine = DecoderRollouts(model, device=device, pad_id=0)
+        tracker.generating = True
+        with generation_mode(model):
+            logits, cache = engine.prefill([[0] * rollout.prompt_len] * rollout.generation_rows, rollout.new_tokens)
+            tokens, _ = sample_tokens(logits, params, None)
+            engine.next_logits(tokens[:, None], cache)
+            kv_cache = cache.nbytes
+            del logits, cache, tokens
+        tracker.generating = False
+    rollouts = held()
+    with torch.no_grad():
+        if rollout.old_logps:
+            rollouts.old = logps(None, rollouts)
+        if rollout.reference:
+            with as_reference(model, reference) as ref:
+                rollouts.ref = logps(ref, rollouts)
+    del previous
+    part = Rollouts(*(t if t is None else t[:run] for t in (rollouts.inputs, rollouts.labels, rollouts.advantages,
+                                                            rollouts.old, rollouts.ref)))
+    policy_backward(runner, part, setup, completions=completions, tokens=float(run * seq_len), local_batch_size=rows,
+                    ranks=1)
+    del part, rollouts
+    return kv_cache
 
 
 class _GlooAllGather(AllGatherComm):
@@ -770,29 +860,11 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.model.attention_mask == "block_causal":
         lines.append("model.attention_mask = 'block_causal' is not modelled: off CUDA its dense mask adds "
                      "local_batch_size × seq_len² bytes per forward")
-    if plan.grpo is not None:
-        lines.append(_grpo_not_modelled(config, plan))
     if plan.dims.cp > 1 and plan.shape.device_type == "cuda":
         lines.append("context parallel's BlockMask is built once per forward from a dense mask of its queries "
                      "over the whole sequence (local_batch_size × seq_len² / context_parallel_degree bytes, "
                      "freed at once), which is not modelled")
     return lines
-
-
-def _grpo_not_modelled(config: JobConfig, plan: JobPlan) -> str:
-    """The line for an online RL job: what its step holds beyond a token-loss step of the same rows."""
-    g, args, t = plan.grpo, plan.model_args, config.training
-    assert g is not None
-    rows = g.generation_batch_size or plan.global_batch_size // plan.dims.dp_size
-    kv_heads, head_dim = getattr(args, "kv_heads", None), getattr(args, "head_dim", None)
-    cache = ""
-    if kv_heads and head_dim and getattr(args, "attention_cls", None) is None:
-        width = max(kv_heads // plan.dims.tp, 1) * head_dim
-        nbytes = args.n_layers * 2 * rows * width * t.seq_len * plan.shape.param_dtype.itemsize
-        cache = f" (its KV cache: {size_text(nbytes)} per rank for {rows} completions of up to {t.seq_len} tokens)"
-    reference = " and the reference's frozen copy" if g.reference == "copy" else ""
-    return ("online RL (training.dataset = 'prompts') is modelled as a token-loss step of the same rows: the "
-            f"generation{cache}{reference} and the per-row log-softmax of the policy loss are not counted yet")
 
 
 def where_text(phase: str, module: str) -> str:

@@ -225,17 +225,19 @@ def reset_peak_rss() -> None:
         fh.write("5")
 
 
-def trainer_step_peak(make_trainer: Callable[[], Any]) -> tuple[int, Any]:
+def trainer_step_peak(make_trainer: Callable[[], Any], *, warmup: int = 1) -> tuple[int, Any]:
     """:class:`AllocatorPeak` of one steady-state ``train_step`` of the trainer ``make_trainer()``
     builds (e.g. ``functools.partial(Trainer, config)``): the trainer is built inside the
-    measurement, takes one warm-up step (its optimizer state then exists) and the measured one.
-    Returns the peak in bytes and the trainer (its process group still up). For the tests and
-    benchmarks that hold the memory estimate against it."""
+    measurement, takes ``warmup`` steps (its optimizer state then exists; online RL with
+    ``grpo.num_iterations`` = μ: μ of them, so that the measured step generates) and the measured
+    one. Returns the peak in bytes and the trainer (its process group still up). For the tests
+    and benchmarks that hold the memory estimate against it."""
     from torchtitan_lite.distributed import choose_device, world_info_from_env
 
     with AllocatorPeak(choose_device(world_info_from_env()[1])) as memory:
         trainer = make_trainer()
-        trainer.train_step()
+        for _ in range(warmup):
+            trainer.train_step()
         with memory.window():
             trainer.train_step()
     return memory.peak, trainer

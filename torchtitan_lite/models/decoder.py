@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 import torchtitan_lite.models.init as init
@@ -261,6 +262,11 @@ class KVCache:
         self._start = self.length
         self.length += seq_len
         return positions
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every layer's keys and values written so far (each allocated whole at its first write)."""
+        return sum(t.numel() * t.element_size() for d in (self._keys, self._values) for t in d.values())
 
     def layer(self, key: str) -> CachedAttention:
         """What layer ``key``'s attention takes in place of a mask (see :func:`attend`)."""
@@ -514,7 +520,8 @@ class Decoder(nn.Module):
             raise ValueError(f"generation under sequence parallel: {what} is not a multiple of the "
                              f"{self.sequence_shards} ranks the sequence is split over")
         positions = cache.step(seq_len)
-        if int(positions.max()) >= self.freqs_cis.shape[0]:
+        # (a memory estimate's positions are fake tensors: shapes without values to check)
+        if not isinstance(positions, FakeTensor) and int(positions.max()) >= self.freqs_cis.shape[0]:
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len {self.args.max_seq_len}")
         if decoding:  # the rows as one sequence
             tokens, positions = tokens.reshape(1, bs), positions.reshape(1, bs)

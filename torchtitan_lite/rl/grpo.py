@@ -44,8 +44,8 @@ from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "SCALES", "GRPOObjective", "GRPOSetup", "Rollouts", "RowsLoss", "aggregate",
-           "completion_rows", "generation_seed", "group_advantages", "policy_losses", "rows_backward", "rows_logps",
-           "sampling_weights", "score_completions", "token_logps", "weighted_rewards"]
+           "completion_rows", "generation_seed", "group_advantages", "policy_backward", "policy_losses",
+           "rows_backward", "rows_logps", "sampling_weights", "score_completions", "token_logps", "weighted_rewards"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -325,6 +325,34 @@ class Rollouts:
     """Steps still to take on them (``num_iterations``)."""
 
 
+def policy_backward(runner: MicroBatchRunner, rollouts: Rollouts, setup: GRPOSetup, *, completions: int,
+                    tokens: float, local_batch_size: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One policy step's forward and backward on this rank's ``rollouts`` (the loss of
+    :data:`LOSS_TYPES` over a global batch of ``completions`` completions and ``tokens`` counted
+    tokens; ``local_batch_size`` rows per micro-batch; ``ranks`` as :func:`rows_backward`'s).
+    Returns this rank's loss sum, fp64 ``(1,)``, and its token sums of the KL, entropy, clipped
+    low, high, region and the counted tokens, fp64 ``(6,)`` (what the metrics all-reduce)."""
+    device = runner.device
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def loss_fn(part: slice, logp: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        mask = (labels != IGNORE_INDEX).float()
+        old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
+        ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
+        weight = None if rollouts.weight is None else rollouts.weight[part].to(device)
+        loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), setup, ref, weight)
+        for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
+                                   stats["clip_region"])):
+            if value is not None:
+                sums[i] += (value * mask).sum().double()
+        sums[5] += mask.sum().double()
+        return aggregate(loss, mask, setup, completions=completions, tokens=tokens)
+
+    loss_sum = rows_backward(runner, rollouts.inputs, rollouts.labels, loss_fn, local_batch_size=local_batch_size,
+                             ranks=ranks, temperature=setup.logit_temperature)
+    return loss_sum, sums
+
+
 class GRPOObjective:
     """GRPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`) over prompts.
 
@@ -488,26 +516,9 @@ class GRPOObjective:
         totals = torch.tensor([float((rollouts.labels != IGNORE_INDEX).sum())], dtype=torch.float64, device=device)
         if dist.is_initialized() and self.ranks > 1:
             dist.all_reduce(totals, group=self.group)
-        global_tokens = max(float(totals.item()), 1.0)
-        # token sums: KL, entropy, clipped low, high, region; then the counted tokens
-        sums = torch.zeros(6, dtype=torch.float64, device=device)
-
-        def loss_fn(part: slice, logp: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            mask = (labels != IGNORE_INDEX).float()
-            old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
-            ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
-            weight = None if rollouts.weight is None else rollouts.weight[part].to(device)
-            loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), s, ref, weight)
-            for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
-                                       stats["clip_region"])):
-                if value is not None:
-                    sums[i] += (value * mask).sum().double()
-            sums[5] += mask.sum().double()
-            return aggregate(loss, mask, s, completions=self.global_completions, tokens=global_tokens)
-
-        loss_sum = rows_backward(runner, rollouts.inputs, rollouts.labels, loss_fn,
-                                 local_batch_size=self.local_batch_size, ranks=self.ranks,
-                                 temperature=s.logit_temperature)
+        loss_sum, sums = policy_backward(runner, rollouts, s, completions=self.global_completions,
+                                         tokens=max(float(totals.item()), 1.0), local_batch_size=self.local_batch_size,
+                                         ranks=self.ranks)
         if dist.is_initialized() and self.ranks > 1:
             dist.all_reduce(sums, group=self.group)
         tokens = max(float(sums[5]), 1.0)

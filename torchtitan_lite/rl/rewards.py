@@ -9,11 +9,13 @@ entry per completion), with ``completion_ids`` (each completion's token ids) and
 
 Shipped, by name (``grpo.reward_functions``):
 
-- ``accuracy``: 1.0 when the completion's final answer equals the row's ``answer`` (after
-  trimming spaces, a trailing period and thousands separators), else 0.0; with an
-  ``answer_pattern`` column, 1.0 when that regular expression matches the final answer. The final
-  answer is the last ``\\boxed{…}``, else what follows the last ``####``, else the last
-  ``<answer>…</answer>``, else the last number of the text. None for a row without either column.
+- ``accuracy``: 1.0 when the completion's final answer equals the row's ``answer`` (or
+  ``solution``, TRL's name; after trimming spaces, a trailing period and thousands separators),
+  else 0.0; with an ``answer_pattern`` column, 1.0 when that regular expression matches the final
+  answer. The final answer is the last ``\\boxed{…}``, else what follows the last ``####``, else
+  the last ``<answer>…</answer>``, else the last number of the text. A worked solution as the
+  row's answer (GSM8K's text ending ``#### 72``, a solution with a ``\\boxed{…}``) counts by its
+  final answer. None for a row without any of these columns.
 - ``format``: 1.0 when the completion is ``<think>…</think>`` followed by the answer (one think
   block, at the start), else 0.0 (TRL's ``think_format_reward``).
 - ``length_penalty``: DAPO's soft overlong punishment: 0 up to ``max_completion_length`` minus a
@@ -84,10 +86,21 @@ def _normal(answer: str) -> str:
     return answer.replace(",", "") if _NUMBER.fullmatch(answer) else answer
 
 
+def _gold(answer: str) -> str:
+    """A row's answer as compared: a worked solution's final answer (its last ``\\boxed{…}``, or
+    what follows its last ``####``), else the answer as given."""
+    if "\\boxed{" in answer or "####" in answer:
+        found = final_answer(answer)
+        if found is not None:
+            return found
+    return answer
+
+
 def accuracy(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
-    """1.0 for a completion whose final answer is the row's ``answer`` (or matches its
-    ``answer_pattern``), else 0.0; None for rows with neither."""
-    answers = columns.get("answer") or [None] * len(completions)
+    """1.0 for a completion whose final answer is the row's ``answer`` or ``solution`` (a worked
+    solution: its final answer), or matches its ``answer_pattern``, else 0.0; None for rows with
+    none of them."""
+    answers = columns.get("answer") or columns.get("solution") or [None] * len(completions)
     patterns = columns.get("answer_pattern") or [None] * len(completions)
     out: list[float | None] = []
     for completion, answer, pattern in zip(completions, answers, patterns, strict=True):
@@ -95,7 +108,7 @@ def accuracy(prompts: list[Any], completions: list[Any], **columns: Any) -> list
         if pattern is not None:
             out.append(float(found is not None and re.fullmatch(str(pattern), found.strip()) is not None))
         elif answer is not None:
-            out.append(float(found is not None and _normal(found) == _normal(str(answer))))
+            out.append(float(found is not None and _normal(found) == _normal(_gold(str(answer)))))
         else:
             out.append(None)
     return out

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.models.decoder import KVCache
 
-__all__ = ["Completion", "DecoderRollouts", "RolloutEngine", "SamplingParams", "filter_logits",
+__all__ = ["Completion", "DecoderRollouts", "RolloutEngine", "SamplingParams", "filter_logits", "generation_mode",
            "sample_tokens"]
 
 
@@ -154,7 +154,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
 
 
 @contextlib.contextmanager
-def _generation_mode(model: nn.Module) -> Iterator[None]:
+def generation_mode(model: nn.Module) -> Iterator[None]:
     """Within: no gradients, every module in eval mode (each module's own mode restored after),
     compiled code run eagerly, and afterwards every FSDP unit resharded."""
     modes = [(module, module.training) for module in model.modules()]
@@ -234,7 +234,7 @@ class DecoderRollouts:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         completions: list[Completion] = []
-        with _generation_mode(self.model):
+        with generation_mode(self.model):
             for index in range(count):
                 completions += self._generate_chunk(chunks[index] if index < len(chunks) else [], params, generator)
         return completions
@@ -244,17 +244,20 @@ class DecoderRollouts:
         dist.all_reduce(tensor, op=op, group=self.group)
         return int(tensor.item())
 
-    def _logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Each row's next-token logits ``(bs, vocab)``, whole on every rank (gathered over the
-        vocabulary under loss parallel)."""
+    def next_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One forward through ``cache`` (the prompts, then one token per row): each row's
+        next-token logits ``(bs, vocab)``, whole on every rank (gathered over the vocabulary under
+        loss parallel). Inside :func:`generation_mode`."""
         logits = self.model(tokens, cache=cache)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return logits[:, -1]
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[Completion]:
-        """Complete ``prompts`` (none: padding rows only, for a rank with fewer chunks) in one batch."""
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, KVCache]:
+        """A batch's first forward: ``prompts`` (none: one padding row) left-padded (the rows to a
+        multiple of the sequence-parallel ranks, the positions too) into a :class:`KVCache` with
+        room for ``max_new_tokens`` more; the next-token logits of every row of the batch
+        (padding rows last) and the cache. Inside :func:`generation_mode`."""
         shards, pad = self.shards, self.pad_id
         rows = len(prompts)
         batch = -(-max(rows, 1) // shards) * shards
@@ -266,13 +269,20 @@ class DecoderRollouts:
             tokens[i, prompt_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             mask[i, prompt_len - len(prompt):] = True
         tokens, mask = tokens.to(self.device), mask.to(self.device)
-        cache = KVCache(mask, prompt_len + params.max_new_tokens)
+        cache = KVCache(mask, prompt_len + max_new_tokens)
+        return self.next_logits(tokens, cache), cache
+
+    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[Completion]:
+        """Complete ``prompts`` (none: padding rows only, for a rank with fewer chunks) in one batch."""
+        rows = len(prompts)
+        logits, cache = self.prefill(prompts, params.max_new_tokens)
+        batch = logits.shape[0]
         stop_ids = set(params.stop_token_ids)
         window = 4 * max((len(s) for s in params.stop_strings), default=0) + 4
         generated: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         finished = [False] * rows
-        logits = self._logits(tokens, cache)
         for step in range(params.max_new_tokens):
             next_tokens, next_logprobs = sample_tokens(logits, params, generator)
             for i, (token, logprob) in enumerate(zip(next_tokens[:rows].tolist(), next_logprobs[:rows].tolist(),
@@ -289,7 +299,7 @@ class DecoderRollouts:
             if done or step == params.max_new_tokens - 1:
                 break
             running = torch.tensor([not f for f in finished] + [False] * (batch - rows), device=self.device)
-            logits = self._logits(torch.where(running, next_tokens, pad)[:, None], cache)
+            logits = self.next_logits(torch.where(running, next_tokens, self.pad_id)[:, None], cache)
         return [Completion(token_ids=generated[i], logprobs=logprobs[i],
                            finish_reason="stop" if finished[i] else "length") for i in range(rows)]
 
