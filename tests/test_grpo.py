@@ -308,7 +308,8 @@ def test_the_toy_task_learns_from_the_readme_style_command(tmp_path: Path) -> No
     """``python -m torchtitan_lite.train --job.config_file train_configs/grpo_toy.toml``: a tiny
     Llama from random weights, generating its own rollouts (16 per prompt, sampled at temperature
     1), rewarded by the shipped accuracy check on "copy D :" prompts: the mean reward of the first
-    5 steps is below 0.2 and of the last 10 of its 80 steps above 0.8; the entropy falls."""
+    5 steps is below 0.2 and of the last 10 of its 80 steps above 0.8; the entropy falls; the
+    step's time splits into generation's and training's, and tokens/s is training's."""
     import sys
 
     from tests.dist_utils import REPO_ROOT, read_jsonl, run_command
@@ -323,6 +324,9 @@ def test_the_toy_task_learns_from_the_readme_style_command(tmp_path: Path) -> No
     assert sum(rewards[:5]) / 5 < 0.2 and sum(rewards[-10:]) / 10 > 0.8, rewards
     assert records[-1]["grpo/entropy"] < records[0]["grpo/entropy"] / 2
     assert records[0]["generation_tokens_per_s"] > 0 and records[0]["grpo/completion_length/mean"] > 0
+    for r in records[:3]:  # generation and training timed apart: tps is the training's alone
+        assert r["training_time_s"] + r["generation_time_s"] == pytest.approx(r["step_time_s"])
+        assert r["tps"] == pytest.approx(r["tokens_per_rank"] / r["training_time_s"])
 
 
 def _toy_argv(dump: Path, *extra: str) -> list[str]:

@@ -646,8 +646,12 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
-        tps = values["tokens_per_rank"] / elapsed
-        values.update(step_time_s=elapsed, compute_time_s=elapsed - values["data_time_s"], tps=tps,
+        # (online RL: generating the rollouts is timed apart; the training figures leave it out)
+        generation = float(values.get("generation_time_s") or 0.0)
+        if generation:
+            values["training_time_s"] = elapsed - generation
+        tps = values["tokens_per_rank"] / max(elapsed - generation, 1e-9)
+        values.update(step_time_s=elapsed, compute_time_s=elapsed - values["data_time_s"] - generation, tps=tps,
                       tflops=tps * self.flops_per_token / 1e12, tokens_seen=float(self.tokens_seen))
         if self.peak_tflops:
             values["mfu_pct"] = 100.0 * values["tflops"] / self.peak_tflops
