@@ -36,7 +36,7 @@ from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceObjective", "as_reference",
-           "counted_tokens", "dpo_losses", "sequence_logps"]
+           "counted_tokens", "dpo_losses", "sequence_logps", "sequence_tokens"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -51,6 +51,16 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Each row's number of counted labels."""
     return (labels != IGNORE_INDEX).sum(dim=-1)
+
+
+def sequence_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Which input positions of pair rows hold their sequence's tokens, ``(rows, seq)`` bool: up
+    to the last one (the token after the last counted label), not the padding after it (what a
+    mixture of experts' router losses count, as ``transformers`` leaves out what its attention
+    mask does)."""
+    positions = torch.arange(labels.shape[1], device=labels.device)
+    last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1)
+    return positions[None, :] <= (last + 1)[:, None]
 
 
 @dataclass(frozen=True)
@@ -165,8 +175,10 @@ class PreferenceObjective:
         loss_sum = torch.zeros(1 + runner.num_sources, dtype=torch.float64, device=runner.device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
         for mb in batch:
-            out, metrics = self._losses(runner, runner.place(mb))
-            runner.backward(out.loss.sum() * scale, accumulation=len(batch))
+            placed = runner.place(mb)
+            out, metrics = self._losses(runner, placed)
+            tokens = sequence_tokens(placed.labels) if runner.router_balance is not None else None
+            runner.backward(out.loss.sum() * scale, accumulation=len(batch), tokens=tokens)
             pair_loss = out.loss.detach().double()
             loss_sum[0] += pair_loss.sum()
             if mb.sources is not None and runner.num_sources:  # (the source of each pair)

@@ -301,7 +301,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
-    dpo = _dpo_plan(config, dims, lora, model_args)
+    dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, model_args, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
     if pipeline is not None and pipeline.splits_backward:
@@ -403,7 +403,7 @@ def _zero_bubble_settings(config: JobConfig, pipeline: PipelinePlan, reshard_mod
     return "auto" if reshard_mode == "auto" else "never"
 
 
-def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any) -> DPOSetup | None:
+def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> DPOSetup | None:
     """The job's preference tuning: ``[dpo]`` when ``training.dataset = "preference"``, or a
     ``[[training.datasets]]`` mixture of preference sources (None otherwise); one
     :class:`ConfigError` line for a setting it cannot take."""
@@ -425,8 +425,6 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mod
              "a DPO job validates on preference pairs: expected dataset = 'preference'")
     _require(dims.cp == 1, "parallelism.context_parallel_degree", dims.cp,
              "DPO sums each sequence's log-probabilities on one rank: expected 1")
-    _require(not getattr(model_args, "num_experts", 0), "model.name", config.model.name,
-             "DPO of a mixture of experts (its router losses and balancing) is not supported yet")
     _require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
     _require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
     _require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,

@@ -90,10 +90,11 @@ class MicroBatchRunner:
             return {}
         return self.router_balance.finish_step(update_bias=update_bias, device=self.device)
 
-    def backward(self, loss: torch.Tensor, *, accumulation: int) -> None:
+    def backward(self, loss: torch.Tensor, *, accumulation: int, tokens: torch.Tensor | None = None) -> None:
         """``loss``'s backward, with the router losses of the forward that made it added (one of
-        the step's ``accumulation`` micro-batches)."""
-        router = None if self.router_balance is None else self.router_balance.micro_batch_loss(accumulation)
+        the step's ``accumulation`` micro-batches; ``tokens``: which of its input positions the
+        router losses count, ``(rows, seq)`` bool, None: all)."""
+        router = None if self.router_balance is None else self.router_balance.micro_batch_loss(accumulation, tokens)
         (loss if router is None else loss + router).backward()
 
     def forward_backward(self, batch: MicroBatch, loss_fn: LossFn, *, scale: float,

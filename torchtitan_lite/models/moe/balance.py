@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_lite.models.moe.layer import MoE, moe_layers
-from torchtitan_lite.models.moe.router import TopKRouter, expert_counts
+from torchtitan_lite.models.moe.router import Routing, TopKRouter, expert_counts
 
 __all__ = ["RouterBalance", "aux_loss_weight", "balancing_loss", "update_expert_bias"]
 
@@ -110,13 +110,15 @@ class RouterBalance:
             layer.last_routing = None
 
     def routing_state(self, names: list[str], state: torch.Tensor | None, *, device: torch.device,
-                      record: bool = True) -> torch.Tensor:
+                      record: bool = True, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Read the routing of the forward of layers ``names`` that just ran and add it to
         ``state`` (None: zeros), a vector of ``2 × experts + 1``: each expert's summed router
         probabilities (with their gradient), its choices (counts) and the summed squared
         log-sum-exp of the router logits (z-loss), over the tokens of the micro-batch and the
         layers so far. ``record``: count the choices in the step's load (not for a forward that
-        only infers shapes)."""
+        only infers shapes). ``tokens``: which of the routed tokens count (bool, one per token in
+        the micro-batch's order, ``rows × seq`` flattened; None: all), e.g. not a preference
+        pair's padding, as ``transformers`` leaves out the positions its attention mask does."""
         e = self.num_experts
         routings = [self.layers[name].last_routing for name in names]
         if any(r is None for r in routings):
@@ -125,7 +127,17 @@ class RouterBalance:
             self.layers[name].last_routing = None  # (a recomputing backward sets it again; read from here only)
         if not routings:
             return torch.zeros(2 * e + 1, device=device) if state is None else state
-        counts = torch.stack([expert_counts(r, e) for r in routings])
+        if tokens is not None:
+            counted = tokens.reshape(-1).to(routings[0].probs.device, torch.float32)
+            if counted.numel() != routings[0].probs.shape[0]:
+                raise ValueError(f"RouterBalance: {counted.numel()} token flags for {routings[0].probs.shape[0]} "
+                                 "routed tokens")
+            routings = [Routing(r.logits, r.probs * counted[:, None], r.indices) for r in routings]
+            weights = counted.repeat_interleave(routings[0].indices.shape[1])
+            counts = torch.stack([expert_counts(r, e, weights=weights) for r in routings])
+        else:
+            counted = None
+            counts = torch.stack([expert_counts(r, e) for r in routings])
         if record:
             if self._counts is None:
                 self._counts = torch.zeros(len(self.names), e, device=counts.device)
@@ -133,22 +145,30 @@ class RouterBalance:
             self._counts.index_add_(0, rows, counts)
         probs = torch.stack([r.probs.sum(dim=0) for r in routings]).sum(dim=0)
         if self.z_loss_coef:
-            z = sum(torch.logsumexp(r.logits, dim=-1).square().sum() for r in routings).reshape(1)
+            z = sum((torch.logsumexp(r.logits, dim=-1).square() * (1.0 if counted is None else counted)).sum()
+                    for r in routings).reshape(1)
         else:
             z = probs.new_zeros(1)
         added = torch.cat([probs, counts.sum(dim=0).to(probs.dtype), z])
         return added if state is None else state + added
 
-    def state_loss(self, state: torch.Tensor, tokens: int, micro_batches: int, *,
+    def state_loss(self, state: torch.Tensor, tokens: int | torch.Tensor, micro_batches: int, *,
                    record: bool = True) -> torch.Tensor | None:
-        """This rank's router-loss term of one micro-batch of ``tokens`` tokens (on this rank)
-        from its :meth:`routing_state` over every MoE layer, to add to its loss before backward
-        (already weighted, averaged over the step's ``micro_batches`` and scaled for the gradient
+        """This rank's router-loss term of one micro-batch of ``tokens`` tokens (on this rank; a
+        tensor: a count that differs between ranks, summed over them here) from its
+        :meth:`routing_state` over every MoE layer, to add to its loss before backward (already
+        weighted, averaged over the step's ``micro_batches`` and scaled for the gradient
         averaging over the ranks), or None when both losses are off. ``record``: keep the
         losses for the step's metrics."""
         e = self.num_experts
         loss: torch.Tensor | None = None
-        tokens *= self.dp_size  # every rank's micro-batch has as many tokens
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().to(state.device, torch.float32).reshape(1).clone()
+            if self.group is not None and (self.aux_loss_coef or self.z_loss_coef):
+                dist.all_reduce(tokens, group=self.group)
+            tokens = tokens.clamp(min=1.0)[0]
+        else:
+            tokens *= self.dp_size  # every rank's micro-batch has as many tokens
         if self.aux_loss_coef:
             total = state[e:2 * e].detach().clone()
             if self.group is not None:
@@ -165,15 +185,17 @@ class RouterBalance:
             loss = self.z_loss_coef * z if loss is None else loss + self.z_loss_coef * z
         return None if loss is None else loss * (self.dp_size / micro_batches)
 
-    def micro_batch_loss(self, micro_batches: int) -> torch.Tensor | None:
+    def micro_batch_loss(self, micro_batches: int, tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Read the routing of the forward that just ran (one of ``micro_batches`` of the step):
         count the tokens per expert, and return this rank's router-loss term to add to its
-        loss before backward (:meth:`state_loss`)."""
+        loss before backward (:meth:`state_loss`). ``tokens``: which tokens count
+        (:meth:`routing_state`; None: all)."""
         first = self.layers[self.names[0]].last_routing
         if first is None:
             raise RuntimeError("RouterBalance: an MoE layer has not run a forward since the last read")
-        state = self.routing_state(self.names, None, device=first.probs.device)
-        return self.state_loss(state, first.indices.shape[0], micro_batches)
+        state = self.routing_state(self.names, None, device=first.probs.device, tokens=tokens)
+        count = first.indices.shape[0] if tokens is None else tokens.sum()
+        return self.state_loss(state, count, micro_batches)
 
     def finish_step(self, *, update_bias: bool, device: torch.device | None = None) -> dict[str, float]:
         """After the optimizer step: sum the step's counts and losses over the ranks (one

@@ -105,9 +105,10 @@ class TopKRouter(nn.Module):
 
 
 def expert_counts(routing: Routing | torch.Tensor, num_experts: int, *,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens routed to each expert in one forward (its ``Routing``, or the routed indices),
-    ``(experts,)`` (by ``scatter_add``: a static shape, unlike ``bincount``'s, for torch.compile)."""
+    ``(experts,)`` (by ``scatter_add``: a static shape, unlike ``bincount``'s, for torch.compile).
+    ``weights``: what each choice counts (one per index, flattened; None: 1)."""
     flat = (routing if isinstance(routing, torch.Tensor) else routing.indices).reshape(-1)
-    return torch.zeros(num_experts, dtype=dtype, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=dtype))
+    ones = torch.ones_like(flat, dtype=dtype) if weights is None else weights.reshape(-1).to(dtype)
+    return torch.zeros(num_experts, dtype=dtype, device=flat.device).scatter_add_(0, flat, ones)

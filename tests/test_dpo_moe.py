@@ -1,0 +1,129 @@
+"""DPO on mixture-of-experts models (docs/fine-tuning.md): tiny Qwen3-MoE and DeepSeek-V3 made by
+``transformers`` against TRL's ``DPOTrainer`` (1.16, the dev extra), the router's
+load-balancing loss counted over the pairs' tokens and not their padding, as transformers' is;
+expert parallel and LoRA on the experts against one process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed, train_history
+from tests.test_data_chat import write_chat_tokenizer
+from tests.test_dpo import CONVERSATIONAL, _rule_pairs
+from tests.test_trainer_moe import hf_qwen3_moe
+
+trl = pytest.importorskip("trl")
+
+VOCAB = 512  # (above the test tokenizer's ids)
+
+
+def _folder(tmp_path: Path, family: str, **config: Any) -> Path:
+    """A tiny transformers model of ``family`` with the test tokenizer beside it."""
+    write_chat_tokenizer(tmp_path / "tok", "qwen3")
+    if family == "qwen3_moe":
+        folder = hf_qwen3_moe(tmp_path / "hf", vocab_size=VOCAB, **config)
+    else:
+        from tests.test_deepseek_v3 import _hf_model
+
+        folder = _hf_model(tmp_path / "hf", vocab_size=VOCAB, q_lora_rank=32, **config)
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def _argv(folder: Path, pairs: Path, dump: Path, *extra: str, family: str = "qwen3_moe") -> list[str]:
+    return ["--model.name", family, "--model.flavor", "from_checkpoint", "--checkpoint.initial_load_path",
+            str(folder), "--checkpoint.initial_load_in_hf", "--model.tokenizer_path", str(folder),
+            "--training.dataset", "preference", "--training.dataset_path", str(pairs), "--training.seq_len", "127",
+            "--training.no-shuffle", "--training.mixed_precision_param", "float32", "--optimizer.lr", "1e-3",
+            "--lr_scheduler.warmup_steps", "1", "--validation.no-enable", "--metrics.log_freq", "1",
+            "--metrics.no-enable_tensorboard", "--debug.deterministic", "--job.dump_folder", str(dump), *extra]
+
+
+def _trl_step(folder: Path, rows: list[dict[str, Any]], out: Path) -> tuple[float, float]:
+    """TRL's DPO loss (the load-balancing term included where its config turns it on) and
+    gradient norm of one batch of every row, the reference a copy of the policy."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    config = DPOConfig(output_dir=str(out), per_device_train_batch_size=len(rows), beta=0.1, loss_type=["sigmoid"],
+                       max_length=128, report_to=[], use_cpu=True, bf16=False, logging_steps=1)
+    policy = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    trainer = DPOTrainer(model=policy, args=config, train_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(str(folder)))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return float(loss), float(torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), 1e9))
+
+
+_TRL_CASES = {  # name: (family, the transformers config's changes, TRL adds its load-balancing loss)
+    "qwen3_moe, load-balancing loss on": ("qwen3_moe", {"router_aux_loss_coef": 0.05}, True),
+    "qwen3_moe, load-balancing loss off": ("qwen3_moe", {"router_aux_loss_coef": 0.0}, False),
+    "deepseek_v3": ("deepseek_v3", {}, False),  # (transformers' DeepSeek-V3 has no auxiliary loss)
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [name if name.startswith("qwen3_moe, load-balancing loss on")
+                                  else pytest.param(name, marks=pytest.mark.scenario) for name in _TRL_CASES])
+def test_a_dpo_step_of_an_moe_model_equals_trls_dpo_trainer(tmp_path: Path, case: str) -> None:
+    """One process, fp32, the four conversational pairs of different lengths in one micro-batch
+    (padded to 128 tokens; TRL pads to the longest), a frozen copy of the starting weights as the
+    reference: the first step's loss (with the router's load-balancing term weighted by the
+    model's ``router_aux_loss_coef``, counted over the pairs' tokens only) and gradient norm equal
+    TRL's ``DPOTrainer`` within 1e-5."""
+    family, config, aux = _TRL_CASES[case]
+    folder = _folder(tmp_path, family, **config)
+    theirs, their_norm = _trl_step(folder, CONVERSATIONAL, tmp_path / "trl")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in CONVERSATIONAL))
+    n = str(len(CONVERSATIONAL))
+    ours = train_history(_argv(folder, pairs, tmp_path / "ours", "--training.steps", "1", "--training.local_batch_size",
+                               n, "--training.global_batch_size", n, family=family))[0]
+    coef = config.get("router_aux_loss_coef", 0.0)
+    assert ("moe/aux_loss" in ours) == aux
+    loss = ours["loss"] + coef * ours.get("moe/aux_loss", 0.0)
+    assert abs(loss - theirs) <= 1e-5 * max(1.0, abs(theirs)), (case, ours, theirs)
+    assert abs(ours["grad_norm"] - their_norm) <= 1e-5 * their_norm, (case, ours["grad_norm"], their_norm)
+    if aux:  # (the padding's tokens would have moved the term: it is the pairs' alone)
+        assert ours["moe/aux_loss"] > 0 and abs(loss - ours["loss"]) > 1e-4
+
+
+_LORA = ["--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "q_proj,v_proj,experts"]
+_LAYOUTS = {  # name: (ranks, the model's arguments, for one process too)
+    "expert parallel 2": (2, []),
+    "expert parallel 4": (4, []),
+    "LoRA on the experts, adapters off, expert parallel 2": (2, _LORA),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name if name == "expert parallel 2"
+                                    else pytest.param(name, marks=pytest.mark.scenario)
+                                    for name in _LAYOUTS])
+def test_dpo_of_an_moe_model_at_expert_parallel_equals_one_process(tmp_path: Path, layout: str) -> None:
+    """A tiny Qwen3-MoE (8 experts, top 2, load-balancing loss 0.05) on rule pairs, 4 steps of 4
+    pairs (one micro-batch of them over the ranks), the reference a frozen copy (LoRA: the
+    adapters switched off): with the experts spread over 2 or 4 ranks the losses, load-balancing
+    terms, margins and gradient norms are one process's within 1e-5."""
+    ranks, model = _LAYOUTS[layout]
+    folder = _folder(tmp_path, "qwen3_moe", router_aux_loss_coef=0.05)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in _rule_pairs(16)))
+    common = ["--training.steps", "4", "--training.global_batch_size", "4", *model]
+    one = train_history(_argv(folder, pairs, tmp_path / "one", *common, "--training.local_batch_size", "4"))
+    many = run_distributed(train_history, ranks, _argv(
+        folder, pairs, tmp_path / "many", *common, "--training.local_batch_size", str(4 // ranks),
+        "--parallelism.expert_parallel_degree", str(ranks)))[0]
+    assert len(one) == len(many) == 4 and one[-1]["dpo/margin"] != 0
+    for a, b in zip(many, one, strict=True):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "dpo/margin", "dpo/accuracy"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (layout, key, a, b)
