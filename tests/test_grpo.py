@@ -185,6 +185,37 @@ def test_two_ranks_train_on_given_rollouts_as_trl_does_for_two_iterations(tmp_pa
         assert history[1]["grpo/kl"] == pytest.approx(theirs[1]["kl"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_a_grpo_step_of_an_moe_model_equals_trls_with_its_load_balancing_loss(tmp_path: Path) -> None:
+    """One process, fp32, a tiny Qwen3-MoE made by transformers (8 experts, top 2, its
+    load-balancing loss weighted 0.05): on TRL's rollouts of 4 prompts × 4 completions (a
+    rollouts file), the first step's loss, the load-balancing term included (counted over the
+    prompts' and completions' tokens, not the padding), and its gradient norm equal TRL's
+    ``GRPOTrainer.train`` within 1e-5 (dapo)."""
+    import shutil
+
+    from tests.test_trainer_moe import hf_qwen3_moe
+
+    write_chat_tokenizer(tmp_path / "tok", "qwen3")
+    folder = hf_qwen3_moe(tmp_path / "policy", vocab_size=512, router_aux_loss_coef=0.05)
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, folder / file.name)
+    trainer = _trl_trainer(folder, beta=0.0, epsilon_high=0.28)
+    captured = _capture_rollouts(trainer)
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "grad_norm" in h][0]
+    rows = _rollout_rows(captured["prompt_ids"], captured["completion_ids"], captured["rewards"][:, 0].tolist())
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ours = train_history(_argv(tmp_path, "qwen3_moe", rollouts, "dump", "--model.flavor", "from_checkpoint",
+                               "--training.steps", "1", "--grpo.epsilon_high", "0.28", "--grpo.loss_type", "dapo",
+                               "--training.local_batch_size", str(len(PROMPTS) * GENERATIONS)))[0]
+    loss = ours["loss"] + 0.05 * ours["moe/aux_loss"]
+    assert abs(loss - theirs["loss"]) <= 1e-5 * max(1.0, abs(theirs["loss"])), (ours, theirs)
+    assert abs(ours["grad_norm"] - theirs["grad_norm"]) <= 1e-5 * theirs["grad_norm"], (ours, theirs)
+    assert ours["moe/aux_loss"] == pytest.approx(theirs["aux_loss"], rel=1e-5)
+
+
 def test_advantages_scale_by_group_batch_or_not_and_leave_unscorable_at_zero() -> None:
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, float("nan")])
     group, zero = group_advantages(rewards, 4, "group")

@@ -302,7 +302,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora)
-    grpo = _grpo_plan(config, dims, lora, model_args, global_batch)
+    grpo = _grpo_plan(config, dims, lora, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
@@ -435,7 +435,7 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> 
     return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
 
 
-def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, model_args: Any,
+def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,
                global_batch: int) -> GRPOSetup | None:
     """The job's online RL (``[grpo]``) when ``training.dataset = "prompts"`` or ``grpo.rollouts_path``
     is set (None otherwise); one :class:`ConfigError` line for a setting it cannot take."""
@@ -484,8 +484,6 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None, mo
     resolve_reward_functions(g.reward_functions)
     for dim, degree in (("context_parallel_degree", dims.cp), ("pipeline_parallel_degree", dims.pp)):
         _require(degree == 1, f"parallelism.{dim}", degree, "online RL with this axis is not supported yet: expected 1")
-    _require(not getattr(model_args, "num_experts", 0), "model.name", config.model.name,
-             "online RL of a mixture of experts (its router losses and balancing) is not supported yet")
     reference = None
     if g.beta > 0:
         reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference

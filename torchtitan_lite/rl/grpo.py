@@ -37,7 +37,7 @@ from torch import nn
 
 from torchtitan_lite.data.prompts import PromptRow
 from torchtitan_lite.data.windows import IGNORE_INDEX
-from torchtitan_lite.dpo import as_reference
+from torchtitan_lite.dpo import as_reference, sequence_tokens
 from torchtitan_lite.errors import DataError
 from torchtitan_lite.rl.rewards import RewardFunction, call_reward
 from torchtitan_lite.training.objectives import StepResult
@@ -233,7 +233,9 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
         logp, entropy = token_logps(runner.logits(placed), placed.labels, temperature=temperature, entropy=True)
         assert entropy is not None
         loss = loss_fn(part, logp, entropy, placed.labels)
-        runner.backward(loss * ranks, accumulation=len(parts))
+        # (a mixture of experts' router losses count the rows' tokens, not their padding)
+        tokens = sequence_tokens(placed.labels) if runner.router_balance is not None else None
+        runner.backward(loss * ranks, accumulation=len(parts), tokens=tokens)
         total += loss.detach().double()
     return total
 
@@ -274,11 +276,12 @@ def completion_rows(prompts: list[list[int]], completions: list[list[int]], *, s
                     stop_ids: tuple[int, ...], max_completion_length: int, mask_truncated: bool = False,
                     vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list[bool], list[int]]:
     """Each completion after its prompt (``prompts[i]`` the prompt of ``completions[i]``) as one
-    row of ``seq_len`` inputs and labels, right-padded with ``pad_id``: the labels are the
-    completion's tokens (its first ``max_completion_length``), none for a truncated one with
-    ``mask_truncated``. Also whether each is truncated (its last token not in ``stop_ids``) and
-    its length. A :class:`DataError` line for a row longer than ``seq_len + 1`` tokens or a token
-    beyond ``vocab_size``."""
+    row of ``seq_len`` inputs and labels, right-padded with ``pad_id``: the inputs are the whole
+    sequence (where it fits: its last token has no label, but a mixture of experts routes it, as
+    transformers does), the labels the completion's tokens (its first ``max_completion_length``),
+    none for a truncated one with ``mask_truncated``. Also whether each is truncated (its last
+    token not in ``stop_ids``) and its length. A :class:`DataError` line for a row longer than
+    ``seq_len + 1`` tokens or a token beyond ``vocab_size``."""
     n = len(completions)
     inputs = torch.full((n, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -296,7 +299,7 @@ def completion_rows(prompts: list[list[int]], completions: list[list[int]], *, s
             raise DataError(f"grpo: a prompt of {len(prompt)} tokens and a completion of {len(ids)} exceed "
                             f"training.seq_len + 1 = {seq_len + 1}")
         width = len(sequence) - 1
-        inputs[i, :width] = sequence[:-1]
+        inputs[i, :min(len(sequence), seq_len)] = sequence[:seq_len]  # (its last token too, as transformers routes it)
         if ids and not (cut and mask_truncated):
             start = len(prompt) - 1  # (the position whose next token is the completion's first)
             labels[i, start:width] = sequence[start + 1:]
@@ -541,7 +544,8 @@ class GRPOObjective:
         r = self.rollouts
         held = None
         if r is not None and r.uses_left > 0:
-            width = int((r.labels != IGNORE_INDEX).nonzero()[:, 1].max()) + 1 if (r.labels != IGNORE_INDEX).any() else 1
+            counted = (r.labels != IGNORE_INDEX).nonzero()[:, 1]  # (and the input after the last label)
+            width = min(int(counted.max()) + 2, r.labels.shape[1]) if counted.numel() else 1
             held = {"width": width, "metrics": dict(r.metrics), "uses_left": r.uses_left,
                     **{name: None if t is None else _packed(t if t.dim() == 1 else t[:, :width])
                        for name, t in (("inputs", r.inputs), ("labels", r.labels), ("advantages", r.advantages),
