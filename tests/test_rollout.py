@@ -114,7 +114,7 @@ def test_greedy_completions_equal_transformers_generate(references: dict[str, An
 # ---------------------------------------------------------------------------------------------
 
 
-def _build(family: str, folder: str | None, *, tp: int = 1, **shape: Any) -> Any:
+def _build(family: str, folder: str | None, *, tp: int = 1, ep: int = 1, **shape: Any) -> Any:
     """In a rank: the model as the trainer builds it (``build_parallelized`` over the job's mesh, with
     the :class:`JobShape` fields ``shape``), filled from a Hugging Face folder or (None) from seed 0;
     and the mesh."""
@@ -130,13 +130,13 @@ def _build(family: str, folder: str | None, *, tp: int = 1, **shape: Any) -> Any
 
     init_distributed(CPU)
     world = dist.get_world_size()
-    mesh = build_mesh(CPU, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, tp=tp, world_size=world))
+    mesh = build_mesh(CPU, ParallelDims.resolve(dp_replicate=1, dp_shard=-1, tp=tp, ep=ep, world_size=world))
     spec = get_model_spec(family)
     if folder is None:
         args = spec.model_args("tiny")
     else:
         args = spec.hf.args_from_config(json.loads((Path(folder) / "config.json").read_text()))
-    job = JobShape(world_size=world, tensor_parallel=tp, device_type="cpu").replace(**shape)
+    job = JobShape(world_size=world, tensor_parallel=tp, expert_parallel=ep, device_type="cpu").replace(**shape)
     model = build_parallelized(spec, args, mesh, device=CPU, seed=0, shape=job).model
     if folder is not None:
         hf_storage.load_hf_weights(model, folder, spec=spec, buffer_device=CPU)
@@ -151,7 +151,8 @@ def _generate_on_ranks(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for case in cases:
-        model, mesh = _build(case["family"], case["folder"], tp=case.get("tp", 1), **case.get("shape", {}))
+        model, mesh = _build(case["family"], case["folder"], tp=case.get("tp", 1), ep=case.get("ep", 1),
+                             **case.get("shape", {}))
         model.train()
         batch = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(mesh.dp_rank))
         if case.get("weights"):  # a training step's forward and backward before generation
@@ -257,6 +258,28 @@ def test_latent_attention_at_tensor_parallel_2_generates_one_process_tokens() ->
     ranks = run_distributed(_generate_on_ranks, 4, [case])
     for rank, (result,) in enumerate(ranks):
         assert result["tokens"] == (wanted[:7], wanted[7:])[rank // 2], rank
+
+
+@pytest.mark.slow
+def test_experts_spread_over_two_ranks_generate_one_process_tokens(tmp_path: Path) -> None:
+    """A Qwen3-MoE made by transformers (8 experts, top 2) at expert parallel 2, each rank holding
+    4 experts: rank 0 completes 7 prompts in chunks of 3 (3 chunks), rank 1 the other 5 (2 chunks,
+    then one of padding rows: every forward's all-to-all of the experts' tokens needs both ranks),
+    greedy; each rank's completions are one process's for its prompts."""
+    from tests.test_trainer_moe import hf_qwen3_moe
+
+    folder = hf_qwen3_moe(tmp_path / "hf")
+    prompts = _prompts(12, vocab=258)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    model = our_model(folder, "qwen3_moe")
+    wanted = [c.token_ids for c in DecoderRollouts(model, device=CPU, pad_id=PAD).generate(prompts, params, seed=0)]
+    case = {"family": "qwen3_moe", "folder": str(folder), "shares": [prompts[:7], prompts[7:]], "params": params,
+            "ep": 2, "max_batch": 3}
+    ranks = run_distributed(_generate_on_ranks, 2, [case])
+    assert len({tuple(t) for t in wanted}) > 1
+    for rank, (result,) in enumerate(ranks):
+        assert result["tokens"] == (wanted[:7], wanted[7:])[rank], rank
+        assert result["sharded"]
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
