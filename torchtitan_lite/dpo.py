@@ -153,13 +153,15 @@ class PreferenceObjective:
 
     def _losses(self, runner: MicroBatchRunner, batch: MicroBatch) -> tuple[PairLosses, torch.Tensor]:
         """The pairs' losses and the sums behind :data:`METRICS` of each pair ``(pairs,
-        len(METRICS))``, of a placed micro-batch."""
+        len(METRICS))``, of a placed micro-batch (with context parallel, this rank's share of each
+        sequence: its sums are added over the context-parallel ranks, and every one of them holds
+        the pairs' losses)."""
         s, n = self.setup, batch.inputs.shape[0] // 2
         labels = batch.labels
-        tokens = counted_tokens(labels)
+        tokens = runner.sequence_sums(counted_tokens(labels))
         with torch.no_grad(), as_reference(runner.model, self.reference) as reference:
-            ref_logps = sequence_logps(runner.logits(batch, reference), labels)
-        logps = sequence_logps(runner.logits(batch), labels)
+            ref_logps = runner.sequence_sums(sequence_logps(runner.logits(batch, reference), labels))
+        logps = runner.sequence_sums(sequence_logps(runner.logits(batch), labels))
         out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
                          label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
         chosen, rejected, policy = out.chosen_rewards.double(), out.rejected_rewards.double(), logps.detach().double()
@@ -174,16 +176,17 @@ class PreferenceObjective:
         scale = self.ranks / max(self.global_pairs, 1)
         loss_sum = torch.zeros(1 + runner.num_sources, dtype=torch.float64, device=runner.device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
+        shares = runner.sequence_shards  # (each pair's loss is on every context-parallel rank)
         for mb in batch:
             placed = runner.place(mb)
             out, metrics = self._losses(runner, placed)
-            tokens = sequence_tokens(placed.labels) if runner.router_balance is not None else None
+            tokens = runner.share(sequence_tokens(mb.labels)) if runner.router_balance is not None else None
             runner.backward(out.loss.sum() * scale, accumulation=len(batch), tokens=tokens)
-            pair_loss = out.loss.detach().double()
+            pair_loss = out.loss.detach().double() / shares
             loss_sum[0] += pair_loss.sum()
             if mb.sources is not None and runner.num_sources:  # (the source of each pair)
                 loss_sum[1:].index_add_(0, torch.tensor(mb.sources, device=runner.device), pair_loss)
-            sums += metrics.sum(dim=0)
+            sums += metrics.sum(dim=0) / shares
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
         means = (sums / max(self.global_pairs, 1)).tolist()
@@ -202,6 +205,6 @@ class PreferenceObjective:
         micro-batch (the rest: padding), without gradients: ``(1 + len(METRICS),)`` in fp64."""
         placed = runner.place(batch)
         n = placed.inputs.shape[0] // 2
-        keep = (torch.arange(n, device=placed.inputs.device) < pairs).double()
+        keep = (torch.arange(n, device=placed.inputs.device) < pairs).double() / runner.sequence_shards
         out, metrics = self._losses(runner, placed)
         return torch.cat([(out.loss.double() * keep).sum().reshape(1), (metrics * keep[:, None]).sum(dim=0)])

@@ -423,8 +423,6 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> 
              "a DPO mixture is of preference sources only: expected every dataset = 'preference'")
     _require(set(val_kinds) <= {"preference"}, val_key, val_kinds,
              "a DPO job validates on preference pairs: expected dataset = 'preference'")
-    _require(dims.cp == 1, "parallelism.context_parallel_degree", dims.cp,
-             "DPO sums each sequence's log-probabilities on one rank: expected 1")
     _require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
     _require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
     _require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,

@@ -60,6 +60,25 @@ class MicroBatchRunner:
         """The ranks each sequence is split over (context parallel's degree; 1 without it)."""
         return 1 if self.context_parallel is None else self.context_parallel.degree
 
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a ``(rows, seq)`` tensor, as :meth:`place` cuts each sequence (all
+        of it without context parallel)."""
+        x = x.to(self.device, non_blocking=True)
+        return x if self.context_parallel is None else self.context_parallel.shard(x)
+
+    def sequence_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row sums over this rank's share of each sequence ``(rows,)`` as sums over the whole
+        sequences: with context parallel, the other ranks' shares are added (summed over the
+        context-parallel ranks, without their gradient: each rank's backward takes its own
+        share's); without it, ``x``."""
+        if self.context_parallel is None:
+            return x
+        import torch.distributed as dist
+
+        total = x.detach().clone()
+        dist.all_reduce(total, group=self.context_parallel.group)
+        return x + (total - x.detach())
+
     def place(self, batch: MicroBatch) -> MicroBatch:
         """``batch`` on the device, cut to this rank's share of each sequence."""
         inputs = batch.inputs.to(self.device, non_blocking=True)

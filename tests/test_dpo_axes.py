@@ -1,7 +1,9 @@
-"""DPO on mixture-of-experts models (docs/fine-tuning.md): tiny Qwen3-MoE and DeepSeek-V3 made by
-``transformers`` against TRL's ``DPOTrainer`` (1.16, the dev extra), the router's
-load-balancing loss counted over the pairs' tokens and not their padding, as transformers' is;
-expert parallel and LoRA on the experts against one process."""
+"""DPO on every axis (docs/fine-tuning.md): mixture-of-experts models, tiny Qwen3-MoE and
+DeepSeek-V3 made by ``transformers``, against TRL's ``DPOTrainer`` (1.16, the dev extra), the
+router's load-balancing loss counted over the pairs' tokens and not their padding, as
+transformers' is; expert parallel and LoRA on the experts against one process; context parallel
+(each sequence split over the ranks, its log-probabilities summed over them) against one
+process."""
 
 from __future__ import annotations
 
@@ -127,3 +129,82 @@ def test_dpo_of_an_moe_model_at_expert_parallel_equals_one_process(tmp_path: Pat
     for a, b in zip(many, one, strict=True):
         for key in ("loss", "grad_norm", "moe/aux_loss", "dpo/margin", "dpo/accuracy"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (layout, key, a, b)
+
+
+def _llama_folder(tmp_path: Path) -> Path:
+    from tests.test_dpo import _hf_folder
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    _hf_folder(tmp_path / "hf", "llama3", 7, tmp_path / "tok")
+    return tmp_path / "hf"
+
+
+_CP = {  # name: (ranks, family, arguments for every run, the layout's)
+    "cp2 allgather, sigmoid": (2, "llama3", [], ["--parallelism.context_parallel_degree", "2"]),
+    "cp4 ulysses, hinge": (4, "llama3", ["--dpo.loss_type", "hinge"],
+                           ["--parallelism.context_parallel_degree", "4", "--parallelism.context_parallel_method",
+                            "ulysses"]),
+    "dp2 x cp2, ipo, LoRA adapters off": (4, "llama3", ["--dpo.loss_type", "ipo", *_LORA[:-2],
+                                                       "--lora.target_modules", "q_proj,v_proj"],
+                                          ["--parallelism.context_parallel_degree", "2"]),
+    "hsdp 2 x cp2": (4, "llama3", [], ["--parallelism.data_parallel_replicate_degree", "2",
+                                       "--parallelism.context_parallel_degree", "2"]),
+    "qwen3_moe cp2, load-balancing loss": (2, "qwen3_moe", [], ["--parallelism.context_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [name if name.startswith("cp2 allgather")
+                                  else pytest.param(name, marks=pytest.mark.scenario) for name in _CP])
+def test_dpo_at_context_parallel_equals_one_process(tmp_path: Path, case: str) -> None:
+    """Pairs of 10 to 110 tokens (the conversational set, 16 pairs) in rows of 128, 4 steps of 4
+    pairs, a frozen copy as the reference (LoRA: its adapters off): with each sequence split over 2
+    or 4 context-parallel ranks (load-balanced chunks; all-gathered keys and values, or Ulysses'
+    all-to-all), beside data parallel or HSDP, its log-probabilities (and IPO's token counts)
+    summed over the ranks, the losses, margins, reward accuracies and gradient norms are one
+    process's within 1e-5; and a Qwen3-MoE's load-balancing term too (its token flags split with
+    the sequence)."""
+    ranks, family, common, layout = _CP[case]
+    if family == "llama3":
+        folder = _llama_folder(tmp_path)
+    else:
+        folder = _folder(tmp_path, "qwen3_moe", router_aux_loss_coef=0.05)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
+    args = ["--training.steps", "4", "--training.global_batch_size", "4", "--training.seq_len", "128", *common]
+    dp = 2 if case.startswith(("dp2", "hsdp")) else 1
+    one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",
+                              family=family))
+    many = run_distributed(train_history, ranks, _argv(folder, pairs, tmp_path / "many", *args, *layout,
+                                                       "--training.local_batch_size", str(4 // dp), family=family))
+    keys = ["loss", "grad_norm", "dpo/margin", "dpo/accuracy", "dpo/logps_chosen"]
+    keys += ["moe/aux_loss"] if family == "qwen3_moe" else []
+    assert one[-1]["dpo/margin"] != 0
+    for history in many:
+        assert len(history) == len(one) == 4
+        for a, b in zip(history, one, strict=True):
+            for key in keys:
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (case, key, a, b)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_a_dpo_checkpoint_at_dp2_by_cp2_resumes_at_one_process(tmp_path: Path) -> None:
+    """4 steps at data parallel 2 × context parallel 2, saved at step 2 (DCP); the step-2
+    checkpoint resumed on one process repeats steps 3 and 4 (loss, margin, gradient norm) within
+    1e-5 (the frozen copy rebuilt from the starting weights)."""
+    folder = _llama_folder(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
+    args = ["--training.steps", "4", "--training.global_batch_size", "4", "--training.seq_len", "128",
+            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    whole = run_distributed(train_history, 4, _argv(folder, pairs, tmp_path / "whole", *args,
+                                                    "--parallelism.context_parallel_degree", "2",
+                                                    "--training.local_batch_size", "2", family="llama3"))[0]
+    dump = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    resumed = train_history(_argv(folder, pairs, dump, *args, "--training.local_batch_size", "4", family="llama3"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(resumed, whole[2:], strict=True):
+        for key in ("loss", "grad_norm", "dpo/margin"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
