@@ -289,6 +289,29 @@ def test_bad_grpo_settings_are_one_line_before_any_process_group(tmp_path: Path,
     assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), lines
 
 
+def test_generating_under_context_parallel_is_one_line(tmp_path: Path) -> None:
+    """Rollouts are generated on the training model, which context parallel splits: at context
+    parallel 2 a job on prompts is refused in one line naming the key and what works (given
+    rollouts)."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.errors import ConfigError
+    from torchtitan_lite.job import plan_job
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    config = load_job_config(["--model.flavor", "tiny", "--model.tokenizer_path", str(tmp_path / "tok"),
+                              "--training.dataset", "prompts", "--training.dataset_path", str(prompts),
+                              "--training.seq_len", "64", "--training.global_batch_size", "8",
+                              "--grpo.num_generations", "4", "--grpo.max_completion_length", "16",
+                              "--grpo.reward_functions", "accuracy", "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError) as error:
+        plan_job(config, world_size=2)
+    assert str(error.value) == ("parallelism.context_parallel_degree: invalid value 2; online RL generates its "
+                                "rollouts on the training model, which context parallel splits: expected 1, or "
+                                "rollouts made elsewhere (grpo.rollouts_path)")
+
+
 def _random_rollouts(path: Path, rows: int, *, seed: int = 0) -> Path:
     """A rollouts file of ``rows`` prompt groups: random prompt and completion ids (some ending
     with EOS, 0) and random rewards (one null)."""
@@ -398,6 +421,10 @@ _LAYOUTS = {  # name: (ranks, arguments)
     "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
                     "2"]),
     "fsdp2-bf16": (2, ["--training.mixed_precision_param", "bfloat16"]),  # (within bf16's rounding: 2e-2)
+    # each row split over the context-parallel ranks: log-probabilities gathered whole, row lengths whole
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "dp2xcp2-ulysses": (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method",
+                            "ulysses"]),
 }
 
 
@@ -409,13 +436,14 @@ def _layout_history(tmp_path: Path, rollouts: Path, name: str, ranks: int, *extr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "tp2" else pytest.mark.scenario)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in ("tp2", "cp2") else pytest.mark.scenario)
                                     for name in _LAYOUTS])
 def test_grpo_on_a_layout_equals_one_process(tmp_path: Path, layout: str) -> None:
     """fp32, given rollouts, grpo loss, beta 0.04 (the reference a frozen copy sharded like the
     policy), num_iterations 2, 3 steps: tensor parallel 2 (the logits split over the vocabulary),
-    FSDP with full checkpointing and compiled blocks, FSDP with CPU offload, and HSDP 2 × 2 give
-    one process's losses and gradient norms within 1e-5; bf16 mixed precision within 2e-2."""
+    FSDP with full checkpointing and compiled blocks, FSDP with CPU offload, HSDP 2 × 2, context
+    parallel 2 (all-gather) and data parallel 2 × context parallel 2 (Ulysses) give one process's
+    losses and gradient norms within 1e-5; bf16 mixed precision within 2e-2."""
     family = "llama3"
     write_chat_tokenizer(tmp_path / "tok", family)
     _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")

@@ -480,8 +480,11 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,
     _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
              g.reward_weights, f"expected one weight per reward function ({len(g.reward_functions)}), or none")
     resolve_reward_functions(g.reward_functions)
-    for dim, degree in (("context_parallel_degree", dims.cp), ("pipeline_parallel_degree", dims.pp)):
-        _require(degree == 1, f"parallelism.{dim}", degree, "online RL with this axis is not supported yet: expected 1")
+    _require(dims.pp == 1, "parallelism.pipeline_parallel_degree", dims.pp,
+             "online RL with this axis is not supported yet: expected 1")
+    _require(dims.cp == 1 or g.rollouts_path is not None, "parallelism.context_parallel_degree", dims.cp,
+             "online RL generates its rollouts on the training model, which context parallel splits: expected 1, "
+             "or rollouts made elsewhere (grpo.rollouts_path)")
     reference = None
     if g.beta > 0:
         reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference

@@ -593,8 +593,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                                    sequence_shards=dims.tp)
                 kv_cache = 0
                 if rollout is not None:
-                    kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=local_len,
-                                  micro_batches=micro_batches, grad_accum_steps=grad_accum_steps, device=device)
+                    kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
+                                             micro_batches=micro_batches, grad_accum_steps=grad_accum_steps,
+                                             device=device, context_parallel=built.context_parallel)
                 for _ in range(micro_batches if pipeline is None and rollout is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
@@ -639,7 +640,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
 
 
 def _rollout_step(model: torch.nn.Module, reference: torch.nn.Module | None, rollout: RolloutShape, tracker: Any, *,
-                  rows: int, seq_len: int, micro_batches: int, grad_accum_steps: int, device: torch.device) -> int:
+                  rows: int, seq_len: int, micro_batches: int, grad_accum_steps: int, device: torch.device,
+                  context_parallel: Any = None) -> int:
     """The forwards and backwards of an online RL step (:class:`~torchtitan_lite.rl.grpo.GRPOObjective`'s,
     generating its completions) on fake tensors, through the functions the step runs:
 
@@ -664,7 +666,7 @@ def _rollout_step(model: torch.nn.Module, reference: torch.nn.Module | None, rol
     completions, run = rows * grad_accum_steps, rows * micro_batches
     setup = GRPOSetup(max_completion_length=rollout.new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
                       top_k=rollout.top_k, beta=0.04 if rollout.reference else 0.0, reference=rollout.reference)
-    runner = MicroBatchRunner(model, device=device)
+    runner = MicroBatchRunner(model, device=device, context_parallel=context_parallel)
 
     def held(old: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> Rollouts:
         tokens = torch.zeros(completions, seq_len, dtype=torch.long, device=device)

@@ -186,12 +186,14 @@ def sampling_weights(policy: torch.Tensor, sampling: torch.Tensor, mask: torch.T
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, setup: GRPOSetup, *, completions: int,
-              tokens: float) -> torch.Tensor:
+              tokens: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token losses of some rows ``(rows, seq)`` (``mask``: the counted tokens) as their part
     of the step's loss (:data:`LOSS_TYPES`): the global batch has ``completions`` completions and
-    ``tokens`` counted tokens over all ranks."""
+    ``tokens`` counted tokens over all ranks. ``lengths``: each row's counted tokens (default
+    ``mask``'s; with context parallel, of the whole row, ``mask`` being this rank's share)."""
     if setup.loss_type == "grpo":
-        return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / completions
+        counted = mask.sum(-1) if lengths is None else lengths.to(mask.dtype)
+        return ((loss * mask).sum(-1) / counted.clamp(min=1.0)).sum() / completions
     if setup.loss_type == "dr_grpo":
         return (loss * mask).sum() / (completions * setup.max_completion_length)
     return (loss * mask).sum() / tokens  # dapo, bnpo, cispo
@@ -205,13 +207,14 @@ def rows_logps(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.Ten
                temperature: float = 1.0, model: nn.Module | None = None) -> torch.Tensor:
     """Each label's log-probability ``(rows, seq)`` (0 where ignored) under ``model`` (default the
     runner's policy; e.g. a reference) at ``temperature``, ``local_batch_size`` rows per forward,
-    without gradient."""
+    without gradient; whole rows on every rank (with context parallel, gathered from the ranks'
+    shares)."""
     out = []
     with torch.no_grad():
         for part in _parts(inputs.shape[0], local_batch_size):
             placed = runner.place(MicroBatch(inputs[part], labels[part]))
             logp, _ = token_logps(runner.logits(placed, model), placed.labels, temperature=temperature)
-            out.append(logp.detach())
+            out.append(runner.whole(logp.detach()))
     return torch.cat(out)
 
 
@@ -234,7 +237,7 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
         assert entropy is not None
         loss = loss_fn(part, logp, entropy, placed.labels)
         # (a mixture of experts' router losses count the rows' tokens, not their padding)
-        tokens = sequence_tokens(placed.labels) if runner.router_balance is not None else None
+        tokens = runner.share(sequence_tokens(labels[part])) if runner.router_balance is not None else None
         runner.backward(loss * ranks, accumulation=len(parts), tokens=tokens)
         total += loss.detach().double()
     return total
@@ -338,18 +341,24 @@ def policy_backward(runner: MicroBatchRunner, rollouts: Rollouts, setup: GRPOSet
     device = runner.device
     sums = torch.zeros(6, dtype=torch.float64, device=device)
 
+    def mine(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+        """Rows ``part`` of whole-row values, this rank's share of them (a per-row value whole)."""
+        if t is None:
+            return None
+        return t[part].to(device) if t.shape[-1] == 1 else runner.share(t[part])
+
     def loss_fn(part: slice, logp: torch.Tensor, entropy: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         mask = (labels != IGNORE_INDEX).float()
-        old = logp.detach() if rollouts.old is None else rollouts.old[part].to(device)
-        ref = None if rollouts.ref is None else rollouts.ref[part].to(device)
-        weight = None if rollouts.weight is None else rollouts.weight[part].to(device)
-        loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), setup, ref, weight)
+        old = logp.detach() if rollouts.old is None else mine(rollouts.old, part)
+        loss, stats = policy_losses(logp, old, rollouts.advantages[part].to(device), setup, mine(rollouts.ref, part),
+                                    mine(rollouts.weight, part))
         for i, value in enumerate((stats.get("kl"), entropy, stats["clip_low"], stats["clip_high"],
                                    stats["clip_region"])):
             if value is not None:
                 sums[i] += (value * mask).sum().double()
         sums[5] += mask.sum().double()
-        return aggregate(loss, mask, setup, completions=completions, tokens=tokens)
+        lengths = (rollouts.labels[part] != IGNORE_INDEX).sum(-1).to(device)  # (whole rows)
+        return aggregate(loss, mask, setup, completions=completions, tokens=tokens, lengths=lengths)
 
     loss_sum = rows_backward(runner, rollouts.inputs, rollouts.labels, loss_fn, local_batch_size=local_batch_size,
                              ranks=ranks, temperature=setup.logit_temperature)
@@ -516,7 +525,9 @@ class GRPOObjective:
         rollouts = self.rollouts
         assert rollouts is not None
         device = runner.device
-        totals = torch.tensor([float((rollouts.labels != IGNORE_INDEX).sum())], dtype=torch.float64, device=device)
+        # (every context-parallel rank holds the whole rows: counted once over the token ranks)
+        counted = float((rollouts.labels != IGNORE_INDEX).sum()) / runner.sequence_shards
+        totals = torch.tensor([counted], dtype=torch.float64, device=device)
         if dist.is_initialized() and self.ranks > 1:
             dist.all_reduce(totals, group=self.group)
         loss_sum, sums = policy_backward(runner, rollouts, s, completions=self.global_completions,
@@ -532,7 +543,7 @@ class GRPOObjective:
         if s.beta:
             metrics["grpo/kl"] = float(sums[0]) / tokens
         rollouts.uses_left -= 1
-        rows = rollouts.inputs.numel()
+        rows = rollouts.inputs.numel() // runner.sequence_shards  # (this rank's tokens)
         return StepResult(loss_sum, 1.0, global_tokens=int(rows * self.ranks), tokens_per_rank=float(rows),
                           metrics=metrics)
 

@@ -66,6 +66,16 @@ class MicroBatchRunner:
         x = x.to(self.device, non_blocking=True)
         return x if self.context_parallel is None else self.context_parallel.shard(x)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequences of ``(rows, share)`` per-position values of this rank's share
+        (:meth:`share`'s inverse, gathered over the context-parallel ranks; ``x`` without context
+        parallel), without gradient."""
+        if self.context_parallel is None:
+            return x
+        cp = self.context_parallel
+        with torch.no_grad():
+            return cp._gather_sequence(x.detach(), dim=1, layout=cp.layout(x.shape[1] * cp.degree, x.device))
+
     def sequence_sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-row sums over this rank's share of each sequence ``(rows,)`` as sums over the whole
         sequences: with context parallel, the other ranks' shares are added (summed over the
