@@ -131,11 +131,11 @@ def test_dpo_of_an_moe_model_at_expert_parallel_equals_one_process(tmp_path: Pat
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (layout, key, a, b)
 
 
-def _llama_folder(tmp_path: Path) -> Path:
+def _dense_folder(tmp_path: Path, family: str = "llama3") -> Path:
     from tests.test_dpo import _hf_folder
 
-    write_chat_tokenizer(tmp_path / "tok", "llama3")
-    _hf_folder(tmp_path / "hf", "llama3", 7, tmp_path / "tok")
+    write_chat_tokenizer(tmp_path / "tok", family)
+    _hf_folder(tmp_path / "hf", family, 7, tmp_path / "tok")
     return tmp_path / "hf"
 
 
@@ -149,6 +149,9 @@ _CP = {  # name: (ranks, family, arguments for every run, the layout's)
                                           ["--parallelism.context_parallel_degree", "2"]),
     "hsdp 2 x cp2": (4, "llama3", [], ["--parallelism.data_parallel_replicate_degree", "2",
                                        "--parallelism.context_parallel_degree", "2"]),
+    "qwen3 cp2 ulysses, LoRA adapters off": (2, "qwen3", [*_LORA[:-2], "--lora.target_modules", "q_proj,v_proj"],
+                                             ["--parallelism.context_parallel_degree", "2",
+                                              "--parallelism.context_parallel_method", "ulysses"]),
     "qwen3_moe cp2, load-balancing loss": (2, "qwen3_moe", [], ["--parallelism.context_parallel_degree", "2"]),
 }
 
@@ -165,8 +168,8 @@ def test_dpo_at_context_parallel_equals_one_process(tmp_path: Path, case: str) -
     process's within 1e-5; and a Qwen3-MoE's load-balancing term too (its token flags split with
     the sequence)."""
     ranks, family, common, layout = _CP[case]
-    if family == "llama3":
-        folder = _llama_folder(tmp_path)
+    if family != "qwen3_moe":
+        folder = _dense_folder(tmp_path, family)
     else:
         folder = _folder(tmp_path, "qwen3_moe", router_aux_loss_coef=0.05)
     pairs = tmp_path / "pairs.jsonl"
@@ -193,7 +196,7 @@ def test_a_dpo_checkpoint_at_dp2_by_cp2_resumes_at_one_process(tmp_path: Path) -
     """4 steps at data parallel 2 × context parallel 2, saved at step 2 (DCP); the step-2
     checkpoint resumed on one process repeats steps 3 and 4 (loss, margin, gradient norm) within
     1e-5 (the frozen copy rebuilt from the starting weights)."""
-    folder = _llama_folder(tmp_path)
+    folder = _dense_folder(tmp_path)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
     args = ["--training.steps", "4", "--training.global_batch_size", "4", "--training.seq_len", "128",
