@@ -185,6 +185,7 @@ def test_two_ranks_train_on_given_rollouts_as_trl_does_for_two_iterations(tmp_pa
         assert history[1]["grpo/kl"] == pytest.approx(theirs[1]["kl"], rel=1e-4)
 
 
+@pytest.mark.scenario  # (the router's token flags are tested against TRL in the default selection by DPO's)
 @pytest.mark.slow
 def test_a_grpo_step_of_an_moe_model_equals_trls_with_its_load_balancing_loss(tmp_path: Path) -> None:
     """One process, fp32, a tiny Qwen3-MoE made by transformers (8 experts, top 2, its

@@ -260,6 +260,7 @@ def test_latent_attention_at_tensor_parallel_2_generates_one_process_tokens() ->
         assert result["tokens"] == (wanted[:7], wanted[7:])[rank // 2], rank
 
 
+@pytest.mark.scenario  # (generation kept in step over the ranks: the FSDP test in the default selection)
 @pytest.mark.slow
 def test_experts_spread_over_two_ranks_generate_one_process_tokens(tmp_path: Path) -> None:
     """A Qwen3-MoE made by transformers (8 experts, top 2) at expert parallel 2, each rank holding

@@ -261,7 +261,8 @@ def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_p
         print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "
               f"({len(tried)} estimates in {took:.0f} s)")
     else:
-        print(f"longest seq_len that fits: {found} tokens ({found // cp} per rank; {len(tried)} estimates in "
+        pair = " for each of a pair's two sequences (prompt and answer)" if plan.dpo is not None else ""
+        print(f"longest seq_len that fits: {found} tokens{pair} ({found // cp} per rank; {len(tried)} estimates in "
               f"{took:.0f} s)")
     return 0
 
