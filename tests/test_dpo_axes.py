@@ -210,3 +210,68 @@ def test_a_dpo_checkpoint_at_dp2_by_cp2_resumes_at_one_process(tmp_path: Path) -
     for a, b in zip(resumed, whole[2:], strict=True):
         for key in ("loss", "grad_norm", "dpo/margin"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
+
+
+def _four_block_folder(tmp_path: Path) -> Path:
+    """The tiny Llama with 6 blocks (two stages a rank for the interleaved and V schedules), from
+    seed 7, as a Hugging Face folder with the test tokenizer."""
+    import dataclasses
+
+    from torchtitan_lite.checkpoint import hf_storage
+    from torchtitan_lite.distributed.parallelize import build_sharded_model
+    from torchtitan_lite.models import get_model_spec
+
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    spec = get_model_spec("llama3")
+    args = dataclasses.replace(spec.model_args("tiny"), vocab_size=VOCAB, n_layers=6)
+    model = build_sharded_model(spec, args, None, device=torch.device("cpu"), seed=7, sharded=False)
+    hf_storage.save_hf_weights(model, tmp_path / "hf", spec=spec)
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, tmp_path / "hf" / file.name)
+    return tmp_path / "hf"
+
+
+_PP = {  # name: (ranks, arguments for every run, the layout's)
+    "pp2 1F1B, sigmoid, frozen copy": (2, [], ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp2 Interleaved1F1B, ipo, LoRA adapters off": (
+        2, ["--dpo.loss_type", "ipo", *_LORA[:-2], "--lora.target_modules", "q_proj,v_proj"],
+        ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2 ZBVZeroBubble, hinge": (2, ["--dpo.loss_type", "hinge"],
+                                 ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "dp2 x pp2 1F1B": (4, [], ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [name if name.startswith("pp2 1F1B")
+                                  else pytest.param(name, marks=pytest.mark.scenario) for name in _PP])
+def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: str) -> None:
+    """A 6-block tiny Llama, the conversational pairs (16) in rows of 128, 3 steps of 4 pairs in
+    pipeline micro-batches of 2 pairs (each pair's rows together), with validation on 4 pairs
+    after step 2: the reference's forward through a forward-only schedule of its stages (the
+    frozen copy's, or the policy's with the adapters off), then the policy's through the training
+    schedule, the pair loss on the last stage. Losses, margins, gradient norms and the validation
+    loss are one process's within 1e-5, for 1F1B, Interleaved1F1B and ZBVZeroBubble at pipeline
+    2, and data parallel 2 × pipeline 2."""
+    ranks, common, layout = _PP[case]
+    folder = _four_block_folder(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
+    dp = ranks // 2
+    args = ["--training.steps", "3", "--training.global_batch_size", "4", "--training.seq_len", "128",
+            "--validation.enable", "--validation.dataset", "preference", "--validation.dataset_path", str(pairs),
+            "--validation.freq", "2", "--validation.steps", "1", *common]
+    one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",
+                              "--validation.local_batch_size", "4", family="llama3"))
+    many = run_distributed(train_history, ranks, _argv(
+        folder, pairs, tmp_path / "many", *args, *layout, "--training.local_batch_size", str(4 // dp),
+        "--validation.local_batch_size", str(4 // dp),
+        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+        str(2 // dp), family="llama3"))
+    assert one[-1]["dpo/margin"] != 0 and any("validation_loss" in r for r in one)
+    for history in many:
+        assert len(history) == len(one) == 3
+        for a, b in zip(history, one, strict=True):
+            for key in ("loss", "grad_norm", "dpo/margin", "validation_loss"):
+                if key in b:
+                    assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (case, key, a, b)

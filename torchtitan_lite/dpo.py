@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -151,23 +151,53 @@ class PreferenceObjective:
         """Every step reads a new global batch of pairs."""
         return True
 
-    def _losses(self, runner: MicroBatchRunner, batch: MicroBatch) -> tuple[PairLosses, torch.Tensor]:
-        """The pairs' losses and the sums behind :data:`METRICS` of each pair ``(pairs,
-        len(METRICS))``, of a placed micro-batch (with context parallel, this rank's share of each
-        sequence: its sums are added over the context-parallel ranks, and every one of them holds
-        the pairs' losses)."""
+    def _pairs(self, runner: MicroBatchRunner, batch: MicroBatch, *, accumulation: int | None = None,
+               scale: float = 1.0) -> torch.Tensor:
+        """Each pair's loss and :data:`METRICS` ``(pairs, 1 + len(METRICS))`` in fp64 of an
+        unplaced micro-batch (chosen rows, then rejected), the same on every rank that runs it;
+        with ``accumulation`` (the step's micro-batches), the gradient of ``scale`` × the summed
+        pair loss accumulates.
+
+        Each pair's two rows go next to each other, so that every part of the rows the layout runs
+        at once (the whole micro-batch, or each of a pipeline's micro-batches, whose last stage
+        computes this) holds whole pairs: the reference's forward first, without gradient, then the
+        policy's. With context parallel each rank sums its share of every sequence, added over the
+        context-parallel ranks; with a pipeline, the last stage's values are summed over the
+        pipeline ranks."""
         s, n = self.setup, batch.inputs.shape[0] // 2
-        labels = batch.labels
-        tokens = runner.sequence_sums(counted_tokens(labels))
+        order = torch.stack([torch.arange(n), torch.arange(n, 2 * n)], dim=1).flatten()
+        rows = replace(batch, inputs=batch.inputs[order], labels=batch.labels[order], sources=None)
+        placed = runner.place(rows)
+        refs: dict[int, torch.Tensor] = {}
+        results: dict[int, torch.Tensor] = {}
+
+        def reference_logps(i: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            refs[i] = runner.sequence_sums(sequence_logps(logits, labels)).detach()
+            return refs[i].sum()
+
+        def pair_loss(i: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logps = runner.sequence_sums(sequence_logps(logits, labels))
+            tokens = runner.sequence_sums(counted_tokens(labels))
+            ref = refs[i]
+            out = dpo_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=s.beta, loss_type=s.loss_type,
+                             label_smoothing=s.label_smoothing, chosen_tokens=tokens[0::2],
+                             rejected_tokens=tokens[1::2])
+            chosen, rejected = out.chosen_rewards.double(), out.rejected_rewards.double()
+            policy = logps.detach().double()
+            results[i] = torch.stack([out.loss.detach().double(), chosen, rejected, (chosen > rejected).double(),
+                                      chosen - rejected, policy[0::2], policy[1::2]], dim=1)
+            return out.loss.sum() * scale
+
         with torch.no_grad(), as_reference(runner.model, self.reference) as reference:
-            ref_logps = runner.sequence_sums(sequence_logps(runner.logits(batch, reference), labels))
-        logps = runner.sequence_sums(sequence_logps(runner.logits(batch), labels))
-        out = dpo_losses(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=s.beta, loss_type=s.loss_type,
-                         label_smoothing=s.label_smoothing, chosen_tokens=tokens[:n], rejected_tokens=tokens[n:])
-        chosen, rejected, policy = out.chosen_rewards.double(), out.rejected_rewards.double(), logps.detach().double()
-        metrics = torch.stack([chosen, rejected, (chosen > rejected).double(), chosen - rejected, policy[:n],
-                               policy[n:]], dim=1)
-        return out, metrics
+            runner.rows_forward(placed, reference_logps, reference)
+        if accumulation is None:
+            runner.rows_forward(placed, pair_loss)
+        else:
+            tokens = runner.share(sequence_tokens(rows.labels)) if runner.router_balance is not None else None
+            runner.rows_forward_backward(placed, pair_loss, accumulation=accumulation, tokens=tokens)
+        per_pair = (torch.cat([results[i] for i in sorted(results)]) if results else
+                    torch.zeros(n, 1 + len(METRICS), dtype=torch.float64, device=runner.device))
+        return runner.stages_sum(per_pair)
 
     def forward_backward(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> StepResult:
         """The summed pair loss (with a mixture, then each source's) and the step's
@@ -178,15 +208,12 @@ class PreferenceObjective:
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
         shares = runner.sequence_shards  # (each pair's loss is on every context-parallel rank)
         for mb in batch:
-            placed = runner.place(mb)
-            out, metrics = self._losses(runner, placed)
-            tokens = runner.share(sequence_tokens(mb.labels)) if runner.router_balance is not None else None
-            runner.backward(out.loss.sum() * scale, accumulation=len(batch), tokens=tokens)
-            pair_loss = out.loss.detach().double() / shares
+            per_pair = self._pairs(runner, mb, accumulation=len(batch), scale=scale) / shares
+            pair_loss = per_pair[:, 0]
             loss_sum[0] += pair_loss.sum()
             if mb.sources is not None and runner.num_sources:  # (the source of each pair)
                 loss_sum[1:].index_add_(0, torch.tensor(mb.sources, device=runner.device), pair_loss)
-            sums += metrics.sum(dim=0) / shares
+            sums += per_pair[:, 1:].sum(dim=0)
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
         means = (sums / max(self.global_pairs, 1)).tolist()
@@ -203,8 +230,6 @@ class PreferenceObjective:
     def evaluate(self, runner: MicroBatchRunner, batch: MicroBatch, pairs: int) -> torch.Tensor:
         """The sums of the loss and of :data:`METRICS` over the first ``pairs`` pairs of one
         micro-batch (the rest: padding), without gradients: ``(1 + len(METRICS),)`` in fp64."""
-        placed = runner.place(batch)
-        n = placed.inputs.shape[0] // 2
-        keep = (torch.arange(n, device=placed.inputs.device) < pairs).double() / runner.sequence_shards
-        out, metrics = self._losses(runner, placed)
-        return torch.cat([(out.loss.double() * keep).sum().reshape(1), (metrics * keep[:, None]).sum(dim=0)])
+        n = batch.inputs.shape[0] // 2
+        keep = (torch.arange(n, device=runner.device) < pairs).double() / runner.sequence_shards
+        return (self._pairs(runner, batch) * keep[:, None]).sum(dim=0)

@@ -327,17 +327,34 @@ def build_runner(config: JobConfig, plan: JobPlan, built: Parallelized, *, mesh:
 
 
 def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
-                   loss_fn: LossFn, forward_only: bool = False,
-                   balance: RouterBalance | None = None) -> PipelineRunner | None:
+                   loss_fn: LossFn, forward_only: bool = False, balance: RouterBalance | None = None,
+                   local_batch_size: int | None = None) -> PipelineRunner | None:
     """The schedule that runs this rank's pipeline stages (None without a pipeline): training's,
-    or with ``forward_only`` validation's (its local batch). ``balance``: a mixture of experts'
-    router losses (:func:`build_router_balance`), which training's last stage adds."""
+    or with ``forward_only`` validation's (its local batch; ``local_batch_size``: another's).
+    ``balance``: a mixture of experts' router losses (:func:`build_router_balance`), which
+    training's last stage adds."""
     pipeline = plan.shape.pipeline
     if pipeline is None:
         return None
     local = plan.val_local_batch_size if forward_only else config.training.local_batch_size
+    local = local if local_batch_size is None else local_batch_size
     return PipelineRunner(model, pipeline, pp_rank=mesh.pp_rank, group=mesh.pp_group, device=device,
                           local_batch_size=local, loss_fn=loss_fn, forward_only=forward_only, balance=balance)
+
+
+def add_reference_schedules(config: JobConfig, plan: JobPlan, runner: MicroBatchRunner,
+                            objective: Objective, *, mesh: ParallelMesh, device: torch.device,
+                            local_batch_size: int) -> None:
+    """With a pipeline, DPO's forward-only schedules of ``local_batch_size`` pairs on ``runner``:
+    the policy's (its reference with adapters off, and its own forward in validation) and the
+    frozen copy's stages'. Nothing otherwise."""
+    if plan.shape.pipeline is None or not isinstance(objective, PreferenceObjective):
+        return
+    forward = functools.partial(build_pipeline, config, plan, mesh=mesh, device=device, loss_fn=token_loss_sum,
+                                forward_only=True, local_batch_size=local_batch_size)
+    runner.add_forward_schedules(evaluation=runner.evaluation or forward(runner.model),
+                                 reference=None if objective.reference is None else
+                                 (objective.reference, forward(objective.reference)))
 
 
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
@@ -449,6 +466,11 @@ class Trainer:
         self.objective = build_objective(config, plan, self.model, mesh=self.mesh, device=self.device,
                                          loader=self.loader,
                                          loss_fn=self.loss_fn, reshard_plan=self.reshard_plan)
+        add_reference_schedules(config, plan, self.runner, self.objective, mesh=self.mesh, device=self.device,
+                                local_batch_size=config.training.local_batch_size)
+        if evaluation is not self.runner:  # (validation's own runner: its local batch)
+            add_reference_schedules(config, plan, evaluation, self.objective, mesh=self.mesh, device=self.device,
+                                    local_batch_size=plan.val_local_batch_size)
         self.validators = build_validators(
             config, plan, validation_sets, dp_rank=dp_rank, runner=evaluation, group=self.mesh.tokens,
             preference=self.objective if isinstance(self.objective, PreferenceObjective) else None)

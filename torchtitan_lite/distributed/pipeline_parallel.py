@@ -306,6 +306,10 @@ def _forward_only_v(stages: list[Any], **kwargs: Any) -> Any:
     return schedule
 
 
+RowsFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``rows_fn(i, logits, labels)``: an objective's loss of the schedule's micro-batch ``i`` (a scalar)."""
+
+
 class PipelineRunner:
     """Runs one local batch through the schedule: forward and backward of every micro-batch, the
     loss (each micro-batch's ``loss_fn(logits, labels)`` times the step's scale) on the last stage."""
@@ -321,6 +325,8 @@ class PipelineRunner:
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
+        self.rows_fn: RowsFn | None = None  # (set for one call: an objective's own loss of each micro-batch)
+        self._calls = 0
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
         self._sources = 0  # a mixture's sources (their losses follow the sum in each micro-batch's)
@@ -356,6 +362,11 @@ class PipelineRunner:
         return loss if router is None else loss + router
 
     def _token_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.rows_fn is not None:
+            if self._last_part is not None and self._last_part.inferred:  # (shapes only: placeholder values)
+                return logits.float().sum() * 0.0
+            self._calls += 1
+            return self.rows_fn(self._calls - 1, logits, target)
         # A mixture: the target's last column is each row's source (kept for the metrics).
         labels, sources = (target[:, :-1], target[:, -1].tolist()) if self._sources else (target, None)
         loss = self.loss_fn(logits, labels)
@@ -369,6 +380,27 @@ class PipelineRunner:
                               getattr(self.schedule, "_stages_forward_initialized", True))
         for part in self.parts:
             part.documents, part.calls, part.inferring = chunks, 0, not initialized
+
+    def rows_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn, *,
+                              accumulation: int = 1) -> None:
+        """Forward and backward of this local batch with an objective's own loss: on the last
+        stage, ``rows_fn(i, logits, labels)`` of each micro-batch ``i`` of the schedule (its rows,
+        in order; the value's gradient accumulates)."""
+        self.rows_fn, self._calls = rows_fn, 0
+        try:
+            self.forward_backward(inputs, labels, scale=1.0, accumulation=accumulation)
+        finally:
+            self.rows_fn = None
+
+    @torch.no_grad()
+    def rows_forward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn) -> None:
+        """Forward only (this runner built ``forward_only``): ``rows_fn(i, logits, labels)`` of
+        each micro-batch ``i`` on the last stage (its value unused)."""
+        self.rows_fn, self._calls = rows_fn, 0
+        try:
+            self.evaluate(inputs, labels)
+        finally:
+            self.rows_fn = None
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float,
                          documents: torch.Tensor | None = None, sources: list[int] | None = None,

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.context_parallel import ContextParallel
-from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
+from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, RowsFn
 from torchtitan_lite.loss import loss_sums
 from torchtitan_lite.models.moe.balance import RouterBalance
 
@@ -48,10 +48,14 @@ class MicroBatchRunner:
 
     def __init__(self, model: nn.Module, *, device: torch.device, context_parallel: ContextParallel | None = None,
                  pipeline: PipelineRunner | None = None, evaluation: PipelineRunner | None = None,
-                 router_balance: RouterBalance | None = None, num_sources: int = 0) -> None:
-        """``num_sources``: the sources of a mixture, for the per-source sums (0: none)."""
+                 router_balance: RouterBalance | None = None, num_sources: int = 0,
+                 reference: tuple[nn.Module, PipelineRunner] | None = None) -> None:
+        """``num_sources``: the sources of a mixture, for the per-source sums (0: none).
+        ``reference``: with a pipeline, another model's stages (a frozen reference copy) and
+        their forward-only schedule, for :meth:`rows_forward` of that model."""
         self.model, self.device = model, device
         self.context_parallel, self.pipeline, self.evaluation = context_parallel, pipeline, evaluation
+        self.reference = reference
         self.router_balance = router_balance
         self.num_sources = num_sources
 
@@ -106,6 +110,56 @@ class MicroBatchRunner:
                              "run micro-batches through forward_backward or evaluate")
         model = self.model if model is None else model
         return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
+
+    def add_forward_schedules(self, *, evaluation: PipelineRunner | None,
+                              reference: tuple[nn.Module, PipelineRunner | None] | None) -> None:
+        """With a pipeline, the forward-only schedules :meth:`rows_forward` runs: the model's own
+        (``evaluation``), and another model's stages with theirs (``reference``)."""
+        self.evaluation = evaluation
+        if reference is not None and reference[1] is not None:
+            self.reference = (reference[0], reference[1])
+
+    @torch.no_grad()
+    def rows_forward(self, batch: MicroBatch, rows_fn: RowsFn, model: nn.Module | None = None) -> None:
+        """Forward only of a placed ``batch`` through ``model`` (default the runner's; e.g. a
+        reference), without gradient: ``rows_fn(i, logits, labels)`` of each part of its rows the
+        layout runs at once (the whole batch, or each of the pipeline's micro-batches, on its last
+        stage's ranks only)."""
+        if self.pipeline is None and self.evaluation is None:
+            rows_fn(0, self.logits(batch, model), batch.labels)
+            return
+        if model is None or model is self.model:
+            runner = self.evaluation
+        else:
+            if self.reference is None or self.reference[0] is not model:
+                raise ValueError("MicroBatchRunner.rows_forward: no forward-only schedule of that model's stages")
+            runner = self.reference[1]
+        if runner is None:
+            raise ValueError("MicroBatchRunner.rows_forward: no forward-only schedule of the model's stages")
+        runner.rows_forward(batch.inputs, batch.labels, rows_fn)
+
+    def rows_forward_backward(self, batch: MicroBatch, rows_fn: RowsFn, *, accumulation: int,
+                              tokens: torch.Tensor | None = None) -> None:
+        """Forward and backward of a placed ``batch`` with an objective's own loss: the gradient
+        of ``rows_fn(i, logits, labels)`` of each part of its rows the layout runs at once (see
+        :meth:`rows_forward`), plus the router losses (``tokens``: as :meth:`backward`'s; with a
+        pipeline, every position counts)."""
+        if self.pipeline is None:
+            self.backward(rows_fn(0, self.logits(batch), batch.labels), accumulation=accumulation, tokens=tokens)
+            return
+        self.pipeline.rows_forward_backward(batch.inputs, batch.labels, rows_fn, accumulation=accumulation)
+
+    def stages_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the pipeline ranks (what only the last stage's ranks computed, on
+        every rank); ``x`` without a pipeline."""
+        runner = self.pipeline or self.evaluation
+        if runner is None:
+            return x
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=runner.group)
+        return x
 
     def start_step(self) -> None:
         """Before a step's first micro-batch (the router losses' counts restart)."""
