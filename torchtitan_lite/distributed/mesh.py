@@ -147,14 +147,19 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> ParallelMesh:
         fsdp = _slice(world, (*replicate, "dp_shard_cp")) if replicate else flat
         experts = world[(*replicate, "dp_shard_mod_ep")] if replicate else world["dp_shard_mod_ep"]
         dp_group = world[(*replicate, "dp_shard_mod_ep", "dp_shard_in_ep")]._flatten("dp").get_group()
+        # (the world's ranks, but with a pipeline: each pipeline rank's share)
+        token = dist.group.WORLD if dims.pp == 1 else world[(*replicate, "dp_shard_mod_ep", "dp_shard_in_ep",
+                                                              "cp")]._flatten("dp_cp").get_group()
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, experts=experts,
-                            token_group=dist.group.WORLD)
+                            token_group=token)
     if "cp" in names:  # parameters sharded over dp_shard × cp: every rank of a sequence holds a shard
         replicate = ("dp_replicate",) if "dp_replicate" in names else ()
         flat = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
         fsdp = _slice(world, (*replicate, "dp_shard_cp")) if replicate else flat
         dp_group = (world[data]._flatten("dp").get_group() if len(data) == 2 else world[data[0]].get_group())
-        token = dist.group.WORLD if "tp" not in names else world[(*data, "cp")]._flatten("dp_cp").get_group()
+        # (the world's ranks, but with tensor parallel or a pipeline: each such rank's share)
+        alone = "tp" not in names and "pp" not in names
+        token = dist.group.WORLD if alone else world[(*data, "cp")]._flatten("dp_cp").get_group()
         return ParallelMesh(world=world, fsdp=fsdp, dims=dims, dp_group=dp_group, token_group=token)
     if data == names:  # data parallel only: as FSDP always had it, and every collective on the world
         fsdp, dp_group = world, dist.group.WORLD

@@ -46,10 +46,6 @@ class ParallelDims:
         None: expert parallel beside tensor parallel, or over fewer ranks than a sequence is split
         over (the one place of the rules; the plan refuses them before any process group, the mesh
         if it gets that far)."""
-        if self.pp > 1 and self.cp > 1:
-            name = "cp"
-            return (f"{DEGREE_KEYS['pp']}: invalid value {self.pp}; pipeline parallel is not combined with "
-                    f"{DEGREE_KEYS[name]} > 1 yet; expected 1 with it")
         if self.ep > 1 and self.tp > 1:
             return (f"{DEGREE_KEYS['tp']}: invalid value {self.tp}; tensor parallel is not combined "
                     f"with expert parallel ({DEGREE_KEYS['ep']} > 1) yet; expected 1 with it")
