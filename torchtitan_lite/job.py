@@ -527,9 +527,6 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
                              last_less=p.pipeline_parallel_last_stage_less_layers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _require(not getattr(model_args, "tie_word_embeddings", False), key, dims.pp,
-             f"{config.model.name} {config.model.flavor} ties its embedding to the output projection, which would "
-             "sit on the first and the last stage: expected 1 for it")
     v = config.validation
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     _require(not v.enable or val_local % p.pipeline_parallel_microbatch_size == 0, "validation.local_batch_size",

@@ -62,7 +62,7 @@ from torchtitan_lite.distributed.clip import clip_grad_norm_
 from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import Parallelized, build_parallelized
-from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner
+from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, TiedWeights
 from torchtitan_lite.dpo import PreferenceObjective
 from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
@@ -455,6 +455,7 @@ class Trainer:
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         built = build_parallel_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.model = built.model
+        self.tied = TiedWeights.build(self.model, plan.shape.pipeline, world=self.mesh.world, pp_rank=self.mesh.pp_rank)
         self.loss_fn = build_loss(config, plan)
         # The micro-batches' runners (context parallel's share, the pipeline's schedules), the
         # objective, and validation on a forward-only runner when the stages need a schedule of their own.
@@ -502,8 +503,11 @@ class Trainer:
         alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
         loss (or :meth:`forward_backward`'s vector, whose first entry it is), reduced here over
         the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_norm,
-                                    pipeline_group=self.mesh.pp_group)
+        params = list(self.model.parameters())
+        if self.tied is not None:  # (tied embeddings on two pipeline ranks: one gradient, counted once)
+            self.tied.sum_gradients()
+        grad_norm = clip_grad_norm_(params, self.config.training.max_norm, pipeline_group=self.mesh.pp_group,
+                                    counted=None if self.tied is None else self.tied.counted(params))
         lr = self.lr_scheduler.get_last_lr()[0]
         dist.all_reduce(loss_sum, group=self.mesh.tokens)
         loss, norm = float(loss_sum.reshape(-1)[0].item() / global_tokens), float(grad_norm.item())

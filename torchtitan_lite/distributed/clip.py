@@ -16,21 +16,28 @@ __all__ = ["clip_grad_norm_"]
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: list[torch.nn.Parameter], max_norm: float, *, foreach: bool | None = None,
-    pipeline_group: Any = None,
+    pipeline_group: Any = None, counted: list[torch.nn.Parameter] | None = None,
 ) -> torch.Tensor:
     """Global L2 gradient norm over sharded (DTensor) or plain gradients; clip when ``max_norm > 0``.
 
     The norm of DTensor gradients is reduced over the mesh (``full_tensor``), so every rank
     gets the same global norm; with CPU offload that reduction runs on CPU tensors, which is
     why the process group then carries a CPU backend. ``pipeline_group``: the pipeline ranks,
-    each holding other parameters (their squared norms are summed over it).
+    each holding other parameters (their squared norms are summed over it). ``counted``: the
+    parameters whose gradients the norm counts (default all; a tied weight's second copy on
+    another pipeline rank is clipped, not counted twice).
     """
     by_mesh: dict[Any, list[torch.nn.Parameter]] = {}  # DTensors of one mesh are normed and scaled together
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
+    counted_ids = None if counted is None else {id(p) for p in counted}
     for params in by_mesh.values():
+        if counted_ids is not None:
+            params = [p for p in params if id(p) in counted_ids]
+            if not params:
+                continue
         with _quiet_redistribute():  # (2-D: one all-reduce per mesh dimension, which DTensor warns about)
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=foreach)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)

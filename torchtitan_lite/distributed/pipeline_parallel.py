@@ -38,8 +38,8 @@ from torchtitan_lite.loss import loss_sums
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LOOPED_SCHEDULES", "SCHEDULES", "SINGLE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "PipelinePlan",
-           "PipelineRunner", "StagePart", "init_stage_weights", "pipeline_plan", "pipeline_problem",
-           "prune_to_stages", "rank_actions"]
+           "PipelineRunner", "RowsFn", "StagePart", "TiedWeights", "init_stage_weights", "pipeline_plan",
+           "pipeline_problem", "prune_to_stages", "rank_actions"]
 
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
 LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -219,9 +219,6 @@ def prune_to_stages(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
     """Keep only the parts of pipeline rank ``pp_rank``'s stages in ``model`` (a decoder built on
     the meta device): its blocks, the embedding on the first stage's rank, the final norm and output
     projection on the last one's. Parameter names are unchanged (the decoder's ``keep_stages``)."""
-    if getattr(model.args, "tie_word_embeddings", False):
-        raise ValueError("pipeline parallel: tied embeddings (model.tie_word_embeddings) would put one weight "
-                         "on the first and the last stage; expected a model without them")
     model.keep_stages(plan.rank_stages(pp_rank))
 
 
@@ -233,6 +230,55 @@ def init_stage_weights(model: nn.Module, whole: nn.Module, *, buffer_device: tor
     whole.adopt_parts(model)
     whole.init_weights(buffer_device=buffer_device)
     model.init_buffers(buffer_device)
+
+
+class TiedWeights:
+    """Tied embeddings under pipeline parallel: the embedding (first stage) and the output
+    projection (last stage) are one weight. Where the two stages are on different pipeline ranks
+    (every schedule but the V ones), each of the two ranks holds a copy, started alike
+    (:func:`init_stage_weights`, a checkpoint), and keeps it alike: after the backward, the copies'
+    gradients are summed between the two ranks (:meth:`sum_gradients`; each shard with the same
+    shard of the other copy), and both take the same optimizer step. The gradient norm counts the
+    weight once: on the first stage's rank (:meth:`counted`). Where one rank holds both stages, or
+    without tied embeddings, there is nothing to do (:meth:`build` returns None)."""
+
+    def __init__(self, param: nn.Parameter | None, group: Any, counted_here: bool) -> None:
+        self.param, self.group, self.counted_here = param, group, counted_here
+
+    @staticmethod
+    def build(model: nn.Module, plan: PipelinePlan | None, *, world: Any, pp_rank: int) -> TiedWeights | None:
+        """The tied weight's copies of ``model`` (this rank's pruned decoder) over the ranks of
+        ``world`` (the device mesh; ``pp`` its outermost dimension), or None."""
+        if plan is None or not getattr(model.args, "tie_word_embeddings", False):
+            return None
+        holders = [next(r for r in range(plan.degree) if any(s.first for s in plan.rank_stages(r))),
+                   next(r for r in range(plan.degree) if any(s.last for s in plan.rank_stages(r)))]
+        if holders[0] == holders[1]:
+            return None
+        columns = world.mesh.reshape(plan.degree, -1)  # (each column: one pipeline group's ranks)
+        mine = None
+        for column in columns.t().tolist():  # (every rank makes every group, in the same order)
+            group = dist.new_group([column[holders[0]], column[holders[1]]])
+            if dist.get_rank() in (column[holders[0]], column[holders[1]]):
+                mine = group
+        if pp_rank == holders[0]:
+            return TiedWeights(model.tok_embeddings.weight, mine, True)
+        if pp_rank == holders[1]:
+            return TiedWeights(model.output.weight, mine, False)
+        return TiedWeights(None, None, True)
+
+    def sum_gradients(self) -> None:
+        """Sum the two copies' gradients (before the gradient norm and the optimizer step)."""
+        grad = None if self.param is None else self.param.grad
+        if grad is None:
+            return
+        from torch.distributed.tensor import DTensor
+
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+    def counted(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` whose gradients this rank's norm counts: all but the second copy."""
+        return params if self.counted_here or self.param is None else [p for p in params if p is not self.param]
 
 
 class StagePart(nn.Module):

@@ -465,6 +465,11 @@ class Decoder(nn.Module):
                 setattr(self, name, getattr(pruned, name))
         for key, block in pruned.layers.items():
             self.layers[key] = block
+        if self.args.tie_word_embeddings:  # one weight: the pruned side's copy, on both sides
+            if pruned.output is None and pruned.tok_embeddings is not None:
+                self.output.weight = self.tok_embeddings.weight
+            elif pruned.tok_embeddings is None and pruned.output is not None:
+                self.tok_embeddings.weight = self.output.weight
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 stage: int | None = None, cache: KVCache | None = None) -> torch.Tensor:
@@ -571,10 +576,11 @@ def decoder_fsdp_units(model: nn.Module) -> FSDPLayout:
     projection as one unit. With tied embeddings the embedding and the output projection (one
     parameter) join the final norm in the last unit: it is gathered for the embedding, stays
     gathered until the output projection has run (FSDP2 frees a unit after all its modules'
-    forwards), and as the last unit is not freed before backward, which needs it at once."""
+    forwards), and as the last unit is not freed before backward, which needs it at once. (A
+    pipeline rank holding only one of the two has its copy of the weight in its own unit.)"""
     assert isinstance(model, Decoder)
     blocks = list(model.layers.values())
-    if model.args.tie_word_embeddings:
+    if model.args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         return FSDPLayout(blocks=blocks, last_unit=[model.norm, model.output, model.tok_embeddings])
     # (a pipeline stage may hold no embedding, or no norm and output)
     return FSDPLayout(first_unit=model.tok_embeddings, blocks=blocks,
