@@ -704,3 +704,39 @@ def _tied_history(argv: list[str]) -> tuple[list[dict[str, Any]], torch.Tensor |
         return history, None if weight is None else weight.detach().clone()
     finally:
         trainer.close()
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_tied_embeddings_load_and_export_through_pipeline_stages(tmp_path: Path) -> None:
+    """A tied Qwen3 from a Hugging Face folder at pipeline 2 (1F1B): the last stage's copy reads
+    the embedding's tensor (the folder has no lm_head), 3 steps give one process's losses within
+    1e-5, and the last save's Hugging Face export (the weight written once, by the first stage's
+    rank) equals one process's within 1e-5."""
+    from safetensors.torch import load_file
+
+    from tests.test_data_chat import write_chat_tokenizer
+    from tests.test_dpo import _hf_folder
+
+    write_chat_tokenizer(tmp_path / "tok", "qwen3")
+    _hf_folder(tmp_path / "hf", "qwen3", 7, tmp_path / "tok")
+    argv = [*TINY_ARGS, "--model.name", "qwen3", "--model.flavor", "from_checkpoint",
+            "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf",
+            "--model.tokenizer_path", str(tmp_path / "hf"), "--training.steps", "3", "--training.local_batch_size",
+            "4", "--training.global_batch_size", "4", "--metrics.no-enable_tensorboard", "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"]
+    one = train_history([*argv, "--job.dump_folder", str(tmp_path / "one")])
+    pp = run_distributed(train_history, 2, [*argv, "--job.dump_folder", str(tmp_path / "pp"),
+                                            "--parallelism.pipeline_parallel_degree", "2",
+                                            "--parallelism.pipeline_parallel_microbatch_size", "1"])[0]
+    for a, b in zip(pp, one, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+    exports = []
+    for run in ("one", "pp"):
+        tensors: dict[str, torch.Tensor] = {}
+        for file in (tmp_path / run / "checkpoint" / "step-3").glob("*.safetensors"):
+            tensors.update(load_file(file))
+        exports.append(tensors)
+    assert sorted(exports[0]) == sorted(exports[1]) and "lm_head.weight" not in exports[1]
+    for name, tensor in exports[0].items():
+        assert torch.allclose(tensor, exports[1][name], atol=1e-5), name

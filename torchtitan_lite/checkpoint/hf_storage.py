@@ -483,7 +483,10 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
         params = _named_params(model)  # a tied parameter once, under its first name
         to_load: dict[str, torch.Tensor] = {}
         for name, param in params.items():
-            to_load.update(_hf_parts(adapter.hf_names(name, args), param.detach()))
+            # (a pipeline's last stage holds the tied weight as the output's: the embedding's tensor)
+            tied = getattr(args, "tie_word_embeddings", False)
+            source = "tok_embeddings.weight" if name == "output.weight" and tied else name
+            to_load.update(_hf_parts(adapter.hf_names(source, args), param.detach()))
         with torch.no_grad(), quiet_without_process_group():
             # Each rank reads its own rows of every tensor straight into its shard.
             try:
@@ -560,6 +563,10 @@ def _export_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a Hugging Face export holds, by our names: :func:`_named_params`, a linear with
     LoRA adapters (and LoRA'd stacked experts) merged, ``W + (alpha/rank) · B A``."""
     params = _named_params(model)
+    if getattr(model.args, "tie_word_embeddings", False):
+        # (a pipeline's last stage holds the tied weight as the output's: the first stage's rank
+        # writes it, as the embedding, once)
+        params.pop("output.weight", None)
     for name, module in lora_modules(model).items():
         params[f"{name}.weight"] = plain_tensor(merged_weight(module))
     for name, module in lora_expert_modules(model).items():
