@@ -426,6 +426,11 @@ _LAYOUTS = {  # name: (ranks, arguments)
     "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
     "dp2xcp2-ulysses": (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method",
                             "ulysses"]),
+    # through pipeline stages: the kept log-probabilities of a forward-only schedule, the loss on the last stage
+    "pp2-1f1b": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
+                     "1"]),
+    "dp2xpp2-zbv": (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                        "ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "1"]),
 }
 
 
@@ -443,8 +448,9 @@ def test_grpo_on_a_layout_equals_one_process(tmp_path: Path, layout: str) -> Non
     """fp32, given rollouts, grpo loss, beta 0.04 (the reference a frozen copy sharded like the
     policy), num_iterations 2, 3 steps: tensor parallel 2 (the logits split over the vocabulary),
     FSDP with full checkpointing and compiled blocks, FSDP with CPU offload, HSDP 2 × 2, context
-    parallel 2 (all-gather) and data parallel 2 × context parallel 2 (Ulysses) give one process's
-    losses and gradient norms within 1e-5; bf16 mixed precision within 2e-2."""
+    parallel 2 (all-gather), data parallel 2 × context parallel 2 (Ulysses), pipeline 2 (1F1B) and
+    data parallel 2 × pipeline 2 (ZBVZeroBubble) give one process's losses and gradient norms
+    within 1e-5; bf16 mixed precision within 2e-2."""
     family = "llama3"
     write_chat_tokenizer(tmp_path / "tok", family)
     _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")

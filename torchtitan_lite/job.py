@@ -303,7 +303,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
-    pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo)
+    pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo, grpo=grpo)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
@@ -480,11 +480,11 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,
     _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
              g.reward_weights, f"expected one weight per reward function ({len(g.reward_functions)}), or none")
     resolve_reward_functions(g.reward_functions)
-    _require(dims.pp == 1, "parallelism.pipeline_parallel_degree", dims.pp,
-             "online RL with this axis is not supported yet: expected 1")
-    _require(dims.cp == 1 or g.rollouts_path is not None, "parallelism.context_parallel_degree", dims.cp,
-             "online RL generates its rollouts on the training model, which context parallel splits: expected 1, "
-             "or rollouts made elsewhere (grpo.rollouts_path)")
+    for key, degree, how in (("pipeline_parallel_degree", dims.pp, "pipeline stages split"),
+                             ("context_parallel_degree", dims.cp, "context parallel splits")):
+        _require(degree == 1 or g.rollouts_path is not None, f"parallelism.{key}", degree,
+                 f"online RL generates its rollouts on the training model, which {how}: expected 1, or rollouts "
+                 "made elsewhere (grpo.rollouts_path)")
     reference = None
     if g.beta > 0:
         reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference
@@ -512,7 +512,7 @@ def _rollout_shape(g: GRPOSetup, seq_len: int, completions: int) -> RolloutShape
 
 
 def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, float8: Any, lora: Any,
-                   dpo: Any) -> PipelinePlan | None:
+                   dpo: Any, grpo: Any = None) -> PipelinePlan | None:
     """The job's pipeline stages (None without ``parallelism.pipeline_parallel_degree`` > 1); one
     :class:`ConfigError` line for a split or a combination it cannot run."""
     p, t = config.parallelism, config.training
@@ -537,8 +537,9 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")
     # (not run through a pipeline yet: refused rather than trained wrongly)
-    _require(dpo is None or not getattr(model_args, "num_experts", 0), key, dims.pp,
-             "DPO of a mixture of experts through pipeline stages would count the pairs' padding in its router "
+    rows = "DPO" if dpo is not None else "online RL" if grpo is not None else None
+    _require(rows is None or not getattr(model_args, "num_experts", 0), key, dims.pp,
+             f"{rows} of a mixture of experts through pipeline stages would count the rows' padding in its router "
              "losses: not supported yet, expected 1")
     return plan
 

@@ -345,10 +345,11 @@ def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: 
 def add_reference_schedules(config: JobConfig, plan: JobPlan, runner: MicroBatchRunner,
                             objective: Objective, *, mesh: ParallelMesh, device: torch.device,
                             local_batch_size: int) -> None:
-    """With a pipeline, DPO's forward-only schedules of ``local_batch_size`` pairs on ``runner``:
-    the policy's (its reference with adapters off, and its own forward in validation) and the
-    frozen copy's stages'. Nothing otherwise."""
-    if plan.shape.pipeline is None or not isinstance(objective, PreferenceObjective):
+    """With a pipeline, DPO's or online RL's forward-only schedules of ``local_batch_size`` pairs
+    (completions) on ``runner``: the policy's (the sampling policy's log-probabilities, the
+    reference with adapters off, validation's forward) and the frozen copy's stages'. Nothing
+    otherwise."""
+    if plan.shape.pipeline is None or not isinstance(objective, (PreferenceObjective, GRPOObjective)):
         return
     forward = functools.partial(build_pipeline, config, plan, mesh=mesh, device=device, loss_fn=token_loss_sum,
                                 forward_only=True, local_batch_size=local_batch_size)

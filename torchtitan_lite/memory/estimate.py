@@ -592,7 +592,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                                    seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank,
                                    sequence_shards=dims.tp)
                 kv_cache = 0
-                if rollout is not None:
+                if rollout is not None and pipeline is None:  # (with a pipeline: its token step's)
                     kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
                                              micro_batches=micro_batches, grad_accum_steps=grad_accum_steps,
                                              device=device, context_parallel=built.context_parallel)

@@ -213,8 +213,18 @@ def rows_logps(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.Ten
     with torch.no_grad():
         for part in _parts(inputs.shape[0], local_batch_size):
             placed = runner.place(MicroBatch(inputs[part], labels[part]))
-            logp, _ = token_logps(runner.logits(placed, model), placed.labels, temperature=temperature)
-            out.append(runner.whole(logp.detach()))
+            chunks: dict[int, torch.Tensor] = {}
+
+            def keep(i: int, logits: torch.Tensor, labels: torch.Tensor,
+                     chunks: dict[int, torch.Tensor] = chunks) -> torch.Tensor:
+                logp, _ = token_logps(logits, labels, temperature=temperature)
+                chunks[i] = runner.whole(logp.detach())
+                return logp.sum()
+
+            runner.rows_forward(placed, keep, model)  # (with a pipeline: on the last stage's ranks)
+            rows = torch.cat([chunks[i] for i in sorted(chunks)]) if chunks else torch.zeros(
+                part.stop - part.start, inputs.shape[1], device=runner.device)
+            out.append(runner.stages_sum(rows))
     return torch.cat(out)
 
 
@@ -233,14 +243,20 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
     total = torch.zeros(1, dtype=torch.float64, device=runner.device)
     for part in parts:
         placed = runner.place(MicroBatch(inputs[part], labels[part]))
-        logp, entropy = token_logps(runner.logits(placed), placed.labels, temperature=temperature, entropy=True)
-        assert entropy is not None
-        loss = loss_fn(part, logp, entropy, placed.labels)
+
+        def part_loss(i: int, logits: torch.Tensor, labels: torch.Tensor, first: int = part.start) -> torch.Tensor:
+            # (rows i·k … of the part, k = the rows the layout runs at once: all, or a pipeline micro-batch's)
+            rows = slice(first + i * logits.shape[0], first + (i + 1) * logits.shape[0])
+            logp, entropy = token_logps(logits, labels, temperature=temperature, entropy=True)
+            assert entropy is not None
+            loss = loss_fn(rows, logp, entropy, labels)
+            total.add_(loss.detach().double())
+            return loss * ranks
+
         # (a mixture of experts' router losses count the rows' tokens, not their padding)
         tokens = runner.share(sequence_tokens(labels[part])) if runner.router_balance is not None else None
-        runner.backward(loss * ranks, accumulation=len(parts), tokens=tokens)
-        total += loss.detach().double()
-    return total
+        runner.rows_forward_backward(placed, part_loss, accumulation=len(parts), tokens=tokens)
+    return runner.stages_sum(total)
 
 
 def score_completions(functions: list[tuple[str, RewardFunction]], prompts: list[PromptRow],
@@ -362,7 +378,7 @@ def policy_backward(runner: MicroBatchRunner, rollouts: Rollouts, setup: GRPOSet
 
     loss_sum = rows_backward(runner, rollouts.inputs, rollouts.labels, loss_fn, local_batch_size=local_batch_size,
                              ranks=ranks, temperature=setup.logit_temperature)
-    return loss_sum, sums
+    return loss_sum, runner.stages_sum(sums)  # (with a pipeline: the last stage's sums on every rank)
 
 
 class GRPOObjective:
