@@ -442,7 +442,7 @@ def _layout_history(tmp_path: Path, rollouts: Path, name: str, ranks: int, *extr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in ("tp2", "cp2") else pytest.mark.scenario)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "tp2" else pytest.mark.scenario)
                                     for name in _LAYOUTS])
 def test_grpo_on_a_layout_equals_one_process(tmp_path: Path, layout: str) -> None:
     """fp32, given rollouts, grpo loss, beta 0.04 (the reference a frozen copy sharded like the
