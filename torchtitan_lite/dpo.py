@@ -36,7 +36,7 @@ from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceObjective", "as_reference",
-           "counted_tokens", "dpo_losses", "sequence_logps", "sequence_tokens"]
+           "counted_tokens", "dpo_losses", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -51,16 +51,6 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Each row's number of counted labels."""
     return (labels != IGNORE_INDEX).sum(dim=-1)
-
-
-def sequence_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Which input positions of pair rows hold their sequence's tokens, ``(rows, seq)`` bool: up
-    to the last one (the token after the last counted label), not the padding after it (what a
-    mixture of experts' router losses count, as ``transformers`` leaves out what its attention
-    mask does)."""
-    positions = torch.arange(labels.shape[1], device=labels.device)
-    last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1)
-    return positions[None, :] <= (last + 1)[:, None]
 
 
 @dataclass(frozen=True)
@@ -193,8 +183,7 @@ class PreferenceObjective:
         if accumulation is None:
             runner.rows_forward(placed, pair_loss)
         else:
-            tokens = runner.share(sequence_tokens(rows.labels)) if runner.router_balance is not None else None
-            runner.rows_forward_backward(placed, pair_loss, accumulation=accumulation, tokens=tokens)
+            runner.rows_forward_backward(placed, pair_loss, accumulation=accumulation, labels=rows.labels)
         per_pair = (torch.cat([results[i] for i in sorted(results)]) if results else
                     torch.zeros(n, 1 + len(METRICS), dtype=torch.float64, device=runner.device))
         return runner.stages_sum(per_pair)

@@ -353,9 +353,9 @@ def add_reference_schedules(config: JobConfig, plan: JobPlan, runner: MicroBatch
         return
     forward = functools.partial(build_pipeline, config, plan, mesh=mesh, device=device, loss_fn=token_loss_sum,
                                 forward_only=True, local_batch_size=local_batch_size)
+    copy = objective.reference
     runner.add_forward_schedules(evaluation=runner.evaluation or forward(runner.model),
-                                 reference=None if objective.reference is None else
-                                 (objective.reference, forward(objective.reference)))
+                                 reference=None if copy is None else (copy, forward(copy)))
 
 
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,

@@ -121,6 +121,11 @@ class ContextParallel:
         positions = self.layout(x.shape[dim], x.device).owned[self.rank]
         return x.index_select(dim, positions)
 
+    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Whole sequences of ``x``, this rank's tokens along ``dim`` (:meth:`shard`'s inverse: every
+        rank's share gathered, in sequence order; differentiable)."""
+        return self._gather_sequence(x.contiguous(), dim=dim, layout=self.layout(x.shape[dim] * self.degree, x.device))
+
     def attention(self, local_len: int, document_ids: torch.Tensor | None, device: torch.device,
                   *, flex: bool | None = None) -> ShardedAttention:
         """What one forward's attention layers need (a collective when ``document_ids``, this

@@ -37,7 +37,7 @@ from torch import nn
 
 from torchtitan_lite.data.prompts import PromptRow
 from torchtitan_lite.data.windows import IGNORE_INDEX
-from torchtitan_lite.dpo import as_reference, sequence_tokens
+from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.errors import DataError
 from torchtitan_lite.rl.rewards import RewardFunction, call_reward
 from torchtitan_lite.training.objectives import StepResult
@@ -253,9 +253,7 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
             total.add_(loss.detach().double())
             return loss * ranks
 
-        # (a mixture of experts' router losses count the rows' tokens, not their padding)
-        tokens = runner.share(sequence_tokens(labels[part])) if runner.router_balance is not None else None
-        runner.rows_forward_backward(placed, part_loss, accumulation=len(parts), tokens=tokens)
+        runner.rows_forward_backward(placed, part_loss, accumulation=len(parts), labels=labels[part])
     return runner.stages_sum(total)
 
 

@@ -20,10 +20,20 @@ from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, RowsFn
 from torchtitan_lite.loss import loss_sums
 from torchtitan_lite.models.moe.balance import RouterBalance
 
-__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner"]
+__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "sequence_tokens"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(logits, labels)``: a micro-batch's summed loss (a scalar)."""
+
+
+def sequence_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Which input positions of rows that each hold one sequence and then padding (a preference
+    pair's, a completion's) hold its tokens, ``(rows, seq)`` bool: up to the last one (the token
+    after the last counted label), not the padding after it (what a mixture of experts' router
+    losses count, as ``transformers`` leaves out what its attention mask does)."""
+    positions = torch.arange(labels.shape[1], device=labels.device)
+    last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1)
+    return positions[None, :] <= (last + 1)[:, None]
 
 
 @dataclass(frozen=True)
@@ -48,14 +58,13 @@ class MicroBatchRunner:
 
     def __init__(self, model: nn.Module, *, device: torch.device, context_parallel: ContextParallel | None = None,
                  pipeline: PipelineRunner | None = None, evaluation: PipelineRunner | None = None,
-                 router_balance: RouterBalance | None = None, num_sources: int = 0,
-                 reference: tuple[nn.Module, PipelineRunner] | None = None) -> None:
-        """``num_sources``: the sources of a mixture, for the per-source sums (0: none).
-        ``reference``: with a pipeline, another model's stages (a frozen reference copy) and
-        their forward-only schedule, for :meth:`rows_forward` of that model."""
+                 router_balance: RouterBalance | None = None, num_sources: int = 0) -> None:
+        """``num_sources``: the sources of a mixture, for the per-source sums (0: none)."""
         self.model, self.device = model, device
         self.context_parallel, self.pipeline, self.evaluation = context_parallel, pipeline, evaluation
-        self.reference = reference
+        self.reference: tuple[nn.Module, PipelineRunner] | None = None
+        """With a pipeline, another model's stages (a frozen reference copy) and their forward-only
+        schedule, for :meth:`rows_forward` of that model (:meth:`add_forward_schedules`)."""
         self.router_balance = router_balance
         self.num_sources = num_sources
 
@@ -76,9 +85,8 @@ class MicroBatchRunner:
         parallel), without gradient."""
         if self.context_parallel is None:
             return x
-        cp = self.context_parallel
         with torch.no_grad():
-            return cp._gather_sequence(x.detach(), dim=1, layout=cp.layout(x.shape[1] * cp.degree, x.device))
+            return self.context_parallel.unshard(x.detach())
 
     def sequence_sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-row sums over this rank's share of each sequence ``(rows,)`` as sums over the whole
@@ -112,12 +120,10 @@ class MicroBatchRunner:
         return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
 
     def add_forward_schedules(self, *, evaluation: PipelineRunner | None,
-                              reference: tuple[nn.Module, PipelineRunner | None] | None) -> None:
+                              reference: tuple[nn.Module, PipelineRunner] | None) -> None:
         """With a pipeline, the forward-only schedules :meth:`rows_forward` runs: the model's own
         (``evaluation``), and another model's stages with theirs (``reference``)."""
-        self.evaluation = evaluation
-        if reference is not None and reference[1] is not None:
-            self.reference = (reference[0], reference[1])
+        self.evaluation, self.reference = evaluation, reference
 
     @torch.no_grad()
     def rows_forward(self, batch: MicroBatch, rows_fn: RowsFn, model: nn.Module | None = None) -> None:
@@ -139,12 +145,14 @@ class MicroBatchRunner:
         runner.rows_forward(batch.inputs, batch.labels, rows_fn)
 
     def rows_forward_backward(self, batch: MicroBatch, rows_fn: RowsFn, *, accumulation: int,
-                              tokens: torch.Tensor | None = None) -> None:
+                              labels: torch.Tensor) -> None:
         """Forward and backward of a placed ``batch`` with an objective's own loss: the gradient
         of ``rows_fn(i, logits, labels)`` of each part of its rows the layout runs at once (see
-        :meth:`rows_forward`), plus the router losses (``tokens``: as :meth:`backward`'s; with a
-        pipeline, every position counts)."""
+        :meth:`rows_forward`), plus the router losses over the rows' tokens and not their padding
+        (:func:`sequence_tokens` of ``labels``, the rows' whole labels; with a pipeline, every
+        position counts)."""
         if self.pipeline is None:
+            tokens = self.share(sequence_tokens(labels)) if self.router_balance is not None else None
             self.backward(rows_fn(0, self.logits(batch), batch.labels), accumulation=accumulation, tokens=tokens)
             return
         self.pipeline.rows_forward_backward(batch.inputs, batch.labels, rows_fn, accumulation=accumulation)
