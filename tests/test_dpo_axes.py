@@ -153,15 +153,22 @@ _CP = {  # name: (ranks, family, arguments for every run, the layout's)
                                               "--parallelism.context_parallel_method", "ulysses"]),
     "qwen3_moe cp2, load-balancing loss": (2, "qwen3_moe", [], ["--parallelism.context_parallel_degree", "2"]),
 }
+_PACKED = ["--model.attention_mask", "block_causal", "--dpo.packing"]
+_CP.update({  # the same on packed pairs (block-causal attention, several pairs a row)
+    "packed cp2 allgather, sigmoid": (2, "llama3", _PACKED, ["--parallelism.context_parallel_degree", "2"]),
+    **{f"packed {name}": (ranks, family, [*_PACKED, *common], layout)
+       for name, (ranks, family, common, layout) in _CP.items() if not name.startswith(("cp2 allgather", "qwen3_moe"))},
+})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [name if name.startswith("cp2 allgather")
+@pytest.mark.parametrize("case", [name if name.startswith(("cp2 allgather", "packed cp2 allgather"))
                                   else pytest.param(name, marks=pytest.mark.scenario) for name in _CP])
 def test_dpo_at_context_parallel_equals_one_process(tmp_path: Path, case: str) -> None:
     """Pairs of 10 to 110 tokens (the conversational set, 16 pairs) in rows of 128, 4 steps of 4
-    pairs, a frozen copy as the reference (LoRA: its adapters off): with each sequence split over 2
-    or 4 context-parallel ranks (load-balanced chunks; all-gathered keys and values, or Ulysses'
+    pairs, or packed (1 to 3 whole pairs in each row of 256, block-causal), 10 steps of 2 rows; a
+    frozen copy as the reference (LoRA: its adapters off): with each sequence split over 2 or 4
+    context-parallel ranks (load-balanced chunks; all-gathered keys and values, or Ulysses'
     all-to-all), beside data parallel or HSDP, its log-probabilities (and IPO's token counts)
     summed over the ranks, the losses, margins, reward accuracies and gradient norms are one
     process's within 1e-5; and a Qwen3-MoE's load-balancing term too (its token flags split with
@@ -173,17 +180,22 @@ def test_dpo_at_context_parallel_equals_one_process(tmp_path: Path, case: str) -
         folder = _folder(tmp_path, "qwen3_moe", router_aux_loss_coef=0.05)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
-    args = ["--training.steps", "4", "--training.global_batch_size", "4", "--training.seq_len", "128", *common]
-    dp = 2 if case.startswith(("dp2", "hsdp")) else 1
-    one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",
+    packed = case.startswith("packed")
+    steps, batch = (10, 2) if packed else (10, 4)
+    args = ["--training.steps", str(steps), "--training.global_batch_size", str(batch), "--training.seq_len",
+            "256" if packed else "128", *common]
+    dp = 2 if case.removeprefix("packed ").startswith(("dp2", "hsdp")) else 1
+    one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", str(batch),
                               family=family))
     many = run_distributed(train_history, ranks, _argv(folder, pairs, tmp_path / "many", *args, *layout,
-                                                       "--training.local_batch_size", str(4 // dp), family=family))
+                                                       "--training.local_batch_size", str(batch // dp), family=family))
     keys = ["loss", "grad_norm", "dpo/margin", "dpo/accuracy", "dpo/logps_chosen"]
     keys += ["moe/aux_loss"] if family == "qwen3_moe" else []
+    keys += ["dpo/pairs"] if packed else []
     assert one[-1]["dpo/margin"] != 0
+    assert not packed or all(3 <= r["dpo/pairs"] <= 6 for r in one)  # (whole pairs, several a row)
     for history in many:
-        assert len(history) == len(one) == 4
+        assert len(history) == len(one) == steps
         for a, b in zip(history, one, strict=True):
             for key in keys:
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (case, key, a, b)
@@ -240,10 +252,12 @@ _PP = {  # name: (ranks, arguments for every run, the layout's)
                                  ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     "dp2 x pp2 1F1B": (4, [], ["--parallelism.pipeline_parallel_schedule", "1F1B"]),
 }
+_PP.update({f"packed {name}": (ranks, [*_PACKED, *common], layout) for name, (ranks, common, layout) in _PP.items()
+            if "Interleaved" not in name})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [name if name.startswith("pp2 1F1B")
+@pytest.mark.parametrize("case", [name if name.startswith(("pp2 1F1B", "packed pp2 1F1B"))
                                   else pytest.param(name, marks=pytest.mark.scenario) for name in _PP])
 def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: str) -> None:
     """A 6-block tiny Llama, the conversational pairs (16) in rows of 128, 3 steps of 4 pairs in
@@ -252,13 +266,16 @@ def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: st
     frozen copy's, or the policy's with the adapters off), then the policy's through the training
     schedule, the pair loss on the last stage. Losses, margins, gradient norms and the validation
     loss are one process's within 1e-5, for 1F1B, Interleaved1F1B and ZBVZeroBubble at pipeline
-    2, and data parallel 2 × pipeline 2."""
+    2, and data parallel 2 × pipeline 2; and on packed pairs (rows of 256, 4 rows a step,
+    pipeline micro-batches of 2 rows: each stage's attention takes its rows' document ids)."""
     ranks, common, layout = _PP[case]
+    packed = case.startswith("packed")
     folder = _four_block_folder(tmp_path)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
     dp = ranks // 2
-    args = ["--training.steps", "3", "--training.global_batch_size", "4", "--training.seq_len", "128",
+    args = ["--training.steps", "3", "--training.global_batch_size", "4", "--training.seq_len",
+            "256" if packed else "128",
             "--validation.enable", "--validation.dataset", "preference", "--validation.dataset_path", str(pairs),
             "--validation.freq", "2", "--validation.steps", "1", *common]
     one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",

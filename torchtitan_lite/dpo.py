@@ -31,26 +31,52 @@ from torch import nn
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.distributed.lora import adapters_disabled
-from torchtitan_lite.loss import token_loss_sum
+from torchtitan_lite.loss import token_losses
 from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
 __all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceObjective", "as_reference",
-           "counted_tokens", "dpo_losses", "sequence_logps"]
+           "counted_tokens", "dpo_losses", "packed_sequences", "per_sequence", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its counted labels (``labels`` not
-    :data:`IGNORE_INDEX`), in fp32: ``(rows,)`` from logits ``(rows, seq, vocab)``. Computed a
-    row at a time by the training loss's chunked cross-entropy (no full fp32 copy of the logits)."""
-    return -torch.stack([token_loss_sum(logits[r:r + 1], labels[r:r + 1]) for r in range(logits.shape[0])])
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequences: torch.Tensor | None = None,
+                   count: int = 0) -> torch.Tensor:
+    """Each sequence's summed log-probability of its counted labels (``labels`` not
+    :data:`IGNORE_INDEX`), in fp32: each row's ``(rows,)`` from logits ``(rows, seq, vocab)``, or
+    with ``sequences`` (each position's sequence number, ``(rows, seq)``; outside ``[0, count)``:
+    none) each of the ``count`` sequences'. The chunked cross-entropy of the training loss
+    (:func:`~torchtitan_lite.loss.token_losses`: no full fp32 copy of the logits)."""
+    logps = -token_losses(logits, labels)
+    return logps.sum(dim=-1) if sequences is None else per_sequence(logps, sequences, count)
+
+
+def per_sequence(values: torch.Tensor, sequences: torch.Tensor, count: int) -> torch.Tensor:
+    """``values`` ``(rows, seq)`` summed per sequence ``(count,)`` (``sequences``: each position's
+    sequence number; outside ``[0, count)``: none)."""
+    inside = (sequences >= 0) & (sequences < count)
+    index = torch.where(inside, sequences, count).flatten()
+    values = torch.where(inside, values, torch.zeros_like(values)).flatten()
+    return values.new_zeros(count + 1).index_add(0, index, values)[:count]
 
 
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Each row's number of counted labels."""
     return (labels != IGNORE_INDEX).sum(dim=-1)
+
+
+def packed_sequences(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of packed pairs (``dpo.packing``: per row, pair ``k``'s chosen sequence is document
+    ``2k``, its rejected one ``2k + 1``, then the padding's) as sequence numbers over the whole
+    micro-batch ``(rows, seq)``: pair ``j`` of the micro-batch (row by row) has ``2j`` and
+    ``2j + 1``; each row's padding a negative number of its own. Also each row's pairs
+    ``(rows,)``. As document ids they give the same block-causal attention and positions."""
+    pairs = (documents.amax(dim=1) + 1) // 2
+    before = torch.cumsum(pairs, 0) - pairs
+    padding = documents >= 2 * pairs[:, None]
+    rows = torch.arange(documents.shape[0], device=documents.device)[:, None]
+    return torch.where(padding, -1 - rows, documents + 2 * before[:, None]), pairs
 
 
 @dataclass(frozen=True)
@@ -116,6 +142,9 @@ class DPOSetup:
     label_smoothing: float = 0.0
     reference: str = "copy"
     """``adapters_off`` (the LoRA model with its adapters skipped) or ``copy`` (a frozen copy)."""
+    packed: bool = False
+    """Whole pairs packed into rows (``dpo.packing``; block-causal document ids: pair ``k`` of a
+    row its documents ``2k`` and ``2k + 1``), or a pair in two rows of its own."""
 
 
 METRICS = ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/accuracy", "dpo/margin", "dpo/logps_chosen",
@@ -125,11 +154,11 @@ METRICS = ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/accuracy", "dpo/ma
 
 class PreferenceObjective:
     """DPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`): every micro-batch's
-    chosen and rejected rows through the policy (one forward) and through the reference (no
-    gradient), the loss of each pair, its gradient scaled to the mean over the ``global_pairs``
-    of the global batch (FSDP averages gradients over the ``ranks``), and the means of
-    :data:`METRICS` over them (summed over ``group``). ``loader``: a mixture's per-source counts
-    (None: no per-source metrics)."""
+    chosen and rejected sequences through the policy (one forward) and through the reference (no
+    gradient), the loss of each pair, its gradient scaled to the mean over the global batch's
+    pairs (``global_pairs``; with packed pairs counted at each step over ``group``; FSDP averages
+    gradients over the ``ranks``), and the means of :data:`METRICS` over them (summed over
+    ``group``). ``loader``: a mixture's per-source counts (None: no per-source metrics)."""
 
     def __init__(self, setup: DPOSetup, *, reference: nn.Module | None, ranks: int, global_pairs: int,
                  group: Any = None, loader: Any = None) -> None:
@@ -141,41 +170,70 @@ class PreferenceObjective:
         """Every step reads a new global batch of pairs."""
         return True
 
+    def _sequences(self, runner: MicroBatchRunner, logits: torch.Tensor, labels: torch.Tensor,
+                   documents: torch.Tensor | None,
+                   pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The summed log-probabilities and counted tokens ``(2, m)`` of the chosen (row 0) and
+        rejected (row 1) sequences of the ``m`` pairs of one part of a placed micro-batch (whole
+        sequences: with context parallel, the ranks' shares added), and which of the micro-batch's
+        ``pairs`` they are (None: the part's rows are its pairs in order, each pair's rows next to
+        each other; with packed pairs, its rows' pairs, by their sequence numbers)."""
+        if not self.setup.packed:
+            logps = runner.sequence_sums(sequence_logps(logits, labels))
+            tokens = runner.sequence_sums(counted_tokens(labels))
+            return torch.stack([logps[0::2], logps[1::2]]), torch.stack([tokens[0::2], tokens[1::2]]), None
+        assert documents is not None  # (the packed rows' sequence numbers)
+        counted = (labels != IGNORE_INDEX).float()
+        sums = runner.sequence_sums(torch.stack([
+            sequence_logps(logits, labels, documents, 2 * pairs), per_sequence(counted, documents, 2 * pairs),
+            per_sequence(torch.ones_like(counted), documents, 2 * pairs)]))
+        which = torch.nonzero(sums[2, 0::2] > 0).flatten()  # (a pair's tokens are in this part's rows)
+        return sums[0].view(-1, 2)[which].T, sums[1].view(-1, 2)[which].T, which
+
     def _pairs(self, runner: MicroBatchRunner, batch: MicroBatch, *, accumulation: int | None = None,
                scale: float = 1.0) -> torch.Tensor:
         """Each pair's loss and :data:`METRICS` ``(pairs, 1 + len(METRICS))`` in fp64 of an
-        unplaced micro-batch (chosen rows, then rejected), the same on every rank that runs it;
-        with ``accumulation`` (the step's micro-batches), the gradient of ``scale`` × the summed
-        pair loss accumulates.
+        unplaced micro-batch, the same on every rank that runs it; with ``accumulation`` (the
+        step's micro-batches), the gradient of ``scale`` × the summed pair loss accumulates.
 
-        Each pair's two rows go next to each other, so that every part of the rows the layout runs
-        at once (the whole micro-batch, or each of a pipeline's micro-batches, whose last stage
-        computes this) holds whole pairs: the reference's forward first, without gradient, then the
+        Every part of the rows the layout runs at once (the whole micro-batch, or each of a
+        pipeline's micro-batches, whose last stage computes this) holds whole pairs: a pair's two
+        rows are put next to each other (chosen rows, then rejected, as the loader gives them), and
+        packed pairs share a row. The reference's forward runs first, without gradient, then the
         policy's. With context parallel each rank sums its share of every sequence, added over the
         context-parallel ranks; with a pipeline, the last stage's values are summed over the
         pipeline ranks."""
-        s, n = self.setup, batch.inputs.shape[0] // 2
-        order = torch.stack([torch.arange(n), torch.arange(n, 2 * n)], dim=1).flatten()
-        rows = replace(batch, inputs=batch.inputs[order], labels=batch.labels[order], sources=None)
+        s = self.setup
+        if s.packed:
+            if batch.documents is None:
+                raise ValueError("PreferenceObjective: packed pairs need their rows' document ids")
+            sequences, per_row = packed_sequences(batch.documents)
+            n = int(per_row.sum())
+            rows = replace(batch, documents=sequences, sources=None)
+        else:
+            n = batch.inputs.shape[0] // 2
+            order = torch.stack([torch.arange(n), torch.arange(n, 2 * n)], dim=1).flatten()
+            rows = replace(batch, inputs=batch.inputs[order], labels=batch.labels[order], sources=None)
         placed = runner.place(rows)
         refs: dict[int, torch.Tensor] = {}
-        results: dict[int, torch.Tensor] = {}
+        results: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
-        def reference_logps(i: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            refs[i] = runner.sequence_sums(sequence_logps(logits, labels)).detach()
-            return refs[i].sum()
+        def reference_logps(i: int, logits: torch.Tensor, labels: torch.Tensor,
+                            documents: torch.Tensor | None) -> torch.Tensor:
+            logps, _, _ = self._sequences(runner, logits, labels, documents, n)
+            refs[i] = logps.detach()
+            return logps.sum()
 
-        def pair_loss(i: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            logps = runner.sequence_sums(sequence_logps(logits, labels))
-            tokens = runner.sequence_sums(counted_tokens(labels))
+        def pair_loss(i: int, logits: torch.Tensor, labels: torch.Tensor,
+                      documents: torch.Tensor | None) -> torch.Tensor:
+            logps, tokens, which = self._sequences(runner, logits, labels, documents, n)
             ref = refs[i]
-            out = dpo_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], beta=s.beta, loss_type=s.loss_type,
-                             label_smoothing=s.label_smoothing, chosen_tokens=tokens[0::2],
-                             rejected_tokens=tokens[1::2])
+            out = dpo_losses(logps[0], logps[1], ref[0], ref[1], beta=s.beta, loss_type=s.loss_type,
+                             label_smoothing=s.label_smoothing, chosen_tokens=tokens[0], rejected_tokens=tokens[1])
             chosen, rejected = out.chosen_rewards.double(), out.rejected_rewards.double()
             policy = logps.detach().double()
-            results[i] = torch.stack([out.loss.detach().double(), chosen, rejected, (chosen > rejected).double(),
-                                      chosen - rejected, policy[0::2], policy[1::2]], dim=1)
+            results[i] = which, torch.stack([out.loss.detach().double(), chosen, rejected,
+                                             (chosen > rejected).double(), chosen - rejected, policy[0], policy[1]], 1)
             return out.loss.sum() * scale
 
         with torch.no_grad(), as_reference(runner.model, self.reference) as reference:
@@ -184,15 +242,38 @@ class PreferenceObjective:
             runner.rows_forward(placed, pair_loss)
         else:
             runner.rows_forward_backward(placed, pair_loss, accumulation=accumulation, labels=rows.labels)
-        per_pair = (torch.cat([results[i] for i in sorted(results)]) if results else
-                    torch.zeros(n, 1 + len(METRICS), dtype=torch.float64, device=runner.device))
+        per_pair = torch.zeros(n, 1 + len(METRICS), dtype=torch.float64, device=runner.device)
+        if s.packed:
+            for which, values in results.values():
+                per_pair[which] = values
+        elif results:
+            per_pair = torch.cat([results[i][1] for i in sorted(results)])
         return runner.stages_sum(per_pair)
+
+    def _pair_counts(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> tuple[float, list[float]]:
+        """The global batch's pairs, and each source's (a mixture): fixed without packing; packed
+        pairs counted in this rank's rows, summed over ``group`` (one all-reduce)."""
+        if not self.setup.packed:
+            return float(self.global_pairs), [float(n) for n in getattr(self.loader, "batch_counts", [])]
+        counts = torch.zeros(1 + runner.num_sources, dtype=torch.float64)
+        for mb in batch:
+            assert mb.documents is not None
+            per_row = packed_sequences(mb.documents)[1].double()
+            counts[0] += per_row.sum()
+            if mb.sources is not None and runner.num_sources:
+                counts[1:].index_add_(0, torch.tensor(mb.sources), per_row)
+        counts = counts.to(runner.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=self.group)
+        counts = (counts / runner.sequence_shards).tolist()  # (every context-parallel rank holds the same rows)
+        return counts[0], counts[1:]
 
     def forward_backward(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> StepResult:
         """The summed pair loss (with a mixture, then each source's) and the step's
         :data:`METRICS` (every rank the same); the trainer divides the reduced sum by the
         global batch's pairs."""
-        scale = self.ranks / max(self.global_pairs, 1)
+        global_pairs, source_pairs = self._pair_counts(runner, batch)
+        scale = self.ranks / max(global_pairs, 1)
         loss_sum = torch.zeros(1 + runner.num_sources, dtype=torch.float64, device=runner.device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
         shares = runner.sequence_shards  # (each pair's loss is on every context-parallel rank)
@@ -201,24 +282,35 @@ class PreferenceObjective:
             pair_loss = per_pair[:, 0]
             loss_sum[0] += pair_loss.sum()
             if mb.sources is not None and runner.num_sources:  # (the source of each pair)
-                loss_sum[1:].index_add_(0, torch.tensor(mb.sources, device=runner.device), pair_loss)
+                sources = torch.tensor(mb.sources)
+                if self.setup.packed:
+                    assert mb.documents is not None
+                    sources = sources.repeat_interleave(packed_sequences(mb.documents)[1])
+                loss_sum[1:].index_add_(0, sources.to(runner.device), pair_loss)
             sums += per_pair[:, 1:].sum(dim=0)
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.group)
-        means = (sums / max(self.global_pairs, 1)).tolist()
+        means = (sums / max(global_pairs, 1)).tolist()
         tokens = sum(mb.inputs.numel() for mb in batch)
-        result = StepResult(loss_sum, self.global_pairs, global_tokens=tokens * self.ranks, tokens_per_rank=tokens,
-                            metrics=dict(zip(METRICS, means, strict=True)))
-        if self.loader is not None and runner.num_sources:  # per source: its pairs so far, its pairs' loss
-            result.source_denominators = list(self.loader.batch_counts)
-            result.source_metrics = {f"pairs/{name}": float(n)
+        metrics: dict[str, float | None] = dict(zip(METRICS, means, strict=True))
+        if self.setup.packed:
+            metrics["dpo/pairs"] = global_pairs
+        result = StepResult(loss_sum, max(global_pairs, 1), global_tokens=tokens * self.ranks,
+                            tokens_per_rank=tokens, metrics=metrics)
+        if self.loader is not None and runner.num_sources:  # per source: its pairs (rows) so far, its pairs' loss
+            result.source_denominators = source_pairs
+            unit = "rows" if self.setup.packed else "pairs"
+            result.source_metrics = {f"{unit}/{name}": float(n)
                                      for name, n in zip(self.loader.names, self.loader.trained, strict=True)}
         return result
 
     @torch.no_grad()
-    def evaluate(self, runner: MicroBatchRunner, batch: MicroBatch, pairs: int) -> torch.Tensor:
-        """The sums of the loss and of :data:`METRICS` over the first ``pairs`` pairs of one
-        micro-batch (the rest: padding), without gradients: ``(1 + len(METRICS),)`` in fp64."""
-        n = batch.inputs.shape[0] // 2
-        keep = (torch.arange(n, device=runner.device) < pairs).double() / runner.sequence_shards
-        return (self._pairs(runner, batch) * keep[:, None]).sum(dim=0)
+    def evaluate(self, runner: MicroBatchRunner, batch: MicroBatch, pairs: int) -> tuple[torch.Tensor, int]:
+        """The sums of the loss and of :data:`METRICS` over the pairs of one micro-batch whose
+        first ``pairs`` pairs (rows of packed pairs) are real (the rest: padding), without
+        gradients: ``(1 + len(METRICS),)`` in fp64, and how many pairs they are."""
+        per_pair = self._pairs(runner, batch) / runner.sequence_shards
+        if self.setup.packed:  # (padding rows hold no pair)
+            return per_pair.sum(dim=0), per_pair.shape[0]
+        keep = (torch.arange(per_pair.shape[0], device=runner.device) < pairs).double()
+        return (per_pair * keep[:, None]).sum(dim=0), pairs

@@ -321,6 +321,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
         sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
+        dpo_packed=dpo is not None and dpo.packed,
         rollout=None if grpo is None else _rollout_shape(grpo, t.seq_len, global_batch // dims.dp_size),
         pipeline=pipeline)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
@@ -430,7 +431,11 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> 
     reference = ("adapters_off" if lora is not None else "copy") if d.reference == "auto" else d.reference
     _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
              "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
-    return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference)
+    _require(not d.packing or config.model.attention_mask == "block_causal", "dpo.packing", d.packing,
+             f"packed pairs attend each to itself only: needs model.attention_mask = 'block_causal' (this job's is "
+             f"{config.model.attention_mask!r}), or expected false")
+    return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference,
+                    packed=d.packing)
 
 
 def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,

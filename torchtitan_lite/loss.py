@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 
-__all__ = ["loss_sums", "token_loss_sum"]
+__all__ = ["loss_sums", "token_loss_sum", "token_losses"]
 
 _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
@@ -53,9 +53,9 @@ def _chunk_rows(logits: torch.Tensor) -> int:
 
 
 class _RowChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``logits`` (tokens, vocab; any float dtype, computed in fp32)
-    against ``labels`` (``IGNORE_INDEX`` counts nothing), a chunk of rows at a time. Saves the
-    logits and one fp32 log-sum-exp per row for backward."""
+    """Each token's cross-entropy ``(tokens,)`` of ``logits`` (tokens, vocab; any float dtype,
+    computed in fp32) against ``labels`` (0 where ``IGNORE_INDEX``), a chunk of rows at a time.
+    Saves the logits and one fp32 log-sum-exp per row for backward."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ class _RowChunkedCrossEntropy(torch.autograd.Function):
         target = logits.gather(1, safe[:, None]).squeeze(1).float()
         ctx.save_for_backward(logits, lse, safe, valid)
         ctx.rows = rows
-        return torch.where(valid, lse - target, 0.0).sum()
+        return torch.where(valid, lse - target, 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -92,7 +92,7 @@ def _softmax_minus_one_hot(logits: torch.Tensor, lse: torch.Tensor, safe: torch.
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """:class:`_RowChunkedCrossEntropy` of logits split over the vocabulary (tensor parallel's
+    """:class:`_RowChunkedCrossEntropy` (per token) of logits split over the vocabulary (tensor parallel's
     loss parallel): each rank holds the columns ``[start, start + local vocab)``; the rows'
     maxima, sums of exponentials and target logits are all-reduced over ``group`` (three vectors
     of one value per row), never the logits. Backward is local: ``softmax - one_hot`` on this
@@ -121,7 +121,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lse = total.log_() + peak
         ctx.save_for_backward(logits, lse, safe, valid, local)
         ctx.rows = rows
-        return torch.where(valid, lse - target, 0.0).sum()
+        return torch.where(valid, lse - target, 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -129,8 +129,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return _softmax_minus_one_hot(logits, lse, safe, local, grad * valid, ctx.rows), None, None, None
 
 
-def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The summed loss of logits that are a DTensor split over the vocabulary on a 1-D mesh."""
+def _vocab_parallel_losses(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The token losses ``(tokens,)`` of logits that are a DTensor split over the vocabulary on a
+    1-D mesh."""
     from torch.distributed.tensor import Shard
 
     mesh, vocab = logits.device_mesh, logits.shape[-1]
@@ -143,17 +144,34 @@ def _vocab_parallel_loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
                                             mesh.get_local_rank() * -(-vocab // mesh.size()))
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each label's next-token cross-entropy (its negative log-probability) in fp32, the shape of
+    ``labels`` (0 where ``IGNORE_INDEX``), with :func:`token_loss_sum`'s memory: no full fp32
+    copy of the logits is kept for backward. ``logits`` may be a DTensor split over the
+    vocabulary (tensor parallel's loss parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        return _vocab_parallel_losses(logits, labels).view(labels.shape)
+    flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
+    if torch.compiler.is_compiling():
+        losses = F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
+    else:
+        losses = _RowChunkedCrossEntropy.apply(flat_logits, flat_labels)
+    return losses.view(labels.shape)
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing.
     ``logits`` may be a DTensor split over the vocabulary (tensor parallel's loss parallel)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):
-        return _vocab_parallel_loss(logits, labels)
+        return _vocab_parallel_losses(logits, labels).sum()
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
     if torch.compiler.is_compiling():
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return _RowChunkedCrossEntropy.apply(flat_logits, flat_labels)
+    return _RowChunkedCrossEntropy.apply(flat_logits, flat_labels).sum()
 
 
 def loss_sums(loss_fn: Any, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan_lite.data import PairWindows, pair_batch
+from torchtitan_lite.data import PackedPairWindows, PairWindows, pair_batch
 from torchtitan_lite.data.windows import (
     Documents,
     PackedWindows,
@@ -37,9 +37,10 @@ class Validator:
     every rank runs the same number of forward passes (FSDP's all-gathers need every rank) and
     the loss is the exact mean over those windows.
 
-    Preference pairs (:class:`~torchtitan_lite.data.preference.PairWindows`, a window per pair)
-    need ``preference``, the job's DPO objective: the loss is then the mean pair loss, with the
-    means of :data:`~torchtitan_lite.dpo.METRICS` as ``validation/dpo/…``.
+    Preference pairs (:class:`~torchtitan_lite.data.preference.PairWindows`, a window per pair,
+    or :class:`~torchtitan_lite.data.preference.PackedPairWindows`) need ``preference``, the job's
+    DPO objective: the loss is then the mean pair loss, with the means of
+    :data:`~torchtitan_lite.dpo.METRICS` as ``validation/dpo/…``.
 
     Micro-batches run through ``runner`` (:class:`~torchtitan_lite.training.runner.MicroBatchRunner`:
     context parallel's share, the pipeline's forward-only schedule); the sums are reduced over
@@ -48,7 +49,7 @@ class Validator:
 
     def __init__(
         self,
-        windows: TokenWindows | PackedWindows | PairWindows,
+        windows: TokenWindows | PackedWindows | PairWindows | PackedPairWindows,
         *,
         runner: MicroBatchRunner,
         local_batch_size: int,
@@ -60,7 +61,7 @@ class Validator:
         group: Any = None,
         preference: PreferenceObjective | None = None,
     ) -> None:
-        if isinstance(windows, PairWindows) and preference is None:
+        if isinstance(windows, PairWindows | PackedPairWindows) and preference is None:
             raise ValueError("Validator: preference pairs are scored by a DPO objective: give preference")
         self.windows = windows
         self.documents = documents  # block-causal attention over plain windows: the tokenizer's BOS/EOS
@@ -84,17 +85,22 @@ class Validator:
         model, device = self.runner.model, self.runner.device
         was_training = model.training
         model.eval()
-        pairs = isinstance(self.windows, PairWindows)
-        totals = torch.zeros(1 + len(METRICS) if pairs else 2, dtype=torch.float64, device=device)
+        pairs = isinstance(self.windows, PairWindows | PackedPairWindows)
+        totals = torch.zeros(2 + len(METRICS) if pairs else 2, dtype=torch.float64, device=device)
         try:
             for forward_pass in range(self.passes):
                 indices = self.rank_indices(forward_pass)
-                if pairs:  # padding pairs: every label ignored, left out of the sums
+                if pairs:  # padding pairs (or rows): every label ignored, left out of the sums
                     assert self.preference is not None
-                    rows = [self.windows[i] for i in indices]
-                    rows += [np.zeros_like(self.windows[0])] * (self.local_batch_size - len(indices))
-                    inputs, labels = pair_batch(np.stack(rows))
-                    totals += self.preference.evaluate(self.runner, MicroBatch(inputs, labels), len(indices))
+                    if isinstance(self.windows, PackedPairWindows):
+                        batch = MicroBatch(*padded_batch(self.windows, indices, self.local_batch_size, (None, None)))
+                    else:
+                        rows = [self.windows[i] for i in indices]
+                        rows += [np.zeros_like(self.windows[0])] * (self.local_batch_size - len(indices))
+                        batch = MicroBatch(*pair_batch(np.stack(rows)))
+                    sums, counted = self.preference.evaluate(self.runner, batch, len(indices))
+                    totals[:-1] += sums
+                    totals[-1] += counted
                     continue
                 inputs, labels, docs = padded_batch(self.windows, indices, self.local_batch_size, self.documents)
                 loss, counted = self.runner.evaluate(MicroBatch(inputs, labels, docs), token_loss_sum)
@@ -106,9 +112,10 @@ class Validator:
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.group)
         if pairs:
-            means = (totals / max(self.num_windows, 1)).tolist()
+            counted = float(totals[-1]) / self.runner.sequence_shards  # (the same pairs on each of them)
+            means = (totals[:-1] / max(counted, 1)).tolist()
             return {"validation_loss": means[0], "validation_perplexity": None,
-                    "validation_pairs": float(self.num_windows),
+                    "validation_pairs": counted,
                     **{f"validation/{name}": value for name, value in zip(METRICS, means[1:], strict=True)},
                     "validation_time_s": time.perf_counter() - start}
         loss = float(totals[0] / totals[1])

@@ -414,6 +414,12 @@ class DPO:
     truncation: Literal["keep_start", "keep_end"] = "keep_start"
     """A pair longer than seq_len + 1 tokens keeps its start (the end of the answer is cut; a pair whose prompt
     alone fills the window is dropped) or its end (TRL's truncation_mode); counted and logged."""
+    packing: bool = False
+    """Pack whole pairs into the rows of seq_len tokens, as many as fit (in training.packing's order): a pair's
+    chosen sequence, then its rejected one, each attending to itself only (needs model.attention_mask =
+    "block_causal"), a pair longer than a row cut to it (the longer sequence first, neither below half). The
+    batch sizes then count rows, and the loss is the mean over the pairs they hold. false: each pair in two
+    rows of its own, padded to seq_len (TRL's)."""
 
 
 @dataclass

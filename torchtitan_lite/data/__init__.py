@@ -28,7 +28,7 @@ from torchtitan_lite.data.build import (
     validation_sources,
 )
 from torchtitan_lite.data.loader import BatchLoader, LoaderSource, check_batch_split, micro_batches
-from torchtitan_lite.data.preference import PairWindows, pair_batch
+from torchtitan_lite.data.preference import PackedPairWindows, PairWindows, pair_batch
 from torchtitan_lite.data.sources import (
     DATASETS,
     STREAMED,
@@ -69,6 +69,7 @@ __all__ = [
     "LoaderSource",
     "MAX_INVALID_UTF8_FRACTION",
     "PackedWindows",
+    "PackedPairWindows",
     "PairWindows",
     "STREAMED",
     "SourceSpec",

@@ -59,6 +59,7 @@ def _reading(config: JobConfig) -> dict[str, Any]:
             "chat_template_kwargs": tuple(sorted(t.chat_template_kwargs.items())),
             "cache_dir": str(Path(config.job.dump_folder) / t.chat_cache_dir) if t.chat_cache_dir else None,
             "packing": t.packing, "pair_truncation": config.dpo.truncation,
+            "pair_packing": config.dpo.packing,
             "max_prompt_length": max(t.seq_len - config.grpo.max_completion_length, 0)}
 
 

@@ -17,6 +17,9 @@ Each pair is tokenized as TRL's ``DPOTrainer`` does: the prompt alone, the promp
 answer and the prompt with the rejected one; the answers start where the three stop agreeing
 (a template may render the prompt alone differently, or tokens may merge across the boundary).
 Only the answers' tokens are counted (:func:`pair_rows`).
+
+With ``dpo.packing``, whole pairs are packed into the windows instead (:class:`PackedPairWindows`,
+block-causal attention): pair after pair, its chosen sequence then its rejected one.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_lite.data.chat import SUFFIXES, share_rows
+from torchtitan_lite.data.chat import SUFFIXES, pack, share_rows
 from torchtitan_lite.data.chat_template import BadRows, ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
-from torchtitan_lite.data.windows import window_tensors
+from torchtitan_lite.data.windows import PackedWindows, window_tensors
 from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "TRUNCATIONS", "Pair", "PairWindows", "encode_pair", "find_files", "pair_batch", "pair_rows",
-           "pair_window", "pair_windows", "preference_row"]
+__all__ = ["KINDS", "TRUNCATIONS", "PackedPairWindows", "PackedPairs", "Pair", "PairWindows", "encode_pair",
+           "find_files", "packed_sizes", "pair_batch", "pair_rows", "pair_window", "pair_windows", "preference_row"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -149,6 +152,29 @@ def encode_pair(record: Any, tokenizer: Tokenizer, template: ChatTemplate | None
                 np.asarray(with_rejected[start:], dtype=np.int64))
 
 
+def _sequence(prompt: np.ndarray, answer: np.ndarray, size: int,
+              truncation: str) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence of a pair (prompt, then answer) as token ids and whether each is counted (the
+    answer's), cut to ``size`` tokens (``truncation``: :data:`TRUNCATIONS`)."""
+    ids = np.concatenate([prompt, answer])
+    counted = np.concatenate([np.zeros(len(prompt), dtype=np.int64), np.ones(len(answer), dtype=np.int64)])
+    if len(ids) > size:
+        keep = slice(None, size) if truncation == "keep_start" else slice(len(ids) - size, None)
+        ids, counted = ids[keep], counted[keep]
+    return ids, counted
+
+
+def packed_sizes(pair: Pair, size: int) -> tuple[int, int]:
+    """The tokens a pair's chosen and rejected sequences keep when both go into one window of
+    ``size`` tokens (packed pairs): all of them when they fit; else the longer one is cut to what
+    the other leaves, and neither below half the window (both cut then)."""
+    chosen, rejected = len(pair.prompt) + len(pair.chosen), len(pair.prompt) + len(pair.rejected)
+    if chosen + rejected <= size:
+        return chosen, rejected
+    keep_chosen = min(chosen, max(size // 2, size - rejected))
+    return keep_chosen, min(rejected, size - keep_chosen)
+
+
 def pair_window(pair: Pair, *, seq_len: int, truncation: str = "keep_start", pad_id: int = 0) -> tuple[np.ndarray, int]:
     """A pair as one window ``(2, 3, seq_len + 1)``: its chosen sequence (prompt + chosen answer),
     then its rejected one, each in :class:`~torchtitan_lite.data.windows.PackedWindows`' layout
@@ -162,12 +188,8 @@ def pair_window(pair: Pair, *, seq_len: int, truncation: str = "keep_start", pad
     window[:, 0] = pad_id
     cut = 0
     for side, answer in enumerate((pair.chosen, pair.rejected)):
-        ids = np.concatenate([pair.prompt, answer])
-        counted = np.concatenate([np.zeros(len(pair.prompt), dtype=np.int64), np.ones(len(answer), dtype=np.int64)])
-        if len(ids) > size:
-            cut += 1
-            keep = slice(None, size) if truncation == "keep_start" else slice(len(ids) - size, None)
-            ids, counted = ids[keep], counted[keep]
+        ids, counted = _sequence(pair.prompt, answer, size, truncation)
+        cut += len(pair.prompt) + len(answer) > size
         window[side, 0, : len(ids)] = ids
         window[side, 1, : len(ids)] = counted
         window[side, 2, len(ids):] = 1
@@ -218,19 +240,65 @@ class PairWindows:
             f" ({', '.join(notes)})" if notes else "")
 
 
+class PackedPairs:
+    """Preference pairs as the samples of :class:`PackedPairWindows`: sample ``2k`` is pair
+    ``k``'s chosen sequence, ``2k + 1`` its rejected one, each cut to its share of a window
+    (:func:`packed_sizes`, ``truncation``)."""
+
+    def __init__(self, pairs: list[Pair], *, size: int, truncation: str) -> None:
+        self.pairs, self.size, self.truncation = pairs, size, truncation
+        self.sizes = [packed_sizes(pair, size) for pair in pairs]
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        pair = self.pairs[index // 2]
+        answer = pair.rejected if index % 2 else pair.chosen
+        return _sequence(pair.prompt, answer, self.sizes[index // 2][index % 2], self.truncation)
+
+
+class PackedPairWindows(PackedWindows):
+    """Whole preference pairs packed into windows of ``seq_len + 1`` tokens (``dpo.packing``):
+    in each, pair after pair, its chosen sequence then its rejected one, numbered as samples
+    ``2k`` and ``2k + 1`` of the window (:class:`PackedWindows`' layout; the padding after them
+    is sample ``2·pairs``), for block-causal attention."""
+
+    def __init__(self, source: PackedPairs, windows: list[list[int]], *, seq_len: int, truncation: str, cut: int,
+                 dropped: int, skipped: int) -> None:
+        members = np.asarray([s for window in windows for k in window for s in (2 * k, 2 * k + 1)], dtype=np.int64)
+        starts = np.cumsum([0] + [2 * len(window) for window in windows])
+        lengths = np.asarray([n for sizes in source.sizes for n in sizes], dtype=np.int64)
+        size = seq_len + 1
+        super().__init__(source, members, starts, lengths, seq_len=seq_len, what="preference pairs' sequences",
+                         padding=len(windows) * size - int(lengths.sum()))
+        self.pairs, self.truncation = len(source.pairs), truncation
+        self.cut, self.dropped, self.skipped = cut, dropped, skipped
+
+    def describe(self) -> str:
+        notes = [f"{self.cut} sequence(s) cut ({self.truncation})"] if self.cut else []
+        notes += [f"{self.dropped} dropped (the prompt alone fills its share)"] if self.dropped else []
+        notes += [f"{self.skipped} bad row(s) skipped"] if self.skipped else []
+        share = self.padding / max(1, len(self) * (self.seq_len + 1))
+        return (f"{self.pairs} preference pairs packed into {len(self)} windows of {self.seq_len + 1} tokens "
+                f"({100 * share:.1f}% padding" + "".join(f", {note}" for note in notes) + ")")
+
+
 ROW_COLUMNS = ("prompt", "chosen", "rejected", "tools")
 """The columns of a Parquet file that a preference row reads."""
 
 
 def pair_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, key: str, where: str,
                  chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                 on_bad_row: str = "stop", truncation: str = "keep_start") -> PairWindows:
+                 on_bad_row: str = "stop", truncation: str = "keep_start",
+                 packing: str | None = None) -> PairWindows | PackedPairWindows:
     """Every row of ``files`` (JSON lines or Parquet, :func:`~torchtitan_lite.data.chat.share_rows`)
     as a pair (:func:`encode_pair`; conversational rows rendered with the tokenizer's chat template,
     or ``chat_template``). A bad row is a :class:`DataError` naming its file and line, or with
     ``on_bad_row = "skip"`` skipped and counted; a pair longer than ``seq_len + 1`` tokens is cut
     (``truncation``) and counted, and with ``keep_start`` one whose prompt alone fills the window
-    is dropped (no answer token would be left), as TRL does; both are logged."""
+    is dropped (no answer token would be left), as TRL does; both are logged.
+
+    ``packing`` (``"greedy"`` or ``"bfd"``, :func:`~torchtitan_lite.data.chat.pack`): whole pairs
+    packed into the windows (:class:`PackedPairWindows`), a pair's two sequences together cut to
+    one window (:func:`packed_sizes`); None: a window per pair (:class:`PairWindows`)."""
     if not isinstance(tokenizer, HFTokenizer):
         raise DataError(f"{key}: dataset = 'preference' needs a Hugging Face tokenizer.json (and, for "
                         f"conversational pairs, its chat template); this job's tokenizer is {type(tokenizer).__name__}")
@@ -247,15 +315,24 @@ def pair_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, key: 
         except RowError as exc:
             bad.add(row, exc)
             continue
-        if truncation == "keep_start" and len(pair.prompt) >= size:
+        sizes = (packed_sizes(pair, size) if packing is not None else (size, size))
+        if truncation == "keep_start" and len(pair.prompt) >= min(sizes):
             dropped += 1
             continue
-        cut += sum(len(pair.prompt) + len(answer) > size for answer in (pair.chosen, pair.rejected))
+        cut += sum(len(pair.prompt) + len(answer) > keep
+                   for answer, keep in zip((pair.chosen, pair.rejected), sizes, strict=True))
         pairs.append(pair)
     bad.log()
     if cut or dropped:
-        logger.warning("%s: %d sequence(s) longer than seq_len + 1 = %d tokens were cut (%s)%s", key, cut, size,
-                       truncation, f"; {dropped} pair(s) whose prompt alone fills them were dropped" if dropped else "")
+        what = (f"were cut so that each pair fits in a window of seq_len + 1 = {size} tokens" if packing is not None
+                else f"longer than seq_len + 1 = {size} tokens were cut")
+        logger.warning("%s: %d sequence(s) %s (%s)%s", key, cut, what, truncation,
+                       f"; {dropped} pair(s) whose prompt alone fills them were dropped" if dropped else "")
     if not pairs:
         raise DataError(f"{key}: {where} holds no preference pair that fits seq_len + 1 = {size} tokens{bad.note()}")
+    if packing is not None:
+        source = PackedPairs(pairs, size=size, truncation=truncation)
+        windows = pack([sum(sizes) for sizes in source.sizes], size, packing=packing)
+        return PackedPairWindows(source, windows, seq_len=seq_len, truncation=truncation, cut=cut, dropped=dropped,
+                                 skipped=bad.count)
     return PairWindows(pairs, seq_len=seq_len, truncation=truncation, cut=cut, dropped=dropped, skipped=bad.count)

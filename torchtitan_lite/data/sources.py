@@ -56,6 +56,8 @@ class SourceSpec:
     """Chat sources: how conversations fill the windows (``training.packing``)."""
     pair_truncation: str = "keep_start"
     """Preference sources: how a pair longer than a window is cut (``dpo.truncation``)."""
+    pair_packing: bool = False
+    """Preference sources: whole pairs packed into the windows, in ``packing``'s order (``dpo.packing``)."""
     max_prompt_length: int = 0
     """Prompt sources: the tokens a prompt keeps (its last ones; ``training.seq_len −
     grpo.max_completion_length``)."""
@@ -132,7 +134,8 @@ def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, sour
                    seq_len_key: str = "training.seq_len", max_tokens: int | None = None,
                    ) -> TokenWindows | PackedWindows | preference.PairWindows | prompts.PromptWindows:
     """A source read whole into windows of ``seq_len + 1`` tokens: its token stream cut into
-    windows, (chat) its conversations packed into them, (preference) a window per pair, or
+    windows, (chat) its conversations packed into them, (preference) a window per pair or whole
+    pairs packed into them, or
     (prompts) a window per prompt. ``source`` names it in errors."""
     if spec.dataset in prompts.KINDS:
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section, key=spec.key)
@@ -145,7 +148,8 @@ def source_windows(spec: SourceSpec, tokenizer: Tokenizer, *, seq_len: int, sour
         return preference.pair_windows(files, tokenizer, seq_len=seq_len, key=spec.key, where=spec.where,
                                        chat_template=spec.chat_template,
                                        template_kwargs=dict(spec.chat_template_kwargs), on_bad_row=spec.on_bad_row,
-                                       truncation=spec.pair_truncation)
+                                       truncation=spec.pair_truncation,
+                                       packing=spec.packing if spec.pair_packing else None)
     if spec.dataset in chat.KINDS:
         files = check_dataset(spec.dataset, spec.dataset_path, section=spec.section)
         return chat.packed_windows(files, tokenizer, seq_len=seq_len, loss_on=spec.loss_on, truncate=spec.truncate,

@@ -111,6 +111,8 @@ class JobShape:
     """Preference tuning (DPO): each sample is a pair (two rows, chosen and rejected) and the
     reference is ``copy`` (a frozen copy sharded like the model) or ``adapters_off`` (LoRA's adapters
     switched off); None: not DPO."""
+    dpo_packed: bool = False
+    """DPO's pairs packed into rows (``dpo.packing``): each sample is a row of them, not a pair."""
     rollout: RolloutShape | None = None
     """Online RL: each step is a GRPO step (:class:`RolloutShape`), its rows completions; None: not RL."""
     pipeline: PipelinePlan | None = None

@@ -352,8 +352,9 @@ def _forward_only_v(stages: list[Any], **kwargs: Any) -> Any:
     return schedule
 
 
-RowsFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``rows_fn(i, logits, labels)``: an objective's loss of the schedule's micro-batch ``i`` (a scalar)."""
+RowsFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``rows_fn(i, logits, labels, documents)``: an objective's loss of the schedule's micro-batch
+``i`` (a scalar), given its rows' logits, labels and document ids (None: causal attention)."""
 
 
 class PipelineRunner:
@@ -373,6 +374,7 @@ class PipelineRunner:
         self.plan, self.group, self.loss_fn = plan, group, loss_fn
         self.rows_fn: RowsFn | None = None  # (set for one call: an objective's own loss of each micro-batch)
         self._calls = 0
+        self._chunks: list[torch.Tensor] | None = None  # (each micro-batch's document ids)
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
         self._sources = 0  # a mixture's sources (their losses follow the sum in each micro-batch's)
@@ -412,7 +414,8 @@ class PipelineRunner:
             if self._last_part is not None and self._last_part.inferred:  # (shapes only: placeholder values)
                 return logits.float().sum() * 0.0
             self._calls += 1
-            return self.rows_fn(self._calls - 1, logits, target)
+            i = self._calls - 1
+            return self.rows_fn(i, logits, target, None if self._chunks is None else self._chunks[i])
         # A mixture: the target's last column is each row's source (kept for the metrics).
         labels, sources = (target[:, :-1], target[:, -1].tolist()) if self._sources else (target, None)
         loss = self.loss_fn(logits, labels)
@@ -422,29 +425,32 @@ class PipelineRunner:
     def _documents(self, documents: torch.Tensor | None) -> None:
         """Hand each stage the micro-batches' document ids (None: causal attention)."""
         chunks = None if documents is None else list(documents.tensor_split(self.microbatches))
+        self._chunks = chunks
         initialized = getattr(self.schedule, "_stage_forward_initialized",
                               getattr(self.schedule, "_stages_forward_initialized", True))
         for part in self.parts:
             part.documents, part.calls, part.inferring = chunks, 0, not initialized
 
     def rows_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn, *,
-                              accumulation: int = 1) -> None:
+                              accumulation: int = 1, documents: torch.Tensor | None = None) -> None:
         """Forward and backward of this local batch with an objective's own loss: on the last
-        stage, ``rows_fn(i, logits, labels)`` of each micro-batch ``i`` of the schedule (its rows,
-        in order; the value's gradient accumulates)."""
+        stage, ``rows_fn(i, logits, labels, documents)`` of each micro-batch ``i`` of the schedule
+        (its rows, in order; the value's gradient accumulates). ``documents``: the batch's
+        document ids (block-causal attention)."""
         self.rows_fn, self._calls = rows_fn, 0
         try:
-            self.forward_backward(inputs, labels, scale=1.0, accumulation=accumulation)
+            self.forward_backward(inputs, labels, scale=1.0, accumulation=accumulation, documents=documents)
         finally:
             self.rows_fn = None
 
     @torch.no_grad()
-    def rows_forward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn) -> None:
-        """Forward only (this runner built ``forward_only``): ``rows_fn(i, logits, labels)`` of
-        each micro-batch ``i`` on the last stage (its value unused)."""
+    def rows_forward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn,
+                     documents: torch.Tensor | None = None) -> None:
+        """Forward only (this runner built ``forward_only``): ``rows_fn(i, logits, labels,
+        documents)`` of each micro-batch ``i`` on the last stage (its value unused)."""
         self.rows_fn, self._calls = rows_fn, 0
         try:
-            self.evaluate(inputs, labels)
+            self.evaluate(inputs, labels, documents)
         finally:
             self.rows_fn = None
 

@@ -261,7 +261,8 @@ def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_p
         print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "
               f"({len(tried)} estimates in {took:.0f} s)")
     else:
-        pair = " for each of a pair's two sequences (prompt and answer)" if plan.dpo is not None else ""
+        pair = ("" if plan.dpo is None else " for a row of packed pairs (a pair's two sequences together)"
+                if plan.dpo.packed else " for each of a pair's two sequences (prompt and answer)")
         print(f"longest seq_len that fits: {found} tokens{pair} ({found // cp} per rank; {len(tried)} estimates in "
               f"{took:.0f} s)")
     return 0
@@ -506,7 +507,8 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         print(vocab_note)
     for absent in _data_not_here(config):
         print(absent)
-    batch = (f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
+    batch = (f"{t.local_batch_size} rows of packed pairs" if plan.dpo is not None and plan.dpo.packed
+             else f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
              else f"{t.local_batch_size} completions" if plan.grpo is not None else f"{t.local_batch_size}")
     accum = plan.shape.grad_accum_steps
     print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
@@ -519,7 +521,9 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
               "optimizer state for the adapters only, the base weights frozen")
     if plan.dpo is not None:
-        print(f"DPO ({plan.dpo.loss_type}): each pair's chosen and rejected rows in one forward, after the "
+        rows = ("its rows of whole pairs (block-causal)" if plan.dpo.packed
+                else "each pair's chosen and rejected rows")
+        print(f"DPO ({plan.dpo.loss_type}): {rows} in one forward, after the "
               "reference's forward without gradients; the reference is "
               + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
                  else "a frozen copy sharded like the model (its shards counted as sharded params)"))

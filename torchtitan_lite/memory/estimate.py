@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +66,7 @@ from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
-from torchtitan_lite.loss import token_loss_sum
+from torchtitan_lite.loss import token_loss_sum, token_losses
 from torchtitan_lite.memory.measure import CATEGORIES, by_category
 from torchtitan_lite.models.decoder import attention_as_on_cuda
 from torchtitan_lite.models.spec import ModelSpec
@@ -548,9 +548,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         unit_list = built.units
         if shape.device_type == "cpu":
             _gloo_all_gathers(model)
-        # DPO: every sample is a pair of rows; DPO's or online RL's frozen reference copy is built
-        # like the model.
-        rows = local_batch_size * (2 if shape.dpo_reference is not None else 1)
+        # DPO: every sample is a pair of rows (with packing, a row of pairs); DPO's or online RL's
+        # frozen reference copy is built like the model.
+        rows = local_batch_size * (2 if shape.dpo_reference is not None and not shape.dpo_packed else 1)
         rollout = shape.rollout
         reference = None
         if (shape.dpo_reference or (rollout.reference if rollout is not None else None)) == "copy":
@@ -590,7 +590,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 if pipeline is not None:
                     _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,
                                    seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank,
-                                   sequence_shards=dims.tp)
+                                   sequence_shards=dims.tp,
+                                   forward_only=_forward_only_models(model, reference, shape),
+                                   kept=rollout is not None, row_factor=rows // local_batch_size)
                 kv_cache = 0
                 if rollout is not None and pipeline is None:  # (with a pipeline: its token step's)
                     kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
@@ -733,9 +735,25 @@ def _gloo_all_gathers(model: torch.nn.Module) -> None:
     set_custom_all_gather(model, _GlooAllGather())
 
 
+def _forward_only_models(model: torch.nn.Module, reference: torch.nn.Module | None,
+                         shape: JobShape) -> list[Callable[[], contextlib.AbstractContextManager[Any]]]:
+    """The models a DPO or online RL step runs forward only before its training forward (see
+    :func:`_pipeline_step`): the reference (``reference``, the frozen copy, or the policy with its
+    adapters off), and online RL's sampling policy when its log-probabilities are kept."""
+    rollout = shape.rollout
+    runs: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
+    if rollout is not None and rollout.old_logps:
+        runs.append(lambda: contextlib.nullcontext(model))
+    if shape.dpo_reference is not None or (rollout is not None and rollout.reference is not None):
+        runs.append(lambda: as_reference(model, reference))
+    return runs
+
+
 def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tracker: Any, *, batches: int,
                    rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float,
-                   sequence_shards: int = 1) -> None:
+                   sequence_shards: int = 1,
+                   forward_only: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
+                   kept: bool = False, row_factor: int = 1) -> None:
     """One step's forwards and backwards of pipeline rank ``pp_rank``'s stages, in the
     schedule's order, over ``batches`` local batches of ``rows`` rows: each micro-batch's stage
     output (and so its saved activations) lives until its backward. The schedule's receive
@@ -744,12 +762,21 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
     until the schedule waits for the send: GPipe waits for its gradient sends once every
     backward has run, the looped schedules for every send at the end of the step, 1F1B at its
     next send. The last stage's loss is the trainer's (fp32 summed over the tokens, times
-    ``scale``)."""
-    microbatches = rows // plan.microbatch_size
+    ``scale``). ``row_factor``: rows per sample (DPO's pairs: 2).
+
+    ``forward_only``: before each local batch's training schedule, a forward-only schedule of
+    each model these give (entered as a context: DPO's and online RL's reference, the frozen
+    copy's stages or the policy's with its adapters off; online RL's sampling policy), without
+    gradient, with its own receive buffers (kept, as its stages keep them); ``kept``: online RL
+    keeps the per-token fp32 log-probabilities of the step's rows, one ``(rows × batches, seq)``
+    tensor per forward-only model, held through the step."""
+    # (a DPO pair's two rows go into one micro-batch: each micro-batch has rows / microbatches)
+    microbatches = plan.microbatches(rows // row_factor)
+    per_microbatch = rows // microbatches
     mine = {stage.index: stage for stage in plan.rank_stages(pp_rank)}
-    shape = (plan.microbatch_size, seq_len, dim)
+    shape = (per_microbatch, seq_len, dim)
     # (the hidden states between stages: with tensor parallel, this rank's share of the sequence)
-    hidden = (plan.microbatch_size, seq_len // sequence_shards, dim)
+    hidden = (per_microbatch, seq_len // sequence_shards, dim)
     received = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.first
                 for j in range(microbatches)}
     returned = {(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.last
@@ -758,8 +785,20 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
 
     parts = {s: StagePart(model, stage) for s, stage in mine.items()}
     looped = plan.schedule not in SINGLE_SCHEDULES
+    forward_received = [{(s, j): torch.empty(hidden, dtype=dtype) for s, st in mine.items() if not st.first
+                         for j in range(microbatches)} for _ in forward_only]
+    logps = [torch.empty(rows * batches, seq_len, dtype=torch.float32) for _ in forward_only] if kept else []
     with _module_hooks_for_split_backward() if plan.splits_backward else contextlib.nullcontext():
         for _ in range(batches):
+            for enter, buffers in zip(forward_only, forward_received, strict=True):
+                with torch.no_grad(), enter() as forward_model:
+                    for j in range(microbatches):
+                        for s in sorted(mine):
+                            x = (torch.zeros(shape[:2], dtype=torch.long) if mine[s].first else buffers[(s, j)])
+                            out = forward_model(x, stage=s)
+                            if mine[s].last:
+                                token_losses(out, torch.zeros(shape[:2], dtype=torch.long))
+                            del x, out
             in_flight: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
             weight_passes: dict[tuple[int, int], Any] = {}  # after an input pass: what its weight pass reads
             sent: list[torch.Tensor] = []  # sends not waited for yet
@@ -807,6 +846,7 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                             x.grad = None
                         del out, x
                 sent.clear()
+    del logps
 
 
 @contextlib.contextmanager

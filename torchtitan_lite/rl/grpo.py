@@ -215,7 +215,7 @@ def rows_logps(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.Ten
             placed = runner.place(MicroBatch(inputs[part], labels[part]))
             chunks: dict[int, torch.Tensor] = {}
 
-            def keep(i: int, logits: torch.Tensor, labels: torch.Tensor,
+            def keep(i: int, logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
                      chunks: dict[int, torch.Tensor] = chunks) -> torch.Tensor:
                 logp, _ = token_logps(logits, labels, temperature=temperature)
                 chunks[i] = runner.whole(logp.detach())
@@ -244,7 +244,8 @@ def rows_backward(runner: MicroBatchRunner, inputs: torch.Tensor, labels: torch.
     for part in parts:
         placed = runner.place(MicroBatch(inputs[part], labels[part]))
 
-        def part_loss(i: int, logits: torch.Tensor, labels: torch.Tensor, first: int = part.start) -> torch.Tensor:
+        def part_loss(i: int, logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
+                      first: int = part.start) -> torch.Tensor:
             # (rows i·k … of the part, k = the rows the layout runs at once: all, or a pipeline micro-batch's)
             rows = slice(first + i * logits.shape[0], first + (i + 1) * logits.shape[0])
             logp, entropy = token_logps(logits, labels, temperature=temperature, entropy=True)

@@ -128,11 +128,11 @@ class MicroBatchRunner:
     @torch.no_grad()
     def rows_forward(self, batch: MicroBatch, rows_fn: RowsFn, model: nn.Module | None = None) -> None:
         """Forward only of a placed ``batch`` through ``model`` (default the runner's; e.g. a
-        reference), without gradient: ``rows_fn(i, logits, labels)`` of each part of its rows the
-        layout runs at once (the whole batch, or each of the pipeline's micro-batches, on its last
-        stage's ranks only)."""
+        reference), without gradient: ``rows_fn(i, logits, labels, documents)`` of each part of
+        its rows the layout runs at once (the whole batch, or each of the pipeline's
+        micro-batches, on its last stage's ranks only)."""
         if self.pipeline is None and self.evaluation is None:
-            rows_fn(0, self.logits(batch, model), batch.labels)
+            rows_fn(0, self.logits(batch, model), batch.labels, batch.documents)
             return
         if model is None or model is self.model:
             runner = self.evaluation
@@ -142,20 +142,22 @@ class MicroBatchRunner:
             runner = self.reference[1]
         if runner is None:
             raise ValueError("MicroBatchRunner.rows_forward: no forward-only schedule of the model's stages")
-        runner.rows_forward(batch.inputs, batch.labels, rows_fn)
+        runner.rows_forward(batch.inputs, batch.labels, rows_fn, documents=batch.documents)
 
     def rows_forward_backward(self, batch: MicroBatch, rows_fn: RowsFn, *, accumulation: int,
                               labels: torch.Tensor) -> None:
         """Forward and backward of a placed ``batch`` with an objective's own loss: the gradient
-        of ``rows_fn(i, logits, labels)`` of each part of its rows the layout runs at once (see
-        :meth:`rows_forward`), plus the router losses over the rows' tokens and not their padding
-        (:func:`sequence_tokens` of ``labels``, the rows' whole labels; with a pipeline, every
-        position counts)."""
+        of ``rows_fn(i, logits, labels, documents)`` of each part of its rows the layout runs at
+        once (see :meth:`rows_forward`), plus the router losses over the rows' tokens and not
+        their padding (:func:`sequence_tokens` of ``labels``, the rows' whole labels; with a
+        pipeline, every position counts)."""
         if self.pipeline is None:
             tokens = self.share(sequence_tokens(labels)) if self.router_balance is not None else None
-            self.backward(rows_fn(0, self.logits(batch), batch.labels), accumulation=accumulation, tokens=tokens)
+            loss = rows_fn(0, self.logits(batch), batch.labels, batch.documents)
+            self.backward(loss, accumulation=accumulation, tokens=tokens)
             return
-        self.pipeline.rows_forward_backward(batch.inputs, batch.labels, rows_fn, accumulation=accumulation)
+        self.pipeline.rows_forward_backward(batch.inputs, batch.labels, rows_fn, accumulation=accumulation,
+                                            documents=batch.documents)
 
     def stages_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the pipeline ranks (what only the last stage's ranks computed, on
