@@ -254,6 +254,9 @@ _PP = {  # name: (ranks, arguments for every run, the layout's)
 }
 _PP.update({f"packed {name}": (ranks, [*_PACKED, *common], layout) for name, (ranks, common, layout) in _PP.items()
             if "Interleaved" not in name})
+_PP["qwen3_moe pp2 1F1B, load-balancing loss"] = (2, [], ["--parallelism.pipeline_parallel_schedule", "1F1B"])
+_PP["qwen3_moe dp2 x pp2 1F1B, packed, LoRA on the experts"] = (
+    4, [*_PACKED, *_LORA], ["--parallelism.pipeline_parallel_schedule", "1F1B"])
 
 
 @pytest.mark.slow
@@ -267,10 +270,16 @@ def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: st
     schedule, the pair loss on the last stage. Losses, margins, gradient norms and the validation
     loss are one process's within 1e-5, for 1F1B, Interleaved1F1B and ZBVZeroBubble at pipeline
     2, and data parallel 2 × pipeline 2; and on packed pairs (rows of 256, 4 rows a step,
-    pipeline micro-batches of 2 rows: each stage's attention takes its rows' document ids)."""
+    pipeline micro-batches of 2 rows: each stage's attention takes its rows' document ids). A
+    4-layer Qwen3-MoE (load-balancing loss 0.05, counted over the pairs' tokens, not their
+    padding, as without a pipeline) at pipeline 2, and packed with LoRA on the experts at data
+    parallel 2 × pipeline 2: also the load-balancing term, against the same micro-batches
+    accumulated without a pipeline (the term is one per global micro-batch)."""
     ranks, common, layout = _PP[case]
-    packed = case.startswith("packed")
-    folder = _four_block_folder(tmp_path)
+    packed = case.startswith("packed") or "packed" in case
+    family = "qwen3_moe" if case.startswith("qwen3_moe") else "llama3"
+    folder = (_folder(tmp_path, family, router_aux_loss_coef=0.05, num_hidden_layers=4) if family == "qwen3_moe"
+              else _four_block_folder(tmp_path))
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
     dp = ranks // 2
@@ -278,17 +287,25 @@ def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: st
             "256" if packed else "128",
             "--validation.enable", "--validation.dataset", "preference", "--validation.dataset_path", str(pairs),
             "--validation.freq", "2", "--validation.steps", "1", *common]
-    one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",
-                              "--validation.local_batch_size", "4", family="llama3"))
+    if family == "qwen3_moe":  # (the load-balancing loss is one per global micro-batch: the same ones accumulated)
+        one = run_distributed(train_history, dp, _argv(folder, pairs, tmp_path / "one", *args,
+                                                       "--training.local_batch_size", str(2 // dp),
+                                                       "--validation.local_batch_size", str(4 // dp),
+                                                       family=family))[0]
+    else:
+        one = train_history(_argv(folder, pairs, tmp_path / "one", *args, "--training.local_batch_size", "4",
+                                  "--validation.local_batch_size", "4", family=family))
     many = run_distributed(train_history, ranks, _argv(
         folder, pairs, tmp_path / "many", *args, *layout, "--training.local_batch_size", str(4 // dp),
         "--validation.local_batch_size", str(4 // dp),
         "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size",
-        str(2 // dp), family="llama3"))
+        str(2 // dp), family=family))
     assert one[-1]["dpo/margin"] != 0 and any("validation_loss" in r for r in one)
+    keys = ["loss", "grad_norm", "dpo/margin", "validation_loss"] + (["moe/aux_loss"] if family == "qwen3_moe" else [])
+    assert family != "qwen3_moe" or one[0]["moe/aux_loss"] > 0
     for history in many:
         assert len(history) == len(one) == 3
         for a, b in zip(history, one, strict=True):
-            for key in ("loss", "grad_norm", "dpo/margin", "validation_loss"):
+            for key in keys:
                 if key in b:
                     assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (case, key, a, b)

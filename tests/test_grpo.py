@@ -554,3 +554,32 @@ def test_given_rewards_of_another_number_of_functions_than_the_weights_is_one_li
     with pytest.raises(DataError, match=r"^grpo.reward_weights: invalid value \[1.0, 1.0, 1.0\]; the rollouts' "
                                         r"rewards are of 2 function\(s\) \(a, b\): expected one weight each, or none$"):
         objective.make_rollouts(runner, rows)
+
+
+@pytest.mark.scenario  # (the pipeline's token flags: DPO's pipeline test has them in the scenario tier too)
+@pytest.mark.slow
+def test_grpo_of_an_moe_model_through_pipeline_stages_equals_one_process(tmp_path: Path) -> None:
+    """fp32, given rollouts, a 4-layer Qwen3-MoE made by transformers (load-balancing loss 0.05),
+    beta 0.04 (a frozen copy), num_iterations 2, 3 steps: through pipeline 2 (1F1B, pipeline
+    micro-batches of 1 completion) the losses, the load-balancing terms (over the completions'
+    tokens, not their padding, on the last stage) and the gradient norms are one process's
+    accumulating the same micro-batches, within 1e-5."""
+    import shutil
+
+    from tests.test_trainer_moe import hf_qwen3_moe
+
+    write_chat_tokenizer(tmp_path / "tok", "qwen3")
+    folder = hf_qwen3_moe(tmp_path / "policy", vocab_size=512, router_aux_loss_coef=0.05, num_hidden_layers=4)
+    for file in (tmp_path / "tok").iterdir():
+        shutil.copy(file, folder / file.name)
+    rollouts = _random_rollouts(tmp_path / "rollouts.jsonl", 8)
+    common = ["--model.flavor", "from_checkpoint", "--training.steps", "3", "--grpo.loss_type", "grpo",
+              "--grpo.beta", "0.04", "--grpo.num_iterations", "2", "--training.seq_len", "64"]
+    one = train_history(_argv(tmp_path, "qwen3_moe", rollouts, "one", *common, "--training.local_batch_size", "1"))
+    pp = run_distributed(train_history, 2, _argv(
+        tmp_path, "qwen3_moe", rollouts, "pp", *common, "--training.local_batch_size", "2",
+        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"))[0]
+    assert one[0]["moe/aux_loss"] > 0
+    for mine, theirs in zip(pp, one, strict=True):
+        for key in ("loss", "grad_norm", "moe/aux_loss"):
+            assert abs(mine[key] - theirs[key]) <= 1e-5 * max(1.0, abs(theirs[key])), (key, mine, theirs)

@@ -303,7 +303,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     lora = _lora_plan(config, spec, model_args)
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
-    pipeline = _pipeline_plan(config, dims, model_args, float8=float8, lora=lora, dpo=dpo, grpo=grpo)
+    pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
@@ -516,8 +516,7 @@ def _rollout_shape(g: GRPOSetup, seq_len: int, completions: int) -> RolloutShape
         old_logps=g.num_iterations > 1 or (g.given and g.importance_sampling != "none"), reference=g.reference)
 
 
-def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, float8: Any, lora: Any,
-                   dpo: Any, grpo: Any = None) -> PipelinePlan | None:
+def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, lora: Any) -> PipelinePlan | None:
     """The job's pipeline stages (None without ``parallelism.pipeline_parallel_degree`` > 1); one
     :class:`ConfigError` line for a split or a combination it cannot run."""
     p, t = config.parallelism, config.training
@@ -541,11 +540,6 @@ def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, fl
     _require(lora is None or all(stage.layers for stage in plan.stages), key, dims.pp, "with LoRA every stage "
              "needs a block to adapt (a stage of only the embedding or the output would train nothing): lower "
              "pipeline_parallel_first/last_stage_less_layers or the degree")
-    # (not run through a pipeline yet: refused rather than trained wrongly)
-    rows = "DPO" if dpo is not None else "online RL" if grpo is not None else None
-    _require(rows is None or not getattr(model_args, "num_experts", 0), key, dims.pp,
-             f"{rows} of a mixture of experts through pipeline stages would count the rows' padding in its router "
-             "losses: not supported yet, expected 1")
     return plan
 
 

@@ -300,8 +300,10 @@ class StagePart(nn.Module):
         self.index = stage.index
         object.__setattr__(self, "_model", model)  # not a child: its other stages' parameters are not this one's
         # Block-causal attention: each micro-batch's document ids, in the order the stage runs its
-        # forwards (every schedule runs a stage's micro-batches in order); set by the runner.
+        # forwards (every schedule runs a stage's micro-batches in order); set by the runner. And
+        # which of each micro-batch's tokens its router losses count (None: all).
         self.documents: list[torch.Tensor] | None = None
+        self.tokens: list[torch.Tensor] | None = None
         self.calls = 0
         self.inferring = False  # the schedule's first forward infers shapes on placeholder values
         self.inferred = False  # whether the last forward was that one
@@ -311,15 +313,17 @@ class StagePart(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None) -> Any:
         self.inferred, self.inferring = self.inferring, False
+        index = 0 if self.inferred else self.calls
+        self.calls += 0 if self.inferred else 1
         if self.documents is None:
             out = self._model(x, stage=self.index)
         else:
-            docs = self.documents[0 if self.inferred else self.calls]
-            self.calls += 0 if self.inferred else 1
-            out = self._model(x, docs, stage=self.index)
+            out = self._model(x, self.documents[index], stage=self.index)
         if self.balance is None:
             return out
-        routing = self.balance.routing_state(self.moe_names, routing, device=out.device, record=not self.inferred)
+        tokens = None if self.tokens is None else self.tokens[index]
+        routing = self.balance.routing_state(self.moe_names, routing, device=out.device, record=not self.inferred,
+                                             tokens=tokens)
         if torch.is_grad_enabled() and not routing.requires_grad:  # (the schedule sends every output's gradient)
             routing.requires_grad_()
         return out, routing
@@ -375,6 +379,7 @@ class PipelineRunner:
         self.rows_fn: RowsFn | None = None  # (set for one call: an objective's own loss of each micro-batch)
         self._calls = 0
         self._chunks: list[torch.Tensor] | None = None  # (each micro-batch's document ids)
+        self._tokens: list[torch.Tensor] | None = None  # (which of each micro-batch's tokens its router losses count)
         self.scale = 1.0
         self._sums: list[torch.Tensor] = []
         self._sources = 0  # a mixture's sources (their losses follow the sum in each micro-batch's)
@@ -404,8 +409,11 @@ class PipelineRunner:
         logits, routing = output
         assert self._last_part is not None  # (only the last stage computes the loss)
         inferred = self._last_part.inferred  # (the loss follows the last stage's forward)
-        router = self.balance.state_loss(routing, logits.shape[0] * logits.shape[1],
-                                         self.microbatches * self._accumulation, record=not inferred)
+        tokens: int | torch.Tensor = logits.shape[0] * logits.shape[1]
+        if self._tokens is not None:  # (an objective's rows: their padding not counted)
+            tokens = self._tokens[0 if inferred else self._calls].sum()
+        router = self.balance.state_loss(routing, tokens, self.microbatches * self._accumulation,
+                                         record=not inferred)
         loss = self._token_loss(logits, target)
         return loss if router is None else loss + router
 
@@ -422,24 +430,29 @@ class PipelineRunner:
         self._sums.append(loss_sums(self.loss_fn, logits, labels, loss, sources, self._sources))
         return loss * self.scale
 
-    def _documents(self, documents: torch.Tensor | None) -> None:
-        """Hand each stage the micro-batches' document ids (None: causal attention)."""
+    def _documents(self, documents: torch.Tensor | None, tokens: torch.Tensor | None = None) -> None:
+        """Hand each stage the micro-batches' document ids (None: causal attention) and which of
+        their tokens the router losses count (None: all)."""
         chunks = None if documents is None else list(documents.tensor_split(self.microbatches))
         self._chunks = chunks
+        self._tokens = None if tokens is None or self.balance is None else list(tokens.tensor_split(self.microbatches))
         initialized = getattr(self.schedule, "_stage_forward_initialized",
                               getattr(self.schedule, "_stages_forward_initialized", True))
         for part in self.parts:
-            part.documents, part.calls, part.inferring = chunks, 0, not initialized
+            part.documents, part.tokens, part.calls, part.inferring = chunks, self._tokens, 0, not initialized
 
     def rows_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, rows_fn: RowsFn, *,
-                              accumulation: int = 1, documents: torch.Tensor | None = None) -> None:
+                              accumulation: int = 1, documents: torch.Tensor | None = None,
+                              tokens: torch.Tensor | None = None) -> None:
         """Forward and backward of this local batch with an objective's own loss: on the last
         stage, ``rows_fn(i, logits, labels, documents)`` of each micro-batch ``i`` of the schedule
         (its rows, in order; the value's gradient accumulates). ``documents``: the batch's
-        document ids (block-causal attention)."""
+        document ids (block-causal attention); ``tokens``: which of its positions the router
+        losses count (``(rows, seq)`` bool; None: all)."""
         self.rows_fn, self._calls = rows_fn, 0
         try:
-            self.forward_backward(inputs, labels, scale=1.0, accumulation=accumulation, documents=documents)
+            self.forward_backward(inputs, labels, scale=1.0, accumulation=accumulation, documents=documents,
+                                  tokens=tokens)
         finally:
             self.rows_fn = None
 
@@ -456,16 +469,18 @@ class PipelineRunner:
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, *, scale: float,
                          documents: torch.Tensor | None = None, sources: list[int] | None = None,
-                         num_sources: int = 0, accumulation: int = 1) -> torch.Tensor:
+                         num_sources: int = 0, accumulation: int = 1,
+                         tokens: torch.Tensor | None = None) -> torch.Tensor:
         """This local batch's summed token loss (fp64, detached, shape ``(1,)``), the same on
         every pipeline rank; gradients of ``scale`` × that sum accumulate in the stages'
         parameters. ``documents``: its document ids (block-causal attention), which every
         stage's attention needs. ``sources``: each row's source in a mixture of ``num_sources``
         (rows of one source next to each other): the sum is then followed by each source's.
-        ``accumulation``: the step's local batches (router losses average over every micro-batch)."""
+        ``accumulation``: the step's local batches (router losses average over every micro-batch);
+        ``tokens``: which positions the router losses count (None: all)."""
         self.scale, self._sums, self._accumulation = scale, [], accumulation
         self._sources = num_sources if sources is not None else 0
-        self._documents(documents)
+        self._documents(documents, tokens)
         target = labels
         if sources is not None:
             target = torch.cat([labels, torch.tensor(sources, dtype=labels.dtype, device=labels.device)[:, None]], 1)

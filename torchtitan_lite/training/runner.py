@@ -149,15 +149,14 @@ class MicroBatchRunner:
         """Forward and backward of a placed ``batch`` with an objective's own loss: the gradient
         of ``rows_fn(i, logits, labels, documents)`` of each part of its rows the layout runs at
         once (see :meth:`rows_forward`), plus the router losses over the rows' tokens and not
-        their padding (:func:`sequence_tokens` of ``labels``, the rows' whole labels; with a
-        pipeline, every position counts)."""
+        their padding (:func:`sequence_tokens` of ``labels``, the rows' whole labels)."""
+        tokens = self.share(sequence_tokens(labels)) if self.router_balance is not None else None
         if self.pipeline is None:
-            tokens = self.share(sequence_tokens(labels)) if self.router_balance is not None else None
             loss = rows_fn(0, self.logits(batch), batch.labels, batch.documents)
             self.backward(loss, accumulation=accumulation, tokens=tokens)
             return
         self.pipeline.rows_forward_backward(batch.inputs, batch.labels, rows_fn, accumulation=accumulation,
-                                            documents=batch.documents)
+                                            documents=batch.documents, tokens=tokens)
 
     def stages_sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the pipeline ranks (what only the last stage's ranks computed, on
