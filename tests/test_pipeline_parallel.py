@@ -737,3 +737,33 @@ def test_tied_embeddings_load_and_export_through_pipeline_stages(tmp_path: Path)
     assert sorted(exports[0]) == sorted(exports[1]) and "lm_head.weight" not in exports[1]
     for name, tensor in exports[0].items():
         assert torch.allclose(tensor, exports[1][name], atol=1e-5), name
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_a_tied_checkpoint_moves_between_pipeline_stages_and_one_process(tmp_path: Path) -> None:
+    """A tied Qwen3 (tiny), fp32, 6 steps saved at step 3: pipeline 2 (1F1B: the output's copy on
+    the last stage's rank, its optimizer state saved under its own name) resumed on one process,
+    and one process (the weight and its state under the embedding's name only) resumed at
+    pipeline 2 (the copy's state read from the embedding's), repeat steps 4-6 of the run that
+    never stopped within 1e-5."""
+    import shutil
+
+    argv = [*TINY_ARGS, "--model.name", "qwen3", "--training.steps", "6", "--training.local_batch_size", "4",
+            "--training.global_batch_size", "4", "--optimizer.lr", "1e-2", "--metrics.no-enable_tensorboard",
+            "--checkpoint.enable", "--checkpoint.interval", "3"]
+    stages = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]
+    piped = run_distributed(train_history, 2, [*argv, "--job.dump_folder", str(tmp_path / "pp"), *stages])[0]
+    whole = train_history([*argv, "--job.dump_folder", str(tmp_path / "one")])
+    runs = {}
+    for name, source, layout in (("pp to one", "pp", []), ("one to pp", "one", stages)):
+        dump = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / source / "checkpoint" / "step-3", dump / "checkpoint" / "step-3")
+        argv_resumed = [*argv, "--job.dump_folder", str(dump), *layout]
+        runs[name] = (run_distributed(train_history, 2, argv_resumed)[0] if layout else train_history(argv_resumed),
+                      piped if source == "pp" else whole)
+    for name, (resumed, uninterrupted) in runs.items():
+        assert [r["step"] for r in resumed] == [4, 5, 6], name
+        for a, b in zip(resumed, uninterrupted[3:], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (name, key, a, b)

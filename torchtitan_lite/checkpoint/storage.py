@@ -398,7 +398,10 @@ class CheckpointStorage:
             check_files(path, metadata.storage_data)
             if "model" in to_load:
                 check_model_tensors(path, metadata.state_dict_metadata, model_sd)
+            aliases = _tied_optimizer_aliases(self.model, to_load.get("optimizer"), metadata.state_dict_metadata)
             dcp.load(to_load, storage_reader=reader, planner=SafeLoadPlanner())
+            for saved_key, key in aliases.items():
+                to_load["optimizer"][key] = to_load["optimizer"].pop(saved_key)
         except CheckpointError:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
@@ -409,6 +412,27 @@ class CheckpointStorage:
                                  options=StateDictOptions(strict=self.lora is None))
         if "optimizer" in to_load:
             set_optimizer_state_dict(self.model, self.optimizer, to_load["optimizer"], options=optimizer_options)
+
+
+def _tied_optimizer_aliases(model: Any, optimizer_sd: dict[str, Any] | None, saved: dict[str, Any]) -> dict[str, str]:
+    """A pipeline's last stage holds tied embeddings as its own copy, ``output.weight``, whose
+    optimizer state a checkpoint of a layout with the embedding and the output on one rank (one
+    process, or a V schedule) keeps under the tied weight's first name only,
+    ``tok_embeddings.weight`` (its state and parameter group): those entries of ``optimizer_sd`` are
+    renamed to be read from there
+    (in place). Returns ``{name read: this rank's name}`` to rename them back after the load."""
+    if optimizer_sd is None or not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+        return {}
+    aliases = {}
+    for key in list(optimizer_sd):
+        part, _, rest = key.partition(".output.weight.")  # (state.… and param_groups.…)
+        if part not in ("state", "param_groups") or not rest:
+            continue
+        other = f"{part}.tok_embeddings.weight.{rest}"
+        if f"optimizer.{key}" not in saved and f"optimizer.{other}" in saved and other not in optimizer_sd:
+            optimizer_sd[other] = optimizer_sd.pop(key)
+            aliases[other] = key
+    return aliases
 
 
 def check_model_tensors(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:
