@@ -260,7 +260,7 @@ _PP["qwen3_moe dp2 x pp2 1F1B, packed, LoRA on the experts"] = (
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [name if name.startswith(("pp2 1F1B", "packed pp2 1F1B"))
+@pytest.mark.parametrize("case", [name if name.startswith("pp2 1F1B")
                                   else pytest.param(name, marks=pytest.mark.scenario) for name in _PP])
 def test_dpo_through_pipeline_stages_equals_one_process(tmp_path: Path, case: str) -> None:
     """A 6-block tiny Llama, the conversational pairs (16) in rows of 128, 3 steps of 4 pairs in
