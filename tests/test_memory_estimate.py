@@ -78,12 +78,6 @@ JOBS: dict[int, dict[str, list[str]]] = {
         **_grid(2, 128, "bfloat16", ("always",), ("full",)),
         # The default mode with selective (op) checkpointing: the shipped configs'.
         **_grid(2, 128, "float32", ("default",), ("selective op",)),
-        # Small batches: the peak is the optimizer step's.
-        "float32 1x16 default / none": _job(1, 16),
-        "CPU offload, never": _job(2, 128, "float32", "--training.enable_cpu_offload",
-                                   "--parallelism.reshard_after_forward_mode", "never"),
-        "2 micro-batches, for-loop AdamW": _job(2, 128, "float32", "--training.global_batch_size", "8",
-                                                "--optimizer.implementation", "for-loop"),
     },
     4: {
         "reshard to 2": _job(2, 128, "float32", "--parallelism.reshard_after_forward_mode", "2"),
@@ -96,6 +90,17 @@ JOBS: dict[int, dict[str, list[str]]] = {
         # and values and the mask over the whole sequence.
         "CP 2 x DP 2": _job(2, 256, "float32", "--parallelism.context_parallel_degree", "2"),
     },
+}
+
+
+# More jobs at 2 ranks, in the scenario tier.
+MORE_AT_TWO: dict[str, list[str]] = {
+    # Small batches: the peak is the optimizer step's.
+    "float32 1x16 default / none": _job(1, 16),
+    "CPU offload, never": _job(2, 128, "float32", "--training.enable_cpu_offload",
+                               "--parallelism.reshard_after_forward_mode", "never"),
+    "2 micro-batches, for-loop AdamW": _job(2, 128, "float32", "--training.global_batch_size", "8",
+                                            "--optimizer.implementation", "for-loop"),
 }
 
 
@@ -159,11 +164,19 @@ def _compare(world_size: int, tmp_path: Path, jobs: dict[str, list[str]] | None 
 @pytest.mark.slow
 def test_estimate_within_bounds_of_the_allocator_at_two_ranks(tmp_path) -> None:
     """-3% / +10% of the allocator's peak of a real trainer step at 2 ranks: the grid's corners
-    (never / none in fp32, always / full in bf16) and the default with selective checkpointing,
-    small batches (a peak in the optimizer step), CPU offload, gradient accumulation with the
-    for-loop AdamW; and an estimate made inside a process group (in a child process) equal to
-    one made outside. The whole grid: scripts/benchmark.py --parts peak."""
+    (never / none in fp32, always / full in bf16) and the default with selective checkpointing;
+    and an estimate made inside a process group (in a child process) equal to one made outside.
+    The whole grid: scripts/benchmark.py --parts peak."""
     _compare(2, tmp_path)
+
+
+@pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
+@pytest.mark.slow
+def test_estimate_within_bounds_of_the_allocator_at_two_ranks_for_small_batches_offload_and_accumulation(
+        tmp_path) -> None:
+    """The same at 2 ranks for small batches (a peak in the optimizer step), CPU offload, and
+    gradient accumulation with the for-loop AdamW."""
+    _compare(2, tmp_path, MORE_AT_TWO)
 
 
 @pytest.mark.scenario  # (left out of the default selection: .ci/run runs it; docs/testing.md)
@@ -539,13 +552,17 @@ selective_ac_option = "op"
 
 @pytest.mark.slow
 def test_cli_says_what_it_does_not_model(capsys) -> None:
-    """float8, compile and the block-causal mask are not in the estimate: the CLI says so, one
-    line each (and a job without them gets none of these lines)."""
+    """float8, compile and the block-causal mask through pipeline stages are not in the estimate:
+    the CLI says so, one line each (a job without them gets none of these lines, and the dense
+    mask of a block-causal job without stages is modelled)."""
     small = ["--model.flavor", "tiny", "--world_size", "2", "--training.seq_len", "32",
              "--training.local_batch_size", "1"]
     assert main([*small, "--model.converters", "float8", "--float8.emulate", "--compile.enable",
-                 "--model.attention_mask", "block_causal"]) == 0
+                 "--model.attention_mask", "block_causal", "--parallelism.pipeline_parallel_degree", "2",
+                 "--training.local_batch_size", "2"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "is not modelled" in line]
     assert [line.split(" ")[0] for line in lines] == ["model.converters", "compile.enable", "model.attention_mask"]
     assert main(small) == 0
+    assert "is not modelled" not in capsys.readouterr().out
+    assert main([*small, "--model.attention_mask", "block_causal"]) == 0
     assert "is not modelled" not in capsys.readouterr().out

@@ -321,7 +321,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
         sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
-        dpo_packed=dpo is not None and dpo.packed,
+        dpo_packed=dpo is not None and dpo.packed, block_causal=config.model.attention_mask == "block_causal",
         rollout=None if grpo is None else _rollout_shape(grpo, t.seq_len, global_batch // dims.dp_size),
         pipeline=pipeline)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size

@@ -68,6 +68,9 @@ class JobShape:
     device_type: str = "cuda"
     """Where the job runs, for what its attention holds: a context-parallel mask is a BlockMask of
     next to nothing on CUDA and a dense boolean mask on a CPU."""
+    block_causal: bool = False
+    """Packed documents attend each to itself (``model.attention_mask = "block_causal"``): each
+    forward takes document ids, and off CUDA builds a dense ``(rows, seq, seq)`` mask."""
     local_batch_size: int = 1
     """Samples per rank per micro-batch."""
     seq_len: int = 2048

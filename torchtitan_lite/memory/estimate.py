@@ -602,11 +602,13 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
+                    # (block-causal: the document ids, and off CUDA the dense mask they make)
+                    docs = (inputs,) if shape.block_causal and shape.device_type != "cuda" else ()
                     tracker.track_inputs((inputs, labels))
                     if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
                         with torch.no_grad(), as_reference(model, reference) as ref:
-                            token_loss_sum(ref(inputs), labels)
-                    token_loss = token_loss_sum(model(inputs), labels)
+                            token_loss_sum(ref(inputs, *docs), labels)
+                    token_loss = token_loss_sum(model(inputs, *docs), labels)
                     (token_loss / tokens_this_rank).backward()
                     loss_sum += token_loss.detach().double()
                     del inputs, labels, token_loss
@@ -899,9 +901,9 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.compile.enable:
         lines.append("compile.enable = true is not modelled: the figures are of the eager job (inductor's fused "
                      "kernels keep fewer temporaries: measured at debugmodel, the compiled peak was 14% lower)")
-    if config.model.attention_mask == "block_causal":
-        lines.append("model.attention_mask = 'block_causal' is not modelled: off CUDA its dense mask adds "
-                     "local_batch_size × seq_len² bytes per forward")
+    if config.model.attention_mask == "block_causal" and plan.shape.pipeline is not None:
+        lines.append("model.attention_mask = 'block_causal' through pipeline stages is not modelled: off CUDA "
+                     "its dense mask adds local_batch_size × seq_len² bytes per forward")
     if plan.dims.cp > 1 and plan.shape.device_type == "cuda":
         lines.append("context parallel's BlockMask is built once per forward from a dense mask of its queries "
                      "over the whole sequence (local_batch_size × seq_len² / context_parallel_degree bytes, "
