@@ -111,8 +111,9 @@ fully checkpoints both: each layer's experts follow their block."""
 
 # (Expert parallel 1 on 4 ranks is plain FSDP, which the rank/mode test holds to the same
 # one-process losses.)
+@pytest.mark.scenario  # (the default selection: the compiled expert-parallel test and context parallel beside it)
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.scenario)])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_path: Path, family: str) -> None:
     """Tiny Qwen3-MoE and DeepSeek-V3 (8 experts; DeepSeek's in 2 groups, a shared expert and a
     dense first layer), 4 ranks, fp32, 10 steps (clipped at norm 1): expert parallel 2 and 4 give
