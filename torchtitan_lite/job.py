@@ -308,6 +308,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
+    _activation_offload_settings(config, dims)
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
         context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
@@ -316,6 +317,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
         reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
         ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option, lora=lora,
+        activation_offload=ac.offload, mlp_tiles=ac.mlp_tiles,
         loss_parallel=not p.disable_loss_parallel, optimizer=config.optimizer.name,
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
@@ -386,6 +388,22 @@ def _model_args(config: JobConfig, spec: ModelSpec, tokenizer: Any, checkpoint_a
         _require(tokenizer.vocab_size <= vocab, "model.tokenizer_path", m.tokenizer_path,
                  f"its {tokenizer.vocab_size} ids do not fit the checkpoint's vocabulary of {vocab}")
     return model_args if longest <= model_args.max_seq_len else dataclasses.replace(model_args, max_seq_len=longest)
+
+
+def _activation_offload_settings(config: JobConfig, dims: ParallelDims) -> None:
+    """Refuse, one line each, what activation offload and tiled feed-forwards cannot run with (yet)."""
+    ac = config.activation_checkpoint
+    _require(not ac.offload or ac.mode != "none", "activation_checkpoint.offload", ac.offload,
+             "it moves what checkpointed blocks keep to host memory, and none are checkpointed: expected "
+             "activation_checkpoint.mode 'full' or 'selective', or offload = false")
+    _require(not ac.offload or not _compiles_model(config), "activation_checkpoint.offload", ac.offload,
+             "compiled blocks save their tensors inside the compiled graph, which the offload does not reach yet: "
+             "expected compile.enable = false (or compile.components without model), or offload = false")
+    _require(ac.mlp_tiles >= 0, "activation_checkpoint.mlp_tiles", ac.mlp_tiles,
+             "expected 1 (off), 0 (chosen from the sequence) or a number of tiles N >= 2")
+    _require(ac.mlp_tiles == 1 or dims.tp == 1, "activation_checkpoint.mlp_tiles", ac.mlp_tiles,
+             f"tensor parallel ({dims.tp}) splits the feed-forward over ranks already, and tiling its sequence "
+             "beside that is not available yet: expected 1")
 
 
 def _zero_bubble_settings(config: JobConfig, pipeline: PipelinePlan, reshard_mode: ReshardMode | str) -> str:

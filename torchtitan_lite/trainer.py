@@ -456,6 +456,9 @@ class Trainer:
         self.reshard_plan = None if budget is None else agree_auto_reshard(config, plan, self.device, budget)
         built = build_parallel_model(config, plan, mesh=self.mesh, device=self.device, reshard_plan=self.reshard_plan)
         self.model = built.model
+        self.activation_offload = built.activation_offload
+        """With ``activation_checkpoint.offload``: what keeps the checkpointed blocks' inputs in host
+        memory (``host_peak``, ``moved_bytes`` of the last step)."""
         self.tied = TiedWeights.build(self.model, plan.shape.pipeline, world=self.mesh.world, pp_rank=self.mesh.pp_rank)
         self.loss_fn = build_loss(config, plan)
         # The micro-batches' runners (context parallel's share, the pipeline's schedules), the
@@ -540,10 +543,14 @@ class Trainer:
         self.runner.start_step()
         batch = self.next_batch() if self.objective.needs_batch() else []
         data_time = time.perf_counter() - data_start
+        if self.activation_offload is not None:
+            self.activation_offload.reset_peak()
         result = self.objective.forward_backward(self.runner, batch)
         values = self.optimizer_step(result.loss_sum, result.denominator)
         values.update(self.runner.finish_step(update_bias=not values["skipped"]))
         values.update(result.metrics)
+        if self.activation_offload is not None:  # (this rank's; the same shapes on every rank)
+            values["activation_offload_gib"] = self.activation_offload.host_peak / 2**30
         self.step += 1
         self.tokens_seen += result.global_tokens
         if result.source_denominators:  # per source: its progress, and this step's mean loss

@@ -336,6 +336,15 @@ class ActivationCheckpoint:
     """With mode = selective: op (keep the outputs of matmuls and attention, recompute norms, RoPE and
     activations: most of the memory saving of full at a few percent of compute) or an integer N (full
     recomputation of every N-th block)."""
+    offload: bool = False
+    """Keep what checkpointed blocks hold between forward and backward (each block's input) in host memory:
+    copied out as the forward saves it (on CUDA on a side stream, into pinned memory) and back one block ahead
+    in backward; the values are bit for bit the same. Needs mode full or selective; device memory then holds
+    about one block's working set whatever the depth (docs/long-context.md)."""
+    mlp_tiles: int = 1
+    """Compute each dense feed-forward over N tiles of the sequence, each recomputed in backward, so that its
+    wide intermediate exists for one tile at a time (exact up to float rounding); 1: off; 0: chosen from the
+    sequence (ceil(local sequence / model dim) tiles, ALST's rule). Mixture-of-experts layers are not tiled."""
 
 
 @dataclass

@@ -31,9 +31,10 @@ same device (no dropout RNG is consumed twice: the RNG state is restored for the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -42,6 +43,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torchtitan_lite.config.schema import every_nth_block
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
+if TYPE_CHECKING:
+    from torchtitan_lite.distributed.activation_offload import ActivationOffload
+
 __all__ = [
     "AC_MODES",
     "BlockPolicy",
@@ -49,6 +53,8 @@ __all__ = [
     "block_policies",
     "checkpoint_policy_of",
     "describe",
+    "mlp_tile_count",
+    "tile_feed_forwards",
 ]
 
 AC_MODES = ("none", "full", "selective")
@@ -152,9 +158,11 @@ def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Mo
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = super(subclass, self).forward  # the block's own forward
-        if context_fn is None:
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        offload = getattr(self, "_activation_offload", None)  # (its inputs kept in host memory)
+        with contextlib.nullcontext() if offload is None else offload.around():
+            if context_fn is None:
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     subclass = type(f"Checkpointed{cls.__name__}", (cls,), {
         "forward": forward,
@@ -176,6 +184,8 @@ def apply_activation_checkpointing(
     mode: str = "selective",
     selective_ac_option: str | int = "op",
     policies: Sequence[BlockPolicy] | None = None,
+    offload: ActivationOffload | None = None,
+    mlp_tiles: int = 1,
 ) -> list[BlockPolicy]:
     """Checkpoint ``model``'s blocks in place and return each block's policy.
 
@@ -184,6 +194,10 @@ def apply_activation_checkpointing(
         blocks: the repeated blocks, as :func:`~.fsdp.apply_fsdp` takes them.
         mode, selective_ac_option: TorchTitan's settings (see :func:`block_policies`).
         policies: one of ``"none"``, ``"full"``, ``"op"`` per block instead (overrides ``mode``).
+        offload: what the checkpointed blocks keep goes to host memory through it
+            (:mod:`~torchtitan_lite.distributed.activation_offload`).
+        mlp_tiles: each block's dense feed-forward (its ``feed_forward``) over this many tiles of
+            the sequence (:func:`tile_feed_forwards`; 1: off, 0: chosen from the sequence).
 
     Raises ``ValueError`` (one line) for a bad setting, a list of the wrong length, or a block
     that is already checkpointed, sharded or compiled.
@@ -205,4 +219,49 @@ def apply_activation_checkpointing(
             raise ValueError(f"activation checkpointing: block {index} is already sharded or compiled; "
                              "apply activation checkpointing first")
         block.__class__ = _checkpointed_class(type(block), policy)
+        if offload is not None:
+            block._activation_offload = offload
+    if mlp_tiles != 1:
+        tile_feed_forwards(found, tiles=mlp_tiles)
     return chosen
+
+
+def mlp_tile_count(tiles: int, seq_len: int, dim: int) -> int:
+    """Tiles of a feed-forward's sequence: ``tiles``, or for 0 ``ceil(seq_len / dim)`` (ALST's
+    rule: each tile's wide intermediate about the size of a dim × dim matrix), at least 1."""
+    return max(1, tiles if tiles > 0 else -(-seq_len // max(dim, 1)))
+
+
+@functools.cache
+def _tiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inner = super(subclass, self).forward
+        count = min(mlp_tile_count(self._mlp_tiles, x.shape[1], x.shape[-1]), x.shape[1])
+        if count <= 1:
+            return inner(x, *args, **kwargs)
+        parts = x.tensor_split(count, dim=1)
+        if not torch.is_grad_enabled():
+            return torch.cat([inner(part, *args, **kwargs) for part in parts], dim=1)
+        return torch.cat([checkpoint(inner, part, *args, use_reentrant=False, **kwargs) for part in parts], dim=1)
+
+    subclass = type(f"Tiled{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return subclass
+
+
+def tile_feed_forwards(blocks: Sequence[nn.Module], *, tiles: int) -> int:
+    """Compute each block's dense feed-forward (its ``feed_forward`` child; a mixture of experts'
+    layer is left whole: its router's losses read one routing per forward) over ``tiles`` tiles of
+    the sequence (0: :func:`mlp_tile_count` of each forward's), each tile recomputed in backward,
+    so that the feed-forward's intermediate (its hidden width, several times the model's) exists
+    for one tile at a time. A feed-forward is per token: the values are the untiled ones up to
+    float rounding. In place (the class is swapped, names and state dict unchanged), before
+    ``fully_shard`` and compile; returns how many were tiled."""
+    tiled = 0
+    for block in blocks:
+        feed_forward = getattr(block, "feed_forward", None)
+        if feed_forward is None:
+            continue
+        feed_forward.__class__ = _tiled_class(type(feed_forward))
+        feed_forward._mlp_tiles = tiles
+        tiled += 1
+    return tiled

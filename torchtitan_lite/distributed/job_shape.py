@@ -91,6 +91,10 @@ class JobShape:
     """``activation_checkpoint.selective_ac_option``."""
     ac_policies: tuple[str, ...] | None = None
     """One of ``none``/``full``/``op`` per block (``auto``'s choice), instead of the two above."""
+    activation_offload: bool = False
+    """``activation_checkpoint.offload``: checkpointed blocks' inputs kept in host memory."""
+    mlp_tiles: int = 1
+    """``activation_checkpoint.mlp_tiles``: dense feed-forwards over sequence tiles (1: off, 0: chosen)."""
     lora: LoRASetup | None = None
     """Adapters on the linears, the rest frozen."""
     loss_parallel: bool = True

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_lite.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_lite.distributed.activation_offload import ActivationOffload
 from torchtitan_lite.distributed.autocast import apply_autocast
 from torchtitan_lite.distributed.compile import compile_blocks
 from torchtitan_lite.distributed.context_parallel import ContextParallel
@@ -63,6 +64,9 @@ class Parallelized:
     """Its FSDP units in forward order, root excluded (empty without FSDP)."""
     context_parallel: ContextParallel | None = None
     """With context parallel: how a rank takes its share of each sequence (``shard_batch``)."""
+    activation_offload: ActivationOffload | None = None
+    """With ``activation_checkpoint.offload``: what keeps the checkpointed blocks' inputs in host
+    memory (its byte counts)."""
 
 
 def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMesh | None,
@@ -106,8 +110,10 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
         context_parallel = ContextParallel(mesh["cp"].get_group(), method=shape.context_parallel_method)
         model.use_context_parallel(context_parallel)
     experts = shard_experts(model, mesh) if "ep" in dims else None
+    offload = ActivationOffload() if shape.activation_offload else None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
-                                   selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies)
+                                   selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies,
+                                   offload=offload, mlp_tiles=shape.mlp_tiles)
     if shape.compile_model:
         if shape.pipeline is not None and shape.pipeline.splits_backward:
             # A zero-bubble schedule runs each compiled backward twice (input, then weight pass,
@@ -118,7 +124,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     if fsdp is None:
         if shape.autocast_dtype is not None:
             apply_autocast(model, dtype=shape.autocast_dtype, device_type=device.type)
-        return Parallelized(model, [], context_parallel)
+        return Parallelized(model, [], context_parallel, offload)
     if mesh is None:
         raise ValueError("build_sharded_model: FSDP needs a mesh (or fsdp=None for a plain model)")
     shard_mesh = mesh.fsdp if isinstance(mesh, ParallelMesh) else mesh
@@ -127,7 +133,7 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     apply_fsdp(model, shard_mesh, **units, reshard_after_forward_mode=fsdp.reshard_after_forward_mode,
                param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype, cpu_offload=fsdp.cpu_offload,
                experts=expert_shards)
-    return Parallelized(model, fsdp_units(model, **units), context_parallel)
+    return Parallelized(model, fsdp_units(model, **units), context_parallel, offload)
 
 
 def build_sharded_model(spec: ModelSpec, args: Any, mesh: ParallelMesh | DeviceMesh | None, *, device: torch.device,

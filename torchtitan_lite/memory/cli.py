@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device_memory_gib", type=_positive_float, default=None, metavar="G",
                         help="memory of one device in GiB, to say whether each mode fits; default: this "
                              "machine's first CUDA device, else no verdict")
+    parser.add_argument("--host_memory_gib", type=_positive_float, default=None, metavar="H",
+                        help="host memory of one node in GiB, to say whether what the job keeps there (CPU "
+                             "offload, activation offload) fits; default: this machine's RAM when it has a CUDA "
+                             "device, else no verdict")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON")
     parser.add_argument("--longest_seq_len", action="store_true",
                         help="instead of the table: search the longest training.seq_len whose configured mode fits "
@@ -187,12 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float, cp: int = 1,
-                    progress: Any = print) -> tuple[int | None, list[tuple[int, float]]]:
+                    progress: Any = print, host_budget: float | None = None,
+                    ) -> tuple[int | None, list[tuple[int, float]]]:
     """The longest ``training.seq_len`` (a multiple of the step: 1,024 rounded up to a multiple of
-    ``2 × cp``, the chunks context parallel splits a sequence into) whose configured reshard mode's estimated device
-    peak stays within ``budget`` bytes,
-    to 1/32 of itself; None when even one step does not fit. Returns it and every
-    ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line per estimate."""
+    ``2 × cp``, the chunks context parallel splits a sequence into) whose configured reshard mode's
+    estimated device peak stays within ``budget`` bytes (and, with ``host_budget``, what a node's
+    ranks keep in host memory within that), to 1/32 of itself; None when even one step does not
+    fit. Returns it and every ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line
+    per estimate."""
     from torchtitan_lite.memory.estimate import job_estimate_shape
 
     step = 2 * cp * -(-1024 // (2 * cp))
@@ -204,12 +210,15 @@ def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, 
                                   validation=dataclasses.replace(config.validation, enable=False))
         plan, _ = plan_without_files(job, world_size=world_size, local_world_size=ranks_per_node)
         mode = plan.shape.reshard_after_forward_mode if plan.shape.reshard_after_forward_mode != "auto" else "default"
-        peak = estimate_memory(plan.spec, plan.model_args, job_estimate_shape(plan),
-                               reshard_after_forward_mode=mode).device_peak
+        estimate = estimate_memory(plan.spec, plan.model_args, job_estimate_shape(plan),
+                                   reshard_after_forward_mode=mode)
+        peak, host = estimate.device_peak, host_bytes(estimate) * ranks_per_node
         tried.append((seq_len, peak))
-        verdict = "fits" if peak <= budget else "does not fit"
-        progress(f"seq_len {seq_len}: estimated peak {peak / GIB:.2f} GiB per rank, {verdict}")
-        return peak <= budget
+        ok = peak <= budget and (host_budget is None or host <= host_budget)
+        held = f"; host {host / GIB:.1f} GiB per node" if host else ""
+        progress(f"seq_len {seq_len}: estimated peak {peak / GIB:.2f} GiB per rank{held}, "
+                 f"{'fits' if ok else 'does not fit'}")
+        return ok
 
     start = max(step, config.training.seq_len // step * step)
     if fits(start):
@@ -241,7 +250,7 @@ def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, 
 
 
 def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_per_node: int,
-                   device_bytes: float | None, device_source: str) -> int:
+                   device_bytes: float | None, device_source: str, host: tuple[float | None, str] = (None, "")) -> int:
     """``--longest_seq_len``: search and print (exit 0)."""
     from torchtitan_lite.memory.auto import auto_budget_bytes
 
@@ -252,10 +261,11 @@ def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_p
     cp = plan.dims.cp
     print(f"{config.model.name} {config.model.flavor} on {world_size} ranks (context parallel {cp}"
           f"{', ' + plan.shape.context_parallel_method if cp > 1 else ''}); budget {budget / GIB:.1f} GiB per rank "
-          f"({source}); device {device_source}", flush=True)
+          f"({source}); device {device_source}" + (f"; host {host[1]} per node" if host[0] else ""), flush=True)
     start = time.perf_counter()
     found, tried = longest_seq_len(config, world_size=world_size, ranks_per_node=ranks_per_node, budget=budget,
-                                   cp=cp, progress=lambda line: print(line, flush=True))
+                                   cp=cp, progress=lambda line: print(line, flush=True),
+                                   host_budget=None if host[0] is None else 0.9 * host[0])
     took = time.perf_counter() - start
     if found is None:
         print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "
@@ -266,6 +276,23 @@ def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_p
         print(f"longest seq_len that fits: {found} tokens{pair} ({found // cp} per rank; {len(tried)} estimates in "
               f"{took:.0f} s)")
     return 0
+
+
+def host_bytes(estimate: MemoryEstimate) -> int:
+    """What one rank keeps in host memory at most: FSDP's CPU-offloaded state and the offloaded
+    activations (``activation_checkpoint.offload``)."""
+    return estimate.cpu_peak + estimate.activation_host
+
+
+def _host_memory(gib: float | None) -> tuple[float | None, str]:
+    """Bytes of one node's host memory and where the figure comes from (``None``: no verdict):
+    ``--host_memory_gib``, else this machine's RAM when it has a CUDA device (a training node)."""
+    if gib is not None:
+        return gib * GIB, f"{gib:g} GiB (--host_memory_gib)"
+    if torch.cuda.is_available() and hasattr(os, "sysconf"):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(total), f"{total / GIB:.0f} GiB (this node's RAM)"
+    return None, "no --host_memory_gib (and no CUDA device here): no verdict"
 
 
 def _device_memory(gib: float | None) -> tuple[float | None, str]:
@@ -388,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         own, rest = parser.parse_known_args(argv)
         device_bytes, device_source = _device_memory(own.device_memory_gib)
+        host = _host_memory(own.host_memory_gib)
         json_path = _json_path(own.json)
         world_size = own.world_size
         ranks_per_node = own.ranks_per_node
@@ -401,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node)
         if own.longest_seq_len:
             return _print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
-                                  device_bytes=device_bytes, device_source=device_source)
+                                  device_bytes=device_bytes, device_source=device_source, host=host)
         log_to_stderr()
         done = _estimate_job(config, plan, world_size=world_size, device_bytes=device_bytes)
     except (UserError, ValueError) as exc:
@@ -418,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(done.estimates, configured, device_bytes, unit))
     if done.stages:
         print(_stage_table(done.stages, configured, device_bytes, unit))
-    print("\n".join(_notes(config, plan, done, device_source)))
+    print("\n".join(_notes(config, plan, done, device_source, host=host, ranks_per_node=ranks_per_node)))
     if json_path is not None:
         record = _json_record(config, plan, done, vocab_note, world_size=world_size, ranks_per_node=ranks_per_node,
                               device_bytes=device_bytes)
@@ -515,7 +543,11 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
           f"{t.mixed_precision_reduce}; CPU offload {_OFFLOAD_TEXT[plan.shape.cpu_offload]}; "
           f"{config.optimizer.name} ({config.optimizer.implementation}); activation checkpointing "
-          f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}")
+          f"{describe_ac(config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)}"
+          + ("; the checkpointed blocks' inputs offloaded to host memory" if plan.shape.activation_offload else "")
+          + ("" if plan.shape.mlp_tiles == 1 else "; dense feed-forwards in "
+             + (f"{plan.shape.mlp_tiles} sequence tiles" if plan.shape.mlp_tiles else
+                "sequence tiles of about the model's width")))
     if plan.shape.lora is not None:
         lo = plan.shape.lora
         print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
@@ -549,17 +581,25 @@ def _grpo_text(plan: JobPlan) -> str:
             + "; then the policy step, each row's log-softmax at the sampling temperature")
 
 
-def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: str) -> list[str]:
+def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: str, *,
+           host: tuple[float | None, str] = (None, ""), ranks_per_node: int = 1) -> list[str]:
     """The lines below the table."""
     notes = ["* = configured mode; categories at the moment of the device peak"
              + ("; with a pipeline, each mode's row is its pipeline rank of the highest peak" if done.stages else "")]
     if plan.shape.cpu_offload is not False:
         notes.append("CPU offload: sharded params, grads and optimizer state live on CPU (cpu column) "
                      "and are not in the device peak")
+    mode = str(plan.shape.reshard_after_forward_mode)
+    configured = next((e for e in done.estimates if _label(e.reshard_after_forward_mode) == mode), done.estimates[0])
+    if plan.shape.activation_offload or host_bytes(configured):
+        kept = max(host_bytes(e) for e in [configured, *done.stages])
+        node = kept * ranks_per_node
+        verdict = "" if host[0] is None else (" (fits" if node <= 0.9 * host[0] else " (does NOT fit") + \
+            f" 90% of {host[1]})"
+        notes.append(f"host memory: {size_text(configured.activation_host)} of offloaded activations "
+                     f"(activation_checkpoint.offload) + {size_text(configured.cpu_peak)} of CPU-offloaded state per "
+                     f"rank at most (configured mode), {size_text(node)} per node of {ranks_per_node} ranks{verdict}")
     if plan.shape.rollout is not None and plan.shape.rollout.generation_rows:
-        mode = str(plan.shape.reshard_after_forward_mode)
-        configured = next((e for e in done.estimates if _label(e.reshard_after_forward_mode) == mode),
-                          done.estimates[0])
         notes.append(f"online RL: the KV cache of a generation batch is {size_text(configured.kv_cache)} per rank; "
                      f"generation peaks at {size_text(configured.generation_peak)} (configured mode), in the peaks "
                      "above where it is the highest ('generation' in the where column: a smaller "

@@ -153,6 +153,9 @@ class MemoryEstimate:
     generation_peak: int = 0
     """Online RL: the highest device total while the completions are generated (the KV cache
     included); 0 otherwise."""
+    activation_host: int = 0
+    """With ``activation_checkpoint.offload``: the most bytes of the checkpointed blocks' inputs
+    held in host memory at once (not in the peaks, which are device memory); 0 otherwise."""
 
     def fits(self, device_bytes: int | float) -> bool:
         """Whether the device peak fits in ``device_bytes`` of accelerator memory (tensor bytes
@@ -622,6 +625,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             total, phase, module, categories = tracker.total_peak
             device_total, device_phase, device_module, device_categories = tracker.device_peak
             cpu_peak = tracker.cpu_peak if offloaded is not None else 0
+            activation_host = 0 if built.activation_offload is None else built.activation_offload.host_peak
             generation_peak = tracker.generation_peak
             if reference_bytes:
                 # The tracker counts the copy's shards from its first forward on, among the
@@ -640,6 +644,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         device_peak_module=device_module, device_categories=device_categories,
         cpu_peak=cpu_peak, state=state, seconds=time.perf_counter() - start,
         pipeline_rank=pp_rank, pipeline_degree=dims.pp, kv_cache=kv_cache, generation_peak=generation_peak,
+        activation_host=activation_host,
     )
 
 
