@@ -197,8 +197,10 @@ class ShardedAttention(SharedSequenceAttention):
 
     def _flex_mask(self, local: int) -> Any:
         """The CUDA BlockMask of this rank's queries over the whole sequence: a query attends to the
-        keys at or before its position (in its own document); the blocks above the diagonal skipped."""
-        from torch.nn.attention.flex_attention import create_block_mask
+        keys at or before its position (in its own document); the blocks above the diagonal skipped.
+        Made block by block (:func:`~torchtitan_lite.models.decoder.compiled_block_mask`), never as
+        a dense mask of the queries over the sequence."""
+        from torchtitan_lite.models.decoder import compiled_block_mask
 
         documents, positions = self.documents, self.query_positions
 
@@ -208,7 +210,7 @@ class ShardedAttention(SharedSequenceAttention):
             return causal if documents is None else causal & (documents[b, qpos] == documents[b, kv])
 
         rows = 1 if documents is None else documents.shape[0]
-        return create_block_mask(mask_mod, rows, None, local, local * self.cp.degree, device=positions.device)
+        return compiled_block_mask()(mask_mod, rows, None, local, local * self.cp.degree, device=positions.device)
 
     def _dense_mask(self, queries: slice, keys: int) -> torch.Tensor:
         """The dense boolean mask of this rank's ``queries`` (a slice of its tokens) over the

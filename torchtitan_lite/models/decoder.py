@@ -371,18 +371,27 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 def block_causal_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> Any:
     """The attention mask of packed documents: a token attends to the tokens before it in its own
-    document only. A FlexAttention BlockMask on CUDA (``flex``; the sparse blocks are skipped);
-    elsewhere a dense ``(bs, 1, seq, seq)`` boolean mask for ``scaled_dot_product_attention``."""
+    document only. A FlexAttention BlockMask on CUDA (``flex``; the sparse blocks are skipped; made
+    by :func:`compiled_block_mask` without a dense mask); elsewhere a dense ``(bs, 1, seq, seq)``
+    boolean mask for ``scaled_dot_product_attention`` (FlexAttention has no backward on CPU)."""
     bs, seq_len = document_ids.shape
     if document_ids.is_cuda if flex is None else flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
 
-        return create_block_mask(mask_mod, bs, None, seq_len, seq_len, device=document_ids.device)
+        return compiled_block_mask()(mask_mod, bs, None, seq_len, seq_len, device=document_ids.device)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
     return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+
+
+@functools.cache
+def compiled_block_mask() -> Any:
+    """FlexAttention's ``create_block_mask``, compiled once: it evaluates the mask function block
+    by block into the block tables, where uncompiled it first makes the dense ``(rows, queries,
+    keys)`` boolean mask (8 GiB for one row of 92,681 tokens: quadratic in the sequence)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
