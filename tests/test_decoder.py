@@ -153,6 +153,7 @@ def test_block_causal_logits_equal_each_document_alone_on_one_and_two_ranks() ->
         assert result["causal"] > 1e-2, result
 
 
+@pytest.mark.slow  # (the mask is made by a compiled function: its compile)
 def test_block_causal_mask_of_flex_attention_equals_the_dense_one() -> None:
     """The FlexAttention BlockMask (used on CUDA) and the dense mask (elsewhere) attend alike:
     FlexAttention run here eagerly on the CPU with the decoder's BlockMask."""
@@ -166,3 +167,21 @@ def test_block_causal_mask_of_flex_attention_equals_the_dense_one() -> None:
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(docs))
     assert isinstance(block_causal_mask(docs), torch.Tensor)
     assert (flex - dense).abs().max().item() < 1e-5
+
+
+@pytest.mark.scenario  # (a compile for each length; the default selection compiles it once, above)
+@pytest.mark.slow
+def test_the_block_mask_is_made_without_a_dense_mask() -> None:
+    """The BlockMask of one packed row (documents of 1,000 tokens) is made block by block: the
+    allocator's peak while making it, at 4,096 to 32,768 tokens, is its block tables (about 32 bytes
+    per 128 × 128 block: 2 MiB at 32,768), never the dense mask's tokens² bytes (1 GiB there)."""
+    from torchtitan_lite.memory.measure import AllocatorPeak
+    from torchtitan_lite.models.decoder import block_causal_mask
+
+    for tokens in (4096, 8192, 16384, 32768):
+        docs = (torch.arange(tokens) // 1000)[None]
+        with AllocatorPeak(torch.device("cpu")) as memory, memory.window():
+            mask = block_causal_mask(docs, flex=True)
+        blocks = (tokens // 128) ** 2
+        assert memory.peak <= 40 * blocks < tokens**2 / 256, (tokens, memory.peak)
+        assert mask.kv_num_blocks.shape[-1] == tokens // 128

@@ -909,10 +909,12 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.model.attention_mask == "block_causal" and plan.shape.pipeline is not None:
         lines.append("model.attention_mask = 'block_causal' through pipeline stages is not modelled: off CUDA "
                      "its dense mask adds local_batch_size × seq_len² bytes per forward")
-    if plan.dims.cp > 1 and plan.shape.device_type == "cuda":
-        lines.append("context parallel's BlockMask is built once per forward from a dense mask of its queries "
-                     "over the whole sequence (local_batch_size × seq_len² / context_parallel_degree bytes, "
-                     "freed at once), which is not modelled")
+    flex = config.model.attention_mask == "block_causal" or plan.dims.cp > 1
+    if flex and plan.shape.device_type == "cuda":
+        seq = config.training.seq_len
+        tables = config.training.local_batch_size * -(-seq // plan.dims.cp // 128) * -(-seq // 128) * 32
+        lines.append(f"the FlexAttention BlockMask's block tables ({size_text(tables)} per forward: about 32 bytes for "
+                     "each 128 × 128 block of a rank's queries over the sequence) are not modelled")
     return lines
 
 
