@@ -317,7 +317,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         param_dtype=DTYPES[t.mixed_precision_param], reduce_dtype=DTYPES[t.mixed_precision_reduce],
         reshard_after_forward_mode=reshard_mode, cpu_offload={"none": False, "all": True}.get(offload, offload),
         ac_mode=ac.mode, selective_ac_option=ac.selective_ac_option, lora=lora,
-        activation_offload=ac.offload, mlp_tiles=ac.mlp_tiles,
+        activation_offload=ac.offload, mlp_tiles=ac.mlp_tiles, tiled_loss=t.tiled_loss,
         loss_parallel=not p.disable_loss_parallel, optimizer=config.optimizer.name,
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
@@ -404,6 +404,14 @@ def _activation_offload_settings(config: JobConfig, dims: ParallelDims) -> None:
     _require(ac.mlp_tiles == 1 or dims.tp == 1, "activation_checkpoint.mlp_tiles", ac.mlp_tiles,
              f"tensor parallel ({dims.tp}) splits the feed-forward over ranks already, and tiling its sequence "
              "beside that is not available yet: expected 1")
+    t = config.training
+    rl = t.dataset == "prompts" or config.grpo.rollouts_path is not None or any(
+        d.dataset == "prompts" for d in t.datasets)
+    for ok, why in ((dims.tp == 1, f"tensor parallel ({dims.tp}) splits the output layer over the vocabulary"),
+                    (dims.pp == 1, f"pipeline parallel ({dims.pp}) computes the loss in its last stage's schedule"),
+                    (not rl, "online RL reads the logits themselves (temperature, entropy)")):
+        _require(not t.tiled_loss or ok, "training.tiled_loss", t.tiled_loss, f"{why}, which the tiled loss does "
+                 "not take yet: expected false")
 
 
 def _zero_bubble_settings(config: JobConfig, pipeline: PipelinePlan, reshard_mode: ReshardMode | str) -> str:

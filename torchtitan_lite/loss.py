@@ -17,15 +17,20 @@ is ``F.cross_entropy``, which inductor fuses itself.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 
-__all__ = ["loss_sums", "token_loss_sum", "token_losses"]
+__all__ = ["is_token_losses", "linear_token_losses", "loss_sums", "output_labels", "tile_output", "token_loss_sum",
+           "token_losses"]
 
 _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
@@ -151,6 +156,8 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     vocabulary (tensor parallel's loss parallel)."""
     from torch.distributed.tensor import DTensor
 
+    if is_token_losses(logits, labels):  # (the output layer's own: training.tiled_loss)
+        return logits
     if isinstance(logits, DTensor):
         return _vocab_parallel_losses(logits, labels).view(labels.shape)
     flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
@@ -163,9 +170,12 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy in fp32; labels equal to ``IGNORE_INDEX`` count nothing.
-    ``logits`` may be a DTensor split over the vocabulary (tensor parallel's loss parallel)."""
+    ``logits`` may be a DTensor split over the vocabulary (tensor parallel's loss parallel), or
+    each label's loss already (:func:`is_token_losses`)."""
     from torch.distributed.tensor import DTensor
 
+    if is_token_losses(logits, labels):  # (the output layer's own: training.tiled_loss)
+        return logits.sum()
     if isinstance(logits, DTensor):
         return _vocab_parallel_losses(logits, labels).sum()
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
@@ -195,3 +205,99 @@ def loss_sums(loss_fn: Any, logits: torch.Tensor, labels: torch.Tensor, loss: to
             sums[1 + source] += loss_fn(logits[start:start + count], labels[start:start + count]).double()
             start += count
     return sums
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Each token's cross-entropy ``(tokens,)`` of the output projection ``hidden @ weight.T``
+    against ``labels``, a chunk of rows at a time, without the whole logits: forward keeps each
+    row's log-sum-exp; backward computes each chunk's logits again, its ``softmax - one_hot`` and
+    from it the chunk's share of both gradients (the weight's accumulated in fp32). The logits of
+    a chunk are in the hidden states' dtype, as the output layer makes them, then fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows = _chunk_rows(torch.empty(0, weight.shape[0], device=hidden.device))
+        valid = labels != IGNORE_INDEX
+        safe = torch.where(valid, labels, 0)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        target = torch.empty_like(lse)
+        starts = _chunk_starts(hidden, rows)
+        for start in starts:
+            logits = (hidden[start:start + rows] @ weight.t()).float()
+            lse[start:start + rows] = torch.logsumexp(logits, dim=-1)
+            target[start:start + rows] = logits.gather(1, safe[start:start + rows, None]).squeeze(1)
+            del logits
+        ctx.save_for_backward(hidden, weight, lse, safe, valid)
+        ctx.rows = rows
+        return torch.where(valid, lse - target, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        hidden, weight, lse, safe, valid = ctx.saved_tensors
+        rows = ctx.rows
+        scale = (grad * valid).float()
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in _chunk_starts(hidden, rows):
+            end = start + rows
+            chunk = (hidden[start:end] @ weight.t()).float()
+            chunk = chunk.sub_(lse[start:end, None]).exp_()  # softmax
+            chunk.scatter_add_(1, safe[start:end, None], -valid[start:end, None].float())
+            chunk = chunk.mul_(scale[start:end, None]).to(hidden.dtype)
+            grad_hidden[start:end] = chunk @ weight
+            grad_weight += (chunk.t() @ hidden[start:end]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None
+
+
+def linear_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each label's cross-entropy (the shape of ``labels``) of the logits ``hidden @ weight.T``
+    (``hidden`` ``(..., dim)``, ``weight`` ``(vocab, dim)``), made a chunk of rows at a time in
+    forward and again in backward (:class:`_LinearCrossEntropy`): the whole ``(tokens, vocab)``
+    logits never exist, nor their gradient (``training.tiled_loss``)."""
+    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1))
+    return losses.view(labels.shape)
+
+
+def is_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Whether a model's output is already each label's loss (``training.tiled_loss``: the
+    output layer computed them, :func:`linear_token_losses`) rather than logits."""
+    return logits.dim() == labels.dim()
+
+
+@functools.cache
+def _tiled_output_class(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        labels = self._tiled_labels
+        if labels is None:  # (no labels given: the logits, e.g. for generation)
+            return super(subclass, self).forward(x)
+        return linear_token_losses(x, self.weight, labels)
+
+    subclass = type(f"Tiled{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+    return subclass
+
+
+def tile_output(model: nn.Module) -> None:
+    """``training.tiled_loss``: ``model.output`` (a bias-free linear) returns each label's loss
+    (:func:`linear_token_losses`) in place of the logits while :func:`output_labels` gives it the
+    labels; in place (the class is swapped: names, state dict and FSDP's hooks unchanged), before
+    ``fully_shard``."""
+    output = getattr(model, "output", None)
+    if not isinstance(output, nn.Linear) or output.bias is not None:
+        raise ValueError(f"tiled loss: {type(model).__name__}.output is not a bias-free nn.Linear")
+    output.__class__ = _tiled_output_class(type(output))
+    output._tiled_labels = None
+
+
+@contextlib.contextmanager
+def output_labels(model: nn.Module, labels: torch.Tensor | None) -> Iterator[None]:
+    """Within: a model whose output layer :func:`tile_output` tiled returns each of ``labels``'
+    losses in place of logits (nothing changes for another model, or for ``labels`` None)."""
+    output = getattr(model, "output", None)
+    if not hasattr(output, "_tiled_labels") or labels is None:
+        yield
+        return
+    output._tiled_labels = labels
+    try:
+        yield
+    finally:
+        output._tiled_labels = None

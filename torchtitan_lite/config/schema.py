@@ -229,6 +229,11 @@ class Training:
     """For chat data: a row the chat template refuses (its raise_exception or any template error), whose
     assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one
     line naming the file and the row (exit 3), or skip it (the skipped rows are counted in the log)."""
+    tiled_loss: bool = False
+    """Compute the output projection and the loss over tiles of rows (each tile's logits made again in
+    backward), so that the whole (tokens × vocabulary) logits and their gradient never exist: at 262,144
+    tokens a rank and Llama 3's 128,256 ids they would be 63 GiB each in bf16 (docs/long-context.md). For the
+    token loss and DPO; not with tensor parallel, pipeline parallel or online RL yet."""
     packing: Literal["greedy", "bfd"] = "greedy"
     """For chat data: how whole conversations fill the windows of seq_len + 1 tokens: greedy (in order; one
     that does not fit in what is left of a window starts the next) or bfd (best-fit decreasing: longest

@@ -95,6 +95,8 @@ class JobShape:
     """``activation_checkpoint.offload``: checkpointed blocks' inputs kept in host memory."""
     mlp_tiles: int = 1
     """``activation_checkpoint.mlp_tiles``: dense feed-forwards over sequence tiles (1: off, 0: chosen)."""
+    tiled_loss: bool = False
+    """``training.tiled_loss``: the output layer returns each label's loss, made over row tiles."""
     lora: LoRASetup | None = None
     """Adapters on the linears, the rest frozen."""
     loss_parallel: bool = True

@@ -43,6 +43,7 @@ from torchtitan_lite.distributed.tensor_parallel import (
     apply_decoder_tensor_parallel,
     enable_async_tensor_parallel,
 )
+from torchtitan_lite.loss import tile_output
 from torchtitan_lite.models.spec import ModelSpec
 
 __all__ = ["BUILD_STEPS", "JobShape", "Parallelized", "build_parallelized", "build_sharded_model", "parallelize"]
@@ -110,6 +111,8 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
         context_parallel = ContextParallel(mesh["cp"].get_group(), method=shape.context_parallel_method)
         model.use_context_parallel(context_parallel)
     experts = shard_experts(model, mesh) if "ep" in dims else None
+    if shape.tiled_loss:
+        tile_output(model)
     offload = ActivationOffload() if shape.activation_offload else None
     apply_activation_checkpointing(model, blocks=units["blocks"], mode=shape.ac_mode,
                                    selective_ac_option=shape.selective_ac_option, policies=shape.ac_policies,

@@ -66,7 +66,7 @@ from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
-from torchtitan_lite.loss import token_loss_sum, token_losses
+from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
 from torchtitan_lite.memory.measure import CATEGORIES, by_category
 from torchtitan_lite.models.decoder import attention_as_on_cuda
 from torchtitan_lite.models.spec import ModelSpec
@@ -609,9 +609,10 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                     docs = (inputs,) if shape.block_causal and shape.device_type != "cuda" else ()
                     tracker.track_inputs((inputs, labels))
                     if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
-                        with torch.no_grad(), as_reference(model, reference) as ref:
+                        with torch.no_grad(), as_reference(model, reference) as ref, output_labels(ref, labels):
                             token_loss_sum(ref(inputs, *docs), labels)
-                    token_loss = token_loss_sum(model(inputs, *docs), labels)
+                    with output_labels(model, labels):  # (training.tiled_loss: each label's loss, tiled)
+                        token_loss = token_loss_sum(model(inputs, *docs), labels)
                     (token_loss / tokens_this_rank).backward()
                     loss_sum += token_loss.detach().double()
                     del inputs, labels, token_loss

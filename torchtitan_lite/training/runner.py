@@ -17,7 +17,7 @@ from torch import nn
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.context_parallel import ContextParallel
 from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, RowsFn
-from torchtitan_lite.loss import loss_sums
+from torchtitan_lite.loss import loss_sums, output_labels
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "sequence_tokens"]
@@ -112,12 +112,14 @@ class MicroBatchRunner:
 
     def logits(self, batch: MicroBatch, model: nn.Module | None = None) -> torch.Tensor:
         """The logits of a placed ``batch`` (:meth:`place`) by ``model`` (default: the runner's;
-        e.g. a frozen reference), without a pipeline (its stages hold parts of the model)."""
+        e.g. a frozen reference), without a pipeline (its stages hold parts of the model); with
+        ``training.tiled_loss``, each label's loss in their place (``loss.output_labels``)."""
         if self.pipeline is not None or self.evaluation is not None:
             raise ValueError("MicroBatchRunner.logits: the pipeline's stages hold parts of the model; "
                              "run micro-batches through forward_backward or evaluate")
         model = self.model if model is None else model
-        return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
+        with output_labels(model, batch.labels):  # (training.tiled_loss: each label's loss, not the logits)
+            return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
 
     def add_forward_schedules(self, *, evaluation: PipelineRunner | None,
                               reference: tuple[nn.Module, PipelineRunner] | None) -> None:
