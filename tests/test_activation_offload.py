@@ -16,6 +16,7 @@ from tests.dist_utils import run_distributed, train_history
 OFFLOAD = ["--activation_checkpoint.offload"]
 TILES = ["--activation_checkpoint.mlp_tiles", "4"]
 FULL = ["--activation_checkpoint.mode", "full"]
+TILED_LOSS = ["--training.tiled_loss"]
 
 
 def _argv(dump: Path, *extra: str, steps: int = 10, seq_len: int = 256) -> list[str]:
@@ -39,7 +40,8 @@ def test_offload_and_tiles_train_as_without_and_move_the_blocks_inputs(tmp_path:
     """One process, fp32, the tiny Llama (2 blocks of width 64), 10 steps of 2 × 256 tokens (causal,
     or packed documents with block-causal attention): full checkpointing with the blocks' inputs
     offloaded, with the feed-forwards in 4 tiles too, and tiles chosen from the sequence without
-    checkpointing give the plain run's losses and gradient norms within 1e-6; each step moves
+    checkpointing, and all of it with the tiled loss (the output projection and the loss over row
+    tiles), give the plain run's losses and gradient norms within 1e-6; each step moves
     exactly the blocks' inputs to host memory (2 blocks × 2 × 256 × 64 fp32 values), nothing else
     (the RoPE table and the mask are shared by the blocks and stay)."""
     common = ["--model.attention_mask", mask]
@@ -49,6 +51,7 @@ def test_offload_and_tiles_train_as_without_and_move_the_blocks_inputs(tmp_path:
         "full, offload, 4 tiles": [*FULL, *OFFLOAD, *TILES],
         "tiles from the sequence": ["--activation_checkpoint.mlp_tiles", "0"],
         "selective op, offload": ["--activation_checkpoint.mode", "selective", *OFFLOAD],
+        "full, offload, 4 tiles, tiled loss": [*FULL, *OFFLOAD, *TILES, *TILED_LOSS],
     }.items()}
     _same(runs, plain)
     inputs = 2 * 2 * 256 * 64 * 4 / 2**30
@@ -75,15 +78,15 @@ _LAYOUTS = {  # name: (ranks, arguments of the model and layout, for the plain r
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_offload_and_tiles_train_as_without_on_every_layout(tmp_path: Path, layout: str) -> None:
-    """10 steps, fp32: full checkpointing with the blocks' inputs offloaded and the dense
-    feed-forwards in 4 tiles (tensor parallel: offload only) give the plain run's losses and
+    """10 steps, fp32: full checkpointing with the blocks' inputs offloaded, the dense
+    feed-forwards in 4 tiles and the tiled loss (tensor parallel: offload only) give the plain run's losses and
     gradient norms within 1e-6, for Qwen3-MoE and DeepSeek-V3 (their mixtures of experts untiled)
     at one process, data parallel 2 × context parallel 2 (all-gather on packed documents, and
     Ulysses), FSDP with CPU offload and tensor parallel 2 (each rank's share of the sequence
     moved, rebuilt as the same DTensor)."""
     ranks, model, layout_args = _LAYOUTS[layout]
     plain = train_history(_argv(tmp_path / "plain", *model, "--training.local_batch_size", "4"))
-    ours = [*FULL, *OFFLOAD, *([] if "tensor" in layout else TILES)]
+    ours = [*FULL, *OFFLOAD, *([] if "tensor" in layout else [*TILES, *TILED_LOSS])]
     dp = 2 if layout.startswith("dp2") else (1 if "tensor" in layout else ranks)
     argv = _argv(tmp_path / "ours", *model, *layout_args, *ours, "--training.local_batch_size", str(4 // dp))
     history = (train_history(argv) if ranks == 1 else run_distributed(train_history, ranks, argv)[0])
@@ -109,7 +112,8 @@ def _step_memory(argv: list[str]) -> dict[str, float]:
 def test_device_memory_falls_as_estimated_and_the_host_holds_the_rest(tmp_path: Path) -> None:
     """2 ranks, fp32, the debug model's shape (6 blocks of width 256, feed-forward 768), one sequence
     of 4,096 tokens a rank, full checkpointing: the allocator's peak of a step with the blocks'
-    inputs offloaded, and with the feed-forwards in tiles too (16, from the sequence), each within
+    inputs offloaded, with the feed-forwards in tiles too (16, from the sequence), and with the
+    tiled loss too, each within
     -3% / +10% of the estimate and each lower than the one before; the host memory the step used
     equals the estimate's (6 × 4,096 × 256 × 4 bytes)."""
     from torchtitan_lite.config import load_job_config
@@ -118,7 +122,8 @@ def test_device_memory_falls_as_estimated_and_the_host_holds_the_rest(tmp_path: 
 
     shape = ["--model.flavor", "debugmodel", "--training.local_batch_size", "1", "--training.global_batch_size", "2",
              *FULL]
-    jobs = {"full": [], "offload": OFFLOAD, "offload, tiles": [*OFFLOAD, "--activation_checkpoint.mlp_tiles", "0"]}
+    jobs = {"full": [], "offload": OFFLOAD, "offload, tiles": [*OFFLOAD, "--activation_checkpoint.mlp_tiles", "0"],
+            "offload, tiles, tiled loss": [*OFFLOAD, "--activation_checkpoint.mlp_tiles", "0", *TILED_LOSS]}
     measured: dict[str, dict[str, float]] = {}
     estimated = {}
     for name, extra in jobs.items():
@@ -134,5 +139,55 @@ def test_device_memory_falls_as_estimated_and_the_host_holds_the_rest(tmp_path: 
               f" MiB, estimated {estimated[name].activation_host / 2**20:.2f} MiB")
         assert -0.03 <= error <= 0.10, (name, error)
         assert measured[name]["host"] == estimated[name].activation_host
-    assert measured["full"]["peak"] > measured["offload"]["peak"] > measured["offload, tiles"]["peak"]
+    assert measured["full"]["peak"] > measured["offload"]["peak"] > measured["offload, tiles"]["peak"] \
+        > measured["offload, tiles, tiled loss"]["peak"]
     assert measured["offload"]["host"] == 6 * 4096 * 256 * 4
+
+
+@pytest.mark.slow
+def test_dpo_with_the_tiled_loss_equals_without(tmp_path: Path) -> None:
+    """One process, fp32, DPO on the conversational pairs (4 steps of 4 pairs, a frozen copy): with
+    the tiled loss (each sequence's log-probabilities from the output layer's per-label losses,
+    the reference's too) the losses, margins and gradient norms are the untiled run's within 1e-6."""
+    import json
+
+    from tests.test_dpo import CONVERSATIONAL
+    from tests.test_dpo_axes import _argv as dpo_argv
+    from tests.test_dpo_axes import _dense_folder
+
+    folder = _dense_folder(tmp_path)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONAL * 4))
+    common = ["--training.steps", "4", "--training.global_batch_size", "4", "--training.local_batch_size", "4"]
+    plain = train_history(dpo_argv(folder, pairs, tmp_path / "plain", *common, family="llama3"))
+    tiled = train_history(dpo_argv(folder, pairs, tmp_path / "tiled", *common, *TILED_LOSS, family="llama3"))
+    assert plain[-1]["dpo/margin"] != 0
+    for ours, theirs in zip(tiled, plain, strict=True):
+        for key in ("loss", "grad_norm", "dpo/margin", "dpo/logps_chosen"):
+            assert abs(ours[key] - theirs[key]) <= 1e-6 * max(1.0, abs(theirs[key])), (key, ours, theirs)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (OFFLOAD, "error: activation_checkpoint.offload: invalid value True; it moves what checkpointed blocks keep to "
+              "host memory, and none are checkpointed"),
+    ([*FULL, *OFFLOAD, "--compile.enable"], "error: activation_checkpoint.offload: invalid value True; compiled "
+                                            "blocks save their tensors inside the compiled graph"),
+    (["--activation_checkpoint.mlp_tiles", "-1"], "error: activation_checkpoint.mlp_tiles: invalid value -1; "
+                                                  "expected 1 (off), 0"),
+    (["--activation_checkpoint.mlp_tiles", "4", "--parallelism.tensor_parallel_degree", "2"],
+     "error: activation_checkpoint.mlp_tiles: invalid value 4; tensor parallel (2) splits the feed-forward"),
+    ([*TILED_LOSS, "--parallelism.tensor_parallel_degree", "2"], "error: training.tiled_loss: invalid value True; "
+                                                                "tensor parallel (2) splits the output layer"),
+    ([*TILED_LOSS, "--parallelism.pipeline_parallel_degree", "2"], "error: training.tiled_loss: invalid value True; "
+                                                                  "pipeline parallel (2) computes the loss"),
+])
+def test_what_they_cannot_run_with_is_one_line(tmp_path: Path, extra: list[str], message: str) -> None:
+    """Offload without checkpointing or with compiled blocks, tiles under tensor parallel, the tiled
+    loss under tensor or pipeline parallel: one line each, from the plan (before any process)."""
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.errors import ConfigError
+    from torchtitan_lite.job import plan_job
+
+    with pytest.raises(ConfigError) as info:
+        plan_job(load_job_config(_argv(tmp_path, *extra)), world_size=2)
+    assert f"error: {info.value}".startswith(message) and "\n" not in str(info.value), str(info.value)

@@ -215,7 +215,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     a chunk are in the hidden states' dtype, as the output layer makes them, then fp32."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                shape: torch.Size) -> torch.Tensor:
         rows = _chunk_rows(torch.empty(0, weight.shape[0], device=hidden.device))
         valid = labels != IGNORE_INDEX
         safe = torch.where(valid, labels, 0)
@@ -229,13 +230,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del logits
         ctx.save_for_backward(hidden, weight, lse, safe, valid)
         ctx.rows = rows
-        return torch.where(valid, lse - target, 0.0)
+        # (a tensor of the labels' shape of its own, not a view: FSDP's hooks take a module's output)
+        return torch.where(valid, lse - target, 0.0).reshape(shape).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         hidden, weight, lse, safe, valid = ctx.saved_tensors
         rows = ctx.rows
-        scale = (grad * valid).float()
+        scale = (grad.reshape(-1) * valid).float()
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in _chunk_starts(hidden, rows):
@@ -246,7 +248,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk = chunk.mul_(scale[start:end, None]).to(hidden.dtype)
             grad_hidden[start:end] = chunk @ weight
             grad_weight += (chunk.t() @ hidden[start:end]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
 
 
 def linear_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -254,8 +256,7 @@ def linear_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     (``hidden`` ``(..., dim)``, ``weight`` ``(vocab, dim)``), made a chunk of rows at a time in
     forward and again in backward (:class:`_LinearCrossEntropy`): the whole ``(tokens, vocab)``
     logits never exist, nor their gradient (``training.tiled_loss``)."""
-    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1))
-    return losses.view(labels.shape)
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), labels.shape)
 
 
 def is_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> bool:
