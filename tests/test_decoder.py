@@ -183,5 +183,5 @@ def test_the_block_mask_is_made_without_a_dense_mask() -> None:
         with AllocatorPeak(torch.device("cpu")) as memory, memory.window():
             mask = block_causal_mask(docs, flex=True)
         blocks = (tokens // 128) ** 2
-        assert memory.peak <= 40 * blocks < tokens**2 / 256, (tokens, memory.peak)
+        assert memory.peak <= 34 * blocks + 2**16 and memory.peak < tokens**2 / 256, (tokens, memory.peak)
         assert mask.kv_num_blocks.shape[-1] == tokens // 128

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from torchtitan_lite.job import JobPlan
 
 __all__ = ["CATEGORY_NAMES", "MemoryEstimate", "estimate_memory", "estimate_stages", "job_estimate_shape",
-           "not_modelled", "size_text", "where_text"]
+           "block_mask_bytes", "not_modelled", "size_text", "where_text"]
 
 CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
 """Categories of an estimate, the same names as :data:`torchtitan_lite.memory.CATEGORIES`."""
@@ -601,8 +601,13 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                     kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
                                              micro_batches=micro_batches, grad_accum_steps=grad_accum_steps,
                                              device=device, context_parallel=built.context_parallel)
+                # (CUDA: a FlexAttention BlockMask, packed documents' or context parallel's, for each
+                # forward: its block tables, held until its backward)
+                flex = shape.device_type == "cuda" and (shape.block_causal or dims.cp > 1)
                 for _ in range(micro_batches if pipeline is None and rollout is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
+                    tables = torch.empty(block_mask_bytes(rows, local_len, seq_len) if flex else 0,
+                                         dtype=torch.uint8, device=device)
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     # (block-causal: the document ids, and off CUDA the dense mask they make)
@@ -615,7 +620,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                         token_loss = token_loss_sum(model(inputs, *docs), labels)
                     (token_loss / tokens_this_rank).backward()
                     loss_sum += token_loss.detach().double()
-                    del inputs, labels, token_loss
+                    del inputs, labels, token_loss, tables
                 grads = tracker.categories()["sharded_grads"]
                 local_opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -910,13 +915,15 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.model.attention_mask == "block_causal" and plan.shape.pipeline is not None:
         lines.append("model.attention_mask = 'block_causal' through pipeline stages is not modelled: off CUDA "
                      "its dense mask adds local_batch_size × seq_len² bytes per forward")
-    flex = config.model.attention_mask == "block_causal" or plan.dims.cp > 1
-    if flex and plan.shape.device_type == "cuda":
-        seq = config.training.seq_len
-        tables = config.training.local_batch_size * -(-seq // plan.dims.cp // 128) * -(-seq // 128) * 32
-        lines.append(f"the FlexAttention BlockMask's block tables ({size_text(tables)} per forward: about 32 bytes for "
-                     "each 128 × 128 block of a rank's queries over the sequence) are not modelled")
     return lines
+
+
+def block_mask_bytes(rows: int, queries: int, keys: int) -> int:
+    """A FlexAttention BlockMask's block tables for ``rows`` rows of ``queries`` queries over
+    ``keys`` keys: about 32 bytes for each 128 × 128 block (its forward and backward index tables;
+    measured on CPU: ``tests/test_decoder.py``). Quadratic in the sequence, at 1/512 of a dense
+    mask's bytes."""
+    return rows * -(-queries // 128) * -(-keys // 128) * 32
 
 
 def where_text(phase: str, module: str) -> str:
