@@ -71,6 +71,7 @@ _LAYOUTS = {  # name: (ranks, arguments of the model and layout, for the plain r
                                   "--parallelism.context_parallel_method", "ulysses"]),
     "FSDP CPU offload": (2, [], ["--training.enable_cpu_offload"]),
     "tensor parallel 2 (offload only)": (2, [], ["--parallelism.tensor_parallel_degree", "2"]),
+    "qwen3_moe expert parallel 2": (2, ["--model.name", "qwen3_moe"], ["--parallelism.expert_parallel_degree", "2"]),
 }
 
 
@@ -81,9 +82,9 @@ def test_offload_and_tiles_train_as_without_on_every_layout(tmp_path: Path, layo
     """10 steps, fp32: full checkpointing with the blocks' inputs offloaded, the dense
     feed-forwards in 4 tiles and the tiled loss (tensor parallel: offload only) give the plain run's losses and
     gradient norms within 1e-6, for Qwen3-MoE and DeepSeek-V3 (their mixtures of experts untiled)
-    at one process, data parallel 2 × context parallel 2 (all-gather on packed documents, and
-    Ulysses), FSDP with CPU offload and tensor parallel 2 (each rank's share of the sequence
-    moved, rebuilt as the same DTensor)."""
+    at one process and Qwen3-MoE at expert parallel 2, data parallel 2 × context parallel 2
+    (all-gather on packed documents, and Ulysses), FSDP with CPU offload and tensor parallel 2
+    (each rank's share of the sequence moved, rebuilt as the same DTensor)."""
     ranks, model, layout_args = _LAYOUTS[layout]
     plain = train_history(_argv(tmp_path / "plain", *model, "--training.local_batch_size", "4"))
     ours = [*FULL, *OFFLOAD, *([] if "tensor" in layout else [*TILES, *TILED_LOSS])]

@@ -544,7 +544,7 @@ class Trainer:
         batch = self.next_batch() if self.objective.needs_batch() else []
         data_time = time.perf_counter() - data_start
         if self.activation_offload is not None:
-            self.activation_offload.reset_peak()
+            self.activation_offload.start_step()
         result = self.objective.forward_backward(self.runner, batch)
         values = self.optimizer_step(result.loss_sum, result.denominator)
         values.update(self.runner.finish_step(update_bias=not values["skipped"]))

@@ -68,11 +68,14 @@ class ActivationOffload:
         self.host_bytes = 0
         """Bytes in host buffers now."""
         self.host_peak = 0
-        """The most bytes held in host buffers at once (since :meth:`reset_peak`)."""
+        """The most bytes held in host buffers at once (since :meth:`start_step`)."""
         self.moved_bytes = 0
-        """Bytes copied to the host since :meth:`reset_peak`."""
+        """Bytes copied to the host since :meth:`start_step`."""
 
-    def reset_peak(self) -> None:
+    def start_step(self) -> None:
+        """Before a step's first forward: the peak and the bytes moved count from here, and the
+        held tensors of earlier steps (all back on the device) are forgotten."""
+        self._order.clear()
         self.host_peak, self.moved_bytes = self.host_bytes, 0
 
     @contextlib.contextmanager
