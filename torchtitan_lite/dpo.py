@@ -250,18 +250,18 @@ class PreferenceObjective:
             per_pair = torch.cat([results[i][1] for i in sorted(results)])
         return runner.stages_sum(per_pair)
 
-    def _pair_counts(self, runner: MicroBatchRunner, batch: list[MicroBatch]) -> tuple[float, list[float]]:
+    def _pair_counts(self, runner: MicroBatchRunner, batch: list[MicroBatch],
+                     per_row: list[torch.Tensor] | None) -> tuple[float, list[float]]:
         """The global batch's pairs, and each source's (a mixture): fixed without packing; packed
-        pairs counted in this rank's rows, summed over ``group`` (one all-reduce)."""
-        if not self.setup.packed:
+        pairs counted in this rank's rows (``per_row``: each micro-batch's pairs a row), summed
+        over ``group`` (one all-reduce)."""
+        if per_row is None:
             return float(self.global_pairs), [float(n) for n in getattr(self.loader, "batch_counts", [])]
         counts = torch.zeros(1 + runner.num_sources, dtype=torch.float64)
-        for mb in batch:
-            assert mb.documents is not None
-            per_row = packed_sequences(mb.documents)[1].double()
-            counts[0] += per_row.sum()
+        for mb, pairs in zip(batch, per_row, strict=True):
+            counts[0] += pairs.sum()
             if mb.sources is not None and runner.num_sources:
-                counts[1:].index_add_(0, torch.tensor(mb.sources), per_row)
+                counts[1:].index_add_(0, torch.tensor(mb.sources), pairs.double())
         counts = counts.to(runner.device)
         if dist.is_initialized():
             dist.all_reduce(counts, group=self.group)
@@ -272,20 +272,24 @@ class PreferenceObjective:
         """The summed pair loss (with a mixture, then each source's) and the step's
         :data:`METRICS` (every rank the same); the trainer divides the reduced sum by the
         global batch's pairs."""
-        global_pairs, source_pairs = self._pair_counts(runner, batch)
+        per_row = None  # (packed pairs: each micro-batch's pairs a row)
+        if self.setup.packed:
+            if any(mb.documents is None for mb in batch):
+                raise ValueError("PreferenceObjective: packed pairs need their rows' document ids")
+            per_row = [packed_sequences(mb.documents)[1] for mb in batch if mb.documents is not None]
+        global_pairs, source_pairs = self._pair_counts(runner, batch, per_row)
         scale = self.ranks / max(global_pairs, 1)
         loss_sum = torch.zeros(1 + runner.num_sources, dtype=torch.float64, device=runner.device)
         sums = torch.zeros(len(METRICS), dtype=torch.float64, device=runner.device)
         shares = runner.sequence_shards  # (each pair's loss is on every context-parallel rank)
-        for mb in batch:
+        for index, mb in enumerate(batch):
             per_pair = self._pairs(runner, mb, accumulation=len(batch), scale=scale) / shares
             pair_loss = per_pair[:, 0]
             loss_sum[0] += pair_loss.sum()
             if mb.sources is not None and runner.num_sources:  # (the source of each pair)
                 sources = torch.tensor(mb.sources)
-                if self.setup.packed:
-                    assert mb.documents is not None
-                    sources = sources.repeat_interleave(packed_sequences(mb.documents)[1])
+                if per_row is not None:
+                    sources = sources.repeat_interleave(per_row[index])
                 loss_sum[1:].index_add_(0, sources.to(runner.device), pair_loss)
             sums += per_pair[:, 1:].sum(dim=0)
         if dist.is_initialized():

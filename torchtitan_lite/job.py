@@ -308,7 +308,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
-    _activation_offload_settings(config, dims)
+    _activation_offload_settings(config, dims, online_rl=grpo is not None)
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
         context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
@@ -390,8 +390,9 @@ def _model_args(config: JobConfig, spec: ModelSpec, tokenizer: Any, checkpoint_a
     return model_args if longest <= model_args.max_seq_len else dataclasses.replace(model_args, max_seq_len=longest)
 
 
-def _activation_offload_settings(config: JobConfig, dims: ParallelDims) -> None:
-    """Refuse, one line each, what activation offload and tiled feed-forwards cannot run with (yet)."""
+def _activation_offload_settings(config: JobConfig, dims: ParallelDims, *, online_rl: bool) -> None:
+    """Refuse, one line each, what activation offload, tiled feed-forwards and the tiled loss
+    cannot run with (yet); ``online_rl``: the plan has ``[grpo]``."""
     ac = config.activation_checkpoint
     _require(not ac.offload or ac.mode != "none", "activation_checkpoint.offload", ac.offload,
              "it moves what checkpointed blocks keep to host memory, and none are checkpointed: expected "
@@ -405,11 +406,9 @@ def _activation_offload_settings(config: JobConfig, dims: ParallelDims) -> None:
              f"tensor parallel ({dims.tp}) splits the feed-forward over ranks already, and tiling its sequence "
              "beside that is not available yet: expected 1")
     t = config.training
-    rl = t.dataset == "prompts" or config.grpo.rollouts_path is not None or any(
-        d.dataset == "prompts" for d in t.datasets)
     for ok, why in ((dims.tp == 1, f"tensor parallel ({dims.tp}) splits the output layer over the vocabulary"),
                     (dims.pp == 1, f"pipeline parallel ({dims.pp}) computes the loss in its last stage's schedule"),
-                    (not rl, "online RL reads the logits themselves (temperature, entropy)")):
+                    (not online_rl, "online RL reads the logits themselves (temperature, entropy)")):
         _require(not t.tiled_loss or ok, "training.tiled_loss", t.tiled_loss, f"{why}, which the tiled loss does "
                  "not take yet: expected false")
 

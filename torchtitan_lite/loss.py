@@ -36,6 +36,9 @@ _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
 _DEVICE_CHUNKS = 8
 """Chunks at most on an accelerator (few kernel launches; still no full fp32 copy of the logits)."""
+_TILE_ELEMENTS = 1 << 28
+"""Elements of one tile's logits at most on an accelerator for the tiled loss (1 GiB in fp32),
+whose whole logits are what it avoids."""
 
 
 def _chunk_starts(logits: torch.Tensor, rows: int) -> range:
@@ -49,12 +52,19 @@ def _chunk_starts(logits: torch.Tensor, rows: int) -> range:
 
 
 def _chunk_rows(logits: torch.Tensor) -> int:
+    """Rows per chunk of ``logits`` (tokens, vocab): :func:`_rows_per_chunk`."""
+    return _rows_per_chunk(logits.shape[0], logits.shape[1], logits.device.type)
+
+
+def _rows_per_chunk(tokens: int, vocab: int, device_type: str, *, most: int | None = None) -> int:
     """Rows per chunk: a CPU's few (the memory estimator's fake CPU tensors too, so that its
-    estimate is the CPU run's); on an accelerator at most :data:`_DEVICE_CHUNKS` chunks."""
-    rows = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[1]))
-    if logits.device.type == "cpu":
+    estimate is the CPU run's); on an accelerator at most :data:`_DEVICE_CHUNKS` chunks, and at
+    most ``most`` elements a chunk."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, vocab))
+    if device_type == "cpu":
         return rows
-    return max(rows, -(-logits.shape[0] // _DEVICE_CHUNKS))
+    rows = max(rows, -(-tokens // _DEVICE_CHUNKS))
+    return rows if most is None else max(1, min(rows, most // max(1, vocab)))
 
 
 class _RowChunkedCrossEntropy(torch.autograd.Function):
@@ -174,14 +184,10 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     each label's loss already (:func:`is_token_losses`)."""
     from torch.distributed.tensor import DTensor
 
-    if is_token_losses(logits, labels):  # (the output layer's own: training.tiled_loss)
-        return logits.sum()
-    if isinstance(logits, DTensor):
-        return _vocab_parallel_losses(logits, labels).sum()
-    flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
-    if torch.compiler.is_compiling():
-        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return _RowChunkedCrossEntropy.apply(flat_logits, flat_labels).sum()
+    if torch.compiler.is_compiling() and not isinstance(logits, DTensor) and not is_token_losses(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return token_losses(logits, labels).sum()
 
 
 def loss_sums(loss_fn: Any, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
@@ -217,7 +223,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 shape: torch.Size) -> torch.Tensor:
-        rows = _chunk_rows(torch.empty(0, weight.shape[0], device=hidden.device))
+        rows = _rows_per_chunk(hidden.shape[0], weight.shape[0], hidden.device.type, most=_TILE_ELEMENTS)
         valid = labels != IGNORE_INDEX
         safe = torch.where(valid, labels, 0)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)

@@ -458,7 +458,7 @@ class Trainer:
         self.model = built.model
         self.activation_offload = built.activation_offload
         """With ``activation_checkpoint.offload``: what keeps the checkpointed blocks' inputs in host
-        memory (``host_peak``, ``moved_bytes`` of the last step)."""
+        memory (``host_peak``: the most the last step held there)."""
         self.tied = TiedWeights.build(self.model, plan.shape.pipeline, world=self.mesh.world, pp_rank=self.mesh.pp_rank)
         self.loss_fn = build_loss(config, plan)
         # The micro-batches' runners (context parallel's share, the pipeline's schedules), the

@@ -49,7 +49,6 @@ class _Held:
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    requires_grad: bool
     index: int
     copied: Any = None  # (CUDA: the event that ends the device-to-host copy)
     spec: Any = None  # (a DTensor's: mesh, placements, shape and stride, to rebuild it around its local part)
@@ -69,14 +68,12 @@ class ActivationOffload:
         """Bytes in host buffers now."""
         self.host_peak = 0
         """The most bytes held in host buffers at once (since :meth:`start_step`)."""
-        self.moved_bytes = 0
-        """Bytes copied to the host since :meth:`start_step`."""
 
     def start_step(self) -> None:
-        """Before a step's first forward: the peak and the bytes moved count from here, and the
-        held tensors of earlier steps (all back on the device) are forgotten."""
+        """Before a step's first forward: the peak counts from here, and the held tensors of
+        earlier steps (all back on the device) are forgotten."""
         self._order.clear()
-        self.host_peak, self.moved_bytes = self.host_bytes, 0
+        self.host_peak = self.host_bytes
 
     @contextlib.contextmanager
     def around(self) -> Iterator[None]:
@@ -125,11 +122,9 @@ class ActivationOffload:
             if host.dtype != tensor.dtype:
                 host = host.view(tensor.dtype)
             host.copy_(tensor)
-        held = _Held(host, tensor.shape, tensor.dtype, tensor.device, tensor.requires_grad, len(self._order), copied,
-                     nbytes=nbytes)
+        held = _Held(host, tensor.shape, tensor.dtype, tensor.device, len(self._order), copied, nbytes=nbytes)
         self._order.append(held)
         self.host_bytes += nbytes
-        self.moved_bytes += nbytes
         self.host_peak = max(self.host_peak, self.host_bytes)
         return held
 

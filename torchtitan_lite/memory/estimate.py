@@ -606,8 +606,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 flex = shape.device_type == "cuda" and (shape.block_causal or dims.cp > 1)
                 for _ in range(micro_batches if pipeline is None and rollout is None else 0):
                     tracker.reset_mod_stats()  # module-wise stats are not used; allows re-entry
-                    tables = torch.empty(block_mask_bytes(rows, local_len, seq_len) if flex else 0,
-                                         dtype=torch.uint8, device=device)
+                    tables = (torch.empty(block_mask_bytes(rows, local_len, seq_len), dtype=torch.uint8, device=device)
+                              if flex else None)
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     # (block-causal: the document ids, and off CUDA the dense mask they make)
