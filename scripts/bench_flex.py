@@ -77,7 +77,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     docs = _document_ids(opts.local_batch_size, opts.seq_len, opts.mean_doc_len, generator).to(device)
     tokens = torch.randint(0, args.vocab_size, (opts.local_batch_size, opts.seq_len), generator=generator).to(device)
-    dense_mask = decoder.block_causal_mask(docs, flex=False)
+    dense_mask = decoder.block_causal_mask(docs, flex=False).dense()
     density = float(dense_mask.float().mean() / torch.ones(opts.seq_len, opts.seq_len).tril().mean())
 
     with torch.no_grad():
@@ -112,7 +112,7 @@ def main() -> None:
     k, v = (torch.randn(shape[0], kv_heads, shape[1], shape[2], device=device, dtype=dtype, requires_grad=backward)
             for _ in range(2))
     block_mask = decoder.block_causal_mask(docs, flex=True)
-    flex_attention = decoder._flex_attention()
+    flex_attention = decoder.compiled_flex_attention()
 
     def attention(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def step() -> None:

@@ -430,3 +430,50 @@ def test_pipeline_beside_context_parallel_equals_one_process(tmp_path: Any, case
             for key in ("loss", "validation_loss"):
                 if key in b:
                     assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (case, key, a, b)
+
+
+def _packed_step_peak(argv: list[str], tile_elements: int | None = None) -> int:
+    """The allocator's peak of one steady-state trainer step (``tile_elements``: attention's tile
+    size in place of the decoder's; None keeps it)."""
+    import functools
+
+    import torchtitan_lite.models.decoder as decoder
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.memory.measure import trainer_step_peak
+    from torchtitan_lite.trainer import Trainer
+
+    before = decoder.ATTENTION_TILE_ELEMENTS
+    decoder.ATTENTION_TILE_ELEMENTS = tile_elements or before
+    try:
+        peak, trainer = trainer_step_peak(functools.partial(Trainer, load_job_config(argv)))
+        trainer.close()
+    finally:
+        decoder.ATTENTION_TILE_ELEMENTS = before
+    return peak
+
+
+@pytest.mark.scenario  # (four lengths of two ranks each; left out of the default selection)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["allgather", "ulysses"])
+def test_a_packed_step_at_context_parallel_2_grows_linearly_with_the_sequence(tmp_path: Any, method: str) -> None:
+    """Packed documents (block-causal) at context parallel 2, one sequence a step of 8,192 to 20,480
+    tokens, the tiny Llama in fp32 with full checkpointing: the allocator's peak of a step grows by
+    the same bytes for each 4,096 tokens more (within 10%). The same job with attention untiled
+    (a mask and scores of the queries over the sequence) grows by more than twice as much."""
+    from tests.conftest import TINY_ARGS
+
+    def argv(seq_len: int) -> list[str]:
+        return [*TINY_ARGS, "--job.dump_folder", str(tmp_path / str(seq_len)), "--training.seq_len", str(seq_len),
+                "--training.local_batch_size", "1", "--training.global_batch_size", "1", "--training.steps", "2",
+                "--model.attention_mask", "block_causal", "--activation_checkpoint.mode", "full",
+                "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_method", method,
+                "--metrics.no-enable_tensorboard", "--validation.no-enable"]
+
+    lengths = (8192, 12288, 16384, 20480)
+    peaks = [max(run_distributed(_packed_step_peak, 2, argv(n))) for n in lengths]
+    growth = [b - a for a, b in zip(peaks, peaks[1:], strict=False)]
+    print(method, [f"{p / 2**20:.2f} MiB" for p in peaks], [f"{g / 2**20:.2f} MiB" for g in growth])
+    assert min(growth) > 0 and max(growth) <= 1.1 * min(growth), (peaks, growth)
+    untiled = [max(run_distributed(_packed_step_peak, 2, argv(n), 1 << 40)) for n in lengths[:2]]
+    print("untiled", [f"{p / 2**20:.2f} MiB" for p in untiled])
+    assert untiled[1] - untiled[0] > 2 * growth[0], (untiled, growth)

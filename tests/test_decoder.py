@@ -155,18 +155,21 @@ def test_block_causal_logits_equal_each_document_alone_on_one_and_two_ranks() ->
 
 @pytest.mark.slow  # (the mask is made by a compiled function: its compile)
 def test_block_causal_mask_of_flex_attention_equals_the_dense_one() -> None:
-    """The FlexAttention BlockMask (used on CUDA) and the dense mask (elsewhere) attend alike:
-    FlexAttention run here eagerly on the CPU with the decoder's BlockMask."""
+    """The FlexAttention BlockMask (used on CUDA), the tiled attention of packed documents
+    (elsewhere) and a dense mask attend alike: FlexAttention run here eagerly on the CPU with the
+    decoder's BlockMask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from torchtitan_lite.models.decoder import block_causal_mask
+    from torchtitan_lite.models.decoder import DocumentMask, attend, block_causal_mask
 
     docs = torch.tensor([[0] * 5 + [1] * 11, [0] * 8 + [1] * 3 + [2] * 5])
     q, k, v = (torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     flex = flex_attention(q, k, v, block_mask=block_causal_mask(docs, flex=True))
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(docs))
-    assert isinstance(block_causal_mask(docs), torch.Tensor)
+    mask = block_causal_mask(docs)
+    assert isinstance(mask, DocumentMask)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense())
     assert (flex - dense).abs().max().item() < 1e-5
+    assert (attend(q, k, v, mask) - dense).abs().max().item() < 1e-6
 
 
 @pytest.mark.scenario  # (a compile for each length; the default selection compiles it once, above)

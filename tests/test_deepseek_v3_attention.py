@@ -155,7 +155,8 @@ def test_packed_documents_match_transformers(case: str) -> None:
     document_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
     positions = document_positions(document_ids)
     mask = block_causal_mask(document_ids, flex=False)
-    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    dense = mask.dense()
+    additive = torch.zeros(dense.shape).masked_fill(~dense, torch.finfo(torch.float32).min)
     freqs_cis = _freqs_cis(args)
     table = rope_bits(freqs_cis, freqs_cis.shape[0])[positions]  # (bs, seq, rope_dim // 2, 2)
     x = torch.randn(2, SEQ, 64)
@@ -264,7 +265,7 @@ def test_block_mask_path_matches_dense_mask(monkeypatch: pytest.MonkeyPatch) -> 
 
     import torchtitan_lite.models.decoder as decoder
 
-    monkeypatch.setattr(decoder, "_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(decoder, "compiled_flex_attention", lambda: flex_attention)
     args = _args(_config(24, CASES["yarn-attention-factor"][1]))
     torch.manual_seed(3)
     module = MLAttention(args)
@@ -283,19 +284,19 @@ def test_rejects_unknown_rope_scaling() -> None:
         DeepseekV3Args(rope_scaling="llama3")
 
 
-def test_attention_as_on_cuda_pads_narrow_values_and_gives_the_same_result() -> None:
+def test_kernels_as_on_cuda_pads_narrow_values_and_gives_the_same_result() -> None:
     """The memory estimate of a CUDA job runs latent attention (values narrower than keys) on the
     fused CPU kernel over zero-padded values: the same output and gradients as the math path."""
     import torch
 
-    from torchtitan_lite.models.decoder import attend, attention_as_on_cuda
+    from torchtitan_lite.models.decoder import attend, kernels_as_on_cuda
 
     generator = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 4, 16, 24, generator=generator, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 4, 16, 16, generator=generator, requires_grad=True)
     plain = attend(q, k, v, scale=0.3)
     grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
-    with attention_as_on_cuda():
+    with kernels_as_on_cuda():
         padded = attend(q, k, v, scale=0.3)
         padded_grads = torch.autograd.grad(padded.square().sum(), (q, k, v))
     assert padded.shape == plain.shape == (2, 4, 16, 16)

@@ -12,8 +12,9 @@ attention is per token, so it needs nothing more; attention is exact over the wh
 - ``allgather``: each rank gathers every rank's keys and values (the gather's backward sums
   their gradients back: a reduce-scatter) and attends its own queries to them: any mask (causal,
   block-causal for packed documents, and so chat SFT), as Llama 3 was trained. The mask is a
-  FlexAttention BlockMask on CUDA (the blocks above the diagonal skipped) and a dense boolean
-  mask elsewhere.
+  FlexAttention BlockMask on CUDA (the blocks above the diagonal skipped); elsewhere the queries
+  go in tiles, each with a dense mask of its own keys only
+  (:func:`~torchtitan_lite.models.decoder.block_causal_attention`).
 - ``ulysses`` (DeepSpeed-Ulysses): an all-to-all turns sequence shards of every head into whole
   sequences of ``heads / degree`` heads, each rank attends over the whole sequence with its
   heads, and a second all-to-all turns the result back. It needs the heads (and key/value heads,
@@ -33,7 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchtitan_lite.models.decoder import SharedSequenceAttention, document_positions
+from torchtitan_lite.models.decoder import (
+    SharedSequenceAttention,
+    block_causal_attention,
+    block_causal_mask,
+    compiled_block_mask,
+    compiled_flex_attention,
+    document_positions,
+)
 
 __all__ = ["CP_METHODS", "ContextParallel", "ShardedAttention", "context_parallel_problem"]
 
@@ -184,24 +192,20 @@ class ShardedAttention(SharedSequenceAttention):
         if self.flex:
             if self._block_mask is None:
                 self._block_mask = self._flex_mask(q.shape[2])
-            return _masked(q, k_all, v_all, self._block_mask, enable_gqa=enable_gqa, scale=scale, flex=True)
-        # Dense masks: each of this rank's two chunks against the keys up to its end only (the
-        # keys after it are masked for all its queries): the work of a causal mask, not of a full one.
-        chunk, outs = self.layout.chunk, []
-        for i, start in enumerate(self.layout.starts[self.cp.rank]):
-            part, end = slice(i * chunk, (i + 1) * chunk), start + chunk
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, part], k_all[:, :, :end], v_all[:, :, :end], attn_mask=self._dense_mask(part, end),
-                scale=scale, enable_gqa=enable_gqa))
-        return torch.cat(outs, dim=2)
+            return compiled_flex_attention()(q, k_all, v_all, block_mask=self._block_mask, scale=scale,
+                                             enable_gqa=enable_gqa)
+        # Each of this rank's two chunks against the keys up to its end only (the keys after it are
+        # masked for all its queries), over tiles of queries: no mask of the queries over the sequence.
+        chunk = self.layout.chunk
+        return torch.cat([block_causal_attention(q[:, :, i * chunk:(i + 1) * chunk], k_all, v_all, self.documents,
+                                                 start=start, scale=scale, enable_gqa=enable_gqa)
+                          for i, start in enumerate(self.layout.starts[self.cp.rank])], dim=2)
 
     def _flex_mask(self, local: int) -> Any:
         """The CUDA BlockMask of this rank's queries over the whole sequence: a query attends to the
         keys at or before its position (in its own document); the blocks above the diagonal skipped.
         Made block by block (:func:`~torchtitan_lite.models.decoder.compiled_block_mask`), never as
         a dense mask of the queries over the sequence."""
-        from torchtitan_lite.models.decoder import compiled_block_mask
-
         documents, positions = self.documents, self.query_positions
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -211,16 +215,6 @@ class ShardedAttention(SharedSequenceAttention):
 
         rows = 1 if documents is None else documents.shape[0]
         return compiled_block_mask()(mask_mod, rows, None, local, local * self.cp.degree, device=positions.device)
-
-    def _dense_mask(self, queries: slice, keys: int) -> torch.Tensor:
-        """The dense boolean mask of this rank's ``queries`` (a slice of its tokens) over the
-        sequence's first ``keys`` keys."""
-        documents, positions = self.documents, self.query_positions[queries]
-        causal = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
-        if documents is None:
-            return causal[None, None]
-        same = documents.index_select(1, positions)[:, :, None] == documents[:, None, :keys]
-        return (same & causal)[:, None]
 
     def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool,
                  scale: float | None) -> torch.Tensor:
@@ -232,13 +226,12 @@ class ShardedAttention(SharedSequenceAttention):
         qh, kh, vh = (self._sequence_to_heads(t) for t in (q, k, v))
         if self.documents is None or self.cp.shapes_only:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-        else:
-            from torchtitan_lite.models.decoder import block_causal_mask
-
+        elif self.flex:
             if self._block_mask is None:  # (one per forward, shared by the layers)
-                self._block_mask = block_causal_mask(self.documents, flex=self.flex)
-            mask = self._block_mask
-            out = _masked(qh, kh, vh, mask, enable_gqa=enable_gqa, scale=scale, flex=self.flex)
+                self._block_mask = block_causal_mask(self.documents, flex=True)
+            out = compiled_flex_attention()(qh, kh, vh, block_mask=self._block_mask, scale=scale, enable_gqa=enable_gqa)
+        else:
+            out = block_causal_attention(qh, kh, vh, self.documents, scale=scale, enable_gqa=enable_gqa)
         return self._heads_to_sequence(out)
 
     def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,11 +250,3 @@ class ShardedAttention(SharedSequenceAttention):
         got = self.cp._all_to_all(parts)  # (degree, bs, group, local, d): head group j from rank j
         return got.transpose(0, 1).reshape(bs, degree * group, total // degree, d)
 
-
-def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, enable_gqa: bool,
-            scale: float | None, flex: bool) -> torch.Tensor:
-    if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    from torchtitan_lite.models.decoder import _flex_attention
-
-    return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)

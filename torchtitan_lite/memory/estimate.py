@@ -68,7 +68,7 @@ from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
 from torchtitan_lite.memory.measure import CATEGORIES, by_category
-from torchtitan_lite.models.decoder import attention_as_on_cuda
+from torchtitan_lite.models.decoder import kernels_as_on_cuda
 from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.optim import build_optimizer
 
@@ -561,7 +561,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             parallelize(spec, reference, mesh, shape, device=device)
             reference.requires_grad_(False)
         if built.context_parallel is not None:
-            # CUDA's masks are BlockMasks (next to nothing); a CPU's are dense and counted
+            # (CUDA's masks are BlockMasks, counted below; a CPU's attention runs in tiles, counted)
             built.context_parallel.shapes_only = shape.device_type == "cuda"
         offload_flags = unit_offload(cpu_offload, unit_list)
         offloaded_ids = {id(param) for unit, flag in zip(unit_list, offload_flags, strict=True) if flag
@@ -584,7 +584,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             # No automatic collection inside (as in the trainer); only the young generation is
             # collected first: fake tensors hold no memory, and a full collection before each of
             # auto's estimates was a sixth of their time (the estimates are the same).
-            kernels = attention_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
+            kernels = kernels_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
             with GarbageCollection(generation=0), tracker, kernels:
                 if reference is not None:  # (the tracker counts a tensor from the first op on it: the
                     for param in reference.parameters():  # copy's shards from the step's start)
@@ -595,7 +595,8 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                                    seq_len=local_len, dim=args.dim, dtype=param_dtype, scale=1 / tokens_this_rank,
                                    sequence_shards=dims.tp,
                                    forward_only=_forward_only_models(model, reference, shape),
-                                   kept=rollout is not None, row_factor=rows // local_batch_size)
+                                   kept=rollout is not None, row_factor=rows // local_batch_size,
+                                   documents=shape.block_causal and shape.device_type != "cuda")
                 kv_cache = 0
                 if rollout is not None and pipeline is None:  # (with a pipeline: its token step's)
                     kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
@@ -610,7 +611,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                               if flex else None)
                     inputs = torch.zeros(rows, local_len, dtype=torch.long, device=device)
                     labels = torch.zeros(rows, local_len, dtype=torch.long, device=device)
-                    # (block-causal: the document ids, and off CUDA the dense mask they make)
+                    # (block-causal off CUDA: the document ids, and the tiles of attention they make)
                     docs = (inputs,) if shape.block_causal and shape.device_type != "cuda" else ()
                     tracker.track_inputs((inputs, labels))
                     if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
@@ -766,7 +767,7 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                    rows: int, seq_len: int, dim: int, dtype: torch.dtype, scale: float,
                    sequence_shards: int = 1,
                    forward_only: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
-                   kept: bool = False, row_factor: int = 1) -> None:
+                   kept: bool = False, row_factor: int = 1, documents: bool = False) -> None:
     """One step's forwards and backwards of pipeline rank ``pp_rank``'s stages, in the
     schedule's order, over ``batches`` local batches of ``rows`` rows: each micro-batch's stage
     output (and so its saved activations) lives until its backward. The schedule's receive
@@ -782,7 +783,8 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
     copy's stages or the policy's with its adapters off; online RL's sampling policy), without
     gradient, with its own receive buffers (kept, as its stages keep them); ``kept``: online RL
     keeps the per-token fp32 log-probabilities of the step's rows, one ``(rows × batches, seq)``
-    tensor per forward-only model, held through the step."""
+    tensor per forward-only model, held through the step. ``documents``: each micro-batch's
+    document ids go to every stage (packed documents, block-causal)."""
     # (a DPO pair's two rows go into one micro-batch: each micro-batch has rows / microbatches)
     microbatches = plan.microbatches(rows // row_factor)
     per_microbatch = rows // microbatches
@@ -808,7 +810,7 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                     for j in range(microbatches):
                         for s in sorted(mine):
                             x = (torch.zeros(shape[:2], dtype=torch.long) if mine[s].first else buffers[(s, j)])
-                            out = forward_model(x, stage=s)
+                            out = forward_model(x, *_documents(shape, documents), stage=s)
                             if mine[s].last:
                                 token_losses(out, torch.zeros(shape[:2], dtype=torch.long))
                             del x, out
@@ -829,7 +831,7 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                             tracker.track_inputs((x,))
                         else:
                             x = received[(s, j)].requires_grad_()
-                        out = model(x, stage=s)
+                        out = model(x, *_documents(shape, documents), stage=s)
                         if stage.last:
                             labels = torch.zeros(shape[:2], dtype=torch.long)
                             out = token_loss_sum(out, labels) * scale
@@ -860,6 +862,11 @@ def _pipeline_step(model: torch.nn.Module, plan: PipelinePlan, pp_rank: int, tra
                         del out, x
                 sent.clear()
     del logps
+
+
+def _documents(shape: tuple[int, ...], documents: bool) -> tuple[torch.Tensor, ...]:
+    """A pipeline micro-batch's document ids, as the stages take them (none: causal)."""
+    return (torch.zeros(shape[:2], dtype=torch.long),) if documents else ()
 
 
 @contextlib.contextmanager
@@ -912,9 +919,6 @@ def not_modelled(config: JobConfig, plan: JobPlan) -> list[str]:
     if config.compile.enable:
         lines.append("compile.enable = true is not modelled: the figures are of the eager job (inductor's fused "
                      "kernels keep fewer temporaries: measured at debugmodel, the compiled peak was 14% lower)")
-    if config.model.attention_mask == "block_causal" and plan.shape.pipeline is not None:
-        lines.append("model.attention_mask = 'block_causal' through pipeline stages is not modelled: off CUDA "
-                     "its dense mask adds local_batch_size × seq_len² bytes per forward")
     return lines
 
 

@@ -42,9 +42,10 @@ from torchtitan_lite.models.feed_forward import FeedForward
 from torchtitan_lite.models.moe import MoE, grouped_mm_available
 from torchtitan_lite.models.spec import FSDPLayout
 
-__all__ = ["CachedAttention", "Decoder", "KVCache", "SharedSequenceAttention", "apply_rotary_emb", "attend",
-           "block_causal_mask", "decoder_fsdp_units", "document_positions", "is_moe_layer", "precompute_freqs_cis",
-           "rope_bits"]
+__all__ = ["ATTENTION_TILE_ELEMENTS", "CachedAttention", "Decoder", "DocumentMask", "KVCache",
+           "SharedSequenceAttention", "apply_rotary_emb", "attend", "block_causal_attention", "block_causal_mask",
+           "compiled_block_mask", "compiled_flex_attention", "decoder_fsdp_units", "document_positions",
+           "is_moe_layer", "precompute_freqs_cis", "rope_bits"]
 
 def precompute_freqs_cis(
     head_dim: int, max_seq_len: int, theta: float, *, device: torch.device | str | None = None,
@@ -108,8 +109,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not isinstance(x, DTensor) and not isinstance(weight, DTensor):
+            if x.is_cuda:  # one fused kernel each way, saving the input and a scalar a row
+                return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+            if _CUDA_KERNELS_ON_CPU and isinstance(x, FakeTensor):  # (the memory estimate of that)
+                return _FusedNormShapes.apply(x, weight)
+        # (off CUDA, and under tensor parallel: composite, in fp32)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return normed.type_as(x) * weight
 
     def init_weights(self) -> None:
         init.ones_(self.weight)
@@ -162,24 +170,46 @@ class Attention(nn.Module):
 
 
 _CUDA_KERNELS_ON_CPU = False
-"""Set by :func:`attention_as_on_cuda` (the memory estimate of a CUDA job, run on CPU)."""
+"""Set by :func:`kernels_as_on_cuda` (the memory estimate of a CUDA job, run on CPU)."""
 
 
 @contextlib.contextmanager
-def attention_as_on_cuda() -> Iterator[None]:
-    """Within: attention on CPU tensors whose values are narrower than their keys (DeepSeek's
-    latent attention: 128 against 192) runs the fused kernel on values zero-padded to the keys'
-    width, then drops the padding. PyTorch's CPU kernel takes only equal widths and otherwise
-    falls back to the math path, which keeps the ``heads × seq²`` scores for backward; CUDA's
-    memory-efficient kernel takes unequal widths and keeps only the output and the log-sum-exp.
-    For the memory estimate of a CUDA job (the padded copy of the values and the wider output
-    cost a little more than CUDA holds)."""
+def kernels_as_on_cuda() -> Iterator[None]:
+    """Within, CPU tensors hold what CUDA's kernels would, for the memory estimate of a CUDA job:
+
+    - attention whose values are narrower than its keys (DeepSeek's latent attention: 128
+      against 192) runs the fused kernel on values zero-padded to the keys' width, then drops the
+      padding. PyTorch's CPU kernel takes only equal widths and otherwise falls back to the math
+      path, which keeps the ``heads × seq²`` scores for backward; CUDA's memory-efficient kernel
+      takes unequal widths and keeps only the output and the log-sum-exp (the padded copy of the
+      values and the wider output cost a little more than CUDA holds);
+    - :class:`RMSNorm` allocates what CUDA's fused kernel does (its output and each row's
+      reciprocal norm; in backward the input's and the weight's gradients), where the CPU
+      composite makes and keeps fp32 copies of the whole input."""
     global _CUDA_KERNELS_ON_CPU
     before, _CUDA_KERNELS_ON_CPU = _CUDA_KERNELS_ON_CPU, True
     try:
         yield
     finally:
         _CUDA_KERNELS_ON_CPU = before
+
+
+class _FusedNormShapes(torch.autograd.Function):
+    """The allocations of CUDA's fused RMSNorm (``aten._fused_rms_norm`` and its backward) on the
+    estimate's fake CPU tensors, without values: it saves the input and an fp32 reciprocal norm a
+    row; backward makes the input's gradient and the weight's (with an fp32 partial sum a row
+    block, left out)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _, weight = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight)
 
 
 class SharedSequenceAttention(abc.ABC):
@@ -310,6 +340,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, 
            scale: float | None = None) -> torch.Tensor:
     """Attention of ``q`` ``(bs, heads, seq, d)`` over ``k``, ``v`` under ``mask``: None (causal),
     a dense ``(bs, 1, seq, seq)`` boolean mask (True attends), a FlexAttention BlockMask, a
+    :class:`DocumentMask` (packed documents off CUDA), a
     :class:`SharedSequenceAttention` (context parallel: this rank's queries over the whole sequence)
     or a :class:`CachedAttention` (generation: over the keys and values of a :class:`KVCache`)."""
     if _CUDA_KERNELS_ON_CPU and q.device.type == "cpu" and v.shape[-1] < q.shape[-1] and mask is None:
@@ -323,7 +354,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None, 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if isinstance(mask, (SharedSequenceAttention, CachedAttention)):
         return mask.attend(q, k, v, scale=scale, enable_gqa=enable_gqa)
-    return _flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    if isinstance(mask, DocumentMask):
+        return block_causal_attention(q, k, v, mask.document_ids, scale=scale, enable_gqa=enable_gqa)
+    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class TransformerBlock(nn.Module):
@@ -372,16 +405,78 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 def block_causal_mask(document_ids: torch.Tensor, *, flex: bool | None = None) -> Any:
     """The attention mask of packed documents: a token attends to the tokens before it in its own
     document only. A FlexAttention BlockMask on CUDA (``flex``; the sparse blocks are skipped; made
-    by :func:`compiled_block_mask` without a dense mask); elsewhere a dense ``(bs, 1, seq, seq)``
-    boolean mask for ``scaled_dot_product_attention`` (FlexAttention has no backward on CPU)."""
+    by :func:`compiled_block_mask` without a dense mask); elsewhere a :class:`DocumentMask`, which
+    :func:`attend` computes over tiles of queries (FlexAttention has no backward on CPU)."""
     bs, seq_len = document_ids.shape
     if document_ids.is_cuda if flex is None else flex:
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return (document_ids[b, q] == document_ids[b, kv]) & (kv <= q)
 
         return compiled_block_mask()(mask_mod, bs, None, seq_len, seq_len, device=document_ids.device)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
-    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
+    return DocumentMask(document_ids)
+
+
+class DocumentMask:
+    """Packed documents' mask off CUDA: ``document_ids`` ``(bs, seq)``; :func:`attend` runs
+    :func:`block_causal_attention` with it, never a dense mask of the whole sequence."""
+
+    def __init__(self, document_ids: torch.Tensor) -> None:
+        self.document_ids = document_ids
+
+    def dense(self) -> torch.Tensor:
+        """The dense ``(bs, 1, seq, seq)`` boolean mask (True attends): for comparisons only."""
+        return _tile_mask(self.document_ids, 0, self.document_ids.shape[1], self.document_ids.shape[1])
+
+
+ATTENTION_TILE_ELEMENTS = 1 << 22
+"""Off CUDA, a masked attention's scores exist for at most this many (row, head, query, key)
+elements at a time (16 MiB in fp32): :func:`block_causal_attention`'s tiles."""
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
+                           *, start: int = 0, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Exact causal attention of the queries ``q`` ``(bs, heads, n, d)`` at positions ``start`` to
+    ``start + n - 1`` of a sequence, over its keys and values ``k``, ``v`` ``(bs, kv_heads, keys,
+    d)`` at positions 0 onwards (those after the last query are never attended); within each
+    token's document when ``documents`` ``(bs, keys)`` numbers them.
+
+    Off CUDA (no FlexAttention backward), without a mask or score matrix of the whole sequence:
+    the queries go in tiles whose scores hold at most :data:`ATTENTION_TILE_ELEMENTS` elements,
+    each against the keys up to its last query, with a dense mask of that tile only; each tile is
+    recomputed in backward (``torch.utils.checkpoint``), so a step's memory grows linearly with
+    the sequence. A sequence short enough for one tile is one ``scaled_dot_product_attention``."""
+    from torch.utils.checkpoint import checkpoint
+
+    bs, heads, n, _ = q.shape
+    rows = max(16, ATTENTION_TILE_ELEMENTS // max(1, bs * heads * (start + n)))
+    if rows >= n:
+        return _attention_tile(q, k[:, :, :start + n], v[:, :, :start + n], documents, start, scale, enable_gqa)
+    outs = []
+    for first in range(0, n, rows):
+        end = start + min(n, first + rows)
+        outs.append(checkpoint(_attention_tile, q[:, :, first:first + rows], k[:, :, :end], v[:, :, :end], documents,
+                               start + first, scale, enable_gqa, use_reentrant=False))
+    return torch.cat(outs, dim=2)
+
+
+def _attention_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None, start: int,
+                    scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    keys = k.shape[2]
+    if documents is None:
+        positions = torch.arange(start, start + q.shape[2], device=q.device)
+        mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None, None]
+    else:
+        mask = _tile_mask(documents, start, q.shape[2], keys)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _tile_mask(documents: torch.Tensor, start: int, queries: int, keys: int) -> torch.Tensor:
+    """``(bs, 1, queries, keys)``: the queries at ``start`` onwards attend to the keys at or
+    before them in their own document."""
+    positions = torch.arange(start, start + queries, device=documents.device)
+    causal = torch.arange(keys, device=documents.device)[None, :] <= positions[:, None]
+    same = documents[:, start:start + queries, None] == documents[:, None, :keys]
+    return (same & causal)[:, None]
 
 
 @functools.cache
@@ -395,7 +490,7 @@ def compiled_block_mask() -> Any:
 
 
 @functools.cache
-def _flex_attention() -> Any:
+def compiled_flex_attention() -> Any:
     """FlexAttention, compiled once (uncompiled it materialises the whole score matrix)."""
     from torch.nn.attention.flex_attention import flex_attention
 
