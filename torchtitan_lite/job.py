@@ -397,9 +397,6 @@ def _activation_offload_settings(config: JobConfig, dims: ParallelDims, *, onlin
     _require(not ac.offload or ac.mode != "none", "activation_checkpoint.offload", ac.offload,
              "it moves what checkpointed blocks keep to host memory, and none are checkpointed: expected "
              "activation_checkpoint.mode 'full' or 'selective', or offload = false")
-    _require(not ac.offload or not _compiles_model(config), "activation_checkpoint.offload", ac.offload,
-             "compiled blocks save their tensors inside the compiled graph, which the offload does not reach yet: "
-             "expected compile.enable = false (or compile.components without model), or offload = false")
     _require(ac.mlp_tiles >= 0, "activation_checkpoint.mlp_tiles", ac.mlp_tiles,
              "expected 1 (off), 0 (chosen from the sequence) or a number of tiles N >= 2")
     _require(ac.mlp_tiles == 1 or dims.tp == 1, "activation_checkpoint.mlp_tiles", ac.mlp_tiles,

@@ -54,6 +54,7 @@ __all__ = [
     "checkpoint_policy_of",
     "describe",
     "mlp_tile_count",
+    "offload_context",
     "tile_feed_forwards",
 ]
 
@@ -158,8 +159,8 @@ def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Mo
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = super(subclass, self).forward  # the block's own forward
-        offload = getattr(self, "_activation_offload", None)  # (its inputs kept in host memory)
-        with contextlib.nullcontext() if offload is None else offload.around():
+        # (its inputs kept in host memory; a compiled block's hooks are set around the compiled call)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else offload_context(self):
             if context_fn is None:
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -170,6 +171,15 @@ def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Mo
         "_activation_checkpoint_policy": policy,
     })
     return subclass
+
+
+def offload_context(block: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """The context a checkpointed ``block``'s forward runs in: its activation offload's hooks
+    (:meth:`ActivationOffload.around`) when it has one, else nothing. A compiled block enters it
+    around its compiled call (dynamo does not trace the hooks; the compiled graph's saved
+    tensors go through them)."""
+    offload = getattr(block, "_activation_offload", None)
+    return contextlib.nullcontext() if offload is None else offload.around()
 
 
 def checkpoint_policy_of(module: nn.Module) -> BlockPolicy:

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
+from torchtitan_lite.distributed.activation_checkpoint import offload_context
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
 
 __all__ = ["Bf16LinearInFp32", "bf16_linear_in_fp32", "compile_blocks", "compile_loss", "compiles_by_parts",
@@ -76,8 +77,9 @@ def _compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # A block may leave a record of its forward on a module (a mixture of experts' routing,
         # read by the router losses); inside activation checkpointing dynamo keeps it from the
-        # forward and leaves it out of the recomputation.
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        # forward and leaves it out of the recomputation. Activation offload's hooks are set
+        # here, outside the graph: what the compiled block saves goes through them.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True), offload_context(self):
             return compiled_forward(self, *args, **kwargs)
 
     return type(f"Compiled{cls.__name__}", (cls,), {
