@@ -300,7 +300,8 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         force_recompute_fp8_weight_in_bwd=f8.force_recompute_fp8_weight_in_bwd,
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
-    lora = _lora_plan(config, spec, model_args)
+    lora = _lora_plan(config, spec, model_args, dims, sharded=world_size > 1 or t.enable_cpu_offload
+                      or p.cpu_offload != "none")
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
@@ -680,13 +681,49 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Par
     return model_args
 
 
-def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup | None:
+def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: ParallelDims, *,
+                    sharded: bool) -> torch.dtype | None:
+    """The dtype a 4-bit base computes in (None: no 4-bit base); what it cannot run with is a
+    :class:`ConfigError` of one line."""
+    lo = config.lora
+    if lo.quantize_base == "none":
+        return None
+    key, value = "lora.quantize_base", lo.quantize_base
+    try:
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{key}: invalid value {value!r}; NF4 is torchao's: pip install 'torchao>=0.16' "
+                          "(pip install -e '.[qlora]'), or 'none'") from None
+    from torchtitan_lite.distributed.qlora import nf4_problem
+
+    _require(dims.tp == 1, key, value, f"tensor parallel ({dims.tp}) splits the linears by rows and columns "
+             "as DTensors, whose NF4 parts torchao does not gather; expected parallelism.tensor_parallel_degree "
+             "= 1, or 'none'")
+    _require(not lo.merge_on_export, key, value, "a merged export would hold the dequantized 4-bit base, not "
+             "the original weights; expected lora.merge_on_export = false (the PEFT adapter folder applies to "
+             "the original base), or 'none'")
+    _require(not config.model.converters, key, value, f"model.converters {list(config.model.converters)!r} "
+             "would convert the same linears; expected no converters, or 'none'")
+    shards = dims.dp_shard * dims.cp
+    _require(not sharded or shards > 1, key, value, "FSDP over one rank (CPU offload at one process) does not "
+             "gather NF4 weights; expected no CPU offload at one process, or 'none'")
+    problem = nf4_problem(spec.meta_model(model_args), shards=shards if sharded else 1)
+    _require(problem is None, key, value, str(problem))
+    return DTYPES[config.training.mixed_precision_param]
+
+
+def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: ParallelDims, *,
+               sharded: bool) -> LoRASetup | None:
     """The job's LoRA (None when ``lora.enable`` is off): the linears its targets name, found
     by their Hugging Face (PEFT) names on the model built on the meta device. A target the
-    model lacks is a :class:`ConfigError`."""
+    model lacks is a :class:`ConfigError`; so is a 4-bit base (``lora.quantize_base``) that
+    cannot be built (``sharded``: FSDP shards the model)."""
     lo = config.lora
+    _require(lo.enable or lo.quantize_base == "none", "lora.quantize_base", lo.quantize_base,
+             "a 4-bit base is for LoRA's adapters to train on: expected lora.enable = true, or 'none'")
     if not lo.enable:
         return None
+    quantize_dtype = _qlora_settings(config, spec, model_args, dims, sharded=sharded)
     ck = config.checkpoint
     mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lo.target_modules))
     if getattr(model_args, "num_experts", 0) and mlp and ck.last_save_in_hf and not lo.merge_on_export:
@@ -700,7 +737,8 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any) -> LoRASetup
     try:
         return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                   target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,
-                                  hf_name=None if spec.hf is None else spec.hf.to_hf_name)
+                                  hf_name=None if spec.hf is None else spec.hf.to_hf_name,
+                                  quantize_dtype=quantize_dtype)
     except ValueError as exc:
         message = str(exc)
         if not message.startswith("lora."):  # a target the model lacks (the settings name their key)

@@ -693,11 +693,11 @@ class Trainer:
                          logged=bool(values["skipped"]))
 
     def weights_finite(self) -> bool:
-        """Whether every parameter of every rank is finite (before a save: a checkpoint is never
-        written from non-finite weights)."""
+        """Whether every trained parameter of every rank is finite (before a save: a checkpoint is
+        never written from non-finite weights; frozen ones, such as a 4-bit base, never change)."""
         bad = torch.zeros((), device=self.device)
         with torch.no_grad():
-            for p in self.model.parameters():
+            for p in (p for p in self.model.parameters() if p.requires_grad):
                 local = p.to_local() if isinstance(p, DTensor) else p
                 bad += (~torch.isfinite(local)).sum().to(bad.dtype)
         dist.all_reduce(bad, group=dist.group.WORLD)  # every rank saves or stops alike

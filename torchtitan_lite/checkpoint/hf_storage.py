@@ -50,6 +50,7 @@ from torchtitan_lite.distributed.lora import (
     merged_stacked_weight,
     merged_weight,
 )
+from torchtitan_lite.distributed.qlora import is_nf4, quantize_into
 from torchtitan_lite.errors import CheckpointError
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.progress import Progress
@@ -481,25 +482,54 @@ def load_hf_weights(model: nn.Module, path: str | Path, *, spec: ModelSpec,
         args = model.args
         check_hf_checkpoint(path, spec, args)
         params = _named_params(model)  # a tied parameter once, under its first name
-        to_load: dict[str, torch.Tensor] = {}
-        for name, param in params.items():
-            # (a pipeline's last stage holds the tied weight as the output's: the embedding's tensor)
-            tied = getattr(args, "tie_word_embeddings", False)
-            source = "tok_embeddings.weight" if name == "output.weight" and tied else name
-            to_load.update(_hf_parts(adapter.hf_names(source, args), param.detach()))
-        with torch.no_grad(), quiet_without_process_group():
-            # Each rank reads its own rows of every tensor straight into its shard.
-            try:
-                dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
-            except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
-                raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
-        # Permuted weights now hold Hugging Face's row order; each is gathered (the only full
-        # matrix any rank holds, one at a time) and its shard rewritten in our order.
-        for name, param in params.items():
-            index = adapter.row_permutation(name, args, to_hf=False)
-            if index is not None:
-                _permute_into(param.detach(), param.detach(), index)
+        quantized = {name: param for name, param in params.items() if is_nf4(param)}
+        _read_hf(path, adapter, args, {name: p for name, p in params.items() if name not in quantized})
+        # QLoRA's 4-bit weights: read into full-precision shards of their own, one block's weights
+        # at a time, then quantized into the weights (the whole model is never in full precision).
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in quantized.items():
+            groups.setdefault(".".join(name.split(".")[:2]), {})[name] = param  # (by block: "layers.3")
+        for group in groups.values():
+            staging = {name: _full_precision_like(param) for name, param in group.items()}
+            _read_hf(path, adapter, args, staging)
+            for name, values in staging.items():
+                quantize_into(group[name], values.to_local() if isinstance(values, DTensor) else values)
+            del staging
         model.init_buffers(buffer_device)
+
+
+def _read_hf(path: Path, adapter: HFAdapter, args: Any, params: Mapping[str, torch.Tensor]) -> None:
+    """Read ``params`` (our names: the model's tensors or stand-ins laid out as them) from the
+    Hugging Face folder ``path``: each rank its own rows, in our row order."""
+    to_load: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        # (a pipeline's last stage holds the tied weight as the output's: the embedding's tensor)
+        tied = getattr(args, "tie_word_embeddings", False)
+        source = "tok_embeddings.weight" if name == "output.weight" and tied else name
+        to_load.update(_hf_parts(adapter.hf_names(source, args), param.detach()))
+    with torch.no_grad(), quiet_without_process_group():
+        # Each rank reads its own rows of every tensor straight into its shard.
+        try:
+            dcp.load(to_load, storage_reader=_HFRowReader(str(path)))
+        except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+            raise _error(path, f"cannot be read: {failure_reason(exc)}") from None
+    # Permuted weights now hold Hugging Face's row order; each is gathered (the only full
+    # matrix any rank holds, one at a time) and its shard rewritten in our order.
+    for name, param in params.items():
+        index = adapter.row_permutation(name, args, to_hf=False)
+        if index is not None:
+            _permute_into(param.detach(), param.detach(), index)
+
+
+def _full_precision_like(weight: torch.Tensor) -> torch.Tensor:
+    """An empty tensor laid out as the NF4 ``weight`` (a DTensor of the same placements when it
+    is one), in its dtype, where its codes are."""
+    local = weight._local_tensor if isinstance(weight, DTensor) else weight
+    values = torch.empty(local.shape, dtype=local.dtype, device=local.quantized_data.device)
+    if not isinstance(weight, DTensor):
+        return values
+    return DTensor.from_local(values, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                              stride=weight.stride())
 
 
 def _file_index_mapping(shapes: Mapping[str, tuple[int, ...]], itemsize: int,

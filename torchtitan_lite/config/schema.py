@@ -405,6 +405,10 @@ class Lora:
     merge_on_export: bool = False
     """With checkpoint.last_save_in_hf: write the base with the adapters merged in (a Hugging Face model
     folder) instead of a PEFT adapter folder."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4 (QLoRA): the frozen linears of the blocks stored as 4-bit NormalFloat (torchao's NF4, blocks of 64
+    with double-quantized scales), computed in training.mixed_precision_param; embeddings, norms and the
+    output layer as configured (docs/fine-tuning.md)."""
 
 
 @dataclass

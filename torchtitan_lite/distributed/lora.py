@@ -338,6 +338,9 @@ class LoRASetup:
     """The modules whose stacked expert weights are adapted (target ``experts``)."""
     merge_on_export: bool = False
     """A Hugging Face export holds the merged weights instead of a PEFT adapter folder."""
+    quantize_dtype: torch.dtype | None = None
+    """QLoRA (``lora.quantize_base = "nf4"``): the base's linears stored as NF4, computed in this
+    dtype (:mod:`.qlora`); None: the base as it is."""
 
     def __post_init__(self) -> None:
         _check_settings(self.rank, self.alpha, self.dropout, experts=bool(self.experts))
@@ -345,7 +348,8 @@ class LoRASetup:
     @classmethod
     def for_model(cls, model: nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
                   target_modules: Sequence[str], merge_on_export: bool = False,
-                  hf_name: Callable[[str], str] | None = None) -> LoRASetup:
+                  hf_name: Callable[[str], str] | None = None,
+                  quantize_dtype: torch.dtype | None = None) -> LoRASetup:
         """The plan for ``model`` (e.g. built on the meta device): ``target_modules`` resolved by
         :func:`lora_linears` (``ValueError``, one line, for a target the model lacks)."""
         linear_targets = [t for t in target_modules if t != EXPERTS_TARGET]
@@ -354,7 +358,7 @@ class LoRASetup:
         if EXPERTS_TARGET in target_modules and not experts:
             raise ValueError(f"{EXPERTS_TARGET!r} names no mixture-of-experts layer of the model")
         return cls(rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(target_modules),
-                   linears=linears, experts=experts, merge_on_export=merge_on_export)
+                   linears=linears, experts=experts, merge_on_export=merge_on_export, quantize_dtype=quantize_dtype)
 
     @property
     def scaling(self) -> float:
@@ -362,9 +366,15 @@ class LoRASetup:
         return self.alpha / self.rank
 
     def apply(self, model: nn.Module) -> list[str]:
-        """:func:`apply_lora` with this plan's settings and linears."""
-        return apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                          experts=self.experts)
+        """:func:`apply_lora` with this plan's settings and linears; with :attr:`quantize_dtype`, then
+        the base's linears as NF4 (:func:`~.qlora.quantize_base`)."""
+        names = apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                           experts=self.experts)
+        if self.quantize_dtype is not None:
+            from torchtitan_lite.distributed.qlora import quantize_base
+
+            quantize_base(model, dtype=self.quantize_dtype)
+        return names
 
     def describe(self, model: nn.Module) -> str:
         """One log line: what is adapted and how many parameters train."""
@@ -374,6 +384,7 @@ class LoRASetup:
                 f"{len(self.linears)} linears"
                 f"{f' and the experts of {len(self.experts)} layers' if self.experts else ''} "
                 f"({', '.join(self.target_modules)}): {trainable / 1e6:.3f}M trainable "
+                f"{'' if self.quantize_dtype is None else 'on a base of 4-bit NF4 linears, '}"
                 f"parameters of {total / 1e6:.2f}M ({100 * trainable / max(total, 1):.2f}%), the rest frozen; "
                 f"Hugging Face export: {'merged weights' if self.merge_on_export else 'PEFT adapter folder'}")
 

@@ -8,7 +8,9 @@ blocks overlapping those rows (and keeps its part of each row when the parameter
 a later dimension), so the full parameter is never materialised and the result is
 the same on 1, 2 or 4 ranks, and on CPU or GPU (values are always drawn on the CPU and copied).
 
-This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP.
+This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP. A
+QLoRA weight (NF4, :mod:`torchtitan_lite.distributed.qlora`) gets the same values, drawn in full
+precision and quantized.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from torchtitan_lite.distributed.qlora import is_nf4, quantize_into
 
 __all__ = ["normal_", "trunc_normal_", "uniform_", "ones_", "zeros_"]
 
@@ -45,6 +49,9 @@ def _fill_blockwise(
     base_seed = int(torch.randint(0, _SEED_MODULUS, (1,), dtype=torch.int64).item())
     if local.numel() == 0 or local.is_meta:  # (meta: a part of the model another pipeline rank holds)
         return tensor
+    quantized = is_nf4(local)
+    if quantized:  # (QLoRA's 4-bit weight: the same values, drawn into full precision, then quantized)
+        local = torch.empty(local.shape, dtype=torch.float32)
     full_shape = tuple(tensor.shape)
     if not full_shape:  # a scalar is one row of one element (never sharded)
         local, full_shape, offset = local.view(1), (1,), (0,)
@@ -70,6 +77,8 @@ def _fill_blockwise(
         lo = max(row_offset, block_start)
         hi = min(row_offset + n_local, block_start + block_rows)
         local[lo - row_offset : hi - row_offset].copy_(values[(slice(lo - block_start, hi - block_start), *within)])
+    if quantized:
+        quantize_into(tensor, local)
     return tensor
 
 
