@@ -35,7 +35,7 @@ def _same(runs: dict[str, list[dict[str, Any]]], reference: list[dict[str, Any]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mask", ["causal", "block_causal"])
+@pytest.mark.parametrize("mask", ["causal", pytest.param("block_causal", marks=pytest.mark.scenario)])
 def test_offload_and_tiles_train_as_without_and_move_the_blocks_inputs(tmp_path: Path, mask: str) -> None:
     """One process, fp32, the tiny Llama (2 blocks of width 64), 10 steps of 2 × 256 tokens (causal,
     or packed documents with block-causal attention): full checkpointing with the blocks' inputs

@@ -554,7 +554,7 @@ selective_ac_option = "op"
 def test_cli_says_what_it_does_not_model(capsys) -> None:
     """float8 and compile are not in the estimate: the CLI says so, one line each (a job without
     them gets none of these lines). Packed documents (block-causal), with or without pipeline
-    stages or context parallel, leave nothing out."""
+    stages, leave nothing out."""
     small = ["--model.flavor", "tiny", "--world_size", "2", "--training.seq_len", "32",
              "--training.local_batch_size", "1"]
     assert main([*small, "--model.converters", "float8", "--float8.emulate", "--compile.enable",
@@ -564,7 +564,6 @@ def test_cli_says_what_it_does_not_model(capsys) -> None:
     assert [line.split(" ")[0] for line in lines] == ["model.converters", "compile.enable"]
     assert main(small) == 0
     assert "is not modelled" not in capsys.readouterr().out
-    for extra in ([], ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"],
-                  ["--parallelism.context_parallel_degree", "2"]):
+    for extra in ([], ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2"]):
         assert main([*small, "--model.attention_mask", "block_causal", *extra]) == 0
         assert "is not modelled" not in capsys.readouterr().out

@@ -59,8 +59,8 @@ def _dequantized_copy(base: Path, out: Path) -> None:
     from torchao.quantization import to_nf4
 
     from torchtitan_lite.checkpoint import hf_storage
-    from torchtitan_lite.distributed.qlora import nf4_linears
     from torchtitan_lite.models import get_model_spec
+    from torchtitan_lite.models.nf4 import nf4_linears
 
     model = _plain_base(base)
     with torch.no_grad():
@@ -88,7 +88,7 @@ def _argv(root: Path, dump: Path, base: str = "base", *extra: str) -> list[str]:
 def _nf4_parts(argv: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's codes and scales of every NF4 weight of the job's model, as built."""
     from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.distributed.qlora import nf4_weights
+    from torchtitan_lite.models.nf4 import nf4_weights
     from torchtitan_lite.trainer import Trainer
 
     trainer = Trainer(load_job_config(argv))
@@ -141,7 +141,7 @@ def test_the_codes_and_scales_are_torchaos_on_one_process_and_two_ranks(tmp_path
 
 
 def _linears(model: torch.nn.Module) -> list[str]:
-    from torchtitan_lite.distributed.qlora import nf4_linears
+    from torchtitan_lite.models.nf4 import nf4_linears
 
     return list(nf4_linears(model))
 
@@ -153,7 +153,7 @@ def _history(argv: list[str]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.scenario), 2])
 def test_the_first_step_equals_lora_on_the_dequantized_base(tmp_path: Path, qlora: Path, ranks: int) -> None:
     """fp32: QLoRA's first step (loss and gradient norm) from the base equals LoRA's from the
     base dequantized (torchao's NF4 of each linear, in full precision) within 1e-6, at 1 process

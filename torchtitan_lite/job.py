@@ -694,7 +694,7 @@ def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: P
     except ImportError:
         raise ConfigError(f"{key}: invalid value {value!r}; NF4 is torchao's: pip install 'torchao>=0.16' "
                           "(pip install -e '.[qlora]'), or 'none'") from None
-    from torchtitan_lite.distributed.qlora import nf4_problem
+    from torchtitan_lite.models.nf4 import nf4_problem
 
     _require(dims.tp == 1, key, value, f"tensor parallel ({dims.tp}) splits the linears by rows and columns "
              "as DTensors, whose NF4 parts torchao does not gather; expected parallelism.tensor_parallel_degree "

@@ -50,8 +50,8 @@ from torchtitan_lite.distributed.lora import (
     merged_stacked_weight,
     merged_weight,
 )
-from torchtitan_lite.distributed.qlora import is_nf4, quantize_into
 from torchtitan_lite.errors import CheckpointError
+from torchtitan_lite.models.nf4 import is_nf4, quantize_into
 from torchtitan_lite.models.spec import HFAdapter, ModelSpec
 from torchtitan_lite.progress import Progress
 

@@ -340,7 +340,7 @@ class LoRASetup:
     """A Hugging Face export holds the merged weights instead of a PEFT adapter folder."""
     quantize_dtype: torch.dtype | None = None
     """QLoRA (``lora.quantize_base = "nf4"``): the base's linears stored as NF4, computed in this
-    dtype (:mod:`.qlora`); None: the base as it is."""
+    dtype (:mod:`torchtitan_lite.models.nf4`); None: the base as it is."""
 
     def __post_init__(self) -> None:
         _check_settings(self.rank, self.alpha, self.dropout, experts=bool(self.experts))
@@ -367,11 +367,11 @@ class LoRASetup:
 
     def apply(self, model: nn.Module) -> list[str]:
         """:func:`apply_lora` with this plan's settings and linears; with :attr:`quantize_dtype`, then
-        the base's linears as NF4 (:func:`~.qlora.quantize_base`)."""
+        the base's linears as NF4 (:func:`~torchtitan_lite.models.nf4.quantize_base`)."""
         names = apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                            experts=self.experts)
         if self.quantize_dtype is not None:
-            from torchtitan_lite.distributed.qlora import quantize_base
+            from torchtitan_lite.models.nf4 import quantize_base
 
             quantize_base(model, dtype=self.quantize_dtype)
         return names

@@ -9,7 +9,7 @@ a later dimension), so the full parameter is never materialised and the result i
 the same on 1, 2 or 4 ranks, and on CPU or GPU (values are always drawn on the CPU and copied).
 
 This module knows about ``DTensor`` (to find which rows a rank holds) but nothing of FSDP. A
-QLoRA weight (NF4, :mod:`torchtitan_lite.distributed.qlora`) gets the same values, drawn in full
+QLoRA weight (NF4, :mod:`torchtitan_lite.models.nf4`) gets the same values, drawn in full
 precision and quantized.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan_lite.distributed.qlora import is_nf4, quantize_into
+from torchtitan_lite.models.nf4 import is_nf4, quantize_into
 
 __all__ = ["normal_", "trunc_normal_", "uniform_", "ones_", "zeros_"]
 
