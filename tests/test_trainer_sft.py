@@ -170,7 +170,7 @@ def _main_and_log(stopping: list[str], skipping: list[str]) -> tuple[Any, tuple[
     return stopped, (skipped, list(lines))
 
 
-@pytest.mark.parametrize("name", ["llama3_sft_lora", "llama3_sft_full", "qwen3_8b_grpo"])
+@pytest.mark.parametrize("name", ["llama3_sft_lora", "llama3_sft_full", "qwen3_8b_grpo", "llama3_8b_qlora"])
 def test_shipped_fine_tuning_configs_name_what_is_missing(tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The fine-tuning configs load; run where their files are not, they stop before any process
@@ -182,7 +182,8 @@ def test_shipped_fine_tuning_configs_name_what_is_missing(tmp_path: Path, name: 
     assert train.main(["--job.config_file", str(config)]) == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert [line.split(":")[1].strip() for line in lines] == ["model.tokenizer_path", "training.dataset_path"], lines
-    folder, data = {"qwen3_8b_grpo": ("assets/hf/Qwen3-8B", "data/math_prompts.jsonl")}.get(
+    folder, data = {"qwen3_8b_grpo": ("assets/hf/Qwen3-8B", "data/math_prompts.jsonl"),
+                    "llama3_8b_qlora": ("assets/hf/Llama-3.1-8B-Instruct", "data/chat.jsonl")}.get(
         name, ("assets/hf/Llama-3.2-1B-Instruct", "data/chat.jsonl"))
     assert folder in lines[0] and data in lines[1]
 

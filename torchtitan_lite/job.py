@@ -704,10 +704,7 @@ def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: P
              "the original base), or 'none'")
     _require(not config.model.converters, key, value, f"model.converters {list(config.model.converters)!r} "
              "would convert the same linears; expected no converters, or 'none'")
-    shards = dims.dp_shard * dims.cp
-    _require(not sharded or shards > 1, key, value, "FSDP over one rank (CPU offload at one process) does not "
-             "gather NF4 weights; expected no CPU offload at one process, or 'none'")
-    problem = nf4_problem(spec.meta_model(model_args), shards=shards if sharded else 1)
+    problem = nf4_problem(spec.meta_model(model_args), shards=dims.dp_shard * dims.cp if sharded else 1)
     _require(problem is None, key, value, str(problem))
     return DTYPES[config.training.mixed_precision_param]
 

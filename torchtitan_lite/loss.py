@@ -240,12 +240,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return torch.where(valid, lse - target, 0.0).reshape(shape).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
         hidden, weight, lse, safe, valid = ctx.saved_tensors
         rows = ctx.rows
         scale = (grad.reshape(-1) * valid).float()
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # (a frozen output layer, as LoRA's: no weight gradient, nor its fp32 accumulator)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
         for start in _chunk_starts(hidden, rows):
             end = start + rows
             chunk = (hidden[start:end] @ weight.t()).float()
@@ -253,8 +255,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk.scatter_add_(1, safe[start:end, None], -valid[start:end, None].float())
             chunk = chunk.mul_(scale[start:end, None]).to(hidden.dtype)
             grad_hidden[start:end] = chunk @ weight
-            grad_weight += (chunk.t() @ hidden[start:end]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+            if grad_weight is not None:
+                grad_weight += (chunk.t() @ hidden[start:end]).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
 def linear_token_losses(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

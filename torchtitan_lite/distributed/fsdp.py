@@ -36,9 +36,10 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan_lite.config.schema import RESHARD_MODES
+from torchtitan_lite.models.nf4 import allocate_constants, nf4_weights
 
 try:  # the interfaces of fully_shard's custom reduce-scatter and all-gather (torch >= 2.7)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as AllGatherComm
@@ -401,6 +402,11 @@ def materialize(model: nn.Module, device: torch.device, *, units: Sequence[FSDPU
         for alias in aliases[1:]:
             owner, _, attr = alias.rpartition(".")
             setattr(model.get_submodule(owner), attr, shared)
+    for name, weight in nf4_weights(model):  # (QLoRA's 4-bit weights: FSDP on one rank leaves them plain)
+        if not isinstance(weight, DTensor) and weight.device != device:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, nn.Parameter(weight.to(device), requires_grad=False))
+    allocate_constants(model)
 
 
 def stacked_shard_placement(param: nn.Parameter, *, shard_degree: int) -> Shard | None:
@@ -536,6 +542,13 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         **fully_shard_kwargs,
     }
+    if mesh.size() == 1 and "ignored_params" not in common:
+        # FSDP2 on one rank copies a parameter's single all-gather input in place of the
+        # all-gather, which a 4-bit weight's three inputs (codes, scales, factors) defeat: on one
+        # rank there is nothing to shard, and QLoRA's weights stay plain (on the compute device).
+        quantized = {param for _, param in nf4_weights(model)}
+        if quantized:
+            common["ignored_params"] = quantized
 
     if experts is not None:
         _shard_experts(experts, units, mode, offloaded, common["mp_policy"])

@@ -62,6 +62,7 @@ __all__ = [
     "merged_stacked_weight",
     "merged_weight",
     "peft_name",
+    "store_frozen_in",
 ]
 
 ADAPTERS = ("lora_A", "lora_B")
@@ -291,6 +292,23 @@ def apply_lora(model: nn.Module, *, linears: Sequence[str], rank: int, alpha: fl
     return adapter_parameter_names(model)
 
 
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store ``model``'s frozen floating-point parameters (the embedding, norms, output layer of a
+    LoRA model; not a 4-bit weight, whose dtype is its compute dtype already) in ``dtype``: they
+    never take an optimizer step, so a full-precision copy of them only costs memory. A tied
+    parameter stays one. Returns how many were converted."""
+    converted: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or not param.is_floating_point() or param.dtype == dtype \
+                    or type(param.data).__name__ == "NF4Tensor":
+                continue
+            if id(param) not in converted:
+                converted[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = converted[id(param)]
+    return len(converted)
+
+
 def peft_name(name: str, hf_name: Callable[[str], str] | None = None) -> str:
     """PEFT's name of the linear ``name`` (what ``target_modules`` matches): the last part of
     its weight's Hugging Face name (``layers.0.attention.wq`` → ``q_proj``), or of its own name
@@ -374,6 +392,7 @@ class LoRASetup:
             from torchtitan_lite.models.nf4 import quantize_base
 
             quantize_base(model, dtype=self.quantize_dtype)
+            store_frozen_in(model, self.quantize_dtype)
         return names
 
     def describe(self, model: nn.Module) -> str:

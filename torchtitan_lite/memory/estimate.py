@@ -69,6 +69,7 @@ from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
 from torchtitan_lite.memory.measure import CATEGORIES, by_category
 from torchtitan_lite.models.decoder import kernels_as_on_cuda
+from torchtitan_lite.models.nf4 import allocate_constants, is_nf4
 from torchtitan_lite.models.spec import ModelSpec
 from torchtitan_lite.optim import build_optimizer
 
@@ -496,6 +497,12 @@ def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int
             "sharded_params": categories["sharded_params"] + nbytes}
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def _local(tensor: Any) -> Any:
     """A DTensor's local shard (sharing its storage); anything else as it is."""
     from torch.distributed.tensor import DTensor
@@ -569,10 +576,12 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         offloaded_names = {name for name, param in model.named_parameters() if id(param) in offloaded_ids}
         with FakeTensorMode(allow_non_fake_inputs=True):  # to_empty reads the meta tensors
             model.to_empty(device=device)  # fake tensors: shapes only, nothing to initialise
+            allocate_constants(model)  # (QLoRA's 4-bit weights: their scale mean and level table)
             model.train()
             reference_bytes = 0
             if reference is not None:
                 reference.to_empty(device=device)
+                allocate_constants(reference)
                 reference_bytes = sum(_nbytes(_local(p)) for p in reference.parameters())
             opt = build_optimizer(model, OptimizerConfig(name=optimizer, implementation=optimizer_implementation))
             local_opt = _LocalOptimizer(opt)
@@ -585,10 +594,17 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             # collected first: fake tensors hold no memory, and a full collection before each of
             # auto's estimates was a sixth of their time (the estimates are the same).
             kernels = kernels_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
+            # QLoRA's 4-bit weights that FSDP leaves plain (on one rank) are not the tracker's
+            # parameters: counted from the step's start like the reference copy, reported as sharded.
+            plain_nf4 = [inner for param in model.parameters() if is_nf4(param) and not _is_dtensor(param)
+                         for inner in (param.quantized_data, param.quantized_scalers, param.quantization_factor)]
+            plain_nf4_bytes = sum(_nbytes(t) for t in plain_nf4)
             with GarbageCollection(generation=0), tracker, kernels:
                 if reference is not None:  # (the tracker counts a tensor from the first op on it: the
                     for param in reference.parameters():  # copy's shards from the step's start)
                         _local(param).view(-1)
+                for inner in plain_nf4:
+                    inner.view(-1)
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 if pipeline is not None:
                     _pipeline_step(model, pipeline, pp_rank, tracker, batches=micro_batches, rows=rows,
@@ -626,7 +642,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 local_opt.step()
                 opt.zero_grad(set_to_none=True)
                 current = tracker.categories()
-                state = {"sharded_params": current["sharded_params"], "sharded_grads": grads,
+                state = {"sharded_params": current["sharded_params"] + plain_nf4_bytes, "sharded_grads": grads,
                          "optimizer_state": current["optimizer_state"]}
                 del loss_sum
             total, phase, module, categories = tracker.total_peak
@@ -639,6 +655,9 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 # activations (they are not the tracked model's): reported as sharded parameters.
                 state["reference_params"] = reference_bytes
                 categories, device_categories = (_as_sharded_params(c, reference_bytes)
+                                                 for c in (categories, device_categories))
+            if plain_nf4_bytes:
+                categories, device_categories = (_as_sharded_params(c, plain_nf4_bytes)
                                                  for c in (categories, device_categories))
             del tracker, local_opt, opt, model, reference
     return MemoryEstimate(

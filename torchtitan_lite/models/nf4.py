@@ -39,7 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["BLOCK_SIZE", "NF4_LEVELS", "QUANTIZE_BASE", "SCALER_BLOCK_SIZE", "SHARD_ALIGNMENT", "dequantized",
+__all__ = ["BLOCK_SIZE", "NF4_LEVELS", "QUANTIZE_BASE", "SCALER_BLOCK_SIZE", "SHARD_ALIGNMENT", "allocate_constants",
+           "dequantized",
            "is_nf4", "nf4_bytes", "nf4_linears", "nf4_problem", "nf4_weights", "quantize_base", "quantize_into"]
 
 QUANTIZE_BASE = ("none", "nf4")
@@ -140,6 +141,17 @@ def quantize_base(model: nn.Module, *, dtype: torch.dtype) -> tuple[str, ...]:
         module.weight = nn.Parameter(nf4, requires_grad=False)
         names.append(f"{name}.weight")
     return tuple(names)
+
+
+def allocate_constants(model: nn.Module) -> None:
+    """After ``to_empty``: each NF4 weight's scale mean and level table where its codes are (its
+    ``empty_like`` leaves these two on the meta device; :func:`quantize_into` sets their values)."""
+    for _, weight in nf4_weights(model):
+        local = weight._local_tensor if isinstance(weight, DTensor) else weight
+        if local.scaler_mean.is_meta:
+            device = local.quantized_data.device
+            local.scaler_mean = torch.zeros((), dtype=local.dtype, device=device)
+            local.nf4 = torch.tensor(NF4_LEVELS, dtype=local.dtype, device=device)
 
 
 def nf4_weights(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
