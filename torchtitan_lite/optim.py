@@ -33,7 +33,8 @@ def param_groups(model: nn.Module, *, weight_decay: float, decay_norms_and_biase
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """Adam or AdamW over ``model``'s parameters (the sharded fp32 ones under FSDP)."""
+    """Adam, AdamW or torchao's AdamW8bit over ``model``'s parameters (the sharded fp32 ones under
+    FSDP)."""
     classes = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
     impl = {
         "foreach": {"foreach": True, "fused": False},
@@ -43,6 +44,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     groups = param_groups(
         model, weight_decay=cfg.weight_decay, decay_norms_and_biases=cfg.weight_decay_norms_and_biases
     )
+    if cfg.name == "AdamW8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError:
+            raise ConfigError("optimizer.name: invalid value 'AdamW8bit'; it is torchao's: pip install "
+                              "'torchao>=0.16', or 'AdamW'") from None
+        # (torchao's step handles DTensor shards itself, one parameter at a time, compiled)
+        return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.implementation == "fused":
         supported = _fused_devices()
         devices = {p.device.type for g in groups for p in g["params"]}

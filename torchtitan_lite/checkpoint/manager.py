@@ -156,7 +156,8 @@ class CheckpointManager:
                         export_dtype=cfg.export_dtype if model_only else None, world_size=self.world_size,
                         model=self.storage.model, model_spec=self.model_spec, run_config=self.run_config,
                         positions=None if step == 0 else {"dataloader": self.loader.state_dict(),
-                                                          "lr_scheduler": self.lr_scheduler.state_dict(),
+                                                          "lr_scheduler": _plain_numbers(
+                                                              self.lr_scheduler.state_dict()),
                                                           "rng": rng}))
             except Exception as exc:  # agreed below: every rank takes the same path
                 local = exc
@@ -327,6 +328,19 @@ class CheckpointManager:
             # The same world size gets each rank's own generator back; another one gets rank 0's.
             set_rng_state(saved_rng[self.rank] if len(saved_rng) == self.world_size else saved_rng[0])
         return state
+
+
+def _plain_numbers(value: Any) -> Any:
+    """``value`` with every one-element tensor as its number (an optimizer that keeps its learning
+    rate as a tensor, as torchao's AdamW8bit does, gives the schedule's state tensors: JSON takes
+    numbers)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_numbers(v) for v in value)
+    return value
 
 
 def _agree(local: BaseException | None, world_size: int) -> None:

@@ -120,8 +120,11 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class."""
+    name: Literal["AdamW", "Adam", "AdamW8bit"] = "AdamW"
+    """Optimizer class. AdamW8bit: torchao's AdamW whose two moments are stored in 8 bits (blocks of 256
+    values, each with an fp32 scale; tensors under 4,096 values stay fp32): about 2 bytes of state a
+    parameter instead of 8, for full fine-tunes on small GPUs (its step is compiled by torchao; implementation
+    is not used)."""
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warmup)."""
     beta1: float = 0.9

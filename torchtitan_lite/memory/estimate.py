@@ -345,8 +345,8 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     for name, problem in problems.items():
         if problem is not None:
             raise ValueError(f"{name}: invalid value {getattr(shape, name)!r}; {problem}")
-    if optimizer not in ("AdamW", "Adam"):
-        raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW' or 'Adam'")
+    if optimizer not in ("AdamW", "Adam", "AdamW8bit"):
+        raise ValueError(f"optimizer: invalid value {optimizer!r}; expected 'AdamW', 'Adam' or 'AdamW8bit'")
     if optimizer_implementation not in ("foreach", "fused", "for-loop"):
         raise ValueError(f"optimizer_implementation: invalid value {optimizer_implementation!r}; "
                          "expected 'foreach', 'fused' or 'for-loop'")
@@ -468,15 +468,15 @@ class _LocalOptimizer:
                 self.pairs.append((param, local))
                 params.append(local)
             groups.append({**group, "params": params})
-        self.optimizer = type(optimizer)(groups)
+        eight_bit = type(optimizer).__name__ == "AdamW8bit"
+        self.optimizer = _EightBitTwin(groups) if eight_bit else type(optimizer)(groups)
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
             for local in group["params"]:
                 self.optimizer.state[local] = {
                     # A literal, as Adam makes it: fake tensors keep its value for ``step.item()``.
                     "step": torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu"),
-                    "exp_avg": torch.zeros_like(local, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(local, memory_format=torch.preserve_format),
+                    **_moment(local, "exp_avg", eight_bit), **_moment(local, "exp_avg_sq", eight_bit),
                 }
 
     def step(self) -> None:
@@ -486,6 +486,38 @@ class _LocalOptimizer:
         self.optimizer.step()
         for _, local in self.pairs:
             local.grad = None
+
+
+EIGHT_BIT_BLOCK = 256
+"""torchao's 8-bit optimizer state: values per block (each block one fp32 scale)."""
+
+
+def _moment(local: torch.Tensor, name: str, eight_bit: bool) -> dict[str, torch.Tensor]:
+    """One Adam moment of the local parameter ``local``, by state name: its fp32 copy, or as
+    torchao's AdamW8bit keeps it (a tensor of 4,096 values or more that divides into blocks: one
+    byte a value and an fp32 scale a block; a smaller one in fp32, as bitsandbytes does)."""
+    if eight_bit and local.numel() >= 4096 and local.numel() % EIGHT_BIT_BLOCK == 0:
+        return {name: torch.empty(local.numel(), dtype=torch.int8, device=local.device),
+                f"{name}_scale": torch.empty(local.numel() // EIGHT_BIT_BLOCK, dtype=torch.float32,
+                                             device=local.device)}
+    return {name: torch.zeros_like(local, memory_format=torch.preserve_format)}
+
+
+class _EightBitTwin(torch.optim.Optimizer):
+    """torchao's AdamW8bit as the estimate's fake tensors see it: its compiled step, one parameter
+    at a time, dequantizes the parameter's two moments to fp32, updates and requantizes them; the
+    fp32 copies of one parameter's moments are its temporaries."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    moments = [torch.empty(param.shape, dtype=torch.float32, device=param.device) for _ in range(2)]
+                    del moments
 
 
 def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
