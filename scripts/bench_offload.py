@@ -14,16 +14,16 @@ copies (a GPU's go over PCIe on a side stream: the GPU issue measures those).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_trainers import timed_rounds, trainer_bench_parser, write_rows  # noqa: E402
 
 JOBS = {
     "full checkpointing": [],
@@ -35,12 +35,7 @@ JOBS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="debugmodel")
-    parser.add_argument("--seq_len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    parser = trainer_bench_parser(__doc__, seq_len=4096)
     args = parser.parse_args()
 
     import torch
@@ -49,7 +44,6 @@ def main() -> None:
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
-    times: dict[str, list[float]] = {name: [] for name in JOBS}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
         for index, (name, extra) in enumerate(JOBS.items()):
@@ -60,14 +54,7 @@ def main() -> None:
                     f"{tmp}/{index}", *extra]
             trainers[name] = Trainer(load_job_config(argv))
             trainers[name].train_step()  # (warm-up)
-        for _ in range(args.rounds):
-            for name, trainer in trainers.items():
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    trainer.train_step()
-                    times[name].append(time.perf_counter() - start)
-        for trainer in trainers.values():
-            trainer.close()
+        times = timed_rounds(trainers, steps=args.steps, rounds=args.rounds)
     base = statistics.median(times["full checkpointing"])
     rows = []
     print(f"{args.flavor}, seq_len {args.seq_len}, one process, fp32, median of {args.steps * args.rounds} steps")
@@ -75,9 +62,7 @@ def main() -> None:
         median = statistics.median(spent)
         rows.append({"job": name, "step_s": round(median, 4), "ratio": round(median / base, 3)})
         print(f"{name:46} {median:8.3f} s  {median / base:6.3f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"flavor": args.flavor, "seq_len": args.seq_len, "steps": args.steps,
-                                               "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
+    write_rows(args, rows)
 
 
 if __name__ == "__main__":

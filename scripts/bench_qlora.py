@@ -13,27 +13,22 @@ again in a checkpointed block's recomputation): that is what the step pays for t
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_trainers import timed_rounds, trainer_bench_parser, write_rows  # noqa: E402
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="debugmodel")
-    parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    parser = trainer_bench_parser(__doc__, seq_len=1024)
     args = parser.parse_args()
 
     import torch
@@ -44,7 +39,6 @@ def main() -> None:
     from torchtitan_lite.trainer import Trainer
 
     jobs = {f"{base}, {dtype}": (base, dtype) for dtype in ("bfloat16", "float32") for base in ("lora", "qlora")}
-    times: dict[str, list[float]] = {name: [] for name in jobs}
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
@@ -61,14 +55,7 @@ def main() -> None:
                 with memory.window():
                     trainers[name].train_step()
             peaks[name] = memory.peak
-        for _ in range(args.rounds):
-            for name, trainer in trainers.items():
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    trainer.train_step()
-                    times[name].append(time.perf_counter() - start)
-        for trainer in trainers.values():
-            trainer.close()
+        times = timed_rounds(trainers, steps=args.steps, rounds=args.rounds)
     rows = []
     print(f"{args.flavor}, seq_len {args.seq_len}, one process, median of {args.steps * args.rounds} steps")
     for name, spent in times.items():
@@ -78,9 +65,7 @@ def main() -> None:
         rows.append({"job": name, "step_s": round(median, 4), "ratio": round(median / reference, 3),
                      "peak_mib": round(peaks[name] / 2**20, 2)})
         print(f"{name:18} {median:8.3f} s  {median / reference:6.3f}x  peak {peaks[name] / 2**20:8.2f} MiB")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"flavor": args.flavor, "seq_len": args.seq_len, "steps": args.steps,
-                                               "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
+    write_rows(args, rows)
 
 
 if __name__ == "__main__":
