@@ -304,3 +304,30 @@ def test_qlora_on_every_layout_equals_one_process(tmp_path: Path, qlora: Path, l
     for a, b in zip(ours, one, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= tolerance * abs(b[key]), (layout, key, a[key], b[key])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora.quantize_base", "nf4"], "a 4-bit base is for LoRA's adapters to train on"),
+    (["--lora.enable", "--lora.quantize_base", "nf4"], "layers.0.attention.wq.weight (64 × 64) does not split over "
+                                                       "2 shards into whole blocks of 64 × 256 = 16384 values"),
+    (["--lora.enable", "--lora.quantize_base", "nf4", "--model.flavor", "debugmodel",
+      "--parallelism.tensor_parallel_degree", "2"], "tensor parallel (2) splits the linears"),
+    (["--lora.enable", "--lora.quantize_base", "nf4", "--model.flavor", "debugmodel", "--lora.merge_on_export"],
+     "a merged export would hold the dequantized 4-bit base"),
+    (["--lora.enable", "--lora.quantize_base", "nf4", "--model.flavor", "debugmodel",
+      "--checkpoint.initial_load_path", "."], "a 4-bit base is quantized as its weights load from a Hugging Face"),
+    (["--lora.enable", "--lora.quantize_base", "nf4", "--model.name", "qwen3_moe"],
+     "are stacked 3-D tensors, which torchao's NF4 does not store"),
+])
+def test_what_a_4_bit_base_cannot_run_with_is_one_line(extra: list[str], message: str) -> None:
+    """Planned on 2 ranks, before any process group: one line naming lora.quantize_base, the
+    value and why."""
+    from tests.conftest import TINY_ARGS
+    from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.errors import ConfigError
+    from torchtitan_lite.job import plan_job
+
+    with pytest.raises(ConfigError) as info:
+        plan_job(load_job_config([*TINY_ARGS, *extra]), world_size=2)
+    text = str(info.value)
+    assert text.startswith("lora.quantize_base: invalid value 'nf4'; ") and message in text and "\n" not in text, text

@@ -704,6 +704,10 @@ def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: P
              "the original base), or 'none'")
     _require(not config.model.converters, key, value, f"model.converters {list(config.model.converters)!r} "
              "would convert the same linears; expected no converters, or 'none'")
+    ck = config.checkpoint
+    _require(ck.initial_load_path is None or ck.initial_load_in_hf, key, value, "a 4-bit base is quantized as "
+             "its weights load from a Hugging Face folder, and checkpoint.initial_load_path is a DCP folder; "
+             "expected checkpoint.initial_load_in_hf = true (or the seeded init), or 'none'")
     problem = nf4_problem(spec.meta_model(model_args), shards=dims.dp_shard * dims.cp if sharded else 1)
     _require(problem is None, key, value, str(problem))
     return DTYPES[config.training.mixed_precision_param]
