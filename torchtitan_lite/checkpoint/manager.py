@@ -156,8 +156,7 @@ class CheckpointManager:
                         export_dtype=cfg.export_dtype if model_only else None, world_size=self.world_size,
                         model=self.storage.model, model_spec=self.model_spec, run_config=self.run_config,
                         positions=None if step == 0 else {"dataloader": self.loader.state_dict(),
-                                                          "lr_scheduler": _plain_numbers(
-                                                              self.lr_scheduler.state_dict()),
+                                                          "lr_scheduler": _as_numbers(self.lr_scheduler.state_dict()),
                                                           "rng": rng}))
             except Exception as exc:  # agreed below: every rank takes the same path
                 local = exc
@@ -330,16 +329,16 @@ class CheckpointManager:
         return state
 
 
-def _plain_numbers(value: Any) -> Any:
+def _as_numbers(value: Any) -> Any:
     """``value`` with every one-element tensor as its number (an optimizer that keeps its learning
     rate as a tensor, as torchao's AdamW8bit does, gives the schedule's state tensors: JSON takes
     numbers)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if isinstance(value, dict):
-        return {k: _plain_numbers(v) for k, v in value.items()}
+        return {k: _as_numbers(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain_numbers(v) for v in value)
+        return type(value)(_as_numbers(v) for v in value)
     return value
 
 
