@@ -132,7 +132,7 @@ def test_expert_parallel_2_and_4_equal_expert_parallel_1_and_one_process(tmp_pat
         argv = _tiny_argv(tmp_path / f"ep{ep}", 1, "--parallelism.expert_parallel_degree", str(ep), *name,
                           *(_AUTO if family == "qwen3_moe" and ep == 2 else ()),
                           *(("--activation_checkpoint.mode", "selective") if ep == 4 else ()))
-        results[ep] = run_distributed(_ep_losses_and_experts, 4, argv)
+        results[ep] = run_distributed(_ep_losses_and_experts, 4, argv, timeout=600)  # (4 ranks on 2 loaded cores)
     for ep, ranks in results.items():
         for losses, _ in ranks:
             for a, b in zip(losses, reference, strict=True):

@@ -318,9 +318,10 @@ def test_estimate_api() -> None:
 def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> None:
     """The 8B flavor (Llama-3 vocabulary, seq 8192) at 8 ranks of 80 GiB: with
     train_configs/llama3_8b.toml's selective activation checkpointing its configured mode fits with
-    a margin (under 70% of the device); without checkpointing not even ``always``, the lowest of
-    the reshard modes, leaves the 15% that the allocator's fragmentation and the CUDA context
-    need. (The CLI's table for every mode is checked on a small model below.)"""
+    a margin (under 70% of the device); without checkpointing even ``always``, the lowest of the
+    reshard modes, is over that margin (each block keeps its activations; the norms are CUDA's fused
+    kernel, which keeps only their inputs). (The CLI's table for every mode is checked on a small
+    model below.)"""
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.memory.cli import plan_without_files
     from torchtitan_lite.memory.estimate import job_estimate_shape
@@ -345,10 +346,12 @@ def test_8b_fits_8_ranks_with_margin_only_with_the_shipped_checkpointing() -> No
     print(f"\n8B at 8 ranks: shipped (selective op, default) {shipped.device_peak / 2**30:.2f} GiB, "
           f"no checkpointing, always {without.device_peak / 2**30:.2f} GiB")
     assert shipped.fits(80 * 2**30) and shipped.device_peak < 0.7 * 80 * 2**30
-    assert without.device_peak > 0.85 * 80 * 2**30
+    assert without.device_peak > 0.7 * 80 * 2**30
     activations = {"shipped": shipped.device_categories["activations"],
                    "none": without.device_categories["activations"]}
-    assert activations["shipped"] < 0.6 * activations["none"], activations
+    # (selective keeps the matmuls' and attention's outputs; without checkpointing every block also
+    # keeps its SwiGLU and elementwise intermediates: two thirds with CUDA's fused norm)
+    assert activations["shipped"] < 0.7 * activations["none"], activations
 
 
 @pytest.mark.slow
