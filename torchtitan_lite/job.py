@@ -300,14 +300,14 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         force_recompute_fp8_weight_in_bwd=f8.force_recompute_fp8_weight_in_bwd,
         recipe_name=f8.recipe_name, filter_fqns=tuple(f8.filter_fqns), emulate=f8.emulate,
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
-    lora = _lora_plan(config, spec, model_args, dims, sharded=world_size > 1 or t.enable_cpu_offload
-                      or p.cpu_offload != "none")
+    offload = "all" if t.enable_cpu_offload else p.cpu_offload
+    sharded = world_size > 1 or offload != "none"  # (FSDP shards the model; else the plain model)
+    lora = _lora_plan(config, spec, model_args, dims, sharded=sharded)
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
-    offload = "all" if t.enable_cpu_offload else p.cpu_offload
     ac, compile_ = config.activation_checkpoint, config.compile
     _activation_offload_settings(config, dims, online_rl=grpo is not None)
     shape = JobShape(
@@ -323,7 +323,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
-        sharded=world_size > 1 or offload != "none", dpo_reference=None if dpo is None else dpo.reference,
+        sharded=sharded, dpo_reference=None if dpo is None else dpo.reference,
         dpo_packed=dpo is not None and dpo.packed, block_causal=config.model.attention_mask == "block_causal",
         rollout=None if grpo is None else _rollout_shape(grpo, t.seq_len, global_batch // dims.dp_size),
         pipeline=pipeline)
@@ -681,10 +681,10 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Par
     return model_args
 
 
-def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: ParallelDims, *,
+def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDims, *,
                     sharded: bool) -> torch.dtype | None:
-    """The dtype a 4-bit base computes in (None: no 4-bit base); what it cannot run with is a
-    :class:`ConfigError` of one line."""
+    """The dtype a 4-bit base of ``model`` (built on the meta device) computes in (None: no 4-bit
+    base); what it cannot run with is a :class:`ConfigError` of one line."""
     lo = config.lora
     if lo.quantize_base == "none":
         return None
@@ -708,7 +708,7 @@ def _qlora_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: P
     _require(ck.initial_load_path is None or ck.initial_load_in_hf, key, value, "a 4-bit base is quantized as "
              "its weights load from a Hugging Face folder, and checkpoint.initial_load_path is a DCP folder; "
              "expected checkpoint.initial_load_in_hf = true (or the seeded init), or 'none'")
-    problem = nf4_problem(spec.meta_model(model_args), shards=dims.dp_shard * dims.cp if sharded else 1)
+    problem = nf4_problem(model, shards=dims.dp_shard * dims.cp if sharded else 1)
     _require(problem is None, key, value, str(problem))
     return DTYPES[config.training.mixed_precision_param]
 
@@ -724,7 +724,6 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Parall
              "a 4-bit base is for LoRA's adapters to train on: expected lora.enable = true, or 'none'")
     if not lo.enable:
         return None
-    quantize_dtype = _qlora_settings(config, spec, model_args, dims, sharded=sharded)
     ck = config.checkpoint
     mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lo.target_modules))
     if getattr(model_args, "num_experts", 0) and mlp and ck.last_save_in_hf and not lo.merge_on_export:
@@ -735,6 +734,7 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Parall
             "expected 'experts' for the experts, or lora.merge_on_export = true"
         )
     model = spec.meta_model(model_args)
+    quantize_dtype = _qlora_settings(config, model, dims, sharded=sharded)
     try:
         return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                   target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,

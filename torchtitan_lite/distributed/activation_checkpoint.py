@@ -159,8 +159,7 @@ def _checkpointed_class(cls: type[nn.Module], policy: BlockPolicy) -> type[nn.Mo
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         inner = super(subclass, self).forward  # the block's own forward
-        # (its inputs kept in host memory; a compiled block's hooks are set around the compiled call)
-        with contextlib.nullcontext() if torch.compiler.is_compiling() else offload_context(self):
+        with offload_context(self):  # (its inputs kept in host memory)
             if context_fn is None:
                 return checkpoint(inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -177,9 +176,9 @@ def offload_context(block: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """The context a checkpointed ``block``'s forward runs in: its activation offload's hooks
     (:meth:`ActivationOffload.around`) when it has one, else nothing. A compiled block enters it
     around its compiled call (dynamo does not trace the hooks; the compiled graph's saved
-    tensors go through them)."""
+    tensors go through them): while dynamo traces, nothing."""
     offload = getattr(block, "_activation_offload", None)
-    return contextlib.nullcontext() if offload is None else offload.around()
+    return contextlib.nullcontext() if offload is None or torch.compiler.is_compiling() else offload.around()
 
 
 def checkpoint_policy_of(module: nn.Module) -> BlockPolicy:

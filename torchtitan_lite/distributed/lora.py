@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 import torchtitan_lite.models.init as init
 from torchtitan_lite.config.schema import lora_settings_problem
+from torchtitan_lite.models.nf4 import is_nf4, quantize_base
 
 __all__ = [
     "ADAPTERS",
@@ -301,7 +302,7 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or param.requires_grad or not param.is_floating_point() or param.dtype == dtype \
-                    or type(param.data).__name__ == "NF4Tensor":
+                    or is_nf4(param):
                 continue
             if id(param) not in converted:
                 converted[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
@@ -389,8 +390,6 @@ class LoRASetup:
         names = apply_lora(model, linears=self.linears, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                            experts=self.experts)
         if self.quantize_dtype is not None:
-            from torchtitan_lite.models.nf4 import quantize_base
-
             quantize_base(model, dtype=self.quantize_dtype)
             store_frozen_in(model, self.quantize_dtype)
         return names

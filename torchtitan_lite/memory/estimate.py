@@ -529,12 +529,6 @@ def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int
             "sharded_params": categories["sharded_params"] + nbytes}
 
 
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def _local(tensor: Any) -> Any:
     """A DTensor's local shard (sharing its storage); anything else as it is."""
     from torch.distributed.tensor import DTensor
@@ -628,7 +622,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             kernels = kernels_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
             # QLoRA's 4-bit weights that FSDP leaves plain (on one rank) are not the tracker's
             # parameters: counted from the step's start like the reference copy, reported as sharded.
-            plain_nf4 = [inner for param in model.parameters() if is_nf4(param) and not _is_dtensor(param)
+            plain_nf4 = [inner for param in model.parameters() if is_nf4(param) and _local(param) is param
                          for inner in (param.quantized_data, param.quantized_scalers, param.quantization_factor)]
             plain_nf4_bytes = sum(_nbytes(t) for t in plain_nf4)
             with GarbageCollection(generation=0), tracker, kernels:
