@@ -207,7 +207,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                 errors.append(f"rank {rank}:\n{payload}")
                 break
         if errors:
-            raise RuntimeError("distributed test failed on " + "\n".join(errors))
+            raise RuntimeError("distributed test failed on " + "\n".join(_every_error(pool, results, errors)))
         healthy = True
     finally:
         if healthy and not fresh:
@@ -218,6 +218,36 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
                     proc.join(timeout=30)
             pool.kill()
     return [results[r] for r in range(world_size)]
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _every_error(pool: _Pool, results: dict[int, Any], errors: list[str], wait: float = 10.0) -> list[str]:
+    """Every rank's report after the first error: the others' for up to ``wait`` seconds, the
+    exit code of a rank that died without one, and the errors that only say a peer went away
+    last (the first to arrive is often the one that saw its peer die, not the cause)."""
+    import queue as queue_mod
+    import time
+
+    reported = {int(e.split(":", 1)[0].removeprefix("rank ")) for e in errors} | set(results)
+    deadline = time.monotonic() + wait
+    while len(reported) < pool.world_size and time.monotonic() < deadline:
+        try:
+            rank, status, payload = pool.results.get(timeout=0.5)
+        except queue_mod.Empty:
+            if all(not pool.procs[r].is_alive() for r in range(pool.world_size) if r not in reported):
+                break
+            continue
+        reported.add(rank)
+        if status != "ok":
+            errors.append(f"rank {rank}:\n{payload}")
+    for rank in range(pool.world_size):
+        if rank not in reported:
+            code = pool.procs[rank].exitcode
+            errors.append(f"rank {rank}: " + ("no report yet (still running)" if code is None
+                                              else f"exited with code {code} without a report"))
+    return sorted(errors, key=lambda e: any(gone in e for gone in _PEER_GONE))
 
 
 def shutdown_pools() -> None:
@@ -332,8 +362,5 @@ def train_history(argv: list[str]) -> list[dict[str, Any]]:
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.trainer import Trainer
 
-    trainer = Trainer(load_job_config(argv))
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
+    with Trainer(load_job_config(argv)) as trainer:  # (no closing barrier after an error: a peer
+        return trainer.train()                         # may be in a collective this rank never joins)

@@ -703,6 +703,14 @@ class Trainer:
         dist.all_reduce(bad, group=dist.group.WORLD)  # every rank saves or stops alike
         return bad.item() == 0
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """``with Trainer(config) as trainer:`` closes it on leaving, without the closing
+        barrier when an exception leaves the block."""
+        self.close(clean=exc_type is None)
+
     def close(self, *, clean: bool = True) -> None:
         """Release the metrics files and the process group.
 
