@@ -318,16 +318,22 @@ def test_qlora_on_every_layout_equals_one_process(tmp_path: Path, qlora: Path, l
       "--checkpoint.initial_load_path", "."], "a 4-bit base is quantized as its weights load from a Hugging Face"),
     (["--lora.enable", "--lora.quantize_base", "nf4", "--model.name", "qwen3_moe"],
      "are stacked 3-D tensors, which torchao's NF4 does not store"),
+    (["--lora.enable", "--lora.quantize_base", "nf4", "--model.flavor", "debugmodel",
+      "--parallelism.reshard_after_forward_mode", "2"], "(parallelism.reshard_after_forward_mode = 2) only when "
+                                                         "it gathers as one tensor"),
 ])
 def test_what_a_4_bit_base_cannot_run_with_is_one_line(extra: list[str], message: str) -> None:
-    """Planned on 2 ranks, before any process group: one line naming lora.quantize_base, the
-    value and why."""
+    """Planned on 2 ranks (4 for an integer reshard mode, which needs a shard degree above it),
+    before any process group: one line naming lora.quantize_base, the value and why. (An integer
+    mode would otherwise fail at the first forward, in FSDP2's assertion that a parameter gathers
+    as one tensor.)"""
     from tests.conftest import TINY_ARGS
     from torchtitan_lite.config import load_job_config
     from torchtitan_lite.errors import ConfigError
     from torchtitan_lite.job import plan_job
 
     with pytest.raises(ConfigError) as info:
-        plan_job(load_job_config([*TINY_ARGS, *extra]), world_size=2)
+        plan_job(load_job_config([*TINY_ARGS, *extra]),
+                 world_size=4 if "--parallelism.reshard_after_forward_mode" in extra else 2)
     text = str(info.value)
     assert text.startswith("lora.quantize_base: invalid value 'nf4'; ") and message in text and "\n" not in text, text

@@ -704,6 +704,11 @@ def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDim
              "the original base), or 'none'")
     _require(not config.model.converters, key, value, f"model.converters {list(config.model.converters)!r} "
              "would convert the same linears; expected no converters, or 'none'")
+    mode = config.parallelism.reshard_after_forward_mode
+    _require(not (sharded and str(mode).strip().isdigit()), key, value, "FSDP2 reshards a parameter to a group "
+             f"of ranks after forward (parallelism.reshard_after_forward_mode = {mode}) only when it gathers as one "
+             "tensor, and a 4-bit weight gathers as three (codes, block scales, factors); expected 'default', "
+             "'never', 'always' or 'auto', or 'none'")
     ck = config.checkpoint
     _require(ck.initial_load_path is None or ck.initial_load_in_hf, key, value, "a 4-bit base is quantized as "
              "its weights load from a Hugging Face folder, and checkpoint.initial_load_path is a DCP folder; "
