@@ -154,8 +154,30 @@ class _Pool:
                 proc.kill()
             proc.join(timeout=5)
 
+    def memory(self) -> int:
+        """Bytes of anonymous memory its ranks hold (what a test's tensors leave in a rank's heap
+        stays there until the process ends)."""
+        total = 0
+        for proc in self.procs:
+            with contextlib.suppress(OSError, ValueError):
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        total += int(line.split()[1]) * 1024
+        return total
 
-_POOLS: dict[int, _Pool] = {}
+
+_POOLS: dict[int, _Pool] = {}  # by size, the least recently used first
+KEPT_POOLS_BYTES = 4 << 30
+"""What the kept ranks of one test process may hold between tests: beyond it, the least recently
+used pools end (a new rank is a fork of the preloaded server, cheap). Ranks of every size kept at
+once, each holding its largest test's heap, ran a 24 GiB machine out of memory in the scenario
+tier (the kernel killed a rank mid-test)."""
+
+
+def _keep(world_size: int, pool: _Pool) -> None:
+    _POOLS[world_size] = pool
+    while _POOLS and sum(kept.memory() for kept in _POOLS.values()) > KEPT_POOLS_BYTES:
+        _POOLS.pop(next(iter(_POOLS))).kill()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
@@ -211,7 +233,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
         healthy = True
     finally:
         if healthy and not fresh:
-            _POOLS[world_size] = pool
+            _keep(world_size, pool)
         else:
             if healthy:  # fresh ranks exit by themselves (running their atexit hooks)
                 for proc in pool.procs:

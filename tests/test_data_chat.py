@@ -625,3 +625,23 @@ def test_a_chat_cache_build_removes_the_leftovers_of_dead_builds(tmp_path: Path)
                    key="training.dataset_path", where="rows", cache_dir=cache)
     assert not dead.exists() and alive.exists()
     assert len(list(cache.glob("chat-*/manifest.json"))) == 1
+
+
+def test_a_rank_waiting_for_the_chat_cache_sees_it_renamed_into_place(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that checks the staging folder for its peers' errors while local rank 0 renames it
+    into place (the folder there when asked, gone when listed) finds nothing to report: a 2-rank
+    QLoRA job once failed there with FileNotFoundError. A peer's bad row in the folder is still
+    its error."""
+    from torchtitan_lite.data import chat_cache
+    from torchtitan_lite.errors import DataError
+
+    staging = tmp_path / ".chat-0.launch.building"
+    staging.mkdir()
+    (staging / "part-1-of-2.error").write_text("rows.jsonl row 3: no messages")
+    with pytest.raises(DataError, match="row 3: no messages"):
+        chat_cache._check_errors(staging)
+    (staging / "part-1-of-2.error").unlink()
+    staging.rename(tmp_path / "chat-0")
+    monkeypatch.setattr(Path, "is_dir", lambda self: True)  # (asked just before the rename)
+    chat_cache._check_errors(staging)

@@ -323,12 +323,15 @@ def _remove_abandoned(cache_dir: Path, *, keep: Path) -> None:
 
 def _check_errors(staging: Path) -> None:
     """A peer's bad row stops this rank with the same error; a peer that could not write its
-    share makes the cache unusable here too."""
-    if staging.is_dir():
+    share makes the cache unusable here too. The folder may be renamed into place by local rank 0
+    at any moment: then there is nothing to check (the caller looks for the manifest next)."""
+    try:
         for error in sorted(staging.glob("*.error")):
             raise DataError(error.read_text())
         for unusable in sorted(staging.glob("*.unusable")):
             raise _CacheUnusable(f"a peer could not write its share: {unusable.read_text()}")
+    except FileNotFoundError:
+        return
 
 
 def _wait_for(staging: Path, final: Path, names: list[str]) -> None:
