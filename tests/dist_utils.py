@@ -202,7 +202,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
     for tasks in pool.tasks:
         tasks.put((fn, port, args))
     results: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}  # by rank, a traceback
     deadline = time.monotonic() + timeout
     healthy = False
     try:
@@ -226,7 +226,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             else:
-                errors.append(f"rank {rank}:\n{payload}")
+                errors[rank] = payload
                 break
         if errors:
             raise RuntimeError("distributed test failed on " + "\n".join(_every_error(pool, results, errors)))
@@ -245,31 +245,31 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any,
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _every_error(pool: _Pool, results: dict[int, Any], errors: list[str], wait: float = 10.0) -> list[str]:
+def _every_error(pool: _Pool, results: dict[int, Any], errors: dict[int, str], wait: float = 10.0) -> list[str]:
     """Every rank's report after the first error: the others' for up to ``wait`` seconds, the
     exit code of a rank that died without one, and the errors that only say a peer went away
     last (the first to arrive is often the one that saw its peer die, not the cause)."""
     import queue as queue_mod
     import time
 
-    reported = {int(e.split(":", 1)[0].removeprefix("rank ")) for e in errors} | set(results)
+    silent = set(range(pool.world_size)) - set(errors) - set(results)
     deadline = time.monotonic() + wait
-    while len(reported) < pool.world_size and time.monotonic() < deadline:
+    while silent and time.monotonic() < deadline:
         try:
             rank, status, payload = pool.results.get(timeout=0.5)
         except queue_mod.Empty:
-            if all(not pool.procs[r].is_alive() for r in range(pool.world_size) if r not in reported):
+            if not any(pool.procs[r].is_alive() for r in silent):
                 break
             continue
-        reported.add(rank)
+        silent.discard(rank)
         if status != "ok":
-            errors.append(f"rank {rank}:\n{payload}")
-    for rank in range(pool.world_size):
-        if rank not in reported:
-            code = pool.procs[rank].exitcode
-            errors.append(f"rank {rank}: " + ("no report yet (still running)" if code is None
-                                              else f"exited with code {code} without a report"))
-    return sorted(errors, key=lambda e: any(gone in e for gone in _PEER_GONE))
+            errors[rank] = payload
+    reports = [f"rank {rank}:\n{text}" for rank, text in errors.items()]
+    for rank in sorted(silent):
+        code = pool.procs[rank].exitcode
+        reports.append(f"rank {rank}: " + ("no report yet (still running)" if code is None
+                                          else f"exited with code {code} without a report"))
+    return sorted(reports, key=lambda report: any(gone in report for gone in _PEER_GONE))
 
 
 def shutdown_pools() -> None:

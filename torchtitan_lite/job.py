@@ -302,7 +302,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         precompute_scales=all_gather and f8.precompute_float8_dynamic_scale_for_fsdp)
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     sharded = world_size > 1 or offload != "none"  # (FSDP shards the model; else the plain model)
-    lora = _lora_plan(config, spec, model_args, dims, sharded=sharded)
+    lora = _lora_plan(config, spec, model_args, dims, sharded=sharded, reshard_mode=reshard_mode)
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
@@ -682,7 +682,7 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Par
 
 
 def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDims, *,
-                    sharded: bool) -> torch.dtype | None:
+                    sharded: bool, reshard_mode: ReshardMode | str) -> torch.dtype | None:
     """The dtype a 4-bit base of ``model`` (built on the meta device) computes in (None: no 4-bit
     base); what it cannot run with is a :class:`ConfigError` of one line."""
     lo = config.lora
@@ -704,9 +704,8 @@ def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDim
              "the original base), or 'none'")
     _require(not config.model.converters, key, value, f"model.converters {list(config.model.converters)!r} "
              "would convert the same linears; expected no converters, or 'none'")
-    mode = config.parallelism.reshard_after_forward_mode
-    _require(not (sharded and str(mode).strip().isdigit()), key, value, "FSDP2 reshards a parameter to a group "
-             f"of ranks after forward (parallelism.reshard_after_forward_mode = {mode}) only when it gathers as one "
+    _require(not isinstance(reshard_mode, int), key, value, "FSDP2 reshards a parameter to a group of ranks "
+             f"after forward (parallelism.reshard_after_forward_mode = {reshard_mode}) only when it gathers as one "
              "tensor, and a 4-bit weight gathers as three (codes, block scales, factors); expected 'default', "
              "'never', 'always' or 'auto', or 'none'")
     ck = config.checkpoint
@@ -719,7 +718,7 @@ def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDim
 
 
 def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: ParallelDims, *,
-               sharded: bool) -> LoRASetup | None:
+               sharded: bool, reshard_mode: ReshardMode | str) -> LoRASetup | None:
     """The job's LoRA (None when ``lora.enable`` is off): the linears its targets name, found
     by their Hugging Face (PEFT) names on the model built on the meta device. A target the
     model lacks is a :class:`ConfigError`; so is a 4-bit base (``lora.quantize_base``) that
@@ -739,7 +738,7 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Parall
             "expected 'experts' for the experts, or lora.merge_on_export = true"
         )
     model = spec.meta_model(model_args)
-    quantize_dtype = _qlora_settings(config, model, dims, sharded=sharded)
+    quantize_dtype = _qlora_settings(config, model, dims, sharded=sharded, reshard_mode=reshard_mode)
     try:
         return LoRASetup.for_model(model, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
                                   target_modules=lo.target_modules, merge_on_export=lo.merge_on_export,
