@@ -429,3 +429,35 @@ def test_five_bad_keys_are_five_lines(tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(lines) == 5 and all(line.startswith("error: unknown key '") for line in lines), lines
     for key in ("training.stepz", "training.batchsize", "optimizer.lrr", "model.flavour", "checkpoint.intervall"):
         assert sum(f"'{key}'" in line for line in lines) == 1, (key, lines)
+
+
+def test_bad_values_and_broken_rules_are_reported_together(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           ) -> None:
+    """A value the schema refuses (``loss_type = "dapoo"``) does not hide the ranges of the others
+    (``temperature = -1.0``) nor the rules between values (``lr_scheduler.total_steps``): one line
+    each, in one run, exit 2; a rule about the refused key itself (training.steps = 'x', which
+    total_steps is compared with) is left out, not reported against its default."""
+    from torchtitan_lite.train import main
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[grpo]\nloss_type = "dapoo"\ntemperature = -1.0\n[dpo]\nbeta = 0\n'
+                    '[lr_scheduler]\ntotal_steps = 5\n[training]\nsteps = "x"\n')
+    assert main(["--job.config_file", str(toml), "--grpo.top_p", "2"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "grpo.loss_type", "training.steps", "dpo.beta", "grpo.temperature", "grpo.top_p"], lines
+    assert lines[0] == ("error: grpo.loss_type: invalid value 'dapoo'; expected one of 'grpo', 'dr_grpo', 'dapo', "
+                        "'bnpo', 'cispo'")
+    assert lines[3] == "error: grpo.temperature: invalid value -1.0; expected a number >= 0 (0: greedy)"
+
+
+def test_a_config_built_in_code_reports_its_types_and_its_rules_together() -> None:
+    from torchtitan_lite.config.schema import validate_config
+
+    config = JobConfig()
+    config.grpo.loss_type = "dapoo"  # type: ignore[assignment]
+    config.grpo.temperature = -1.0
+    with pytest.raises(ConfigError) as refused:
+        validate_config(config)
+    assert [line.split(":")[0] for line in str(refused.value).splitlines()] == ["grpo.loss_type", "grpo.temperature"]
+    assert config.grpo.loss_type == "dapoo"  # (the config itself is left as it was)

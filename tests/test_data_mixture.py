@@ -40,6 +40,23 @@ def _global_batch(loaders: list[BatchLoader]) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def test_a_source_that_restarts_every_step_logs_one_epoch_line_per_ten_steps(caplog: pytest.LogCaptureFixture,
+                                                                            ) -> None:
+    """80 steps over a source of 8 windows, 8 a step: 80 epochs; a line at the first restart,
+    then one at most every ``epoch_log_steps`` (10) steps, each saying which epoch it is."""
+    caplog.set_level(logging.INFO, "torchtitan_lite")
+    source = LoaderSource("tiny", WindowReader(_windows(8, 0), seed=3, shuffle=True), weight=1.0)
+    loader = BatchLoader([source], seq_len=SEQ, global_batch_size=8, local_batch_size=8, dp_rank=0, dp_size=1,
+                         epoch_log_steps=10)
+    for _ in range(80):
+        loader.next_batch()
+    lines = [r.getMessage() for r in caplog.records if "starts again" in r.getMessage()]
+    assert lines[0] == "training data: source 'tiny' has used all its 8 windows and starts again (epoch 1)"
+    assert lines[1] == ("training data: source 'tiny' has used all its 8 windows 10 more times and starts again "
+                        "(epoch 11; a line at most every 10 steps)"), lines
+    assert len(lines) == 8, lines
+
+
 def test_every_prefix_is_within_one_sample_of_its_share() -> None:
     rng = random.Random(0)
     for _ in range(150):
@@ -55,7 +72,7 @@ def test_every_prefix_is_within_one_sample_of_its_share() -> None:
 
 
 def test_a_source_reaching_max_epochs_leaves_and_the_others_are_renormalised(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "torchtitan_lite")
+    caplog.set_level(logging.INFO, "torchtitan_lite")
     loader = _loader({"small": 0.5, "big": 0.5}, sizes={"small": 6, "big": 1000}, max_epochs={"small": 2})
     seen = {"small": 0, "big": 0}
     for _ in range(10):

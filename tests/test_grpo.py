@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist_utils import refused_lines, run_distributed, train_history
+from tests.dist_utils import one_error_line, refused_lines, run_distributed, train_history
 from tests.test_data_chat import write_chat_tokenizer
 from tests.test_dpo import _hf_folder
 from torchtitan_lite.data.prompts import PromptRow
@@ -247,16 +248,56 @@ def test_shipped_rewards_check_answers_format_and_length() -> None:
 
 
 def test_a_reward_function_that_raises_or_miscounts_is_one_line() -> None:
-    from torchtitan_lite.errors import TrainingError
+    from torchtitan_lite.errors import UserCodeError
 
     def broken(prompts: Any, completions: Any, **_: Any) -> list[float]:
         raise KeyError("answer")
 
-    with pytest.raises(TrainingError, match=r"^grpo.reward_functions: 'broken' raised KeyError: 'answer'$"):
+    line = broken.__code__.co_firstlineno + 1
+    with pytest.raises(UserCodeError, match=rf"^grpo.reward_functions: 'broken' raised KeyError: 'answer' \(at "
+                                            rf"{re.escape(__file__)}:{line} in broken\)$"):
         call_reward("broken", broken, [None], ["a"], {})
-    with pytest.raises(TrainingError, match=r"^grpo.reward_functions: 'short' returned 0 values; expected one number "
+    with pytest.raises(UserCodeError, match=r"^grpo.reward_functions: 'short' returned 0 values; expected one number "
                                             r"or None per completion \(1\)$"):
         call_reward("short", lambda prompts, completions, **_: [], [None], ["a"], {})
+    with pytest.raises(UserCodeError, match=rf"raised JSONDecodeError: Expecting value: line 1 column 1 \(char 0\) "
+                                            rf"\(at {re.escape(__file__)}:\d+ in (<listcomp>|<lambda>), raised in "
+                                            r".*json.*\)$"):
+        call_reward("parse", lambda prompts, completions, **_: [json.loads(c) for c in completions], [None], ["a"], {})
+
+
+def test_a_reward_function_that_raises_ends_the_job_with_its_own_exit_code_and_its_line(tmp_path: Path) -> None:
+    """The toy job with a reward function of the user's (a dotted path) that raises at its line 3:
+    exit 6 (not 5, "diverged"), one line naming the function, the error, its file and line."""
+    from tests.dist_utils import REPO_ROOT
+
+    module = tmp_path / "myrewards_boom.py"
+    module.write_text("def boom(prompts, completions, **kwargs):\n    scores = {}\n    return [scores[c] for c in "
+                      "completions]\n")
+    argv = ["--job.config_file", str(REPO_ROOT / "train_configs" / "grpo_toy.toml"), "--model.tokenizer_path",
+            str(REPO_ROOT / "tests" / "assets" / "toy_rl"), "--training.dataset_path",
+            str(REPO_ROOT / "tests" / "assets" / "toy_rl" / "prompts.jsonl"), "--training.steps", "1",
+            "--training.global_batch_size", "16", "--training.local_batch_size", "16",
+            "--grpo.reward_functions", "myrewards_boom.boom", "--metrics.no-enable_tensorboard",
+            "--job.dump_folder", str(tmp_path / "dump")]
+    (result,) = run_distributed(_main_importing_from, 1, str(tmp_path), argv)
+    line = one_error_line(result, 6)
+    assert re.fullmatch(rf"error: grpo.reward_functions: 'myrewards_boom.boom' raised KeyError: '.*' \(at "
+                        rf"{re.escape(str(module))}:3 in (<listcomp>|boom)\)", line), line
+
+
+def _main_importing_from(folder: str, argv: list[str]) -> Any:
+    """``train.main(argv)`` in this rank process with ``folder`` on the import path (a user's module)."""
+    import sys
+
+    from tests.dist_utils import run_main
+
+    sys.path.insert(0, folder)
+    try:
+        (result,) = run_main([argv])
+    finally:
+        sys.path.remove(folder)
+    return result
 
 
 @pytest.mark.parametrize("extra, line", [
@@ -270,6 +311,10 @@ def test_a_reward_function_that_raises_or_miscounts_is_one_line() -> None:
                                              "completion share training.seq_len = 64"),
     (["--grpo.reward_weights", "1,2"], "grpo.reward_weights: invalid value [1.0, 2.0]; expected one weight per reward "
                                        "function (1), or none"),
+    (["--validation.enable"], "validation.enable: invalid value True; an online RL job has no validation loss yet "
+                              "(its rewards in the metrics measure the policy; a token loss on validation.dataset = "
+                              "'python_stdlib_validation' would measure data of another kind through the job's "
+                              "tokenizer): expected false"),
     (["--training.dataset", "python_stdlib"],
      "grpo.num_generations: invalid value 4; [grpo] applies to training.dataset = 'prompts' (this job's is "
      "'python_stdlib')"),
@@ -288,6 +333,23 @@ def test_bad_grpo_settings_are_one_line_before_any_process_group(tmp_path: Path,
             "--job.dump_folder", str(tmp_path / "dump"), *extra]
     lines = refused_lines(argv, capsys)
     assert len(lines) == 1 and lines[0].startswith(f"error: {line}"), lines
+
+
+def test_every_reward_name_that_does_not_resolve_is_a_line_with_the_plans_other_problems(tmp_path: Path,
+                                                                                         capsys: Any) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    argv = ["--model.flavor", "tiny", "--model.tokenizer_path", str(tmp_path / "tok"), "--training.dataset", "prompts",
+            "--training.dataset_path", str(prompts), "--training.seq_len", "64", "--training.global_batch_size", "8",
+            "--training.local_batch_size", "4", "--grpo.num_generations", "4", "--grpo.max_completion_length", "64",
+            "--grpo.reward_functions", "nope,tests.no_such_module.f,json.no_such_function",
+            "--job.dump_folder", str(tmp_path / "dump")]
+    lines = refused_lines(argv, capsys)
+    assert [line.split(";")[0] for line in lines] == [
+        "error: grpo.max_completion_length: invalid value 64", "error: grpo.reward_functions: invalid value 'nope'",
+        "error: grpo.reward_functions: invalid value 'tests.no_such_module.f'",
+        "error: grpo.reward_functions: invalid value 'json.no_such_function'"], lines
 
 
 def test_generating_under_context_parallel_is_one_line(tmp_path: Path) -> None:
@@ -373,6 +435,9 @@ def test_the_toy_task_learns_from_the_readme_style_command(tmp_path: Path) -> No
                           "train_configs/grpo_toy.toml", "--metrics.log_freq", "1", "--job.dump_folder",
                           str(tmp_path / "dump")], cwd=REPO_ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # Its 10 prompts are an epoch a step: a line at the first restart, then one per 10 steps at most.
+    epochs = [line for line in result.stdout.splitlines() if "starts again" in line]
+    assert 1 <= len(epochs) <= 8 and "has used all its 10 prompts and starts again (epoch 1)" in epochs[0], epochs
     records = [r for r in read_jsonl(tmp_path / "dump" / "metrics.jsonl") if "grpo/reward" in r]
     rewards = [r["grpo/reward"] for r in records]
     assert len(rewards) == 80

@@ -216,3 +216,50 @@ def test_the_chat_cache_is_built_by_every_rank_reused_at_another_world_size_and_
     assert [p.name for p in (tmp_path / "a" / "chat_cache").iterdir()] == [folder.name]
     for a, b in zip(one, cached, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (one, cached)
+
+
+def test_a_truncated_json_line_stops_the_job_or_is_skipped(tmp_path: Path) -> None:
+    """A line cut mid-write (``{"prompt": "copy 4 :", "answer": ``) in a chat file and in a
+    prompts file (the GRPO toy's): without ``training.on_bad_row`` the job stops with one line
+    naming the file and the line, exit 3; with ``"skip"`` it trains (exit 0) and the start-up log
+    counts the line."""
+    from tests.dist_utils import REPO_ROOT
+
+    toy = REPO_ROOT / "tests" / "assets" / "toy_rl"
+    prompts = tmp_path / "prompts.jsonl"
+    rows = (toy / "prompts.jsonl").read_text().splitlines()
+    prompts.write_text("\n".join([rows[0], '{"prompt": "copy 4 :", "answer": ', *rows[1:]]) + "\n")
+    path = write_chat_tokenizer(tmp_path / "tokenizer", "llama3")
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [good, good]) + '{"messages": [{"role": "us\n'
+                    + json.dumps(good) + "\n")
+    common = ["--model.flavor", "tiny", "--training.steps", "1", "--training.mixed_precision_param", "float32",
+              "--metrics.no-enable_tensorboard", "--validation.no-enable"]
+    sft = [*common, "--model.tokenizer_path", str(path.parent), "--training.dataset", "chat",
+           "--training.dataset_path", str(chat), "--training.seq_len", "63", "--training.local_batch_size", "1"]
+    grpo = [*common, "--job.config_file", str(REPO_ROOT / "train_configs" / "grpo_toy.toml"),
+            "--model.tokenizer_path", str(toy), "--training.dataset_path", str(prompts),
+            "--training.global_batch_size", "16", "--training.local_batch_size", "16"]
+    skip = ["--training.on_bad_row", "skip"]
+    cases = [[*argv, *extra, "--job.dump_folder", str(tmp_path / dump)]
+             for argv, extra, dump in ((sft, [], "a"), (sft, skip, "b"), (grpo, [], "c"), (grpo, skip, "d"))]
+    ((chat_stopped, (chat_skipped, chat_log)), (grpo_stopped, (grpo_skipped, grpo_log))), = run_distributed(
+        _stop_and_skip_pairs, 1, *cases)
+    assert one_error_line(chat_stopped, 3) == (f"error: training.dataset_path: {str(chat)!r} line 3: not JSON: "
+                                               "'{\"messages\": [{\"role\": \"us' (or set training.on_bad_row = "
+                                               "'skip')")
+    assert one_error_line(grpo_stopped, 3) == (f"error: training.dataset_path: {str(prompts)!r} line 2: not JSON: "
+                                               "'{\"prompt\": \"copy 4 :\", \"answer\":' (or set training.on_bad_row "
+                                               "= 'skip')")
+    assert chat_skipped.returncode == 0 and grpo_skipped.returncode == 0, (chat_skipped.stderr, grpo_skipped.stderr)
+    assert any(f"1 row(s) skipped (training.on_bad_row = 'skip'): 1 not JSON; the first: {str(chat)!r} line 3"
+               in line for line in chat_log), chat_log
+    assert any(f"1 row(s) skipped (training.on_bad_row = 'skip'): 1 not JSON; the first: {str(prompts)!r} line 2"
+               in line for line in grpo_log), grpo_log
+    assert any("10 prompts (1 bad row(s) skipped)" in line for line in grpo_log), grpo_log
+
+
+def _stop_and_skip_pairs(*cases: list[str]) -> list[tuple[Any, tuple[Any, list[str]]]]:
+    """:func:`_main_and_log` for each pair of cases (stopping, skipping), in this rank process."""
+    return [_main_and_log(cases[i], cases[i + 1]) for i in range(0, len(cases), 2)]

@@ -14,6 +14,9 @@ class                     exit   meaning
                                  or saving one failed
 :class:`TrainingError`    5      training cannot go on: the loss or gradient norm is not
                                  finite (``training.on_nonfinite``)
+:class:`UserCodeError`    6      code the job calls by its dotted path (a reward function)
+                                 raised, or returned what it may not; the line names its file
+                                 and line
 (stopped on a signal)      75     not an error: a signal in ``checkpoint.save_on_signals``
                                  (preemption) stopped the job after one checkpoint was saved;
                                  run the job again to resume (``PREEMPTED_EXIT_CODE``; 75 is
@@ -29,7 +32,7 @@ This module imports nothing else of the package: every layer may raise these.
 from __future__ import annotations
 
 __all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "DataNotHereError", "TrainingError",
-           "UserError"]
+           "UserCodeError", "UserError"]
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a job stopped by a signal of ``checkpoint.save_on_signals`` after its checkpoint
@@ -71,3 +74,11 @@ class TrainingError(UserError):
     applied and no checkpoint written from it)."""
 
     exit_code = 5
+
+
+class UserCodeError(UserError):
+    """Code of the user's that the job calls (a reward function named by its dotted path) raised,
+    or returned what it may not: the line names the function, the exception and where it was
+    raised (file and line)."""
+
+    exit_code = 6

@@ -250,6 +250,23 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
 
 
+class _Problems:
+    """The checks of one part of the plan that do not build on each other: every broken one is
+    a line, and :meth:`done` raises them together as one :class:`ConfigError`."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def require(self, ok: bool, key: str, value: Any, allowed: str) -> bool:
+        if not ok:
+            self.lines.append(f"{key}: invalid value {value!r}; {allowed}")
+        return ok
+
+    def done(self) -> None:
+        if self.lines:
+            raise ConfigError("\n".join(self.lines))
+
+
 _DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel", "pp": "pipeline"}
 
 
@@ -447,10 +464,6 @@ def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> 
              "a DPO mixture is of preference sources only: expected every dataset = 'preference'")
     _require(set(val_kinds) <= {"preference"}, val_key, val_kinds,
              "a DPO job validates on preference pairs: expected dataset = 'preference'")
-    _require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
-    _require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
-    _require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,
-             f"conservative DPO is a sigmoid loss (dpo.loss_type is {d.loss_type!r}): expected 0")
     reference = ("adapters_off" if lora is not None else "copy") if d.reference == "auto" else d.reference
     _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
              "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
@@ -474,45 +487,37 @@ def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,
         _require(not changed, f"grpo.{changed[0]}" if changed else "grpo", getattr(g, changed[0]) if changed else None,
                  f"[grpo] applies to training.dataset = 'prompts' (this job's is {t.dataset!r})")
         return None
+    check = _Problems()
     key = "training.datasets" if t.datasets else "training.dataset"
-    _require(set(kinds) == {"prompts"} or g.rollouts_path is not None, key, kinds,
-             "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'")
+    check.require(set(kinds) == {"prompts"} or g.rollouts_path is not None, key, kinds,
+                  "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'")
     v = config.validation
-    _require(not v.enable or "prompts" not in ([s.dataset for s in v.datasets] or [v.dataset]), "validation.dataset",
-             "prompts", "prompts are not validated yet: expected a text, token or chat source, or validation.enable "
-             "= false")
-    _require(g.num_generations >= 2, "grpo.num_generations", g.num_generations,
-             "a group needs at least 2 completions to compare: expected 2 or more")
-    _require(global_batch % g.num_generations == 0, "training.global_batch_size", global_batch,
-             f"it counts completions: expected a multiple of grpo.num_generations = {g.num_generations}")
+    val_kinds = [s.dataset for s in v.datasets] or [v.dataset]
+    check.require(not v.enable, "validation.enable", True,
+                  f"an online RL job has no validation loss yet (its rewards in the metrics measure the policy; a "
+                  f"token loss on {'validation.datasets' if v.datasets else 'validation.dataset'} = "
+                  f"{', '.join(map(repr, val_kinds))} would measure data of another kind through the job's "
+                  "tokenizer): expected false")
     prompts = global_batch // g.num_generations
-    _require(prompts % dims.dp_size == 0, "training.global_batch_size", global_batch,
-             f"its {prompts} prompts (global_batch_size / grpo.num_generations) are split over the "
-             f"{dims.dp_size} data-parallel ranks: expected a multiple of {g.num_generations * dims.dp_size}")
-    _require(0 < g.max_completion_length < t.seq_len, "grpo.max_completion_length", g.max_completion_length,
-             f"a prompt and its completion share training.seq_len = {t.seq_len}: expected 1 to {t.seq_len - 1}")
-    _require(g.temperature >= 0, "grpo.temperature", g.temperature, "expected a number >= 0 (0: greedy)")
-    _require(0 < g.top_p <= 1, "grpo.top_p", g.top_p, "expected 0 < top_p <= 1")
-    _require(g.top_k >= 0, "grpo.top_k", g.top_k, "expected an integer >= 0 (0: off)")
-    _require(g.epsilon > 0, "grpo.epsilon", g.epsilon, "expected a number > 0")
-    _require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high,
-             "expected a number > 0, or unset (epsilon)")
-    _require(g.beta >= 0, "grpo.beta", g.beta, "expected a number >= 0 (0: no reference model)")
-    _require(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "expected an integer >= 1")
-    _require(g.importance_sampling_max > 0, "grpo.importance_sampling_max", g.importance_sampling_max,
-             "expected a number > 0")
-    _require(g.generation_batch_size >= 0, "grpo.generation_batch_size", g.generation_batch_size,
-             "expected an integer >= 0 (0: a step's completions at once)")
-    _require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
-             "expected at least one (a shipped name: accuracy, format, length_penalty, or a dotted path)")
-    _require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
-             g.reward_weights, f"expected one weight per reward function ({len(g.reward_functions)}), or none")
-    resolve_reward_functions(g.reward_functions)
+    if check.require(global_batch % g.num_generations == 0, "training.global_batch_size", global_batch,
+                     f"it counts completions: expected a multiple of grpo.num_generations = {g.num_generations}"):
+        check.require(prompts % dims.dp_size == 0, "training.global_batch_size", global_batch,
+                      f"its {prompts} prompts (global_batch_size / grpo.num_generations) are split over the "
+                      f"{dims.dp_size} data-parallel ranks: expected a multiple of {g.num_generations * dims.dp_size}")
+    check.require(0 < g.max_completion_length < t.seq_len, "grpo.max_completion_length", g.max_completion_length,
+                  f"a prompt and its completion share training.seq_len = {t.seq_len}: expected 1 to {t.seq_len - 1}")
+    check.require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
+                  "expected at least one (a shipped name: accuracy, format, length_penalty, or a dotted path)")
+    try:
+        resolve_reward_functions(g.reward_functions)
+    except ConfigError as exc:
+        check.lines += str(exc).splitlines()
     for key, degree, how in (("pipeline_parallel_degree", dims.pp, "pipeline stages split"),
                              ("context_parallel_degree", dims.cp, "context parallel splits")):
-        _require(degree == 1 or g.rollouts_path is not None, f"parallelism.{key}", degree,
-                 f"online RL generates its rollouts on the training model, which {how}: expected 1, or rollouts "
-                 "made elsewhere (grpo.rollouts_path)")
+        check.require(degree == 1 or g.rollouts_path is not None, f"parallelism.{key}", degree,
+                      f"online RL generates its rollouts on the training model, which {how}: expected 1, or "
+                      "rollouts made elsewhere (grpo.rollouts_path)")
+    check.done()
     reference = None
     if g.beta > 0:
         reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference

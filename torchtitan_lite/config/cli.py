@@ -27,6 +27,7 @@ from torchtitan_lite.config.schema import (
     field_types,
     is_optional,
     type_name,
+    unrelated,
     validate_config,
 )
 from torchtitan_lite.config.torchtitan import TORCHTITAN_KEYS, TorchTitanKey
@@ -135,9 +136,11 @@ class _Layer:
     where: str
     values: dict[str, tuple[str, Any]] = field(default_factory=dict)  # our key -> (name as given, value)
     hf_assets: str | None = None  # TorchTitan's model.hf_assets_path, as given
+    refused: list[str] = field(default_factory=list)  # the names whose value (or name) was refused
 
     def read(self, name: str, raw: Any, *, from_cli: bool, errors: list[str], notes: list[str]) -> None:
-        """Check ``name = raw`` and record what it sets; problems go to ``errors``."""
+        """Check ``name = raw`` and record what it sets; problems go to ``errors`` (and the name to
+        :attr:`refused`)."""
         try:
             tp, entry = _field(name, where=self.where)
             if entry is not None and entry.kind == "off" and entry.neutral is torchtitan.ANY:
@@ -171,6 +174,7 @@ class _Layer:
             self._set(target, name, value)
         except ConfigError as exc:
             errors.append(str(exc))
+            self.refused.append(name)
 
     def _set(self, target: str, name: str, value: Any) -> None:
         if target in self.values and self.values[target][0] != name and self.values[target][1] != value:
@@ -314,9 +318,7 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
     toml = _Layer("")
     if config_file:
         toml = _read_toml(Path(config_file), errors, notes)
-    if errors:
-        raise ConfigError("\n".join(dict.fromkeys(errors)))
-    toml.apply(config)
+    toml.apply(config)  # (the values that were fine: with errors, the rules between them are checked too)
     cli.apply(config)
     if config_file:
         config.job.config_file = str(config_file)
@@ -342,7 +344,13 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
         notes.append("float8.precompute_float8_dynamic_scale_for_fsdp has no effect without "
                      "float8.enable_fsdp_float8_all_gather")
     notes[:] = list(dict.fromkeys(notes))
-    validate_config(config, given=given)
+    try:
+        validate_config(config, given=given)
+    except ConfigError as exc:
+        # A rule that names a key whose value was refused compared that key's default: left out.
+        errors += unrelated(str(exc).splitlines(), [*toml.refused, *cli.refused])
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
     return config
 
 

@@ -923,7 +923,10 @@ def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
         if not ok:
             problems.append(f"{key}: invalid value {value!r}; {allowed}")
 
-    # Types and enums already ran on load; run them again for configs built in code.
+    # Types and enums already ran on load; run them again for configs built in code. A value of
+    # the wrong type is reported, and the rules below (which compare values of the right types)
+    # run on a copy that has the default in its place; what they say of such a key is left out.
+    wrong: list[str] = []
     for section, cls in SECTIONS.items():
         sec = getattr(c, section)
         for name, tp in field_types(cls).items():
@@ -931,8 +934,13 @@ def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
                 coerce(f"{section}.{name}", getattr(sec, name), tp, from_cli=False)
             except ConfigError as exc:
                 problems.append(str(exc))
-    if problems:  # the rules below compare values of the right types
-        raise ConfigError("\n".join(problems))
+                wrong.append(f"{section}.{name}")
+    if wrong:
+        c = dataclasses.replace(c, **{section: dataclasses.replace(
+            getattr(c, section), **{k.split(".", 1)[1]: _default(SECTIONS[section], k.split(".", 1)[1])
+                                    for k in wrong if k.startswith(f"{section}.")})
+            for section in {k.split(".", 1)[0] for k in wrong}})
+    typed = len(problems)
 
     o = c.optimizer
     _require(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", o.lr, "expected a finite number > 0")
@@ -1077,5 +1085,45 @@ def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
+    _objective_ranges(c, _require)
+    problems[typed:] = unrelated(problems[typed:], wrong)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def unrelated(lines: list[str], keys: Collection[str]) -> list[str]:
+    """The ``lines`` that name none of ``keys`` (what a rule said of a key already reported, or of
+    one whose bad value was left at its default, is left out)."""
+    return [line for line in lines if not any(key in line for key in keys)]
+
+
+def _default(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _objective_ranges(c: JobConfig, require: Any) -> None:
+    """The ranges of ``[dpo]`` and ``[grpo]``'s values, which need nothing but the config (what
+    needs the world size, the batch or LoRA is the job plan's)."""
+    d = c.dpo
+    require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
+    require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
+    require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,
+            f"conservative DPO is a sigmoid loss (dpo.loss_type is {d.loss_type!r}): expected 0")
+    g = c.grpo
+    require(g.num_generations >= 2, "grpo.num_generations", g.num_generations,
+            "a group needs at least 2 completions to compare: expected 2 or more")
+    require(g.temperature >= 0, "grpo.temperature", g.temperature, "expected a number >= 0 (0: greedy)")
+    require(0 < g.top_p <= 1, "grpo.top_p", g.top_p, "expected 0 < top_p <= 1")
+    require(g.top_k >= 0, "grpo.top_k", g.top_k, "expected an integer >= 0 (0: off)")
+    require(g.epsilon > 0, "grpo.epsilon", g.epsilon, "expected a number > 0")
+    require(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high,
+            "expected a number > 0, or unset (epsilon)")
+    require(g.beta >= 0, "grpo.beta", g.beta, "expected a number >= 0 (0: no reference model)")
+    require(g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "expected an integer >= 1")
+    require(g.importance_sampling_max > 0, "grpo.importance_sampling_max", g.importance_sampling_max,
+            "expected a number > 0")
+    require(g.generation_batch_size >= 0, "grpo.generation_batch_size", g.generation_batch_size,
+            "expected an integer >= 0 (0: a step's completions at once)")
+    require(not g.reward_weights or len(g.reward_weights) == len(g.reward_functions), "grpo.reward_weights",
+            g.reward_weights, f"expected one weight per reward function ({len(g.reward_functions)}), or none")

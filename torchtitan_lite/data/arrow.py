@@ -501,6 +501,9 @@ class LaneReader:
     global batch (see the module's docstring). This rank builds only ``lanes``; the positions of
     all ``num_lanes`` come back through :meth:`positions` / :meth:`seek` (the loader gathers them)."""
 
+    unit = "windows"
+    """What a sample of this source is, in log lines."""
+
     samples_per_epoch: int | None = None  # epochs are per lane, not known before reading
     packed = False  # plain token windows
 

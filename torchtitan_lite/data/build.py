@@ -129,7 +129,8 @@ def build_data(config: JobConfig, plan: DataNeeds, *, dp_rank: int,
     loader = BatchLoader(sources, seq_len=t.seq_len, global_batch_size=global_batch,
                          local_batch_size=local_batch, dp_rank=dp_rank, dp_size=plan.dp_size,
                          named=bool(t.datasets), allow_mixture_change=t.allow_mixture_change,
-                         documents=document_bounds(config, plan.tokenizer))
+                         documents=document_bounds(config, plan.tokenizer),
+                         epoch_log_steps=max(10, config.metrics.log_freq))
     max_tokens = None if v.steps == -1 else v.steps * plan.val_global_batch_size * (plan.val_seq_len + 1)
     validation = {}
     for source in validation_sources(config):

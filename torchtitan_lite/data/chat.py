@@ -38,8 +38,8 @@ from torchtitan_lite.data.tokenizers import Tokenizer
 from torchtitan_lite.data.windows import PackedWindows
 from torchtitan_lite.errors import DataError
 
-__all__ = ["KINDS", "ChatTemplate", "conversation", "find_files", "pack", "packed_windows", "read_rows",
-           "share_rows"]
+__all__ = ["KINDS", "ChatTemplate", "NotJSON", "conversation", "find_files", "pack", "packed_windows", "parsed",
+           "read_rows", "share_rows"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -67,9 +67,27 @@ def _content_ok(content: Any) -> bool:
         isinstance(content, list) and all(isinstance(part, dict) for part in content))
 
 
+class NotJSON:
+    """A line of a JSON-lines file that does not parse (a truncated write, a stray line): what
+    :func:`share_rows` yields in its record's place, so that the reader's ``training.on_bad_row``
+    decides about it as about any other bad row (:func:`parsed`)."""
+
+    def __init__(self, line: str) -> None:
+        self.line = line
+
+
+def parsed(record: Any) -> Any:
+    """``record`` itself; :class:`RowError` (kind ``"not JSON"``) for a :class:`NotJSON` line."""
+    if isinstance(record, NotJSON):
+        text = record.line.strip()
+        raise RowError(f"not JSON: {text[:80]!r}{'...' if len(text) > 80 else ''}", kind="not JSON")
+    return record
+
+
 def conversation(record: Any) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """A row's messages and tools (None: the row has none): its ``messages`` (and ``tools``), or its
     ``prompt`` and ``completion`` as two turns; :class:`RowError` (kind ``"row"``) for anything else."""
+    record = parsed(record)
     if isinstance(record, dict) and record.get("messages") is not None:
         messages = record["messages"]
         if not (isinstance(messages, list) and messages and all(
@@ -99,7 +117,8 @@ def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1), *,
     """The rows ``(number, where, record)`` of the files whose number (counted over the files, in
     order) is ``index`` modulo ``count`` for ``share = (index, count)``; other rows are only
     counted (a JSON line not parsed, a Parquet batch's other rows not converted). Parquet rows
-    hold the ``columns`` the file has (None: all of its columns)."""
+    hold the ``columns`` the file has (None: all of its columns). A line that is not JSON is
+    yielded as :class:`NotJSON`: the reader's ``on_bad_row`` stops on it or skips it."""
     index, count = share
     number = 0
     for file in files:
@@ -133,7 +152,7 @@ def share_rows(files: list[Path], key: str, share: tuple[int, int] = (0, 1), *,
                 try:
                     record = json.loads(line)
                 except ValueError:
-                    raise DataError(f"{key}: {str(file)!r} line {lineno} is not JSON") from None
+                    record = NotJSON(line)
                 yield number, f"{str(file)!r} line {lineno}", record
             number += 1
 
@@ -143,6 +162,8 @@ def read_rows(files: list[Path], key: str) -> Iterator[tuple[str, Any]]:
     2``). A file that cannot be read, or a line that is not JSON, is a :class:`DataError` naming
     the file and the line."""
     for _, where, record in share_rows(files, key):
+        if isinstance(record, NotJSON):
+            raise DataError(f"{key}: {where} is not JSON")
         yield where, record
 
 
@@ -253,7 +274,7 @@ def packed_windows(files: list[Path], tokenizer: Tokenizer, *, seq_len: int, los
         _, row, kind, message = chats.first_bad
         raise bad_row_error(row, RowError(message, kind=kind))
     if chats.skipped:
-        kinds = {"row": "malformed", "template": "refused by the chat template",
+        kinds = {"row": "malformed", "not JSON": "not JSON", "template": "refused by the chat template",
                  "spans": "with assistant turns that cannot be found"}
         first = "" if chats.first_bad is None else f"{chats.first_bad[1]}: {chats.first_bad[3]}"
         logger.warning("%s: %d row(s) skipped (training.on_bad_row = 'skip'): %s; the first: %s", key,

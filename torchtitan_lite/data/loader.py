@@ -114,7 +114,7 @@ class BatchLoader:
 
     def __init__(self, sources: list[LoaderSource], *, seq_len: int, global_batch_size: int, local_batch_size: int,
                  dp_rank: int, dp_size: int, named: bool = False, allow_mixture_change: bool = False,
-                 documents: Documents | None = None) -> None:
+                 documents: Documents | None = None, epoch_log_steps: int = 1) -> None:
         self.grad_accum_steps = check_batch_split(global_batch_size, local_batch_size, dp_size)
         self.sources = sources
         self.seq_len, self.global_batch_size, self.local_batch_size = seq_len, global_batch_size, local_batch_size
@@ -127,7 +127,12 @@ class BatchLoader:
         self.batch_documents: list[torch.Tensor] | None = None
         self.schedule = Schedule([s.name for s in sources], [s.weight for s in sources],
                                  samples_per_epoch=[s.reader.samples_per_epoch for s in sources],
-                                 max_epochs=[s.max_epochs for s in sources])
+                                 max_epochs=[s.max_epochs for s in sources],
+                                 units=[s.reader.unit for s in sources])
+        # A source that starts a new epoch is logged at its first restart, then at most once per
+        # epoch_log_steps steps (a source of a few prompts begins an epoch every step).
+        self.epoch_log_steps = max(1, epoch_log_steps)
+        self._epoch_logged: dict[int, tuple[int, int]] = {}  # source -> (step, epoch) of its last line
         self.step = 0  # global batches consumed
         self.skipped: set[int] = set()  # global batches never to read (training.on_nonfinite = "rollback")
         self._mine = rank_samples(global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
@@ -162,8 +167,26 @@ class BatchLoader:
         if self.dp_rank == 0:
             for event in self.schedule.events:
                 logger.warning("training data: %s", event)
+            self._log_epochs()
         self.schedule.events.clear()
+        self.schedule.epochs.clear()
         return rows, sources
+
+    def _log_epochs(self) -> None:
+        """One line for each source that began an epoch in this batch: at its first restart, then
+        when ``epoch_log_steps`` steps have passed since its last line (with the epochs between)."""
+        sched = self.schedule
+        for s, epoch in sorted(sched.epochs.items()):
+            last = self._epoch_logged.get(s)
+            if last is not None and self.step - last[0] < self.epoch_log_steps:
+                continue
+            what = f"source {sched.names[s]!r} has used all its {sched.samples_per_epoch[s]} {sched.units[s]}"
+            if last is None or epoch == last[1] + 1:
+                logger.info("training data: %s and starts again (epoch %d)", what, epoch)
+            else:
+                logger.info("training data: %s %d more times and starts again (epoch %d; a line at most every %d "
+                            "steps)", what, epoch - last[1], epoch, self.epoch_log_steps)
+            self._epoch_logged[s] = (self.step, epoch)
 
     def _retire_finished_lanes(self) -> None:
         """Streamed sources with ``max_epochs``: retired once a lane of any rank began that epoch."""

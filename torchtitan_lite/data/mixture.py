@@ -31,12 +31,14 @@ class Schedule:
     """The source of every sample, one global batch at a time (see the module's docstring)."""
 
     def __init__(self, names: list[str], weights: list[float], *, samples_per_epoch: list[int | None],
-                 max_epochs: list[int | None]) -> None:
+                 max_epochs: list[int | None], units: list[str] | None = None) -> None:
         self.names, self.base_weights = names, weights
         self.samples_per_epoch, self.max_epochs = samples_per_epoch, max_epochs
+        self.units = units or ["windows"] * len(names)  # what a source's samples are, in its log lines
         self.totals = [0] * len(names)  # samples of each source since the run began
         self.active = [True] * len(names)
-        self.events: list[str] = []  # what happened since the caller last looked (epochs, retirements)
+        self.events: list[str] = []  # what happened since the caller last looked (retirements)
+        self.epochs: dict[int, int] = {}  # source -> the epoch it began last, since the caller last looked
         self._new_segment()
 
     def _new_segment(self) -> None:
@@ -95,10 +97,9 @@ class Schedule:
     def _epoch_done(self, s: int, epoch: int) -> None:
         per_epoch, limit = self.samples_per_epoch[s], self.max_epochs[s]
         if limit is not None and epoch >= limit:
-            self.retire(s, f"has used its {per_epoch} windows {epoch} times (max_epochs = {limit})")
+            self.retire(s, f"has used its {per_epoch} {self.units[s]} {epoch} times (max_epochs = {limit})")
         else:
-            self.events.append(f"source {self.names[s]!r} has used all its {per_epoch} windows and starts again "
-                               f"(epoch {epoch})")
+            self.epochs[s] = epoch
 
     def retire(self, source: int, why: str) -> None:
         """``source`` leaves the mix from the next sample on; the others' weights are normalised again."""

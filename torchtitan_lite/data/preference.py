@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_lite.data.chat import SUFFIXES, pack, share_rows
+from torchtitan_lite.data.chat import SUFFIXES, pack, parsed, share_rows
 from torchtitan_lite.data.chat_template import BadRows, ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer, special_tokens
@@ -100,6 +100,7 @@ def _prompt_end(chosen: Any, rejected: Any) -> int:
 def preference_row(record: Any) -> tuple[bool, Any, Any, Any, list[Any] | None]:
     """``(conversational, prompt, chosen, rejected, tools)`` of a row; :class:`RowError` (kind
     ``"row"``) for anything that is not TRL's preference format."""
+    record = parsed(record)
     if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
         raise RowError(f"expected 'chosen' and 'rejected' (and 'prompt'); got {str(record)[:80]!r}", kind="row")
     chosen, rejected, prompt = record["chosen"], record["rejected"], record.get("prompt")
@@ -217,6 +218,9 @@ def pair_rows(pairs: list[Pair], *, seq_len: int, pad_id: int = 0,
 class PairWindows:
     """A source's preference pairs as windows (:func:`pair_window`), made on access: window ``i``
     is pair ``i``."""
+
+    unit = "pairs"
+    """What a sample of this source is, in log lines."""
 
     def __init__(self, pairs: list[Pair], *, seq_len: int, truncation: str, cut: int = 0, dropped: int = 0,
                  skipped: int = 0) -> None:

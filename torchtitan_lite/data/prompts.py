@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_lite.data.chat import SUFFIXES, share_rows
+from torchtitan_lite.data.chat import SUFFIXES, parsed, share_rows
 from torchtitan_lite.data.chat_template import BadRows, ChatTemplate, RowError
 from torchtitan_lite.data.files import suffix_files
 from torchtitan_lite.data.tokenizers import HFTokenizer, Tokenizer
@@ -76,6 +76,7 @@ def _messages(value: Any) -> bool:
 def encode_prompt(record: Any, tokenizer: Tokenizer, template: ChatTemplate | None) -> tuple[list[int], Any, bool]:
     """A row's prompt as token ids (see the module's text), the prompt as given, and whether it is
     messages; :class:`RowError` for a row without a usable prompt."""
+    record = parsed(record)
     if not isinstance(record, dict):
         raise RowError(f"expected a JSON object with prompt, got {type(record).__name__}", kind="not an object")
     if "prompt_ids" in record and record["prompt_ids"] is not None:
@@ -127,6 +128,9 @@ def _given(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[list[int]
 
 class PromptWindows:
     """A source's prompts as windows for the loader: window ``i`` is row ``i`` (a :class:`PromptRow`)."""
+
+    unit = "prompts"
+    """What a sample of this source is, in log lines."""
 
     def __init__(self, rows: list[PromptRow], *, cut: int = 0, skipped: int = 0, rollouts: bool = False) -> None:
         self.rows, self.cut, self.skipped, self.rollouts = rows, cut, skipped, rollouts

@@ -114,6 +114,9 @@ def _with_end(texts: Iterable[str | None]) -> Iterator[str | None]:
 class TokenWindows:
     """Non-overlapping windows of ``seq_len + 1`` tokens over a token stream."""
 
+    unit = "windows"
+    """What a sample of this source is, in log lines."""
+
     tokens: TokenStream | np.ndarray
     seq_len: int
     seq_len_key: str = "training.seq_len"
@@ -148,6 +151,7 @@ class WindowReader:
         self.windows = windows
         self.seed, self.shuffle, self.key = seed, shuffle, key
         self.samples_per_epoch: int | None = len(windows)
+        self.unit: str = windows.unit
         self.packed = isinstance(windows, PackedWindows)  # windows of (tokens, counted, samples)
         self._epoch = -1
         self._perm: np.ndarray | None = None
@@ -201,6 +205,9 @@ class PackedWindows:
     never counted). Made on access from ``source.sample(j)`` (ids and labels of sample ``j``, e.g.
     memory-mapped), the first ``lengths[j]`` tokens of each: window ``i`` holds the samples
     ``members[starts[i]:starts[i + 1]]`` in that order."""
+
+    unit = "windows"
+    """What a sample of this source is, in log lines."""
 
     def __init__(self, source: Any, members: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *, seq_len: int,
                  what: str, padding: int = 0, counted: int = 0) -> None:

@@ -27,11 +27,13 @@ Anything else is a dotted path to a function of your own (``package.module.funct
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchtitan_lite.errors import ConfigError, TrainingError
+from torchtitan_lite.errors import ConfigError, UserCodeError
 
 __all__ = ["SHIPPED", "RewardFunction", "accuracy", "call_reward", "final_answer", "format_reward",
            "length_penalty", "resolve_reward_functions"]
@@ -136,9 +138,9 @@ SHIPPED: dict[str, RewardFunction] = {"accuracy": accuracy, "format": format_rew
 
 
 def resolve_reward_functions(names: Sequence[str]) -> list[tuple[str, RewardFunction]]:
-    """Each name's function: a shipped one, or a dotted path imported; one :class:`ConfigError`
-    line naming ``grpo.reward_functions`` for a name that is neither."""
-    found = []
+    """Each name's function: a shipped one, or a dotted path imported; a :class:`ConfigError` with
+    one line naming ``grpo.reward_functions`` for each name that is neither."""
+    found, problems = [], []
     for name in names:
         if name in SHIPPED:
             found.append((name, SHIPPED[name]))
@@ -155,26 +157,51 @@ def resolve_reward_functions(names: Sequence[str]) -> list[tuple[str, RewardFunc
             if problem is None and not callable(function):
                 problem = f"module {module_name!r} has no function {attribute!r}"
         if problem is not None:
-            raise ConfigError(f"grpo.reward_functions: invalid value {name!r}; {problem}")
+            problems.append(f"grpo.reward_functions: invalid value {name!r}; {problem}")
+            continue
         found.append((name, function))
+    if problems:
+        raise ConfigError("\n".join(problems))
     return found
 
 
 def call_reward(name: str, function: RewardFunction, prompts: list[Any], completions: list[Any],
                 columns: dict[str, list[Any]]) -> list[float]:
-    """``function``'s rewards of the completions (None as NaN); one :class:`TrainingError` line
-    naming it when it raises or returns other than one number or None per completion."""
+    """``function``'s rewards of the completions (None as NaN); one :class:`UserCodeError` line
+    naming it when it raises (with the file and line where it raised) or returns other than one
+    number or None per completion."""
     try:
         values = function(prompts=prompts, completions=completions, **columns)
     except Exception as exc:  # (the user's code: any error is reported as its own)
         first = next((line for line in str(exc).splitlines() if line.strip()), "")
-        raise TrainingError(f"grpo.reward_functions: {name!r} raised {type(exc).__name__}: {first}") from exc
+        raise UserCodeError(f"grpo.reward_functions: {name!r} raised {type(exc).__name__}: {first} "
+                            f"({_raised_at(exc, function)})") from exc
     try:
         values = list(values)
     except TypeError:
-        raise TrainingError(f"grpo.reward_functions: {name!r} returned {type(values).__name__}; expected a list of "
+        raise UserCodeError(f"grpo.reward_functions: {name!r} returned {type(values).__name__}; expected a list of "
                             f"{len(completions)} numbers or None") from None
     if len(values) != len(completions) or not all(v is None or isinstance(v, (int, float)) for v in values):
-        raise TrainingError(f"grpo.reward_functions: {name!r} returned {len(values)} values; expected one number or "
+        raise UserCodeError(f"grpo.reward_functions: {name!r} returned {len(values)} values; expected one number or "
                             f"None per completion ({len(completions)})")
     return [float("nan") if v is None else float(v) for v in values]
+
+
+def _raised_at(exc: BaseException, function: Callable[..., Any]) -> str:
+    """Where ``exc`` was raised: ``at FILE:LINE in NAME``, the deepest frame of ``function``'s own
+    file (the user's line), with the frame that raised added when it lies elsewhere (a library
+    the function called)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # (the first is call_reward's own)
+    if not frames:
+        return "at an unknown place"
+    try:
+        own = inspect.getsourcefile(inspect.unwrap(function))
+    except TypeError:  # (a builtin or a callable object without a source file)
+        own = None
+    mine = [f for f in frames if own is not None and f.filename == own]
+    where = mine[-1] if mine else frames[-1]
+    text = f"at {where.filename}:{where.lineno} in {where.name}"
+    last = frames[-1]
+    if last is not where:
+        text += f", raised in {last.filename}:{last.lineno} in {last.name}"
+    return text
