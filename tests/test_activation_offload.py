@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY_ARGS
-from tests.dist_utils import run_distributed, train_history
+from tests.dist_utils import captured_log, run_distributed, train_history
 
 OFFLOAD = ["--activation_checkpoint.offload"]
 TILES = ["--activation_checkpoint.mlp_tiles", "4"]
@@ -56,9 +56,13 @@ def test_offload_and_tiles_train_as_without_and_move_the_blocks_inputs(tmp_path:
     }
     if mask == "causal":  # (the default selection's share; the scenario tier runs every case on packed rows)
         cases = {name: cases[name] for name in ("selective op, offload", "full, offload, 4 tiles, tiled loss")}
-    runs = {name: train_history(_argv(tmp_path / name.replace(" ", "_"), *common, *extra))
-            for name, extra in cases.items()}
+    with captured_log() as lines:
+        runs = {name: train_history(_argv(tmp_path / name.replace(" ", "_"), *common, *extra))
+                for name, extra in cases.items()}
     _same(runs, plain)
+    # the start-up log says what each job keeps out of device memory
+    assert "activation checkpointing: full; checkpointed blocks' inputs offloaded to host memory; feed-forwards in " \
+           "4 tiles; the tiled loss (no whole logits); compile: off" in lines, lines
     inputs = 2 * 2 * 256 * 64 * 4 / 2**30
     for name, history in runs.items():
         if "offload" in name:

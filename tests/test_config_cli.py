@@ -334,6 +334,13 @@ def test_list_values_are_comma_separated() -> None:
     assert coerce("s.k", [1, 2], list[int], from_cli=False) == [1, 2]
     with pytest.raises(ConfigError, match="s.k"):
         coerce("s.k", "1,x", list[int], from_cli=True)
+    # or written as in a TOML file, brackets and all
+    assert coerce("s.k", "[1.0, 0.1]", list[float], from_cli=True) == [1.0, 0.1]
+    assert coerce("s.k", '["a", "b"]', list[str], from_cli=True) == ["a", "b"]
+    assert coerce("s.k", "[a, b]", list[str], from_cli=True) == ["a", "b"]
+    assert coerce("s.k", "[]", list[str], from_cli=True) == []
+    assert load_job_config(["--grpo.reward_weights", "[1.0, 0.1]", "--grpo.reward_functions", "[accuracy, format]"],
+                           ).grpo.reward_weights == [1.0, 0.1]
 
 
 def test_checks_run_once_and_leave_the_config_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -247,6 +247,16 @@ def test_shipped_rewards_check_answers_format_and_length() -> None:
                           max_completion_length=8) == [0.0, -0.5, -1.0]
 
 
+def test_reward_metrics_are_named_as_trl_names_them() -> None:
+    """``grpo/rewards/NAME/mean``: a shipped function by its name, one's own by its ``__name__``
+    (TRL's ``rewards/{__name__}/mean``), the dotted path where two would share a name."""
+    from torchtitan_lite.rl.rewards import metric_names, resolve_reward_functions
+
+    assert metric_names(resolve_reward_functions(["accuracy", "format", "json.loads", "json.dumps"])) == [
+        "accuracy", "format", "loads", "dumps"]
+    assert metric_names(resolve_reward_functions(["json.loads", "pickle.loads"])) == ["json.loads", "pickle.loads"]
+
+
 def test_a_reward_function_that_raises_or_miscounts_is_one_line() -> None:
     from torchtitan_lite.errors import UserCodeError
 
@@ -447,6 +457,23 @@ def test_the_toy_task_learns_from_the_readme_style_command(tmp_path: Path) -> No
     for r in records[:3]:  # generation and training timed apart: tps is the training's alone
         assert r["training_time_s"] + r["generation_time_s"] == pytest.approx(r["step_time_s"])
         assert r["tps"] == pytest.approx(r["tokens_per_rank"] / r["training_time_s"])
+
+
+def test_a_job_that_cannot_learn_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy task sampled greedily (grpo.temperature = 0): the start-up log has a note that the
+    16 completions of a prompt will be the same, and after ``ALIKE_BATCHES`` (10; 3 here) batches
+    in a row whose every group scored alike a warning says that the policy learns nothing (once)."""
+    from tests.dist_utils import captured_log
+
+    monkeypatch.setattr(GRPOObjective, "ALIKE_BATCHES", 3)
+    with captured_log() as lines:
+        history = train_history(_toy_argv(tmp_path / "dump", "--training.steps", "5", "--grpo.temperature", "0",
+                                          "--training.global_batch_size", "16", "--metrics.log_freq", "1"))
+    assert all(r["grpo/frac_reward_zero_std"] == 1.0 for r in history)
+    assert sum(line.startswith("note: grpo.temperature = 0 samples greedily: the 16 completions of a prompt are "
+                               "the same") for line in lines) == 1, lines
+    assert sum(line.startswith("grpo: in each of the last 3 batches every prompt's 16 completions scored alike")
+               for line in lines) == 1, lines
 
 
 def _toy_argv(dump: Path, *extra: str) -> list[str]:

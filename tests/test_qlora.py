@@ -337,3 +337,22 @@ def test_what_a_4_bit_base_cannot_run_with_is_one_line(extra: list[str], message
                  world_size=4 if "--parallelism.reshard_after_forward_mode" in extra else 2)
     text = str(info.value)
     assert text.startswith("lora.quantize_base: invalid value 'nf4'; ") and message in text and "\n" not in text, text
+
+
+def test_torchao_is_imported_without_its_noise() -> None:
+    """torchao's first import logs a "Failed to load" line for each CUDA extension built for
+    another machine and torch's register_constant deprecation: a QLoRA (or float8, or 8-bit
+    AdamW) job imports it through ``import_torchao`` and writes none of them."""
+    import sys
+
+    from tests.dist_utils import REPO_ROOT, run_command
+
+    code = ("from torchtitan_lite.dtypes import import_torchao\n"
+            "import_torchao('torchao.quantization')\n"
+            "import_torchao('torchao.quantization.quantize_.workflows.nf4.nf4_tensor')\n"
+            "import_torchao('torchao.optim')\n"
+            "import_torchao('torchao.float8')\n"
+            "print('imported')\n")
+    result = run_command([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=240)
+    assert result.returncode == 0 and result.stdout.strip() == "imported", result.stderr
+    assert result.stderr.strip() == "", result.stderr

@@ -1,13 +1,19 @@
-"""The one table from config dtype names (``"bfloat16"``) to ``torch.dtype`` and back."""
+"""The one table from config dtype names (``"bfloat16"``) to ``torch.dtype`` and back; where the
+low-precision formats come from (torchao, imported quietly)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
 import platform
+import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-__all__ = ["DTYPES", "cpu_has_bf16", "dtype_name"]
+__all__ = ["DTYPES", "cpu_has_bf16", "dtype_name", "import_torchao"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "float16": torch.float16}
@@ -38,3 +44,23 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
         if key.strip().lower() in ("flags", "features"):
             return bool(_BF16_FLAGS & set(value.split()))
     return True
+
+
+@functools.cache
+def import_torchao(module: str = "torchao") -> ModuleType:
+    """``importlib.import_module(module)`` of torchao's (NF4, float8, 8-bit AdamW) without the lines
+    its first import writes: a "Failed to load" for each CUDA extension built for another
+    machine, a deprecation of torch's ``register_constant``, a missing Triton. Noise on a CPU
+    machine and nothing these formats use; a newcomer reads them as a broken install. Raises what
+    the import raises (ImportError when torchao is missing)."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return importlib.import_module(module)
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)

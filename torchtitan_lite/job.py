@@ -40,7 +40,7 @@ from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan
 from torchtitan_lite.dpo import DPOSetup
-from torchtitan_lite.dtypes import DTYPES
+from torchtitan_lite.dtypes import DTYPES, import_torchao
 from torchtitan_lite.errors import CheckpointError, ConfigError, DataError, UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of, get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
@@ -322,6 +322,10 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     lora = _lora_plan(config, spec, model_args, dims, sharded=sharded, reshard_mode=reshard_mode)
     dpo = _dpo_plan(config, dims, lora)
     grpo = _grpo_plan(config, dims, lora, global_batch)
+    if grpo is not None and not grpo.given and (grpo.temperature == 0 or grpo.top_k == 1):
+        notes += (f"grpo.{'temperature = 0' if grpo.temperature == 0 else 'top_k = 1'} samples greedily: the "
+                  f"{grpo.num_generations} completions of a prompt are the same, score the same, and their "
+                  "advantages are 0, so the policy does not learn; sample (grpo.temperature > 0, e.g. 1.0)",)
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
@@ -695,7 +699,7 @@ def _qlora_settings(config: JobConfig, model: torch.nn.Module, dims: ParallelDim
         return None
     key, value = "lora.quantize_base", lo.quantize_base
     try:
-        import torchao.quantization  # noqa: F401
+        import_torchao("torchao.quantization")
     except ImportError:
         raise ConfigError(f"{key}: invalid value {value!r}; NF4 is torchao's: pip install 'torchao>=0.16' "
                           "(pip install -e '.[qlora]'), or 'none'") from None

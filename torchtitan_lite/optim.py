@@ -12,6 +12,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan_lite.config.schema import LRScheduler as LRSchedulerConfig
 from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
+from torchtitan_lite.dtypes import import_torchao
 from torchtitan_lite.errors import ConfigError
 
 __all__ = ["build_optimizer", "build_lr_scheduler", "lr_factor", "load_lr_scheduler_position", "param_groups"]
@@ -46,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     )
     if cfg.name == "AdamW8bit":
         try:
-            from torchao.optim import AdamW8bit
+            AdamW8bit = import_torchao("torchao.optim").AdamW8bit
         except ImportError:
             raise ConfigError("optimizer.name: invalid value 'AdamW8bit'; it is torchao's: pip install "
                               "'torchao>=0.16', or 'AdamW'") from None

@@ -70,8 +70,14 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
         logger.info("MFU: %s", mfu)
     added = (f" (auto adds {reshard_plan.recomputed_text()})"
              if reshard_plan is not None and reshard_plan.recomputed else "")
-    logger.info("activation checkpointing: %s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
-                added, ", ".join(config.compile.components) if config.compile.enable else "off")
+    tiles = plan.shape.mlp_tiles
+    memory = [what for on, what in (
+        (plan.shape.activation_offload, "checkpointed blocks' inputs offloaded to host memory"),
+        (tiles != 1, "feed-forwards in " + ("tiles chosen from the sequence" if tiles == 0 else f"{tiles} tiles")),
+        (plan.shape.tiled_loss, "the tiled loss (no whole logits)")) if on]
+    logger.info("activation checkpointing: %s%s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
+                added, "".join(f"; {m}" for m in memory),
+                ", ".join(config.compile.components) if config.compile.enable else "off")
     if getattr(plan.model_args, "num_experts", 0):
         logger.info(_describe_moe(config, plan))
     if plan.shape.float8 is not None:

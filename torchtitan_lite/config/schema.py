@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import math
+import sys
 import types
 import typing
 from collections.abc import Collection
@@ -229,9 +230,10 @@ class Training:
     truncate and packing; relative to job.dump_folder unless absolute (point jobs on the same data at one
     folder to share it); "" renders and tokenizes every conversation on every rank at each start."""
     on_bad_row: Literal["stop", "skip"] = "stop"
-    """For chat data: a row the chat template refuses (its raise_exception or any template error), whose
-    assistant turns cannot be found with certainty, or that is not a conversation: stop the job with one
-    line naming the file and the row (exit 3), or skip it (the skipped rows are counted in the log)."""
+    """For chat, preference and prompts data (and grpo.rollouts_path): a row that cannot be used (a line that
+    is not JSON, a row not in the source's format, one the chat template refuses, a conversation whose
+    assistant turns cannot be found with certainty): stop the job with one line naming the file and the row
+    (exit 3), or skip it (the skipped rows are counted in the log)."""
     tiled_loss: bool = False
     """Compute the output projection and the loss over tiles of rows (each tile's logits made again in
     backward), so that the whole (tokens × vocabulary) logits and their gradient never exist: at 262,144
@@ -779,6 +781,19 @@ def allowed_values(tp: Any) -> str:
     return f"a value of type {type_name(tp)}"
 
 
+def _bracketed(text: str) -> list[Any]:
+    """A command line's ``[a, b]``: a TOML array (``[1.0, 0.1]``, ``["a", "b"]``), or, when it is
+    not one (``[a, b]``, unquoted words), its items between the commas."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on Python 3.10 only
+        import tomli as tomllib
+    try:
+        return list(tomllib.loads(f"v = {text}")["v"])
+    except tomllib.TOMLDecodeError:
+        return [v.strip().strip("'\"") for v in text[1:-1].split(",") if v.strip()]
+
+
 def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
     """Convert ``value`` (a TOML value, or a string from the command line) to ``tp``."""
     optional, inner = is_optional(tp)
@@ -804,13 +819,21 @@ def coerce(key: str, value: Any, tp: Any, *, from_cli: bool) -> Any:
         return _coerce_tables(key, value, typing.get_args(inner)[0], from_cli=from_cli)
     if origin is list:
         (elem,) = typing.get_args(inner)
-        if isinstance(value, str):  # a comma list (TorchTitan's TOML files write some lists so)
-            items: list[Any] = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str) and from_cli and value.strip()[:1] == "[" and value.strip()[-1:] == "]":
+            items: list[Any] = _bracketed(value.strip())  # [1.0, 0.1] as a TOML file writes it
+        elif isinstance(value, str):  # a comma list (TorchTitan's TOML files write some lists so)
+            items = [v.strip() for v in value.split(",") if v.strip()]
         elif isinstance(value, list):
             items = value
         else:
             raise bad
-        return [coerce(key, v, elem, from_cli=from_cli) for v in items]
+        try:
+            return [coerce(key, v, elem, from_cli=from_cli) for v in items]
+        except ConfigError as exc:
+            if not from_cli:
+                raise
+            raise ConfigError(f"{exc} in each item of the list {value!r} (items between commas, or [a, b] as in "
+                              "a TOML file)") from None
     if inner is bool:
         if isinstance(value, bool):
             return value

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,29 +34,19 @@ from torch import nn
 
 from torchtitan_lite.config.schema import float8_recipe_problem
 from torchtitan_lite.distributed.fsdp import Blocks, find_blocks
+from torchtitan_lite.dtypes import import_torchao
 
 __all__ = ["Float8Conversion", "apply_float8", "float8_unavailable", "precompute_float8_scales"]
 
 
 @functools.cache
 def _torchao_error() -> str | None:
-    # torchao's import logs every CUDA extension it cannot load and warns about a missing Triton:
-    # noise on a CPU machine (emulate), and nothing float8 training on a GPU needs.
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
     try:
-        for log in quiet:
-            log.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8  # noqa: F401
+        import_torchao("torchao.float8")
     except Exception as exc:  # a torchao built for another torch may fail with any error
         return (f"float8 training needs torchao, which cannot be imported here ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}; torch {torch.__version__}); install a torchao "
                 "matching this torch: pip install torchao")
-    finally:
-        for log, level in zip(quiet, levels, strict=True):
-            log.setLevel(level)
     return None
 
 

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_lite.dtypes import import_torchao
+
 __all__ = ["BLOCK_SIZE", "NF4_LEVELS", "QUANTIZE_BASE", "SCALER_BLOCK_SIZE", "SHARD_ALIGNMENT", "allocate_constants",
            "dequantized",
            "is_nf4", "nf4_bytes", "nf4_linears", "nf4_problem", "nf4_weights", "quantize_base", "quantize_into"]
@@ -60,10 +62,11 @@ NF4_LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
 """The 16 NormalFloat levels (the QLoRA paper's, as torchao and bitsandbytes use them)."""
 
 
-def _nf4_class() -> type:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+_NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
-    return NF4Tensor
+
+def _nf4_class() -> type:
+    return import_torchao(_NF4_MODULE).NF4Tensor
 
 
 def is_nf4(tensor: Any) -> bool:

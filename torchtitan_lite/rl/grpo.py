@@ -39,7 +39,7 @@ from torchtitan_lite.data.prompts import PromptRow
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.errors import DataError
-from torchtitan_lite.rl.rewards import RewardFunction, call_reward
+from torchtitan_lite.rl.rewards import RewardFunction, call_reward, metric_names
 from torchtitan_lite.training.objectives import StepResult
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
@@ -402,6 +402,7 @@ class GRPOObjective:
         self.decode, self.seed, self.dp_rank = decode, seed, dp_rank
         self.rollouts: Rollouts | None = None
         self.batches_made = 0  # rollout batches made (the generation seed of the next)
+        self.alike_batches = 0  # batches in a row whose every group scored its completions alike
 
     def needs_batch(self) -> bool:
         """Whether the next step takes new prompts (false while rollouts have steps left)."""
@@ -445,7 +446,7 @@ class GRPOObjective:
                                 dtype=torch.float32), names
         return score_completions(self.rewards, prompts, completions, num_generations=s.num_generations,
                                  decode=self.decode, max_completion_length=s.max_completion_length), \
-            [name for name, _ in self.rewards]
+            metric_names(self.rewards)
 
     def _gather(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``x`` of every data-parallel rank, concatenated in rank order (equal shapes)."""
@@ -478,6 +479,7 @@ class GRPOObjective:
                    "grpo/completion_length/min": float(stats[:, 0].min()),
                    "grpo/completion_length/max": float(stats[:, 0].max()),
                    "grpo/truncated_ratio": float(stats[:, 1].mean())}
+        self._warn_when_nothing_is_learnt(metrics["grpo/frac_reward_zero_std"])
         for i, name in enumerate(names):
             metrics[f"grpo/rewards/{name}/mean"] = float(torch.nanmean(all_functions[:, i]))
             metrics[f"grpo/rewards/{name}/std"] = float(_nanstd(all_functions[:, i]))
@@ -502,6 +504,20 @@ class GRPOObjective:
                     rollouts.ref = self._logps(runner, rollouts, reference)
         self.batches_made += 1
         return rollouts
+
+    ALIKE_BATCHES = 10
+    """Batches in a row whose every group scored alike (advantages all 0) before a warning."""
+
+    def _warn_when_nothing_is_learnt(self, frac_zero_std: float) -> None:
+        """One warning (rank 0) when every group of :attr:`ALIKE_BATCHES` batches in a row scored
+        its completions alike: the advantages are 0 and the policy gradient is nothing."""
+        self.alike_batches = self.alike_batches + 1 if frac_zero_std == 1.0 else 0
+        if self.alike_batches == self.ALIKE_BATCHES and self.dp_rank == 0:
+            logger.warning("grpo: in each of the last %d batches every prompt's %d completions scored alike "
+                           "(grpo/frac_reward_zero_std = 1): their advantages are 0 and the policy does not learn "
+                           "from them; check that the reward functions tell completions apart (the rewards' "
+                           "columns, e.g. answer) and that sampling varies them (grpo.temperature)",
+                           self.ALIKE_BATCHES, self.setup.num_generations)
 
     def _sampling_logps(self, prompts: list[PromptRow], labels: torch.Tensor) -> torch.Tensor | None:
         """The given rollouts' sampling log-probabilities laid out as ``labels`` (None when a row has none)."""

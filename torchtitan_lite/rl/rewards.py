@@ -165,6 +165,15 @@ def resolve_reward_functions(names: Sequence[str]) -> list[tuple[str, RewardFunc
     return found
 
 
+def metric_names(functions: Sequence[tuple[str, RewardFunction]]) -> list[str]:
+    """The names the reward functions' metrics go by (``grpo/rewards/NAME/mean``): a shipped one's
+    name, and for a dotted path the function's ``__name__``, as TRL names them (``boom`` for
+    ``myrewards.boom``); the dotted path where two would be alike or a callable has no name."""
+    short = [name if name in SHIPPED else getattr(function, "__name__", name) for name, function in functions]
+    return [s if short.count(s) == 1 and s != "<lambda>" else name
+            for s, (name, _) in zip(short, functions, strict=True)]
+
+
 def call_reward(name: str, function: RewardFunction, prompts: list[Any], completions: list[Any],
                 columns: dict[str, list[Any]]) -> list[float]:
     """``function``'s rewards of the completions (None as NaN); one :class:`UserCodeError` line
