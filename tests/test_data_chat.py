@@ -282,23 +282,14 @@ def _for_family(family: str, row: dict[str, Any]) -> dict[str, Any]:
 
 def write_chat_tokenizer(folder: Path, family: str, *, template: str | None = None) -> Path:
     """A byte-level BPE tokenizer.json trained on the conversations' text, with the family's
-    special tokens, and a tokenizer_config.json holding its chat template (or ``template``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    special tokens, and a tokenizer_config.json holding its chat template (or ``template``):
+    ``scripts/make_tiny_hf_model.py``'s tokenizer, on these texts."""
+    from scripts.make_tiny_hf_model import write_chat_tokenizer as write
 
     template_file, special, bos, eos, _, _ = FAMILIES[family]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [json.dumps(m) for conv in CONVERSATIONS for m in conv] + [json.dumps(r) for _, r in EXTRA]
-    tok.train_from_iterator(texts * 5, trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-        "chat_template": template if template is not None else (TEMPLATES / template_file).read_text()}))
-    return folder / "tokenizer.json"
+    return write(folder, texts=texts * 5, special_tokens=special, bos=bos, eos=eos,
+                 chat_template=template if template is not None else (TEMPLATES / template_file).read_text())
 
 
 def _hf_ids(hf: Any, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:

@@ -29,6 +29,55 @@ def test_byte_tokenizer_round_trip():
     assert arr.tolist() == ids
 
 
+def test_every_tokenizer_has_the_same_methods_from_text_to_ids(tmp_path):
+    """The byte tokenizer, a tokenizer.json (the toy task's, whose post-processor adds BOS) and a
+    tiktoken tokenizer.model answer the same calls with the same signatures: ``encode`` is a
+    document's ids as ``encode_batch`` gives them (BOS and EOS each as asked), and ``encode_text``
+    a plain-text prompt's ids as the prompts source makes them (the post-processor's BOS here)."""
+    import base64
+    import inspect
+
+    from tests.dist_utils import REPO_ROOT
+    from torchtitan_lite.data import TiktokenTokenizer, Tokenizer
+    from torchtitan_lite.data.prompts import encode_prompt
+
+    pytest.importorskip("tiktoken")
+    toy = REPO_ROOT / "tests" / "assets" / "toy_rl"
+    ranks = {bytes([b]): b for b in range(256)} | {b"co": 256, b"py": 257, b"copy": 258, b" a": 259, b"nd": 260}
+    model = tmp_path / "tokenizer.model"
+    model.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    tokenizers = {"bytes": build_tokenizer(None), "tokenizer.json": build_tokenizer(str(toy)),
+                  "tokenizer.model": build_tokenizer(str(model))}
+    assert [type(t) for t in tokenizers.values()] == [ByteTokenizer, HFTokenizer, TiktokenTokenizer]
+    for method in ("encode", "encode_text", "encode_batch", "decode"):
+        wanted = inspect.signature(getattr(Tokenizer, method))
+        for name, tok in tokenizers.items():
+            assert inspect.signature(getattr(type(tok), method)) == wanted, (name, method)
+    text = "copy 3 : and 7"
+    for name, tok in tokenizers.items():
+        body = tok.encode(text, bos=False, eos=False)
+        assert body and tok.decode(body) == text, name
+        assert tok.encode(text) == [tok.bos_id, *body, tok.eos_id] == tok.encode_batch([text])[0].tolist(), name
+        assert tok.encode(text, eos=False) == [tok.bos_id, *body], name
+        assert tok.encode(text, bos=False) == [*body, tok.eos_id], name
+        assert tok.encode_text(text) == [tok.bos_id, *body], name  # (each of these adds BOS only)
+    toy_tok = tokenizers["tokenizer.json"]
+    assert toy_tok.encode_text(text) == encode_prompt({"prompt": text}, toy_tok, None)[0]
+    assert len(tokenizers["tokenizer.model"].encode(text, bos=False, eos=False)) < len(text)  # (merged: "copy")
+
+
+def test_hf_tokenizer_without_bos_encodes_without_it(tmp_path):
+    """A tokenizer.json with an EOS and no BOS (Qwen's): ``encode`` leaves BOS out even when asked,
+    and ``encode_text`` adds what its post-processor adds (nothing here)."""
+    path = train_hf_tokenizer(tmp_path, special=("<|endoftext|>", "<|im_end|>"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|im_end|>"}))
+    tok = HFTokenizer(path)
+    assert tok.bos_id is None and tok.eos_id is not None
+    body = tok.encode("hello there", bos=False, eos=False)
+    assert tok.encode("hello there") == [*body, tok.eos_id] == tok.encode_batch(["hello there"])[0].tolist()
+    assert tok.encode_text("hello there") == body
+
+
 def test_hf_tokenizer_from_tokenizer_json(tmp_path):
     path = train_hf_tokenizer(tmp_path / "tok")
     tok = build_tokenizer(str(path))

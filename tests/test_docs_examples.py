@@ -7,7 +7,8 @@ Every other block is an example: ``bash`` blocks give one example per command (`
 continuations joined, comments dropped, ``&&`` chains split), ``toml`` and ``python`` blocks one
 each. Each example is one test, its id the page and line (``README.md:14``; ``#2`` for the second
 command of a chain), and runs in a temporary working copy (``train_configs``, ``scripts``,
-``tests``, ``torchtitan_lite`` and ``pyproject.toml`` linked in, ``docs/benchmarks`` empty), so
+``examples``, ``tests``, ``torchtitan_lite`` and ``pyproject.toml`` linked in, ``docs/benchmarks``
+empty), so
 nothing is written into the repository. What an example needs is said by a hidden marker, an HTML
 comment just before its block (other comments may sit between them)::
 
@@ -25,6 +26,8 @@ Actions, separated by ``;`` (arguments as a shell splits them):
   download`` commands are skipped (``installs``, ``a download``) unless a line names them.
 - ``tested-by PATH``: another test runs this example (the file must name the page). ``same-as
   PAGE``: the block is, word for word, one of PAGE's, whose examples run.
+- ``file PATH``: the block is, word for word, the repository's file PATH (a shipped script the page
+  shows; checked when the examples are collected, so ``tests/test_docs.py`` checks it too).
 - ``run``: as written. ``append ARGS``: arguments added at the end of the command (a ``toml``
   block's job, a ``python`` script). ``sub OLD NEW``: text replaced in the command.
 - ``base PATH``: a ``toml`` fragment, merged onto that job file. ``ranks N``: the ``toml`` job or
@@ -78,10 +81,10 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[^`
 EXAMPLE_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "toml": "toml", "python": "python",
                      "py": "python"}
 NOT_EXAMPLES = {"text"}
-ACTIONS = ("skip", "tested-by", "same-as", "run", "append", "sub", "base", "ranks", "fragment", "signature", "setup",
-           "exit", "expect", "expect-next", "count", "jsonl", "exists", "timeout")
+ACTIONS = ("skip", "tested-by", "same-as", "file", "run", "append", "sub", "base", "ranks", "fragment", "signature",
+           "setup", "exit", "expect", "expect-next", "count", "jsonl", "exists", "timeout")
 AUTOMATIC = (("pip install", "skip installs"), ("huggingface-cli download", "skip a download"))
-LINKED = ("train_configs", "scripts", "tests", "torchtitan_lite", "pyproject.toml")
+LINKED = ("train_configs", "scripts", "examples", "tests", "torchtitan_lite", "pyproject.toml")
 LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
             "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -240,6 +243,22 @@ def _commands(text: str) -> list[tuple[int, str]]:
     return logical
 
 
+def _file_problem(block: Block, files: list[list[str]]) -> str | None:
+    """Why a block marked ``file PATH`` is not that file word for word (None: it is)."""
+    for args in files:
+        if len(args) != 1:
+            return f"file takes one repository path, got {args}"
+        path = REPO_ROOT / args[0]
+        if not path.is_file():
+            return f"file {args[0]}: no such file in the repository"
+        shipped, shown = path.read_text(encoding="utf-8").splitlines(), block.text.splitlines()
+        if shipped != shown:
+            line = next((n for n, (a, b) in enumerate(zip(shipped, shown, strict=False), 1) if a != b),
+                        min(len(shipped), len(shown)) + 1)
+            return f"the block is not {args[0]} word for word (they differ at its line {line}): change both"
+    return None
+
+
 def examples(block: Block) -> list[Example]:
     """The examples of a block (none for ``text``); a block that is not well marked gives one
     example that fails with the problem."""
@@ -255,6 +274,9 @@ def examples(block: Block) -> list[Example]:
         directives = parse_marker(block.marker) if block.marker is not None else []
     except ValueError as exc:
         return [Example(block, block.marker_line or block.line, block.text, 0, [], problem=str(exc))]
+    shown = _file_problem(block, [args for d in directives for kw, args in d.actions if kw == "file"])
+    if shown:
+        return [Example(block, block.marker_line or block.line, block.text, 0, [], problem=shown)]
     if lang != "bash":
         chosen = [d for d in directives if d.selector is None]
         actions = [a for d in chosen for a in d.actions]
@@ -320,13 +342,17 @@ def _texts(count: int) -> list[str]:
 
 def _hf_llama_chat(path: Path) -> None:
     """A tiny Llama saved by transformers, with a trained tokenizer and Llama 3's chat template:
-    a Hugging Face folder as a downloaded Instruct model is."""
-    from tests.test_data_chat import write_chat_tokenizer
-    from tests.test_decoder_hf import hf_llama
-    from torchtitan_lite.data import HFTokenizer
+    a Hugging Face folder as a downloaded Instruct model is (``scripts/make_tiny_hf_model.py``'s)."""
+    from scripts.make_tiny_hf_model import make_tiny_hf_model
 
-    tokenizer = write_chat_tokenizer(path, "llama3")
-    hf_llama(path, vocab_size=HFTokenizer(tokenizer).vocab_size)
+    make_tiny_hf_model(path, family="llama3")
+
+
+def _hf_qwen3_chat(path: Path) -> None:
+    """The same of Qwen3 (its special tokens and chat template, tied embeddings, per-head norms)."""
+    from scripts.make_tiny_hf_model import make_tiny_hf_model
+
+    make_tiny_hf_model(path, family="qwen3")
 
 
 def _chat(path: Path) -> None:
@@ -367,8 +393,9 @@ def _c4(path: Path) -> None:
             f.writelines(json.dumps({"text": t, "url": "https://example.com"}) + "\n" for t in _texts(20))
 
 
-_SETUP: dict[str, Callable[[Path], None]] = {"hf-llama-chat": _hf_llama_chat, "chat": _chat, "pairs": _pairs,
-                                             "parquet": _parquet, "tokens": _tokens, "c4": _c4}
+_SETUP: dict[str, Callable[[Path], None]] = {"hf-llama-chat": _hf_llama_chat, "hf-qwen3-chat": _hf_qwen3_chat,
+                                             "chat": _chat, "pairs": _pairs, "parquet": _parquet, "tokens": _tokens,
+                                             "c4": _c4}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Tokenizers: bytes (no files), a Hugging Face ``tokenizer.json``, Meta's tiktoken ``tokenizer.model``.
 
 Every tokenizer puts BOS/EOS around each document it encodes, so packed documents stay apart.
+Every one has the same methods from text to ids (:class:`Tokenizer`): ``encode(text, bos=, eos=)``
+(a document, BOS and EOS as asked), ``encode_text(text)`` (a plain-text prompt, as the prompts
+source encodes it) and ``encode_batch(texts)`` (documents, as the data pipeline packs them).
 """
 
 from __future__ import annotations
@@ -36,11 +39,25 @@ __all__ = [
 
 
 class Tokenizer(Protocol):
-    """What the data pipeline needs from a tokenizer."""
+    """What the data pipeline (and a script on the engine's tokenizer) needs from a tokenizer: the
+    same methods on every class."""
 
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        """Ids of ``text`` with BOS in front and EOS after, each when asked (and when the tokenizer
+        has one): by default what :meth:`encode_batch` gives a document; ``bos=False, eos=False``
+        the text alone (a chat template's rendering, whose special tokens are written in it)."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of a plain-text prompt with the tokenizer's own special tokens, as transformers'
+        ``tokenizer(text)`` gives them and the prompts source encodes a string prompt: a
+        ``tokenizer.json``'s post-processor's (a Llama folder's BOS, none for Qwen's); BOS for the
+        byte tokenizer and Meta's ``tokenizer.model``."""
+        ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text with BOS/EOS added, as ``uint32`` arrays."""
@@ -57,8 +74,13 @@ class ByteTokenizer:
     vocab_size = 258
 
     def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        """The text's UTF-8 bytes, with BOS and EOS when asked (:meth:`Tokenizer.encode`)."""
         ids = list(text.encode("utf-8"))
         return ([256] if bos else []) + ids + ([257] if eos else [])
+
+    def encode_text(self, text: str) -> list[int]:
+        """A plain-text prompt's ids: BOS and the bytes (:meth:`Tokenizer.encode_text`)."""
+        return self.encode(text, eos=False)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         out = []
@@ -156,6 +178,13 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> list[int]:
+        """Ids of ``text`` as written (special-token spellings are special tokens), with the BOS
+        and EOS ids of this tokenizer when asked (:meth:`Tokenizer.encode`)."""
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        tail = [self.eos_id] if eos and self.eos_id is not None else []
+        return head + list(self._tok.encode(text, add_special_tokens=False).ids) + tail
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of ``text`` with the tokenizer's own special tokens added (its post-processor: a
@@ -399,6 +428,11 @@ class TiktokenTokenizer:
         """Ids of ``text`` (special-token spellings as plain text), with BOS/EOS when asked."""
         (body,) = self._encode_texts([text])
         return ([self.bos_id] if bos else []) + body + ([self.eos_id] if eos else [])
+
+    def encode_text(self, text: str) -> list[int]:
+        """A plain-text prompt's ids: ``<|begin_of_text|>`` and the text, as Meta's Llama 3
+        folders' ``tokenizer.json`` adds it (:meth:`Tokenizer.encode_text`)."""
+        return self.encode(text, eos=False)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         simple = [len(t) <= _TIKTOKEN_MAX_ENCODE_CHARS and not _LONG_RUN.search(t) for t in texts]
