@@ -113,6 +113,25 @@ _PATH = re.compile(r"[A-Za-z0-9_./-]+\.(?:py|toml|md|json|sh|slurm|jsonl|yaml|ji
 _GENERATED = ("outputs/", "artifacts/", "data/", "assets/", "my_", "research_", "z_loss_")  # made by the examples
 
 
+def _package_classes() -> dict[str, list[type]]:
+    """Every class the package defines, by its name (a bare ``Class.method`` of a page is checked
+    against the classes of that name)."""
+    import importlib
+    import inspect
+
+    found: dict[str, list[type]] = {}
+    for path in sorted((REPO_ROOT / "torchtitan_lite").rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == name:
+                found.setdefault(cls.__name__, []).append(cls)
+    return found
+
+
 def _reference_problems() -> list[str]:
     """Every backticked ``section.key`` (ours, or TorchTitan's that we read), ``torchtitan_lite.x.y``
     name and repository path of the README and the pages that does not exist."""
@@ -121,6 +140,7 @@ def _reference_problems() -> list[str]:
     from torchtitan_lite.config.schema import SECTIONS, field_types
     from torchtitan_lite.config.torchtitan import lookup
 
+    classes = _package_classes()
     problems = []
     for page in _pages():
         for token in re.findall(r"`([^`\n]+)`", page.read_text()):
@@ -141,6 +161,9 @@ def _reference_problems() -> list[str]:
                                for a in parts[cut:]):
                         problems.append(f"{page.name}: name {token}")
                     break
+            elif (method := re.fullmatch(r"([A-Z]\w*)\.([a-z_]\w*)(?:\(.*\))?", token)) and method.group(1) in classes:
+                if not any(hasattr(cls, method.group(2)) for cls in classes[method.group(1)]):
+                    problems.append(f"{page.name}: name {method.group(1)}.{method.group(2)}")
             elif _PATH.fullmatch(token) and "/" in token and not token.startswith(("/", "~", ".", *_GENERATED)):
                 if not any((REPO_ROOT / base / token).exists() for base in ("", "torchtitan_lite", "docs")):
                     problems.append(f"{page.name}: path {token}")
@@ -152,10 +175,12 @@ def test_every_key_name_and_path_the_pages_name_exists(tmp_path, monkeypatch) ->
     assert _reference_problems() == []
     probe = tmp_path / "probe.md"  # the check itself sees each kind of stale reference
     probe.write_text("`training.stepz` `training.steps` `training.batch_size` `torchtitan_lite.trainer.Nope` "
-                     "`torchtitan_lite.trainer.Trainer` `scripts/nope.py` `scripts/benchmark.py`")
+                     "`torchtitan_lite.trainer.Trainer` `scripts/nope.py` `scripts/benchmark.py` "
+                     "`Trainer.forward_backward` `Trainer.train_step` `MicroBatchRunner.rows_logps(inputs, labels)` "
+                     "`Path.exists`")
     monkeypatch.setattr(sys.modules[__name__], "_pages", lambda: [probe])
     assert _reference_problems() == ["probe.md: key training.stepz", "probe.md: name torchtitan_lite.trainer.Nope",
-                                     "probe.md: path scripts/nope.py"]
+                                     "probe.md: path scripts/nope.py", "probe.md: name Trainer.forward_backward"]
 
 
 # Narration of how the project got here: a page says what is true now, and a figure carries one

@@ -24,7 +24,7 @@ from torchtitan_lite.data import HFTokenizer
 from torchtitan_lite.data.chat_template import ChatTemplate, RowError
 from torchtitan_lite.data.preference import encode_pair, pair_rows
 from torchtitan_lite.data.windows import IGNORE_INDEX
-from torchtitan_lite.dpo import counted_tokens, dpo_losses, sequence_logps
+from torchtitan_lite.objectives.preference import counted_tokens, dpo_losses, sequence_logps
 
 trl = pytest.importorskip("trl")
 
@@ -832,6 +832,7 @@ def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: 
     from tests.dist_utils import run_distributed
     from torchtitan_lite.checkpoint import hf_storage
     from torchtitan_lite.config import load_job_config
+    from torchtitan_lite.distributed.job_shape import ObjectiveShape
     from torchtitan_lite.distributed.parallelize import build_sharded_model
     from torchtitan_lite.job import plan_job
     from torchtitan_lite.memory.estimate import estimate_memory, estimate_stages, job_estimate_shape
@@ -868,7 +869,8 @@ def test_the_estimate_of_a_dpo_step_is_within_bounds_of_the_allocator(tmp_path: 
                 assert -0.03 <= error <= 0.10, (name, estimate.pipeline_rank, estimate.peak, measured, error)
             continue
         estimate = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode)
-        plain = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode, dpo_reference=None)
+        plain = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode,
+                                objective_shape=ObjectiveShape())  # (the token step: no pair, no reference)
         error = (estimate.peak - max(measured)) / max(measured)
         print(f"{name}: {error:+.2%}")
         assert -0.03 <= error <= 0.10, (name, estimate.peak, measured, error)

@@ -17,12 +17,12 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, read_jsonl, run_distributed
 from tests.test_trainer_divergence import _main
 from torchtitan_lite.checkpoint.manager import committed_steps
-from torchtitan_lite.dump_lock import LOCK_FILE, DumpFolderLock
 from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.run.dump_lock import LOCK_FILE, DumpFolderLock
 
 HOLD = """
 import sys, time
-from torchtitan_lite.dump_lock import DumpFolderLock
+from torchtitan_lite.run.dump_lock import DumpFolderLock
 lock = DumpFolderLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -32,7 +32,7 @@ time.sleep(600)
 
 def _try_lock(folder: Path) -> subprocess.CompletedProcess[str]:
     code = (
-        "import sys\nfrom torchtitan_lite.dump_lock import DumpFolderLock\n"
+        "import sys\nfrom torchtitan_lite.run.dump_lock import DumpFolderLock\n"
         "from torchtitan_lite.errors import ConfigError\n"
         "try:\n    DumpFolderLock(sys.argv[1]).acquire()\nexcept ConfigError as e:\n    print(e)\n    sys.exit(2)\n"
     )

@@ -55,19 +55,16 @@ def test_export_weights_streams_the_hugging_face_exports_tensors(tmp_path: Path,
 @pytest.mark.scenario  # (two torchrun jobs end to end: left out of the default selection; .ci/run runs it)
 @pytest.mark.slow
 def test_the_engine_loop_of_the_rl_page_gives_the_built_in_losses(tmp_path: Path) -> None:
-    """docs/rl.md's script, GRPO written on the engine (generate, rewards, advantages,
-    ``train_batch``), under torchrun at 2 ranks on the toy task's job: its three steps' losses and
-    gradient norms are those the built-in loop logs for the same job, within 1e-6."""
+    """docs/rl.md's script, ``examples/grpo_on_the_engine.py`` (GRPO written on the engine:
+    generate, rewards, advantages, ``train_batch``), under torchrun at 2 ranks on the toy task's
+    job: its three steps' losses and gradient norms are those the built-in loop logs for the same
+    job, within 1e-6."""
     import re
     import sys
 
     from tests.dist_utils import REPO_ROOT, free_port, read_jsonl, run_command, run_torchrun
 
-    text = (REPO_ROOT / "docs" / "rl.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- engine-example:start -->\n```python\n(.*?)```\n<!-- engine-example:end -->", text, re.S)
-    assert match, "docs/rl.md lost its marked engine-example"
-    script = tmp_path / "grpo_on_the_engine.py"
-    script.write_text(match.group(1), encoding="utf-8")
+    script = REPO_ROOT / "examples" / "grpo_on_the_engine.py"  # (the page shows it: tests/test_docs_examples.py)
     job = ["--job.config_file", "train_configs/grpo_toy.toml", "--training.steps", "3",
            "--training.global_batch_size", "32", "--training.local_batch_size", "16", "--metrics.log_freq", "1"]
     ours = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",

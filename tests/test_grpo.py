@@ -24,7 +24,8 @@ from tests.dist_utils import one_error_line, refused_lines, run_distributed, tra
 from tests.test_data_chat import write_chat_tokenizer
 from tests.test_dpo import _hf_folder
 from torchtitan_lite.data.prompts import PromptRow
-from torchtitan_lite.rl.grpo import GRPOObjective, GRPOSetup, group_advantages
+from torchtitan_lite.objectives.grpo import GRPOObjective
+from torchtitan_lite.rl.losses import GRPOSetup, group_advantages
 from torchtitan_lite.rl.rewards import accuracy, call_reward, final_answer, format_reward, length_penalty
 from torchtitan_lite.training import MicroBatchRunner
 
@@ -587,8 +588,6 @@ def test_given_sampling_logprobs_weigh_the_policy_loss_as_trl_corrects_vllm(tmp_
     and per token exp(0.08) (token_truncate)."""
     import dataclasses
 
-    from torchtitan_lite.rl.grpo import rows_logps
-
     family = "llama3"
     write_chat_tokenizer(tmp_path / "tok", family)
     model = _hf_folder(tmp_path / "policy", family, 7, tmp_path / "tok")
@@ -607,7 +606,7 @@ def test_given_sampling_logprobs_weigh_the_policy_loss_as_trl_corrects_vllm(tmp_
     rows = _as_prompt_rows(lines)
     uncorrected = float(plain.forward_backward(runner, [rows]).loss_sum[0])
     made = plain.rollouts
-    policy = rows_logps(runner, made.inputs, made.labels, local_batch_size=4)
+    policy = runner.rows_logps(made.inputs, made.labels, local_batch_size=4)
     counted = made.labels != -100
 
     def with_logprobs(shift: float) -> list[PromptRow]:

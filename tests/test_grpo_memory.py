@@ -13,15 +13,21 @@ import pytest
 
 from tests.dist_utils import REPO_ROOT, run_distributed
 from tests.test_data_chat import write_chat_tokenizer
-from torchtitan_lite.distributed.job_shape import JobShape, RolloutShape
+from torchtitan_lite.distributed.job_shape import JobShape, ObjectiveShape, RolloutShape
 from torchtitan_lite.memory.estimate import estimate_memory
 from torchtitan_lite.models import get_model_spec
+from torchtitan_lite.objectives.grpo import step_shape
 
 SPEC = get_model_spec("llama3")
 TINY = dataclasses.replace(SPEC.model_args("tiny"), vocab_size=512)
 # 2 ranks, fp32: 32 completions a rank of 128 tokens (prompts of up to 64), 1 per micro-batch
 SHAPE = JobShape(world_size=2, local_batch_size=1, seq_len=128, grad_accum_steps=32, device_type="cpu")
 GENERATING = RolloutShape(generation_rows=32, prompt_len=64, new_tokens=64)
+
+
+def _rl(rollout: RolloutShape, reference: str | None = None) -> JobShape:
+    """:data:`SHAPE` as a GRPO step of ``rollout`` with ``reference``."""
+    return SHAPE.replace(objective_shape=step_shape(rollout, reference=reference))
 
 
 def test_the_estimate_of_a_grpo_step_counts_generation_what_it_keeps_and_the_reference() -> None:
@@ -31,7 +37,7 @@ def test_the_estimate_of_a_grpo_step_counts_generation_what_it_keeps_and_the_ref
     policy's and the reference's log-probabilities (fp32, every completion's positions) and a
     frozen copy as the reference add at least those tensors and the copy's shards."""
     plain = estimate_memory(SPEC, TINY, SHAPE, reshard_after_forward_mode="default")
-    generating = estimate_memory(SPEC, TINY, SHAPE.replace(rollout=GENERATING), reshard_after_forward_mode="default")
+    generating = estimate_memory(SPEC, TINY, _rl(GENERATING), reshard_after_forward_mode="default")
     kv_cache = TINY.n_layers * 2 * 32 * (TINY.n_kv_heads * TINY.dim // TINY.n_heads) * 128 * 4
     assert generating.kv_cache == kv_cache
     assert generating.peak_phase == "generation" and generating.peak == generating.generation_peak
@@ -39,14 +45,13 @@ def test_the_estimate_of_a_grpo_step_counts_generation_what_it_keeps_and_the_ref
     assert generating.generation_peak >= state + kv_cache, (generating.generation_peak, state, kv_cache)
     assert generating.peak > plain.peak + kv_cache // 2
     assert plain.kv_cache == plain.generation_peak == 0
-    with_copy = estimate_memory(SPEC, TINY, SHAPE.replace(rollout=dataclasses.replace(GENERATING, reference="copy")),
+    with_copy = estimate_memory(SPEC, TINY, _rl(GENERATING, "copy"),
                                 reshard_after_forward_mode="default")
     assert with_copy.generation_peak >= generating.generation_peak + with_copy.state["reference_params"] > 0
 
     given = dataclasses.replace(GENERATING, generation_rows=0)
-    nothing_kept = estimate_memory(SPEC, TINY, SHAPE.replace(rollout=given), reshard_after_forward_mode="default")
-    kept = estimate_memory(SPEC, TINY, SHAPE.replace(rollout=dataclasses.replace(given, old_logps=True,
-                                                                                  reference="copy")),
+    nothing_kept = estimate_memory(SPEC, TINY, _rl(given), reshard_after_forward_mode="default")
+    kept = estimate_memory(SPEC, TINY, _rl(dataclasses.replace(given, old_logps=True), "copy"),
                            reshard_after_forward_mode="default")
     assert nothing_kept.kv_cache == 0 and nothing_kept.peak_phase != "generation"
     assert kept.state["reference_params"] == nothing_kept.state["sharded_params"]
@@ -63,16 +68,16 @@ def test_auto_counts_the_kv_cache_and_says_what_lowers_it() -> None:
 
     ample = 2**40
     plain = plan_auto_reshard(SPEC, TINY, SHAPE, budget_bytes=ample)  # (nothing resharded: its never estimate)
-    generating = plan_auto_reshard(SPEC, TINY, SHAPE.replace(rollout=GENERATING), budget_bytes=ample)
+    generating = plan_auto_reshard(SPEC, TINY, _rl(GENERATING), budget_bytes=ample)
     assert generating.estimate.peak_phase == "generation"
     budget = (plain.peak + generating.peak) // 2 + plain.headroom
     assert plan_auto_reshard(SPEC, TINY, SHAPE, budget_bytes=budget).resharded == ()
     with pytest.raises(ValueError) as error:
-        plan_auto_reshard(SPEC, TINY, SHAPE.replace(rollout=GENERATING), budget_bytes=budget)
+        plan_auto_reshard(SPEC, TINY, _rl(GENERATING), budget_bytes=budget)
     message = str(error.value)
     assert "\n" not in message and "in generation (its KV cache)" in message
     assert "grpo.generation_batch_size" in message
-    halved = SHAPE.replace(rollout=dataclasses.replace(GENERATING, generation_rows=16))
+    halved = _rl(dataclasses.replace(GENERATING, generation_rows=16))
     chosen = plan_auto_reshard(SPEC, TINY, halved, budget_bytes=budget)
     assert chosen.estimate.kv_cache == generating.estimate.kv_cache // 2 and chosen.peak + chosen.headroom <= budget
 
@@ -147,7 +152,8 @@ def test_the_estimate_of_a_grpo_step_is_within_bounds_of_the_allocator(tmp_path:
     shape = job_estimate_shape(plan)
     mode = plan.shape.reshard_after_forward_mode
     estimate = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode)
-    plain = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode, rollout=None)
+    plain = estimate_memory(plan.spec, plan.model_args, shape, reshard_after_forward_mode=mode,
+                           objective_shape=ObjectiveShape())
     measured = max(run_distributed(_grpo_step_peak, 2, argv, warmup, timeout=600))  # (a hang bound, for a loaded host)
     error = (estimate.peak - measured) / measured
     print(f"{case}: estimate {estimate.peak} B ({estimate.peak_phase}), allocator {measured} B, {error:+.2%}")

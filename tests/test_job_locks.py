@@ -22,8 +22,8 @@ from tests.test_dump_lock import start_torchrun
 from tests.test_trainer_divergence import _main
 from torchtitan_lite.checkpoint.manager import committed_steps
 from torchtitan_lite.distributed.process_group import LAUNCHER_GONE_EXIT_CODE
-from torchtitan_lite.dump_lock import LOCK_FILE, DumpFolderLock
 from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.run.dump_lock import LOCK_FILE, DumpFolderLock
 
 HANG_S = 120  # a bound on hangs only, never a speed requirement
 
@@ -237,7 +237,7 @@ def test_a_process_not_started_by_an_elastic_agent_is_left_alone(monkeypatch: py
 # told (the race exit_with_launcher guards): it exits at once when it asks.
 LATE_WORKER = """
 import os, time
-from torchtitan_lite import launcher_watch
+from torchtitan_lite.run import launcher_watch
 print("imported", flush=True)
 while os.getppid() == launcher_watch._launcher_pid:  # until the launcher is gone
     time.sleep(0.01)

@@ -25,8 +25,8 @@ from tests.conftest import TINY_ARGS
 from tests.dist_utils import REPO_ROOT, captured_log, free_port
 from tests.test_dump_lock import start_torchrun
 from tests.test_job_locks import _set_child_subreaper
-from torchtitan_lite.dump_lock import LOCK_FILE, DumpFolderLock
-from torchtitan_lite.launcher_watch import LAUNCHER_GONE_EXIT_CODE
+from torchtitan_lite.run.dump_lock import LOCK_FILE, DumpFolderLock
+from torchtitan_lite.run.launcher_watch import LAUNCHER_GONE_EXIT_CODE
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
 
@@ -133,7 +133,7 @@ WORKER_AFTER_ITS_LAUNCHER = """
 import os, subprocess, sys, time
 while os.getppid() == int(os.environ["TEST_LAUNCHER_PID"]):  # until the launcher is gone: before our first line
     time.sleep(0.01)
-from torchtitan_lite.launcher_watch import exit_with_launcher
+from torchtitan_lite.run.launcher_watch import exit_with_launcher
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(sys.argv[1], "w") as out:
     out.write(str(child.pid))
@@ -169,8 +169,8 @@ def test_a_worker_whose_launcher_died_before_its_first_line_learns_it_from_the_a
 
 HOLDER = """
 import sys, time
-from torchtitan_lite.launcher_watch import exit_with_launcher
-from torchtitan_lite.dump_lock import DumpFolderLock
+from torchtitan_lite.run.launcher_watch import exit_with_launcher
+from torchtitan_lite.run.dump_lock import DumpFolderLock
 exit_with_launcher()
 lock = DumpFolderLock(sys.argv[1])
 lock.acquire()

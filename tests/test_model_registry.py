@@ -22,14 +22,14 @@ from torch import nn
 from tests.dist_utils import REPO_ROOT, read_jsonl
 from torchtitan_lite.models import MODEL_SPECS, get_model_spec, register_model_spec
 from torchtitan_lite.models import init as shard_init
-from torchtitan_lite.models.spec import FSDPLayout, ModelSpec
+from torchtitan_lite.models.spec import DecoderArgs, FSDPLayout, ModelSpec
 
 NAME = "test_registry_lm"
 
 
 @dataclass(frozen=True)
-class TinyLMArgs:
-    """Shape of :class:`TinyLM`."""
+class TinyLMArgs(DecoderArgs):
+    """Shape of :class:`TinyLM` (dense, its output layer its own: ``DecoderArgs``' defaults)."""
 
     dim: int = 32
     n_layers: int = 2
@@ -235,6 +235,14 @@ def test_an_unusable_spec_is_one_line() -> None:
         register_model_spec(dataclasses.replace(SPEC, flavors={}))
     with pytest.raises(ValueError, match=r"^register_model_spec: args_cls int must be a dataclass[^\n]*$"):
         register_model_spec(dataclasses.replace(SPEC, args_cls=int))
+
+    @dataclass(frozen=True)
+    class Undeclared:  # (what the rest of the package reads of every family's args, not declared)
+        vocab_size: int = 8
+        max_seq_len: int = 8
+
+    with pytest.raises(ValueError, match=r"args_cls Undeclared must derive from torchtitan_lite.models.spec.Decoder"):
+        register_model_spec(dataclasses.replace(SPEC, args_cls=Undeclared, flavors={"small": Undeclared()}))
     assert NAME not in MODEL_SPECS
 
 

@@ -4,6 +4,7 @@ model family is named outside its own folder and the registry."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,10 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 def test_config_schema_imports_only_errors() -> None:
     graph = import_graph()
-    assert graph["torchtitan_lite.config.schema"] == {"torchtitan_lite.errors"}
+    parts = {f"torchtitan_lite.config.{name}" for name in ("sections", "types", "validate")}
+    assert graph["torchtitan_lite.config.schema"] == parts  # (the schema's one name: split by concern)
+    for part in parts:
+        assert graph[part] <= {"torchtitan_lite.errors", *parts}, (part, graph[part])
     assert graph["torchtitan_lite.errors"] == set()
     # At run time too: importing the schema loads no other part of the package, and not torch.
     code = ("import sys, torchtitan_lite.config.schema; "
@@ -94,7 +98,7 @@ def test_config_schema_imports_only_errors() -> None:
                                  check=True, cwd=PACKAGE.parent).stdout)
     assert set(loaded) <= {"torchtitan_lite", "torchtitan_lite.config", "torchtitan_lite.config.schema",
                            "torchtitan_lite.config.cli", "torchtitan_lite.config.torchtitan",
-                           "torchtitan_lite.errors"}, loaded
+                           "torchtitan_lite.errors", *parts}, loaded
 
 
 def test_model_code_imports_no_parallelism() -> None:
@@ -144,7 +148,7 @@ def test_no_model_family_named_outside_its_folder() -> None:
                 text = node.name
             if text and "llama" in text.lower():
                 found.append((name, getattr(node, "lineno", 0), text))
-    allowed = {("torchtitan_lite.config.schema", "llama3")}  # the default of model.name
+    allowed = {("torchtitan_lite.config.sections", "llama3")}  # the default of model.name
     assert [f for f in found if (f[0], f[2]) not in allowed] == []
 
 
@@ -180,7 +184,7 @@ def test_trainer_names_no_source_kind() -> None:
     name, no source module, no streamed/windowed distinction appears in their code."""
     from torchtitan_lite.data import DATASETS
 
-    for module in ("torchtitan_lite.trainer", "torchtitan_lite.validate", "torchtitan_lite.train"):
+    for module in ("torchtitan_lite.trainer", "torchtitan_lite.training.validate", "torchtitan_lite.train"):
         path = _modules()[module]
         text = path.read_text()
         for kind in DATASETS:
@@ -222,7 +226,7 @@ def test_every_collective_of_the_loop_validation_and_data_names_its_group() -> N
     """Losses, metrics, validation and data reduce over the data-parallel group; what every rank
     must agree on (the lock, auto's plan, finite weights) names the world group: none falls back to
     the default group by omission, which would be wrong once the mesh has another dimension."""
-    files = [PACKAGE / "trainer.py", PACKAGE / "validate.py", *sorted((PACKAGE / "data").rglob("*.py"))]
+    files = [PACKAGE / "trainer.py", PACKAGE / "training" / "validate.py", *sorted((PACKAGE / "data").rglob("*.py"))]
     assert [line for f in files for line in _unnamed_collectives(f)] == []
     # The checker itself sees an unnamed call.
     assert len(_probed(_unnamed_collectives, "import torch.distributed as dist\ndist.all_reduce(x)\n"
@@ -250,7 +254,9 @@ def test_the_trainer_and_the_estimator_build_the_model_through_one_function() ->
              if (found := _calls(name))}
     assert calls["parallelize"] == {"torchtitan_lite.distributed.parallelize", "torchtitan_lite.memory.estimate"}
     assert calls["apply_fsdp"] == {"torchtitan_lite.distributed.parallelize"}
-    assert calls["build_parallelized"] == {"torchtitan_lite.trainer", "torchtitan_lite.distributed.parallelize"}
+    # (and an objective's frozen reference copy, built as the model is)
+    assert calls["build_parallelized"] == {"torchtitan_lite.trainer", "torchtitan_lite.distributed.parallelize",
+                                           "torchtitan_lite.objectives.reference"}
     assert "model_cls" not in calls or calls["model_cls"] == {"torchtitan_lite.models.spec"}
 
 
@@ -259,8 +265,10 @@ def test_nothing_is_imported_by_a_module_path_string() -> None:
     ``importlib.import_module`` or ``__import__`` anywhere in the package (a family's steps and
     the estimator's child process take functions, not "module:function" strings), but the one
     place that imports the user's own code by the name the config gives it (a reward function's
-    dotted path, ``grpo.reward_functions``) and the one that imports torchao's modules quietly."""
-    assert set(_calls("import_module")) <= {"torchtitan_lite.rl.rewards", "torchtitan_lite.dtypes"}
+    dotted path, ``grpo.reward_functions``; an objective's, ``training.objective``) and the one that
+    imports torchao's modules quietly."""
+    assert set(_calls("import_module")) <= {"torchtitan_lite.rl.rewards", "torchtitan_lite.objectives.registry",
+                                            "torchtitan_lite.dtypes"}
     assert _calls("__import__") == {}
 
 
@@ -375,3 +383,132 @@ def test_the_checkpoint_manager_is_policy_under_250_lines() -> None:
     (manager,) = [node for node in ast.parse(path.read_text()).body
                   if isinstance(node, ast.ClassDef) and node.name == "CheckpointManager"]
     assert manager.end_lineno - manager.lineno + 1 < 250
+
+
+def _identifier_words(name: str) -> set[str]:
+    """The words of an identifier: ``GRPOObjective`` → grpo, objective; ``build_preference`` →
+    build, preference; ``FSDPOptions`` → fsdp, options."""
+    words = set()
+    for part in name.split("_"):
+        words |= {w.lower() for w in re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", part)}
+    return words
+
+
+def _objective_identifiers(path: Path) -> list[str]:
+    """Identifiers of ``path`` (names, attributes, definitions, arguments, keywords, imports, and
+    the modules imported from) that name DPO, GRPO or preference."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.name, node.asname or ""]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            if any(_identifier_words(part) & {"dpo", "grpo", "preference"} for part in name.split(".")):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)} {name}")
+    return found
+
+
+OBJECTIVE_HOMES = ("torchtitan_lite.objectives", "torchtitan_lite.rl", "torchtitan_lite.config", "torchtitan_lite.data")
+
+
+def test_an_objective_is_local_to_its_module() -> None:
+    """Identifiers naming DPO, GRPO or preference appear in at most 2 modules outside
+    ``objectives/``, ``rl/``, ``config/`` and ``data/`` (the trainer, the plan, validation, the
+    metrics, the estimator, the memory command and the engine ask the objective's entry); there is
+    no top-level ``dpo.py``; the checker itself sees such names (and not ``FSDPOptions``)."""
+    elsewhere = {module: hits for module, path in _modules().items()
+                 if not module.startswith(OBJECTIVE_HOMES) and (hits := _objective_identifiers(path))}
+    assert len(elsewhere) <= 2, elsewhere
+    assert not (PACKAGE / "dpo.py").exists()
+    assert _identifier_words("FSDPOptions") == {"fsdp", "options"}
+    assert len(_probed(_objective_identifiers, "from torchtitan_lite.objectives.grpo import x\nbuild_preference()\n"
+                                              "DPOSetup\nFSDPOptions\n")) == 3
+
+
+def test_the_engine_writes_no_attribute_of_the_trainer() -> None:
+    """The training engine drives the trainer through its methods (``finish_step`` ends a step as
+    the loop does); it assigns none of its attributes."""
+    tree = ast.parse((PACKAGE / "engine.py").read_text())
+    written = [f"engine.py:{node.lineno}" for node in ast.walk(tree)
+               if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                              and target.value.id == "self")]
+    assert written == []
+
+
+def test_what_every_family_declares_is_read_not_probed() -> None:
+    """``num_experts`` and ``tie_word_embeddings`` are declared by every family's args
+    (``DecoderArgs``): no ``getattr(…, "num_experts" / "tie_word_embeddings", default)`` anywhere."""
+    probes = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}" for path in _modules().values()
+              for node in ast.walk(ast.parse(path.read_text(), str(path)))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in ("num_experts", "tie_word_embeddings")]
+    assert probes == []
+
+
+def test_the_package_shows_its_layers() -> None:
+    """At most 14 top-level modules besides ``__init__.py`` (the process's life in ``run/``,
+    validation and the start-up log with the training loop, profiling with its callback); no
+    package module over 800 lines."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 14, top
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 800}
+    assert long == {}
+
+
+def _area(module: str) -> str:
+    """A module's area: its top-level module or package (``torchtitan_lite.objectives.grpo`` →
+    ``objectives``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def area_floors() -> dict[str, int]:
+    """Each area's floor in the import drawing: 1 + the highest floor of the areas it imports
+    (the base, which imports none of them, is floor 1)."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(_area(module), set()).update(_area(t) for t in targets if _area(t) != _area(module))
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph) or [])
+    floors: dict[str, int] = {}
+
+    def floor(area: str) -> int:
+        if area not in floors:
+            floors[area] = 1 + max((floor(other) for other in graph[area]), default=0)
+        return floors[area]
+
+    for area in graph:
+        floor(area)
+    return floors
+
+
+def test_the_import_drawing_has_no_circle_and_its_floors_are_the_architecture_pages() -> None:
+    """Between areas (top-level modules and packages) imports point one way, and the floors
+    ``docs/architecture.md`` names are the package's (12 of them; 13 before objectives were parts
+    of their own and the process's life a package)."""
+    floors = area_floors()
+    assert max(floors.values()) <= 12, floors
+    drawn = {}
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- floors:start -->(.*?)<!-- floors:end -->", text, re.S)
+    assert block is not None
+    for line in block.group(1).splitlines():
+        if (found := re.match(r"\s*(\d+)\s+(.*)$", line)):
+            for area in re.findall(r"[\w.]+", found.group(2)):
+                drawn[area] = int(found.group(1))
+    assert drawn == {a: f for a, f in floors.items() if a != "__init__"}, (drawn, floors)

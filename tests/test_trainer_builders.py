@@ -1,34 +1,25 @@
-"""The trainer's builders used from research code: the script of docs/research.md (its own loop
-and loss on the project's config, plan, data, model and optimizer builders) trains the debug
-model, and the Trainer is those same builders."""
+"""The trainer's builders used from research code: the scripts of docs/research.md,
+``examples/research_loop.py`` (its own loop and loss on the project's config, plan, data, model and
+optimizer builders) and ``examples/z_loss_objective.py`` (an objective of its own set on the
+Trainer), train the debug model; the Trainer is those same builders. (The page shows the files word
+for word: tests/test_docs_examples.py's ``file`` marker.)"""
 
 from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import REPO_ROOT, run_command
 
-
-def _research_example(name: str, folder, file_name: str):
-    """docs/research.md's python block marked ``<!-- NAME:start -->``, written to ``folder / file_name``."""
-    text = (REPO_ROOT / "docs" / "research.md").read_text(encoding="utf-8")
-    match = re.search(rf"<!-- {name}:start -->\n```python\n(.*?)```\n<!-- {name}:end -->", text, re.S)
-    assert match, f"docs/research.md lost its marked {name}"
-    script = folder / file_name
-    script.write_text(match.group(1), encoding="utf-8")
-    return script
-
-
-def _research_script(folder):
-    return _research_example("research-example", folder, "research_loop.py")
+EXAMPLES = REPO_ROOT / "examples"
 
 
 @pytest.mark.slow
 def test_research_script_on_the_builders_trains(tmp_path):
-    script = _research_script(tmp_path)
+    script = EXAMPLES / "research_loop.py"
     steps = 24
     result = run_command([sys.executable, str(script), "--model.flavor", "tiny", "--training.seq_len", "64",
                           "--training.local_batch_size", "4", "--training.steps", str(steps),
@@ -43,49 +34,56 @@ def test_research_script_on_the_builders_trains(tmp_path):
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses
 
 
-def _objective_example(folder):
-    """docs/research.md's objective script, imported as a module (its ``__main__`` part not run)."""
-    import importlib.util
+def _objective_runs(folder: str, cases: dict[str, list[str]]) -> dict[str, tuple[int, str, list[dict]]]:
+    """Each case's job through ``train.main`` (the command line's path) in this rank process, with
+    ``folder`` (where the test wrote the objective's module) on the import path: its exit code,
+    what it wrote to stderr, its metrics records."""
+    import sys
 
-    script = _research_example("objective-example", folder, "z_loss_objective.py")
-    spec = importlib.util.spec_from_file_location("z_loss_objective", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.dist_utils import read_jsonl, run_main
 
-
-def _objective_runs(folder: str) -> dict:
-    from pathlib import Path
-
-    from tests.conftest import TINY_ARGS
-    from torchtitan_lite.config import load_job_config
-    from torchtitan_lite.trainer import Trainer
-
-    example = _objective_example(Path(folder))
+    sys.path.insert(0, folder)
+    try:
+        results = run_main([argv for argv in cases.values()])
+    finally:
+        sys.path.remove(folder)
     out = {}
-    for name, weight in (("trainer's own", None), ("weight 0", 0.0), ("weight 1e-2", 1e-2)):
-        trainer = Trainer(load_job_config([*TINY_ARGS, "--training.steps", "4", "--validation.no-enable",
-                                           "--metrics.no-enable_tensorboard", "--job.dump_folder", f"{folder}/{name}"]))
-        if weight is not None:
-            trainer.objective = example.ZLossObjective(weight, token_ranks=trainer.plan.token_ranks,
-                                                       group=trainer.mesh.tokens)
-        out[name] = trainer.train()
-        trainer.metrics.close()  # (the process group stays for the next trainer)
+    for (name, argv), result in zip(cases.items(), results, strict=True):
+        metrics = Path(argv[argv.index("--job.dump_folder") + 1]) / "metrics.jsonl"
+        records = [r for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
+        out[name] = (result.returncode, result.stderr, records)
     return out
 
 
 @pytest.mark.slow
-def test_the_objective_example_of_the_research_page_plugs_into_the_trainer(tmp_path):
-    """docs/research.md's z-loss objective, set on a built trainer: with weight 0 it trains
-    exactly as the trainer's own objective (same losses and gradient norms, and a z-loss
-    metric of its own); with a weight the loss moves and the first z-loss, of the same initial
-    logits, is the same."""
+def test_an_objective_of_ones_own_registers_and_runs_through_the_command_line(tmp_path):
+    """docs/research.md's z-loss objective (``examples/z_loss_objective.py``), written by the test as
+    a module of its own and named on the command line (``--training.objective MODULE.Z_LOSS``),
+    touching no module of the package: with weight 0 it trains exactly as the token objective
+    (same losses and gradient norms) and logs a z-loss of its own; with a weight the first loss is
+    the cross-entropy plus the weight times that z-loss, and the later ones move; what its plan
+    refuses is one line before any process group."""
+    from tests.conftest import TINY_ARGS
     from tests.dist_utils import run_distributed
 
-    runs = run_distributed(_objective_runs, 1, str(tmp_path))[0]
-    own, zero, weighted = runs["trainer's own"], runs["weight 0"], runs["weight 1e-2"]
-    assert [(r["loss"], r["grad_norm"]) for r in zero] == [(r["loss"], r["grad_norm"]) for r in own]
-    assert "z_loss" not in own[0] and all(r["z_loss"] > 0 for r in zero)
+    (tmp_path / "my_objective.py").write_text((EXAMPLES / "z_loss_objective.py").read_text())
+
+    def job(name: str, *extra: str) -> list[str]:
+        return [*TINY_ARGS, "--training.steps", "4", "--validation.no-enable", "--metrics.no-enable_tensorboard",
+                "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path / name), *extra]
+
+    own = "--training.objective", "my_objective.Z_LOSS"
+    runs = run_distributed(_objective_runs, 1, str(tmp_path), {
+        "token": job("token"), "zero": job("zero", *own, "--training.objective_options", '{"weight": 0}'),
+        "weighted": job("weighted", *own, "--training.objective_options", '{"weight": 1e-2}'),
+        "refused": job("refused", *own, "--training.tiled_loss")}, fresh=True)[0]
+    assert all(runs[name][0] == 0 for name in ("token", "zero", "weighted")), runs
+    token, zero, weighted = (runs[name][2] for name in ("token", "zero", "weighted"))
+    code, stderr, _ = runs["refused"]
+    assert code == 2 and stderr.strip() == ("error: training.tiled_loss: invalid value True; the z-loss needs the "
+                                            "whole logits: expected false"), stderr
+    assert [(r["loss"], r["grad_norm"]) for r in zero] == [(r["loss"], r["grad_norm"]) for r in token]
+    assert "z_loss" not in token[0] and all(r["z_loss"] > 0 for r in zero)
     assert weighted[0]["z_loss"] == pytest.approx(zero[0]["z_loss"], rel=1e-9)
-    assert weighted[0]["loss"] == pytest.approx(own[0]["loss"] + 1e-2 * zero[0]["z_loss"], rel=1e-6)
-    assert weighted[-1]["loss"] != own[-1]["loss"]
+    assert weighted[0]["loss"] == pytest.approx(token[0]["loss"] + 1e-2 * zero[0]["z_loss"], rel=1e-6)
+    assert weighted[-1]["loss"] != token[-1]["loss"]

@@ -288,7 +288,7 @@ def test_whole_validation_set_matches_a_direct_computation(tmp_path):
     from torchtitan_lite.data import ByteTokenizer, TokenWindows
     from torchtitan_lite.models.llama3 import LLAMA3_FLAVORS, Transformer
     from torchtitan_lite.training import MicroBatchRunner
-    from torchtitan_lite.validate import Validator
+    from torchtitan_lite.training.validate import Validator
 
     val_path, windows_expected = _validation_text(tmp_path)
     windows = TokenWindows(build_token_stream("text", str(val_path), ByteTokenizer()), VAL_SEQ)
@@ -323,8 +323,8 @@ def _matmuls(n: int) -> None:
     (4, 1, 1, [6]),
 ])
 def test_profiler_windows_end_at_multiples_of_freq(tmp_path, start, warmup, active, expected):
+    from torchtitan_lite.callbacks.profiler import Profiler
     from torchtitan_lite.config import Profiling
-    from torchtitan_lite.profiling import Profiler
 
     cfg = Profiling(enable_profiling=True, profile_freq=2, profiler_warmup=warmup, profiler_active=active)
     with Profiler(cfg, dump_folder=tmp_path, rank=0, device=torch.device("cpu"), start_step=start) as prof:

@@ -11,10 +11,11 @@ built from the same config and plan as the trainer, on any layout the trainer ta
 Rows are this rank's: ``inputs`` and ``labels`` ``(rows, seq)`` (the labels the next tokens where
 they are scored, ``-100`` elsewhere). ``loss_fn(part, logp, entropy, labels)`` returns rows
 ``part``'s share of the step's loss (already divided by whatever makes the shares of all ranks
-add up to it; :func:`torchtitan_lite.rl.grpo.aggregate` does it for the GRPO family); the engine
+add up to it; :func:`torchtitan_lite.rl.losses.aggregate` does it for the GRPO family); the engine
 back-propagates it with the data-parallel scaling FSDP needs. The built-in GRPO objective runs
-its steps through the same functions (:func:`~torchtitan_lite.rl.grpo.rows_logps`,
-:func:`~torchtitan_lite.rl.grpo.rows_backward`), so a loop written on the engine gives its
+its steps through the same runner methods (``rows_logps``, ``rows_backward`` of
+:class:`~torchtitan_lite.training.runner.MicroBatchRunner`) and ends them through the same
+:meth:`~torchtitan_lite.trainer.Trainer.finish_step`, so a loop written on the engine gives its
 losses (``docs/rl.md`` has one).
 """
 
@@ -30,8 +31,8 @@ from torchtitan_lite.checkpoint.hf_storage import hf_named_tensors
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.errors import ConfigError
 from torchtitan_lite.job import JobPlan
-from torchtitan_lite.rl.grpo import RowsLoss, rows_backward, rows_logps
 from torchtitan_lite.trainer import Trainer
+from torchtitan_lite.training.runner import RowsLoss
 
 __all__ = ["TrainingEngine"]
 
@@ -42,7 +43,6 @@ class TrainingEngine:
 
     def __init__(self, config: JobConfig, plan: JobPlan | None = None) -> None:
         self.trainer = Trainer(config, plan)
-        self._rollouts: Any = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -80,16 +80,7 @@ class TrainingEngine:
         (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`; ``params`` a
         :class:`~torchtitan_lite.rl.rollout.SamplingParams`). Every rank calls it (FSDP gathers in
         each forward)."""
-        if self._rollouts is None:
-            from torchtitan_lite.rl.rollout import DecoderRollouts
-
-            plan = self.trainer.plan
-            tokenizer = plan.tokenizer
-            batch = None if plan.grpo is None else plan.grpo.generation_batch_size or None
-            self._rollouts = DecoderRollouts(self.model, device=self.trainer.device,
-                                             pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
-                                             decode=tokenizer.decode, max_batch=batch)
-        return self._rollouts.generate(prompts, params, seed=seed)
+        return self.trainer.rollout_engine.generate(prompts, params, seed=seed)
 
     def forward_logprobs(self, inputs: torch.Tensor, labels: torch.Tensor, *,
                          temperature: float = 1.0) -> torch.Tensor:
@@ -97,8 +88,8 @@ class TrainingEngine:
         where the label is ``-100``), ``training.local_batch_size`` rows per forward, without
         gradient."""
         t = self.trainer
-        return rows_logps(t.runner, inputs, labels, local_batch_size=t.config.training.local_batch_size,
-                          temperature=temperature)
+        return t.runner.rows_logps(inputs, labels, local_batch_size=t.config.training.local_batch_size,
+                                   temperature=temperature)
 
     def train_batch(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: RowsLoss, *,
                     temperature: float = 1.0) -> dict[str, float]:
@@ -111,13 +102,9 @@ class TrainingEngine:
             raise ValueError(f"train_batch: inputs {tuple(inputs.shape)} and labels {tuple(labels.shape)}; expected "
                              "the same (rows, seq)")
         t.runner.start_step()
-        loss_sum = rows_backward(t.runner, inputs, labels, loss_fn, local_batch_size=t.config.training.local_batch_size,
-                                 ranks=t.plan.token_ranks, temperature=temperature)
-        values = t.optimizer_step(loss_sum, 1.0)
-        values.update(t.runner.finish_step(update_bias=not values["skipped"]))
-        t.step += 1
-        t.tokens_seen += int(inputs.numel()) * t.plan.token_ranks
-        return values
+        loss_sum = t.runner.rows_backward(inputs, labels, loss_fn, local_batch_size=t.config.training.local_batch_size,
+                                          ranks=t.plan.token_ranks, temperature=temperature)
+        return t.finish_step(loss_sum, 1.0, global_tokens=int(inputs.numel()) * t.plan.token_ranks)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each weight under its Hugging Face name as a full tensor, one at a time (LoRA merged),

@@ -31,8 +31,8 @@ This module imports nothing else of the package: every layer may raise these.
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "DataNotHereError", "TrainingError",
-           "UserCodeError", "UserError"]
+__all__ = ["PREEMPTED_EXIT_CODE", "CheckpointError", "ConfigError", "DataError", "DataNotHereError", "Problems",
+           "TrainingError", "UserCodeError", "UserError"]
 
 PREEMPTED_EXIT_CODE = 75
 """Exit code of a job stopped by a signal of ``checkpoint.save_on_signals`` after its checkpoint
@@ -82,3 +82,26 @@ class UserCodeError(UserError):
     raised (file and line)."""
 
     exit_code = 6
+
+
+class Problems:
+    """Checks that do not build on each other, collected: every broken one is a line, and
+    :meth:`raise_all` raises them together as one :class:`ConfigError` (a config's mistakes are
+    reported at once)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def require(self, ok: bool, key: str, value: object, allowed: str) -> bool:
+        """Record ``key: invalid value …; allowed`` unless ``ok``; returns ``ok``."""
+        if not ok:
+            self.lines.append(f"{key}: invalid value {value!r}; {allowed}")
+        return ok
+
+    def add(self, error: UserError) -> None:
+        """Every line of an error raised by a check of its own."""
+        self.lines += str(error).splitlines()
+
+    def raise_all(self) -> None:
+        if self.lines:
+            raise ConfigError("\n".join(self.lines))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from torchtitan_lite.checkpoint.manager import (
     initial_load_used,
     resumable_steps,
 )
-from torchtitan_lite.config.schema import DPO, GRPO, JobConfig, MoEConfig
+from torchtitan_lite.config.schema import JobConfig, MoEConfig
 from torchtitan_lite.data.build import check_sources
 from torchtitan_lite.data.loader import check_batch_split
 from torchtitan_lite.data.tokenizers import Tokenizer, build_tokenizer, tokenizer_file
@@ -35,16 +35,15 @@ from torchtitan_lite.distributed.context_parallel import context_parallel_proble
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.float8 import Float8Conversion
 from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode, validate_reshard_after_forward_mode
-from torchtitan_lite.distributed.job_shape import JobShape, RolloutShape
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.parallel_dims import DEGREE_KEYS, ParallelDims
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan, pipeline_plan
-from torchtitan_lite.dpo import DPOSetup
 from torchtitan_lite.dtypes import DTYPES, import_torchao
 from torchtitan_lite.errors import CheckpointError, ConfigError, DataError, UserError
 from torchtitan_lite.models import MODEL_SPECS, family_of, get_model_spec
 from torchtitan_lite.models.spec import ModelSpec
-from torchtitan_lite.rl.grpo import GRPOSetup
+from torchtitan_lite.objectives import OBJECTIVES, ObjectivePlan, PlanContext, plan_objective
 
 __all__ = ["FROM_CHECKPOINT", "JobPlan", "check_initial_load", "model_vocab_size", "plan_job", "preflight"]
 
@@ -133,10 +132,9 @@ class JobPlan:
     """Tokens per validation window."""
     schedule_steps: int
     """Steps the learning-rate schedule spans: ``lr_scheduler.total_steps``, else ``training.steps``."""
-    dpo: DPOSetup | None = None
-    """Preference tuning when ``training.dataset = "preference"`` (``[dpo]``), else None."""
-    grpo: GRPOSetup | None = None
-    """Online RL when ``training.dataset = "prompts"`` or ``grpo.rollouts_path`` (``[grpo]``), else None."""
+    objective: ObjectivePlan = field(default_factory=lambda: ObjectivePlan(OBJECTIVES["token"]))
+    """What the steps optimise (``training.objective``; :mod:`torchtitan_lite.objectives`): its entry,
+    its resolved settings and its step's shape."""
     memory_budget_gib: float | None = None
     """``parallelism.memory_budget_gib``: ``auto``'s per-rank budget (None: the device's memory)."""
     notes: tuple[str, ...] = ()
@@ -182,9 +180,9 @@ class JobPlan:
 
     @property
     def rollout_group(self) -> int:
-        """Completions per prompt (online RL: ``grpo.num_generations``; else 1): a step reads
-        ``global_batch_size / rollout_group`` prompts."""
-        return 1 if self.grpo is None else self.grpo.num_generations
+        """Samples a step makes of each item the loader reads (online RL: completions per prompt; else
+        1): a step reads ``global_batch_size / rollout_group`` of them."""
+        return self.objective.group
 
     @property
     def token_ranks(self) -> int:
@@ -250,23 +248,6 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: invalid value {value!r}; {allowed}")
 
 
-class _Problems:
-    """The checks of one part of the plan that do not build on each other: every broken one is
-    a line, and :meth:`done` raises them together as one :class:`ConfigError`."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def require(self, ok: bool, key: str, value: Any, allowed: str) -> bool:
-        if not ok:
-            self.lines.append(f"{key}: invalid value {value!r}; {allowed}")
-        return ok
-
-    def done(self) -> None:
-        if self.lines:
-            raise ConfigError("\n".join(self.lines))
-
-
 _DIM_NAMES = {"tp": "tensor parallel", "cp": "context parallel", "ep": "expert parallel", "pp": "pipeline"}
 
 
@@ -320,17 +301,14 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     sharded = world_size > 1 or offload != "none"  # (FSDP shards the model; else the plain model)
     lora = _lora_plan(config, spec, model_args, dims, sharded=sharded, reshard_mode=reshard_mode)
-    dpo = _dpo_plan(config, dims, lora)
-    grpo = _grpo_plan(config, dims, lora, global_batch)
-    if grpo is not None and not grpo.given and (grpo.temperature == 0 or grpo.top_k == 1):
-        notes += (f"grpo.{'temperature = 0' if grpo.temperature == 0 else 'top_k = 1'} samples greedily: the "
-                  f"{grpo.num_generations} completions of a prompt are the same, score the same, and their "
-                  "advantages are 0, so the policy does not learn; sample (grpo.temperature > 0, e.g. 1.0)",)
+    objective = plan_objective(config, PlanContext(dims=dims, lora=lora, global_batch=global_batch,
+                                                   seq_len=t.seq_len))
+    notes += objective.notes
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
     if pipeline is not None and pipeline.splits_backward:
         reshard_mode = _zero_bubble_settings(config, pipeline, reshard_mode)
     ac, compile_ = config.activation_checkpoint, config.compile
-    _activation_offload_settings(config, dims, online_rl=grpo is not None)
+    _activation_offload_settings(config, dims)
     shape = JobShape(
         world_size=world_size, dp_replicate=dims.dp_replicate, tensor_parallel=dims.tp, expert_parallel=dims.ep,
         context_parallel=dims.cp, context_parallel_method=p.context_parallel_method,
@@ -344,9 +322,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         optimizer_implementation=config.optimizer.implementation,
         compile_model=_compiles_model(config), compile_backend=compile_.backend,
         float8=float8, async_tensor_parallel=p.enable_async_tensor_parallel,
-        sharded=sharded, dpo_reference=None if dpo is None else dpo.reference,
-        dpo_packed=dpo is not None and dpo.packed, block_causal=config.model.attention_mask == "block_causal",
-        rollout=None if grpo is None else _rollout_shape(grpo, t.seq_len, global_batch // dims.dp_size),
+        sharded=sharded, block_causal=config.model.attention_mask == "block_causal", objective_shape=objective.shape,
         pipeline=pipeline)
     val_local = v.local_batch_size if v.local_batch_size > 0 else t.local_batch_size
     return JobPlan(
@@ -354,7 +330,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
         global_batch_size=global_batch, val_local_batch_size=val_local,
         val_global_batch_size=v.global_batch_size if v.global_batch_size > 0 else val_local * dims.dp_size,
         val_seq_len=v.seq_len if v.seq_len > 0 else t.seq_len,
-        schedule_steps=config.lr_scheduler.total_steps or t.steps, dpo=dpo, grpo=grpo,
+        schedule_steps=config.lr_scheduler.total_steps or t.steps, objective=objective,
         memory_budget_gib=p.memory_budget_gib, notes=notes,
     )
 
@@ -412,9 +388,9 @@ def _model_args(config: JobConfig, spec: ModelSpec, tokenizer: Any, checkpoint_a
     return model_args if longest <= model_args.max_seq_len else dataclasses.replace(model_args, max_seq_len=longest)
 
 
-def _activation_offload_settings(config: JobConfig, dims: ParallelDims, *, online_rl: bool) -> None:
+def _activation_offload_settings(config: JobConfig, dims: ParallelDims) -> None:
     """Refuse, one line each, what activation offload, tiled feed-forwards and the tiled loss
-    cannot run with (yet); ``online_rl``: the plan has ``[grpo]``."""
+    cannot run with (yet; what an objective cannot run with is its plan's)."""
     ac = config.activation_checkpoint
     _require(not ac.offload or ac.mode != "none", "activation_checkpoint.offload", ac.offload,
              "it moves what checkpointed blocks keep to host memory, and none are checkpointed: expected "
@@ -426,8 +402,7 @@ def _activation_offload_settings(config: JobConfig, dims: ParallelDims, *, onlin
              "beside that is not available yet: expected 1")
     t = config.training
     for ok, why in ((dims.tp == 1, f"tensor parallel ({dims.tp}) splits the output layer over the vocabulary"),
-                    (dims.pp == 1, f"pipeline parallel ({dims.pp}) computes the loss in its last stage's schedule"),
-                    (not online_rl, "online RL reads the logits themselves (temperature, entropy)")):
+                    (dims.pp == 1, f"pipeline parallel ({dims.pp}) computes the loss in its last stage's schedule")):
         _require(not t.tiled_loss or ok, "training.tiled_loss", t.tiled_loss, f"{why}, which the tiled loss does "
                  "not take yet: expected false")
 
@@ -446,106 +421,6 @@ def _zero_bubble_settings(config: JobConfig, pipeline: PipelinePlan, reshard_mod
              "gradient, then the weight gradient): expected an integer N (every N-th block in full), or "
              "activation_checkpoint.mode 'full' or 'none'")
     return "auto" if reshard_mode == "auto" else "never"
-
-
-def _dpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None) -> DPOSetup | None:
-    """The job's preference tuning: ``[dpo]`` when ``training.dataset = "preference"``, or a
-    ``[[training.datasets]]`` mixture of preference sources (None otherwise); one
-    :class:`ConfigError` line for a setting it cannot take."""
-    d, t, v = config.dpo, config.training, config.validation
-    train_kinds = [s.dataset for s in t.datasets] or [t.dataset]
-    val_kinds = ([s.dataset for s in v.datasets] or [v.dataset]) if v.enable else []
-    val_key = "validation.datasets" if v.datasets else "validation.dataset"
-    if "preference" not in train_kinds:
-        changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(DPO(), f.name)]
-        _require(not changed, f"dpo.{changed[0]}" if changed else "dpo", getattr(d, changed[0]) if changed else None,
-                 f"[dpo] applies to training.dataset = 'preference' (this job's is {t.dataset!r})")
-        _require("preference" not in val_kinds, val_key, val_kinds, "preference pairs are validated by a DPO job "
-                 "(training.dataset = 'preference'); expected a text, token or chat source")
-        return None
-    train_key = "training.datasets" if t.datasets else "training.dataset"
-    _require(set(train_kinds) == {"preference"}, train_key, train_kinds,
-             "a DPO mixture is of preference sources only: expected every dataset = 'preference'")
-    _require(set(val_kinds) <= {"preference"}, val_key, val_kinds,
-             "a DPO job validates on preference pairs: expected dataset = 'preference'")
-    reference = ("adapters_off" if lora is not None else "copy") if d.reference == "auto" else d.reference
-    _require(reference != "adapters_off" or lora is not None, "dpo.reference", d.reference,
-             "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
-    _require(not d.packing or config.model.attention_mask == "block_causal", "dpo.packing", d.packing,
-             f"packed pairs attend each to itself only: needs model.attention_mask = 'block_causal' (this job's is "
-             f"{config.model.attention_mask!r}), or expected false")
-    return DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference,
-                    packed=d.packing)
-
-
-def _grpo_plan(config: JobConfig, dims: ParallelDims, lora: LoRASetup | None,
-               global_batch: int) -> GRPOSetup | None:
-    """The job's online RL (``[grpo]``) when ``training.dataset = "prompts"`` or ``grpo.rollouts_path``
-    is set (None otherwise); one :class:`ConfigError` line for a setting it cannot take."""
-    from torchtitan_lite.rl.rewards import resolve_reward_functions
-
-    g, t = config.grpo, config.training
-    kinds = [s.dataset for s in t.datasets] or [t.dataset]
-    if "prompts" not in kinds and g.rollouts_path is None:
-        changed = [f.name for f in dataclasses.fields(g) if getattr(g, f.name) != getattr(GRPO(), f.name)]
-        _require(not changed, f"grpo.{changed[0]}" if changed else "grpo", getattr(g, changed[0]) if changed else None,
-                 f"[grpo] applies to training.dataset = 'prompts' (this job's is {t.dataset!r})")
-        return None
-    check = _Problems()
-    key = "training.datasets" if t.datasets else "training.dataset"
-    check.require(set(kinds) == {"prompts"} or g.rollouts_path is not None, key, kinds,
-                  "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'")
-    v = config.validation
-    val_kinds = [s.dataset for s in v.datasets] or [v.dataset]
-    check.require(not v.enable, "validation.enable", True,
-                  f"an online RL job has no validation loss yet (its rewards in the metrics measure the policy; a "
-                  f"token loss on {'validation.datasets' if v.datasets else 'validation.dataset'} = "
-                  f"{', '.join(map(repr, val_kinds))} would measure data of another kind through the job's "
-                  "tokenizer): expected false")
-    prompts = global_batch // g.num_generations
-    if check.require(global_batch % g.num_generations == 0, "training.global_batch_size", global_batch,
-                     f"it counts completions: expected a multiple of grpo.num_generations = {g.num_generations}"):
-        check.require(prompts % dims.dp_size == 0, "training.global_batch_size", global_batch,
-                      f"its {prompts} prompts (global_batch_size / grpo.num_generations) are split over the "
-                      f"{dims.dp_size} data-parallel ranks: expected a multiple of {g.num_generations * dims.dp_size}")
-    check.require(0 < g.max_completion_length < t.seq_len, "grpo.max_completion_length", g.max_completion_length,
-                  f"a prompt and its completion share training.seq_len = {t.seq_len}: expected 1 to {t.seq_len - 1}")
-    check.require(bool(g.reward_functions) or g.rollouts_path is not None, "grpo.reward_functions", [],
-                  "expected at least one (a shipped name: accuracy, format, length_penalty, or a dotted path)")
-    try:
-        resolve_reward_functions(g.reward_functions)
-    except ConfigError as exc:
-        check.lines += str(exc).splitlines()
-    for key, degree, how in (("pipeline_parallel_degree", dims.pp, "pipeline stages split"),
-                             ("context_parallel_degree", dims.cp, "context parallel splits")):
-        check.require(degree == 1 or g.rollouts_path is not None, f"parallelism.{key}", degree,
-                      f"online RL generates its rollouts on the training model, which {how}: expected 1, or "
-                      "rollouts made elsewhere (grpo.rollouts_path)")
-    check.done()
-    reference = None
-    if g.beta > 0:
-        reference = ("adapters_off" if lora is not None else "copy") if g.reference == "auto" else g.reference
-        _require(reference != "adapters_off" or lora is not None, "grpo.reference", g.reference,
-                 "switching adapters off needs LoRA (lora.enable = true); expected 'copy' or 'auto'")
-    return GRPOSetup(
-        num_generations=g.num_generations, max_completion_length=g.max_completion_length, temperature=g.temperature,
-        top_p=g.top_p, top_k=g.top_k, stop_strings=tuple(g.stop_strings),
-        generation_batch_size=g.generation_batch_size, reward_functions=tuple(g.reward_functions),
-        reward_weights=tuple(g.reward_weights), scale_rewards=g.scale_rewards, loss_type=g.loss_type,
-        epsilon=g.epsilon, epsilon_high=g.epsilon if g.epsilon_high is None else g.epsilon_high, beta=g.beta,
-        kl_bias_correction=g.kl_bias_correction, importance_sampling=g.importance_sampling,
-        importance_sampling_max=g.importance_sampling_max,
-        reference=reference, num_iterations=g.num_iterations, mask_truncated_completions=g.mask_truncated_completions,
-        given=g.rollouts_path is not None)
-
-
-def _rollout_shape(g: GRPOSetup, seq_len: int, completions: int) -> RolloutShape:
-    """What a GRPO step of ``completions`` a rank (``seq_len`` tokens each) holds, for the memory estimate."""
-    return RolloutShape(
-        generation_rows=0 if g.given else min(g.generation_batch_size or completions, completions),
-        prompt_len=seq_len - g.max_completion_length, new_tokens=g.max_completion_length,
-        temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-        old_logps=g.num_iterations > 1 or (g.given and g.importance_sampling != "none"), reference=g.reference)
 
 
 def _pipeline_plan(config: JobConfig, dims: ParallelDims, model_args: Any, *, lora: Any) -> PipelinePlan | None:
@@ -652,7 +527,7 @@ def _moe_settings(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Par
     :class:`ConfigError`, one line, for an ``[moe]`` setting on a dense model, a top-k the
     experts cannot give, or bias balancing without a router bias."""
     e = config.moe
-    if not getattr(model_args, "num_experts", 0):
+    if not model_args.num_experts:
         for f in dataclasses.fields(e):
             value, default = getattr(e, f.name), getattr(MOE_DEFAULTS, f.name)
             _require(value == default, f"moe.{f.name}", value,
@@ -739,7 +614,7 @@ def _lora_plan(config: JobConfig, spec: ModelSpec, model_args: Any, dims: Parall
         return None
     ck = config.checkpoint
     mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lo.target_modules))
-    if getattr(model_args, "num_experts", 0) and mlp and ck.last_save_in_hf and not lo.merge_on_export:
+    if model_args.num_experts and mlp and ck.last_save_in_hf and not lo.merge_on_export:
         raise ConfigError(
             f"lora.target_modules: invalid value {list(lo.target_modules)!r}; on a mixture-of-experts "
             f"model PEFT reads {', '.join(map(repr, mlp))} as the experts' parameters, so adapters on the "

@@ -29,8 +29,8 @@ from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 
-__all__ = ["is_token_losses", "linear_token_losses", "loss_sums", "output_labels", "tile_output", "token_loss_sum",
-           "token_losses"]
+__all__ = ["is_token_losses", "linear_token_losses", "loss_sums", "output_labels", "tile_output", "token_logps",
+           "token_loss_sum", "token_losses"]
 
 _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
@@ -311,3 +311,24 @@ def output_labels(model: nn.Module, labels: torch.Tensor | None) -> Iterator[Non
         yield
     finally:
         output._tiled_labels = None
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each label's log-probability under ``logits / temperature`` ``(rows, seq)`` in fp32 (0 where
+    the label is ignored), a row at a time; with ``entropy``, each position's entropy (no gradient).
+    Logits split over the vocabulary (tensor parallel) are gathered first."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    rows, entropies = [], []
+    for r in range(logits.shape[0]):
+        logp = torch.log_softmax(logits[r].float() / temperature, dim=-1)
+        label = labels[r]
+        picked = logp.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        rows.append(torch.where(label == IGNORE_INDEX, torch.zeros_like(picked), picked))
+        if entropy:
+            with torch.no_grad():
+                entropies.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows), torch.stack(entropies) if entropy else None

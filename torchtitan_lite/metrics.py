@@ -150,8 +150,11 @@ class MetricsLogger:
         tb_folder: str,
         run_config: dict[str, Any] | None = None,
         disable_color: bool = False,
+        objective: Any = None,
     ) -> None:
         self.rank = rank
+        # The objective's own parts of the console line (its ObjectiveEntry: console, validation_console).
+        self.objective = objective
         now = time.time()
         self.run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
         self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
@@ -219,23 +222,13 @@ class MetricsLogger:
         if r.get("moe/load_max_over_mean") is not None:  # a mixture of experts: the worst layer's load, the aux loss
             aux = r.get("moe/aux_loss")
             parts.append(f"moe_load {r['moe/load_max_over_mean']:.2f}" + ("" if aux is None else f" aux {aux:.4f}"))
-        if r.get("dpo/accuracy") is not None:  # preference tuning: TRL's reward metrics
-            parts.append(f"acc {r['dpo/accuracy']:.2f}  margin {r['dpo/margin']:.4f}  rewards "
-                         f"{r['dpo/rewards_chosen']:.4f} / {r['dpo/rewards_rejected']:.4f}")
-        if r.get("grpo/reward") is not None:  # online RL: the rollouts' reward, length, generation's speed
-            gen = r.get("generation_tokens_per_s")
-            parts.append(f"reward {r['grpo/reward']:.4f} ± {_fmt(r.get('grpo/reward_std'), '.4f')}  len "
-                         f"{r['grpo/completion_length/mean']:.1f}" + ("" if gen is None else f"  gen_tps {gen:,.0f}"))
-        if r.get("grpo/entropy") is not None:
-            parts.append(f"entropy {r['grpo/entropy']:.3f}" + ("" if r.get("grpo/kl") is None
-                                                                  else f"  kl {r['grpo/kl']:.4f}"))
+        if self.objective is not None:  # the objective's own (DPO's reward metrics, online RL's rollouts …)
+            parts += self.objective.console(r)
         if r["validation_loss"] is not None:
-            ppl = r["validation_perplexity"]
-            if r.get("validation/dpo/accuracy") is not None:  # preference pairs: the reward accuracy, not perplexity
-                parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_acc {r['validation/dpo/accuracy']:.2f}",
-                               "35"))
-            else:
-                parts.append(s(f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(ppl, '.2f')}", "35"))
+            own = None if self.objective is None else self.objective.validation_console(r)
+            parts.append(s(own if own is not None else
+                           f"val_loss {r['validation_loss']:8.4f} val_ppl {_fmt(r['validation_perplexity'], '.2f')}",
+                           "35"))
         # Per source of a mixture: this step's loss and its tokens so far; each validation set's loss.
         for key, value in r.items():
             if key.startswith("loss/"):

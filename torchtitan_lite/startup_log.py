@@ -18,7 +18,7 @@ from torchtitan_lite.distributed.mesh import ParallelMesh
 from torchtitan_lite.dtypes import cpu_has_bf16
 from torchtitan_lite.job import JobPlan
 from torchtitan_lite.models.moe import aux_loss_weight
-from torchtitan_lite.validate import Validator
+from torchtitan_lite.training.validate import Validator
 
 if TYPE_CHECKING:
     from torchtitan_lite.memory.auto import AutoReshardPlan
@@ -78,11 +78,11 @@ def log_startup(config: JobConfig, plan: JobPlan, *, model: nn.Module, mesh: Par
     logger.info("activation checkpointing: %s%s%s; compile: %s", describe_ac(ac.mode, ac.selective_ac_option),
                 added, "".join(f"; {m}" for m in memory),
                 ", ".join(config.compile.components) if config.compile.enable else "off")
-    if getattr(plan.model_args, "num_experts", 0):
+    if plan.model_args.num_experts:
         logger.info(_describe_moe(config, plan))
     if plan.shape.float8 is not None:
         logger.info(plan.shape.float8.describe(sum(type(m).__name__ == "Float8Linear" for m in model.modules())))
-        if getattr(plan.model_args, "num_experts", 0):
+        if plan.model_args.num_experts:
             logger.info("float8: the experts' grouped products stay in %s (torchao's float8 grouped products are "
                         "not applied here); float8 covers the attention and dense linears",
                         str(plan.shape.param_dtype).removeprefix("torch."))

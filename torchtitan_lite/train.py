@@ -10,7 +10,7 @@ else keeps its traceback.
 
 from __future__ import annotations
 
-from torchtitan_lite.launcher_watch import exit_with_launcher
+from torchtitan_lite.run.launcher_watch import exit_with_launcher
 
 if __name__ == "__main__":  # first: a torchrun worker ends with its launcher from here on, torch's imports included
     exit_with_launcher()

@@ -8,14 +8,19 @@ the config, the :class:`~torchtitan_lite.job.JobPlan` and the parts before it):
 - :func:`setup_distributed`: the process group, the dump folder's lock and the device mesh;
 - :func:`agree_auto_reshard`: ``reshard_after_forward_mode = "auto"`` made a per-unit plan (rank 0's, every rank's;
   with a pipeline, each pipeline rank's first rank's, every rank of that pipeline rank's);
-- :func:`build_model`: spec → meta → float8 → activation checkpointing → compile → FSDP2 (or,
-  one process, the plain model under autocast) → allocated → initialised;
-- :func:`build_loss`, :func:`build_optimizers` (optimizer and LR schedule),
-  :func:`build_checkpointer` (which also loads what the job resumes from), :func:`log_startup`.
+- :func:`build_model`: spec → meta → the build order of
+  :data:`~torchtitan_lite.distributed.parallelize.BUILD_STEPS` (pipeline split → LoRA → float8
+  → tensor, context and expert parallel → activation checkpointing → compile → FSDP2; one
+  process: the plain model under autocast) → allocated → initialised;
+- :func:`build_loss`, :func:`build_runner` (the runner of a micro-batch), :func:`build_objective`
+  (the plan's objective, :mod:`torchtitan_lite.objectives`), :func:`build_optimizers` (optimizer
+  and LR schedule), :func:`build_checkpointer` (which also loads what the job resumes from),
+  :func:`log_startup`.
 
-A step is :meth:`Trainer.forward_backward` (the micro-batches of one global batch) then
-:meth:`Trainer.optimizer_step` (clip, step, schedule). ``python -m torchtitan_lite.train`` is
-:mod:`torchtitan_lite.train`.
+A step is :meth:`Trainer.train_step`: data → the objective's ``forward_backward`` through the
+runner → :meth:`Trainer.finish_step` (:meth:`Trainer.optimizer_step`: clip, step, schedule; the
+runner's end of step; the counters), which a caller's own loop (the engine) ends its steps with too.
+``python -m torchtitan_lite.train`` is :mod:`torchtitan_lite.train`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,7 +43,6 @@ from torchtitan_lite.callbacks import Callback, StepState, default_callbacks
 from torchtitan_lite.checkpoint.divergence import Divergence
 from torchtitan_lite.checkpoint.hf_storage import HFExportExtras
 from torchtitan_lite.checkpoint.manager import CheckpointManager
-from torchtitan_lite.checkpoint.storage import CheckpointStorage
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data import (
     BatchLoader,
@@ -63,20 +67,18 @@ from torchtitan_lite.distributed.compile import compile_loss
 from torchtitan_lite.distributed.float8 import float8_unavailable, precompute_float8_scales
 from torchtitan_lite.distributed.parallelize import Parallelized, build_parallelized
 from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, TiedWeights
-from torchtitan_lite.dpo import PreferenceObjective
-from torchtitan_lite.dump_lock import DumpFolderLock
 from torchtitan_lite.errors import PREEMPTED_EXIT_CODE, ConfigError
 from torchtitan_lite.job import JobPlan, check_initial_load, plan_job, preflight
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.metrics import MetricsLogger, device_peak_tflops
 from torchtitan_lite.models.moe import RouterBalance, aux_loss_weight, moe_layers
+from torchtitan_lite.objectives import Objective, ObjectiveParts, StatefulObjective
 from torchtitan_lite.optim import build_lr_scheduler, build_optimizer
-from torchtitan_lite.rl.grpo import GRPOObjective
+from torchtitan_lite.run.dump_lock import DumpFolderLock
+from torchtitan_lite.run.stop_signals import StopSignals
 from torchtitan_lite.startup_log import log_startup
-from torchtitan_lite.stop_signals import StopSignals
-from torchtitan_lite.training import LossFn, MicroBatch, MicroBatchRunner, Objective, TokenObjective
-from torchtitan_lite.training.objectives import StatefulObjective
-from torchtitan_lite.validate import Validator
+from torchtitan_lite.training import LossFn, MicroBatch, MicroBatchRunner
+from torchtitan_lite.training.validate import Validator
 
 if TYPE_CHECKING:
     from torchtitan_lite.memory.auto import AutoReshardPlan
@@ -93,7 +95,7 @@ __all__ = [
     "build_optimizers",
     "build_parallel_model",
     "build_pipeline",
-    "build_preference",
+    "objective_parts",
     "build_runner",
     "build_validators",
     "log_startup",
@@ -107,15 +109,16 @@ logger = logging.getLogger("torchtitan_lite")
 
 def build_validators(config: JobConfig, plan: JobPlan, sets: dict[str | None, TokenWindows | PackedWindows], *,
                      dp_rank: int, runner: MicroBatchRunner, group: Any = None,
-                     preference: PreferenceObjective | None = None) -> dict[str | None, Validator]:
+                     pairs: Any = None) -> dict[str | None, Validator]:
     """A validator for each validation set of :func:`~torchtitan_lite.data.build_data` (by name;
     None: the one ``validation.dataset``), running its micro-batches through ``runner`` (with a
     pipeline: one built by :func:`build_runner` with ``forward_only``) and reducing over
-    ``group`` (the mesh's ``tokens``); preference pairs are scored by ``preference``."""
+    ``group`` (the mesh's ``tokens``); sets of pairs are scored by ``pairs`` (the objective's
+    :meth:`~torchtitan_lite.objectives.ObjectiveEntry.pair_scorer`)."""
     docs = document_bounds(config, plan.tokenizer)
     return {name: Validator(windows, runner=runner, local_batch_size=plan.val_local_batch_size,
                             global_batch_size=plan.val_global_batch_size, dp_rank=dp_rank, dp_size=plan.dp_size,
-                            steps=config.validation.steps, documents=docs, group=group, preference=preference)
+                            steps=config.validation.steps, documents=docs, group=group, pairs=pairs)
             for name, windows in sets.items()}
 
 
@@ -218,9 +221,7 @@ def build_parallel_model(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh
                          reshard_plan: AutoReshardPlan | None = None) -> Parallelized:
     """:func:`build_model`'s model with what was built around it (its FSDP units, its
     context-parallel share): what :func:`build_runner` runs."""
-    shape = plan.shape if reshard_plan is None else plan.shape.replace(
-        reshard_after_forward_mode=reshard_plan.reshard, cpu_offload=reshard_plan.offload,
-        ac_policies=reshard_plan.ac_policies)
+    shape = plan.shape if reshard_plan is None else reshard_plan.applied_to(plan.shape)
     built = build_parallelized(plan.spec, plan.model_args, mesh, device=device, seed=config.debug.seed, shape=shape)
     built.model.train()
     return built
@@ -236,79 +237,36 @@ def build_loss(config: JobConfig, plan: JobPlan) -> LossFn:
     return token_loss_sum
 
 
-def build_reference(config: JobConfig, plan: JobPlan, kind: str | None, *, mesh: ParallelMesh, device: torch.device,
-                    reshard_plan: AutoReshardPlan | None = None) -> nn.Module | None:
-    """The reference model of DPO or online RL (``kind``): None for ``adapters_off`` (the policy
-    with its LoRA adapters switched off is its own) or no reference; for ``copy`` a frozen copy of
-    the starting weights built and sharded like the policy (from ``debug.seed``, or
-    ``checkpoint.initial_load_path``, a Hugging Face folder or a DCP checkpoint: on every start,
-    resumes included), never trained or saved."""
-    if kind != "copy":
-        return None
-    reference = build_model(config, plan, mesh=mesh, device=device, reshard_plan=reshard_plan)
-    reference.requires_grad_(False)
-    ck = config.checkpoint
-    if ck.initial_load_path is not None:
-        storage = CheckpointStorage(model=reference, optimizer=None, model_spec=plan.spec, lora=None, hf_extras=None)
-        storage.load_weights(Path(ck.initial_load_path), "hf" if ck.initial_load_in_hf else "dcp", {"model"})
-    return reference
-
-
-def build_preference(config: JobConfig, plan: JobPlan, *, mesh: ParallelMesh, device: torch.device,
-                     loader: BatchLoader | None = None,
-                     reshard_plan: AutoReshardPlan | None = None) -> PreferenceObjective | None:
-    """DPO's objective (None unless the plan has ``dpo``: a preference dataset) with its reference
-    (:func:`build_reference`)."""
-    if plan.dpo is None:
-        return None
-    reference = build_reference(config, plan, plan.dpo.reference, mesh=mesh, device=device, reshard_plan=reshard_plan)
-    return PreferenceObjective(plan.dpo, reference=reference, ranks=plan.token_ranks,
-                               global_pairs=plan.global_batch_size, group=mesh.tokens,
-                               loader=loader if loader is not None and loader.named else None)
-
-
-def build_grpo(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,
-               reshard_plan: AutoReshardPlan | None = None) -> GRPOObjective | None:
-    """Online RL's objective (None unless the plan has ``grpo``): rollouts on ``model`` itself
-    (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`; none with given rollouts), the reward
-    functions, the reference with ``beta`` > 0 (:func:`build_reference`)."""
-    from torchtitan_lite.rl.rewards import resolve_reward_functions
-
-    g = plan.grpo
-    if g is None:
-        return None
-    tokenizer = plan.tokenizer
-    pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
-    engine = None
-    if not g.given:
-        from torchtitan_lite.rl.rollout import DecoderRollouts
-
-        engine = DecoderRollouts(model, device=device, pad_id=pad_id, decode=tokenizer.decode,
-                                 max_batch=g.generation_batch_size or None)
-    reference = build_reference(config, plan, g.reference, mesh=mesh, device=device, reshard_plan=reshard_plan)
-    return GRPOObjective(g, engine=engine, rewards=resolve_reward_functions(g.reward_functions), reference=reference,
-                         ranks=plan.token_ranks, group=mesh.tokens, global_completions=plan.global_batch_size,
-                         local_batch_size=config.training.local_batch_size, seq_len=config.training.seq_len,
-                         vocab_size=plan.model_args.vocab_size, pad_id=pad_id,
-                         stop_ids=tuple(i for i in (tokenizer.eos_id,) if i is not None),
-                         decode=tokenizer.decode, seed=config.debug.seed, dp_rank=mesh.dp_rank)
+def objective_parts(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh,
+                    device: torch.device, loader: BatchLoader, loss_fn: LossFn,
+                    reshard_plan: AutoReshardPlan | None = None,
+                    rollout_engine: Callable[[], Any] | None = None) -> ObjectiveParts:
+    """The parts an objective is built from (:class:`~torchtitan_lite.objectives.ObjectiveParts`):
+    these, and with a pipeline the maker of forward-only schedules over a model's stages."""
+    forward = None if plan.shape.pipeline is None else functools.partial(_forward_schedule, config, plan,
+                                                                         mesh=mesh, device=device)
+    return ObjectiveParts(config=config, plan=plan, model=model, mesh=mesh, device=device, loader=loader,
+                          loss_fn=loss_fn, reshard_plan=reshard_plan, rollout_engine=rollout_engine,
+                          forward_schedule=forward)
 
 
 def build_objective(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh,
                     device: torch.device, loader: BatchLoader, loss_fn: LossFn,
-                    reshard_plan: AutoReshardPlan | None = None) -> Objective:
-    """What the job's steps optimise: DPO's pair loss on a preference dataset
-    (:func:`build_preference`), online RL's policy loss on prompts (:func:`build_grpo`, its
-    rollouts made on ``model``), else the mean token loss (``loss_fn``; chat SFT's ignored labels
-    counted over the data-parallel group)."""
-    preference = build_preference(config, plan, mesh=mesh, device=device, loader=loader, reshard_plan=reshard_plan)
-    if preference is not None:
-        return preference
-    grpo = build_grpo(config, plan, model, mesh=mesh, device=device, reshard_plan=reshard_plan)
-    if grpo is not None:
-        return grpo
-    return TokenObjective(loss_fn, token_ranks=plan.token_ranks, masked=loader.masked, group=mesh.dp_group,
-                          loader=loader if loader.named else None, pipeline_degree=plan.dims.pp)
+                    reshard_plan: AutoReshardPlan | None = None,
+                    rollout_engine: Callable[[], Any] | None = None) -> Objective:
+    """What the job's steps optimise: the plan's objective (``training.objective``;
+    :mod:`torchtitan_lite.objectives`) built from these parts (its reference, reward functions …);
+    ``rollout_engine``: the job's rollout engine, for an objective that generates."""
+    return plan.objective.entry.build(objective_parts(config, plan, model, mesh=mesh, device=device, loader=loader,
+                                                      loss_fn=loss_fn, reshard_plan=reshard_plan,
+                                                      rollout_engine=rollout_engine))
+
+
+def _forward_schedule(config: JobConfig, plan: JobPlan, stages: nn.Module, local_batch_size: int, *,
+                      mesh: ParallelMesh, device: torch.device) -> PipelineRunner | None:
+    """A forward-only schedule over ``stages`` (the policy's, a reference copy's) for ``local_batch_size`` rows."""
+    return build_pipeline(config, plan, stages, mesh=mesh, device=device, loss_fn=token_loss_sum, forward_only=True,
+                          local_batch_size=local_batch_size)
 
 
 def build_runner(config: JobConfig, plan: JobPlan, built: Parallelized, *, mesh: ParallelMesh, device: torch.device,
@@ -342,29 +300,13 @@ def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: 
                           local_batch_size=local, loss_fn=loss_fn, forward_only=forward_only, balance=balance)
 
 
-def add_reference_schedules(config: JobConfig, plan: JobPlan, runner: MicroBatchRunner,
-                            objective: Objective, *, mesh: ParallelMesh, device: torch.device,
-                            local_batch_size: int) -> None:
-    """With a pipeline, DPO's or online RL's forward-only schedules of ``local_batch_size`` pairs
-    (completions) on ``runner``: the policy's (the sampling policy's log-probabilities, the
-    reference with adapters off, validation's forward) and the frozen copy's stages'. Nothing
-    otherwise."""
-    if plan.shape.pipeline is None or not isinstance(objective, (PreferenceObjective, GRPOObjective)):
-        return
-    forward = functools.partial(build_pipeline, config, plan, mesh=mesh, device=device, loss_fn=token_loss_sum,
-                                forward_only=True, local_batch_size=local_batch_size)
-    copy = objective.reference
-    runner.add_forward_schedules(evaluation=runner.evaluation or forward(runner.model),
-                                 reference=None if copy is None else (copy, forward(copy)))
-
-
 def build_router_balance(config: JobConfig, plan: JobPlan, model: nn.Module,
                          mesh: ParallelMesh) -> RouterBalance | None:
     """The router losses, load metrics and bias balancing of a mixture-of-experts model
     (``[moe]``; the load-balancing loss's weight defaults to the model's
     ``router_aux_loss_coef``); None for a dense model. With pipeline parallel, over the MoE
     layers of every stage (this rank's run here)."""
-    if not getattr(plan.model_args, "num_experts", 0):
+    if not plan.model_args.num_experts:
         return None
     e = config.moe
     names = None if plan.shape.pipeline is None else list(moe_layers(plan.spec.meta_model(plan.model_args)))
@@ -468,17 +410,18 @@ class Trainer:
                                    loss_fn=self.loss_fn, num_sources=sources)
         self.runner = runner(balance=build_router_balance(config, plan, self.model, self.mesh))
         evaluation = runner(forward_only=True) if plan.shape.pipeline is not None and validation_sets else self.runner
-        self.objective = build_objective(config, plan, self.model, mesh=self.mesh, device=self.device,
-                                         loader=self.loader,
-                                         loss_fn=self.loss_fn, reshard_plan=self.reshard_plan)
-        add_reference_schedules(config, plan, self.runner, self.objective, mesh=self.mesh, device=self.device,
-                                local_batch_size=config.training.local_batch_size)
+        self._rollout_engine: Any = None
+        parts = objective_parts(config, plan, self.model, mesh=self.mesh, device=self.device, loader=self.loader,
+                                loss_fn=self.loss_fn, reshard_plan=self.reshard_plan,
+                                rollout_engine=lambda: self.rollout_engine)
+        entry = plan.objective.entry
+        self.objective = entry.build(parts)
+        entry.add_forward_schedules(self.objective, self.runner, parts,
+                                    local_batch_size=config.training.local_batch_size)
         if evaluation is not self.runner:  # (validation's own runner: its local batch)
-            add_reference_schedules(config, plan, evaluation, self.objective, mesh=self.mesh, device=self.device,
-                                    local_batch_size=plan.val_local_batch_size)
-        self.validators = build_validators(
-            config, plan, validation_sets, dp_rank=dp_rank, runner=evaluation, group=self.mesh.tokens,
-            preference=self.objective if isinstance(self.objective, PreferenceObjective) else None)
+            entry.add_forward_schedules(self.objective, evaluation, parts, local_batch_size=plan.val_local_batch_size)
+        self.validators = build_validators(config, plan, validation_sets, dp_rank=dp_rank, runner=evaluation,
+                                           group=self.mesh.tokens, pairs=entry.pair_scorer(self.objective))
         self.optimizer, self.lr_scheduler = build_optimizers(config, plan, self.model)
         self.checkpointer = build_checkpointer(config, plan, model=self.model, optimizer=self.optimizer,
                                                lr_scheduler=self.lr_scheduler, loader=self.loader)
@@ -494,7 +437,8 @@ class Trainer:
         self.metrics = MetricsLogger(rank=self.rank, dump_folder=config.job.dump_folder,
                                      enable_tensorboard=config.metrics.enable_tensorboard,
                                      tb_folder=config.metrics.save_tb_folder, run_config=config.to_dict(),
-                                     disable_color=config.metrics.disable_color_printing)
+                                     disable_color=config.metrics.disable_color_printing,
+                                     objective=plan.objective.entry)
         # What runs around each step, in order (torchtitan_lite.callbacks); append your own.
         self.callbacks: list[Callback] = default_callbacks(config)
         log_startup(config, plan, model=self.model, mesh=self.mesh, loader=self.loader, validators=self.validators,
@@ -505,7 +449,7 @@ class Trainer:
     def optimizer_step(self, loss_sum: torch.Tensor, global_tokens: int) -> dict[str, float]:
         """Clip, step (only when the global loss and gradient norm are finite: every rank decides
         alike), advance the schedule, clear the gradients. ``loss_sum``: this rank's summed token
-        loss (or :meth:`forward_backward`'s vector, whose first entry it is), reduced here over
+        loss (or the objective's ``StepResult.loss_sum`` vector, whose first entry it is), reduced here over
         the ranks in place. Returns ``loss``, ``grad_norm``, ``lr``, ``skipped``."""
         params = list(self.model.parameters())
         if self.tied is not None:  # (tied embeddings on two pipeline ranks: one gradient, counted once)
@@ -526,18 +470,25 @@ class Trainer:
 
     def next_batch(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next global batch, with their document ids and each
-        row's source (a mixture) where the loader gives them."""
-        micro_batches = self.loader.next_batch()
-        if self.plan.grpo is not None:  # prompts: the objective makes its rows from them
-            return micro_batches
-        docs = self.loader.batch_documents
-        sources = self.loader.batch_sources if self.loader.named else None
-        return [MicroBatch(inputs, labels, None if docs is None else docs[i], None if sources is None else sources[i])
-                for i, (inputs, labels) in enumerate(micro_batches)]
+        row's source (a mixture) where the loader gives them (prompts: their rows)."""
+        return self.loader.next_micro_batches()
+
+    @property
+    def rollout_engine(self) -> Any:
+        """The job's rollout engine (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`): the model
+        as it trains generates on its own layout, the runner's; built once, on first use."""
+        if self._rollout_engine is None:
+            from torchtitan_lite.rl.rollout import DecoderRollouts
+
+            tokenizer = self.plan.tokenizer
+            self._rollout_engine = DecoderRollouts.from_runner(
+                self.runner, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
+                decode=tokenizer.decode, max_batch=self.plan.objective.generation_batch_size or None)
+        return self._rollout_engine
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over one global batch: data → the objective's forward and backward
-        (:attr:`objective` through :attr:`runner`) → :meth:`optimizer_step`; returns its metrics
+        (:attr:`objective` through :attr:`runner`) → :meth:`finish_step`; returns its metrics
         (same on every rank)."""
         data_start = time.perf_counter()
         self.runner.start_step()
@@ -546,17 +497,26 @@ class Trainer:
         if self.activation_offload is not None:
             self.activation_offload.start_step()
         result = self.objective.forward_backward(self.runner, batch)
-        values = self.optimizer_step(result.loss_sum, result.denominator)
-        values.update(self.runner.finish_step(update_bias=not values["skipped"]))
+        values = self.finish_step(result.loss_sum, result.denominator, global_tokens=result.global_tokens)
         values.update(result.metrics)
         if self.activation_offload is not None:  # (this rank's; the same shapes on every rank)
             values["activation_offload_gib"] = self.activation_offload.host_peak / 2**30
-        self.step += 1
-        self.tokens_seen += result.global_tokens
         if result.source_denominators:  # per source: its progress, and this step's mean loss
             values.update(result.source_metrics)
             values.update(result.source_losses(self.loader.names))
         return {**values, "data_time_s": data_time, "tokens_per_rank": result.tokens_per_rank}
+
+    def finish_step(self, loss_sum: torch.Tensor, denominator: float, *, global_tokens: int) -> dict[str, float]:
+        """The end of every step, the built-in loop's and a caller's own
+        (:class:`~torchtitan_lite.engine.TrainingEngine`): :meth:`optimizer_step` (``loss_sum /
+        denominator`` is the logged loss), the runner's end of step (router bias, load metrics),
+        then the counters: one more step, ``global_tokens`` more tokens seen. Returns the step's
+        metrics."""
+        values = self.optimizer_step(loss_sum, denominator)
+        values.update(self.runner.finish_step(update_bias=not values["skipped"]))
+        self.step += 1
+        self.tokens_seen += global_tokens
+        return values
 
     def validate(self) -> dict[str, float]:
         """Validation metrics at the current weights (empty when validation is off): the one

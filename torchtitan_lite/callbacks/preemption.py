@@ -1,12 +1,12 @@
 """Preemption: a signal of ``checkpoint.save_on_signals`` ends the run after the step in progress,
-on every rank, with one checkpoint saved (:class:`~torchtitan_lite.stop_signals.StopSignals`)."""
+on every rank, with one checkpoint saved (:class:`~torchtitan_lite.run.stop_signals.StopSignals`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torchtitan_lite.callbacks.base import Callback, StepState, exit_arguments
-from torchtitan_lite.stop_signals import StopSignals
+from torchtitan_lite.run.stop_signals import StopSignals
 
 
 class PreemptionCallback(Callback):

@@ -504,7 +504,7 @@ def _read_hf(path: Path, adapter: HFAdapter, args: Any, params: Mapping[str, tor
     to_load: dict[str, torch.Tensor] = {}
     for name, param in params.items():
         # (a pipeline's last stage holds the tied weight as the output's: the embedding's tensor)
-        tied = getattr(args, "tie_word_embeddings", False)
+        tied = args.tie_word_embeddings
         source = "tok_embeddings.weight" if name == "output.weight" and tied else name
         to_load.update(_hf_parts(adapter.hf_names(source, args), param.detach()))
     with torch.no_grad(), quiet_without_process_group():
@@ -593,7 +593,7 @@ def _export_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a Hugging Face export holds, by our names: :func:`_named_params`, a linear with
     LoRA adapters (and LoRA'd stacked experts) merged, ``W + (alpha/rank) · B A``."""
     params = _named_params(model)
-    if getattr(model.args, "tie_word_embeddings", False):
+    if model.args.tie_word_embeddings:
         # (a pipeline's last stage holds the tied weight as the output's: the first stage's rank
         # writes it, as the embedding, once)
         params.pop("output.weight", None)

@@ -421,7 +421,8 @@ def _tied_optimizer_aliases(model: Any, optimizer_sd: dict[str, Any] | None, sav
     ``tok_embeddings.weight`` (its state and parameter group): those entries of ``optimizer_sd`` are
     renamed to be read from there
     (in place). Returns ``{name read: this rank's name}`` to rename them back after the load."""
-    if optimizer_sd is None or not getattr(getattr(model, "args", None), "tie_word_embeddings", False):
+    args = getattr(model, "args", None)  # (a model of one's own family may keep no args)
+    if optimizer_sd is None or args is None or not args.tie_word_embeddings:
         return {}
     aliases = {}
     for key in list(optimizer_sd):

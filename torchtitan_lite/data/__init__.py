@@ -27,7 +27,7 @@ from torchtitan_lite.data.build import (
     training_sources,
     validation_sources,
 )
-from torchtitan_lite.data.loader import BatchLoader, LoaderSource, check_batch_split, micro_batches
+from torchtitan_lite.data.loader import BatchLoader, LoaderSource, MicroBatch, check_batch_split, micro_batches
 from torchtitan_lite.data.preference import PackedPairWindows, PairWindows, pair_batch
 from torchtitan_lite.data.sources import (
     DATASETS,
@@ -62,6 +62,7 @@ from torchtitan_lite.data.windows import (
 
 __all__ = [
     "BatchLoader",
+    "MicroBatch",
     "ByteTokenizer",
     "DATASETS",
     "HFTokenizer",

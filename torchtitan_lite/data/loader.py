@@ -28,7 +28,7 @@ from torchtitan_lite.data.preference import pair_batch
 from torchtitan_lite.data.windows import Documents, as_packed, window_tensors
 from torchtitan_lite.errors import ConfigError, DataError
 
-__all__ = ["BatchLoader", "LoaderSource", "Reader", "check_batch_split", "micro_batches", "rank_samples"]
+__all__ = ["BatchLoader", "LoaderSource", "MicroBatch", "Reader", "check_batch_split", "micro_batches", "rank_samples"]
 
 logger = logging.getLogger("torchtitan_lite")
 
@@ -57,6 +57,18 @@ class LoaderSource:
     max_epochs: int | None = None
     where: str = ""
     """The dataset as the config names it (for the start-up log)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loader gives it: ``inputs`` and ``labels`` ``(rows, seq)``, the
+    document ids of packed rows (block-causal attention; None: causal), and each row's source in a
+    mixture (rows of one source next to each other; None: one source or no per-source metrics)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    documents: torch.Tensor | None = None
+    sources: list[int] | None = None
 
 
 def check_batch_split(global_batch_size: int, local_batch_size: int, dp_size: int) -> int:
@@ -226,6 +238,17 @@ class BatchLoader:
             rows = [as_packed(row, self.documents) for row in rows]
         batches, self.batch_documents = micro_batches(np.stack(rows), self.local_batch_size, self.documents)
         return batches
+
+    def next_micro_batches(self) -> list[Any]:
+        """:meth:`next_batch` as an objective takes it: :class:`MicroBatch` es (with their document
+        ids, and each row's source in a mixture), or for prompts the lists of rows themselves."""
+        micro_batches = self.next_batch()
+        if micro_batches and not isinstance(micro_batches[0], tuple):  # prompts: the objective makes its rows
+            return micro_batches
+        docs = self.batch_documents
+        sources = self.batch_sources if self.named else None
+        return [MicroBatch(inputs, labels, None if docs is None else docs[i], None if sources is None else sources[i])
+                for i, (inputs, labels) in enumerate(micro_batches)]
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (labels) of each source in the batches given out since the run began

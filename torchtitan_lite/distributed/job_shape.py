@@ -10,6 +10,7 @@ models. A field added here (a new parallel degree) reaches all three.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,15 +22,15 @@ from torchtitan_lite.distributed.fsdp import FSDPOptions, ReshardMode
 from torchtitan_lite.distributed.lora import LoRASetup
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan
 
-__all__ = ["JobShape", "RolloutShape"]
+__all__ = ["JobShape", "ObjectiveShape", "RolloutShape"]
 
 
 @dataclass(frozen=True)
 class RolloutShape:
-    """What an online RL step (GRPO, :mod:`torchtitan_lite.rl`) holds beyond a token-loss step of
-    the same rows: its completions generated on the training model with a KV cache, the
+    """What an online RL step (:mod:`torchtitan_lite.rl`) holds beyond a token-loss step of the
+    same rows: its completions generated on the training model with a KV cache, the
     log-probabilities it keeps of each completion's tokens (the sampling policy's and the
-    reference's), the reference itself, and the per-row log-softmax of its policy loss."""
+    reference's), and the per-row log-softmax of its policy loss."""
 
     generation_rows: int = 0
     """Completions generated at once on a rank (``grpo.generation_batch_size``, or all of a step's);
@@ -44,8 +45,28 @@ class RolloutShape:
     old_logps: bool = False
     """The sampling policy's log-probabilities are computed and kept (``grpo.num_iterations`` > 1,
     or given sampling log-probabilities)."""
+
+
+@dataclass(frozen=True)
+class ObjectiveShape:
+    """What a step of the job's objective (:mod:`torchtitan_lite.objectives`) holds beyond a
+    token-loss step of the same rows, as the memory estimate and the build need it; the defaults
+    are the token loss's."""
+
+    rows_per_sample: int = 1
+    """Rows a sample is (2: a pair of sequences, chosen and rejected, in two rows)."""
     reference: str | None = None
-    """``copy`` (a frozen copy sharded like the model), ``adapters_off`` or None (``grpo.beta`` = 0)."""
+    """The frozen reference: ``copy`` (a copy sharded like the model), ``adapters_off`` (the model
+    with its LoRA adapters off) or None (none)."""
+    reference_forward: bool = False
+    """Each micro-batch runs through the reference (no gradient) before the policy's forward."""
+    rollout: RolloutShape | None = None
+    """Each step's rows are completions generated on the training model (:class:`RolloutShape`);
+    None: the rows come from the data."""
+    step: Callable[..., int] | None = None
+    """The memory estimate's step of an objective that generates (its module's function, called
+    on fake tensors under the estimate's tracker; returns its KV cache's bytes); None: the token
+    step over the objective's rows."""
 
 
 @dataclass(frozen=True)
@@ -116,14 +137,8 @@ class JobShape:
     sharded: bool = True
     """FSDP2 shards the model (more than one rank, or CPU offload); else one process trains the
     plain model, under autocast for a lower compute dtype."""
-    dpo_reference: str | None = None
-    """Preference tuning (DPO): each sample is a pair (two rows, chosen and rejected) and the
-    reference is ``copy`` (a frozen copy sharded like the model) or ``adapters_off`` (LoRA's adapters
-    switched off); None: not DPO."""
-    dpo_packed: bool = False
-    """DPO's pairs packed into rows (``dpo.packing``): each sample is a row of them, not a pair."""
-    rollout: RolloutShape | None = None
-    """Online RL: each step is a GRPO step (:class:`RolloutShape`), its rows completions; None: not RL."""
+    objective_shape: ObjectiveShape = ObjectiveShape()
+    """What the objective's step holds beyond a token-loss step (:class:`ObjectiveShape`)."""
     pipeline: PipelinePlan | None = None
     """Pipeline parallel: the stages and the schedule; each rank builds its pipeline coordinate's
     stages only (None: no pipeline)."""

@@ -2,13 +2,14 @@
 initialise. :func:`build_sharded_model` is the one way a model is built, for the trainer, the
 memory estimator and ``auto`` alike.
 
-:func:`parallelize` is the one path, in TorchTitan's order: LoRA adapts the linears first (the
-adapters are then parameters of their blocks like any other: checkpointed, compiled and sharded
-with them), the float8 conversion swaps the blocks' other linears next (so that all that follows
-wraps the converted layers: tensor parallel splits them with torchao's float8 styles), tensor
-parallel splits the layers, context parallel gives the model its share of each sequence
-(:mod:`.context_parallel`), expert parallel splits the experts, activation checkpointing
-wraps each block's forward (so that compile traces the checkpoint as part of the block's graph), compile comes next, and
+:func:`parallelize` is the one path, in TorchTitan's order (:data:`BUILD_STEPS`): the pipeline
+split first (each rank keeps its stages' layers), LoRA adapts the linears next (the adapters are
+then parameters of their blocks like any other: checkpointed, compiled and sharded with them), the
+float8 conversion swaps the blocks' other linears (so that all that follows wraps the converted
+layers: tensor parallel splits them with torchao's float8 styles), tensor parallel splits the
+layers, context parallel gives the model its share of each sequence (:mod:`.context_parallel`),
+expert parallel splits the experts, activation checkpointing wraps each block's forward (so that
+compile traces the checkpoint as part of the block's graph), compile comes next, and
 ``fully_shard`` last (so that its hooks, which gather and free parameters, stay outside the
 compiled code).
 """
@@ -75,14 +76,15 @@ def parallelize(spec: ModelSpec, model: nn.Module, mesh: ParallelMesh | DeviceMe
     """Parallelize a model built on the meta device, in place; returns what it built around it
     (:class:`Parallelized`: its FSDP units, its context-parallel share).
 
-    The steps, in this order: LoRA adapts the linears → float8 converts the blocks' other
+    The steps, in the order of :data:`BUILD_STEPS`: the pipeline split (``shape.pipeline``: the
+    model cut to this rank's stages) → LoRA adapts the linears → float8 converts the blocks' other
     linears → tensor parallel (a mesh with ``tp``: the family's ``spec.tensor_parallel``, by
-    default our decoders' plan) → expert parallel (a mesh with ``ep``: each MoE layer's experts
-    split over it) → activation checkpointing → compile → FSDP over the mesh's data-parallel
-    dimensions, the experts over the expert-data ranks (or autocast on one process, without
-    FSDP). ``shape``: the job's (:class:`~torchtitan_lite.distributed.job_shape.JobShape`), of which
-    this reads LoRA, float8, loss parallel, checkpointing, compile and how FSDP shards. With a
-    pipeline (``shape.pipeline``) the model is first cut to this rank's stages."""
+    default our decoders' plan) → context parallel (a mesh with ``cp``: the model's share of each
+    sequence) → expert parallel (a mesh with ``ep``: each MoE layer's experts split over it) →
+    activation checkpointing → compile → FSDP over the mesh's data-parallel dimensions, the
+    experts over the expert-data ranks (or autocast on one process, without FSDP). ``shape``: the
+    job's (:class:`~torchtitan_lite.distributed.job_shape.JobShape`), of which this reads LoRA,
+    float8, loss parallel, checkpointing, compile and how FSDP shards."""
     if shape.pipeline is not None:
         if not isinstance(mesh, ParallelMesh):
             raise ValueError("parallelize: pipeline parallel needs the job's ParallelMesh (its pp dimension)")

@@ -249,7 +249,7 @@ class TiedWeights:
     def build(model: nn.Module, plan: PipelinePlan | None, *, world: Any, pp_rank: int) -> TiedWeights | None:
         """The tied weight's copies of ``model`` (this rank's pruned decoder) over the ranks of
         ``world`` (the device mesh; ``pp`` its outermost dimension), or None."""
-        if plan is None or not getattr(model.args, "tie_word_embeddings", False):
+        if plan is None or not model.args.tie_word_embeddings:
             return None
         holders = [next(r for r in range(plan.degree) if any(s.first for s in plan.rank_stages(r))),
                    next(r for r in range(plan.degree) if any(s.last for s in plan.rank_stages(r)))]

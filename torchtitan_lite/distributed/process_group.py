@@ -1,6 +1,6 @@
 """Process group, device choice and collective timeouts (the mesh: :mod:`.mesh`); a
 torchrun worker's exit when its launcher dies (:func:`exit_with_launcher`, from
-:mod:`torchtitan_lite.launcher_watch`)."""
+:mod:`torchtitan_lite.run.launcher_watch`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_lite.launcher_watch import LAUNCHER_GONE_EXIT_CODE, exit_with_launcher
+from torchtitan_lite.run.launcher_watch import LAUNCHER_GONE_EXIT_CODE, exit_with_launcher
 
 __all__ = [
     "choose_device",

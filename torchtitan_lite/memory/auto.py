@@ -73,7 +73,7 @@ def auto_budget_bytes(budget_gib: float | None, device_bytes: float | None) -> t
         return int(budget_gib * GIB), f"parallelism.memory_budget_gib = {budget_gib:g}"
     if device_bytes is not None:
         return int(device_bytes * AUTO_DEVICE_FRACTION), (
-            f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / GIB:.1f} GiB; "
+            f"{AUTO_DEVICE_FRACTION:.0%} of the device's {device_bytes / GIB:.3g} GiB; "
             "parallelism.memory_budget_gib unset")
     raise ValueError("parallelism.memory_budget_gib: unset; reshard_after_forward_mode = 'auto' needs a "
                      "per-rank memory budget without a CUDA device (e.g. 16 for 16 GiB; the estimator "
@@ -122,6 +122,12 @@ class AutoReshardPlan:
     chosen per unit with ``parallelism.cpu_offload = "auto"``, else the job's setting for all."""
     offload_chosen: bool = False
     """Whether ``auto`` chose the offload per unit (``parallelism.cpu_offload = "auto"``)."""
+
+    def applied_to(self, shape: JobShape) -> JobShape:
+        """``shape`` with this plan's per-unit resharding, offload and checkpointing (what the
+        model, and a reference copy built like it, are built with)."""
+        return shape.replace(reshard_after_forward_mode=self.reshard, cpu_offload=self.offload,
+                             ac_policies=self.ac_policies)
 
     @property
     def offloaded(self) -> tuple[str, ...]:

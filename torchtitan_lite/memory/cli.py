@@ -6,11 +6,15 @@
 prints, for every reshard mode (default, never, always, and the configured integer one or auto),
 the memory of one rank by category, its peak and where in the step it falls, and whether it fits
 the device; ``--json PATH`` writes every figure. The job is planned exactly as the trainer plans
-it (:func:`torchtitan_lite.job.plan_job`) for the given world, with every config check of the
-trainer's but those that need files (:func:`plan_without_files`): the datasets, the tokenizer
-and the job's folders need not be on this machine (without the tokenizer, the flavor's own
-vocabulary is used, and a line says so); ``model.flavor = "from_checkpoint"`` reads its shape
-from the checkpoint, which must be.
+it (:func:`torchtitan_lite.job.plan_job`) for the given world and device type (``--device_type``:
+CUDA by default, whatever this machine has; ``cpu`` for a job of CPU processes, whose kernels save
+other tensors), with every config check of the trainer's but those that need files
+(:func:`plan_without_files`): the datasets, the tokenizer and the job's folders need not be on
+this machine (without the tokenizer, the flavor's own vocabulary is used, and a line says so);
+``model.flavor = "from_checkpoint"`` reads its shape from the checkpoint, which must be.
+
+Every mistake on the command line is one line (an unknown option of this command's with the one
+it most likely meant, a bad value with what is allowed), all of them at once, before any estimate.
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ import json
 import math
 import os
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchtitan_lite.config import load_job_config
-from torchtitan_lite.config.schema import JobConfig
-from torchtitan_lite.data.build import check_sources
+from torchtitan_lite.config.cli import _close as _closest  # (the config's own "did you mean")
+from torchtitan_lite.config.schema import SECTIONS, JobConfig, field_types
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
 from torchtitan_lite.distributed.pipeline_parallel import PipelinePlan
-from torchtitan_lite.errors import ConfigError, DataError, DataNotHereError, UserError
-from torchtitan_lite.job import FROM_CHECKPOINT, JobPlan, plan_job
+from torchtitan_lite.errors import ConfigError, UserError
+from torchtitan_lite.job import JobPlan
 from torchtitan_lite.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -45,15 +49,25 @@ from torchtitan_lite.memory.estimate import (
     size_text,
     where_text,
 )
-from torchtitan_lite.models import get_model_spec
+from torchtitan_lite.memory.job_plans import DEVICE_TEXT as _DEVICE_TEXT
+from torchtitan_lite.memory.job_plans import DEVICE_TYPES, plan_without_files
+from torchtitan_lite.memory.job_plans import UsageError as _UsageError
+from torchtitan_lite.memory.job_plans import data_not_here as _data_not_here
+from torchtitan_lite.memory.longest import host_bytes, print_longest
 from torchtitan_lite.progress import Progress, log_to_stderr
 
 if TYPE_CHECKING:
     from torchtitan_lite.memory.auto import AutoReshardPlan
 
-__all__ = ["build_parser", "main", "plan_without_files"]
+__all__ = ["DEVICE_TYPES", "build_parser", "main", "plan_without_files"]
 
 _OFFLOAD_TEXT = {False: "off", True: "on (every unit)", "auto": "auto (per unit)"}  # by JobShape.cpu_offload
+_DEVICE_NOTE = {
+    "cuda": "planned for CUDA devices (--device_type cuda): the tensors CUDA's kernels keep (its fused RMSNorm, its "
+            "attention); for a job of CPU processes, --device_type cpu",
+    "cpu": "planned for CPU processes (--device_type cpu): the tensors the CPU kernels keep (the composite RMSNorm's "
+           "fp32 copies, attention's CPU kernel) and gloo's all-gather buffers",
+}
 
 _DESCRIPTION = """\
 Estimated memory per rank of a training job, by category, for every reshard mode (default,
@@ -71,83 +85,13 @@ _COLUMNS = (
 )
 
 
-class _UsageError(ValueError):
-    pass
-
-
-def _dataset_config_errors(config: JobConfig) -> list[str]:
-    """The source checks of :func:`~torchtitan_lite.job.preflight` that are config checks (a
-    source kind, a path a kind does not read): one line each. What needs the files (a missing
-    or unreadable path, a column, a Hub name with no local copy) is no concern of an estimate
-    and is skipped."""
-    return [str(exc) for exc in check_sources(config)
-            if isinstance(exc, ConfigError) and not isinstance(exc, DataNotHereError)]
-
-
-def _data_not_here(config: JobConfig) -> list[str]:
-    """One line per dataset named only by where it is published (no local copy set): planned
-    all the same, since the estimate reads no data."""
-    return [f"{str(exc).split(':', 1)[0]}: not on this machine (no local copy set); the estimate reads no data"
-            for exc in check_sources(config) if isinstance(exc, DataNotHereError)]
-
-
-def _without_tokenizer(config: JobConfig, error: DataError) -> tuple[JobConfig, str]:
-    """``config`` planned without its unreadable tokenizer: the byte tokenizer's ids inside the
-    flavor's own vocabulary (or the user's ``model.vocab_size``, or a checkpoint's), and the line
-    that says so (completed with the vocabulary by the caller)."""
-    m = config.model
-    path = str(m.tokenizer_path)
-    if not Path(path).expanduser().exists():
-        why = "does not exist on this machine"
-    else:
-        reason = str(error).removeprefix("model.tokenizer_path: ").removeprefix(f"invalid value {path!r}; ")
-        why = f"holds no readable tokenizer ({reason})"
-    vocab_size = m.vocab_size
-    if vocab_size != -1:
-        source = "model.vocab_size"
-    elif m.flavor == FROM_CHECKPOINT:
-        source = "the checkpoint's vocabulary"
-    else:
-        vocab_size = get_model_spec(m.name).flavors[m.flavor].vocab_size
-        source = f"{m.name} {m.flavor}'s own vocabulary"
-    planned = dataclasses.replace(config, model=dataclasses.replace(m, tokenizer_path=None, vocab_size=vocab_size))
-    return planned, f"model.tokenizer_path {path!r} {why}: the estimate uses {source}"
-
-
-def plan_without_files(config: JobConfig, *, world_size: int,
-                       local_world_size: int | None = None) -> tuple[JobPlan, str | None]:
-    """The job as :func:`~torchtitan_lite.job.plan_job` plans it, after the config checks of
-    :func:`~torchtitan_lite.job.preflight` (dataset names and the paths they need; every problem
-    at once, as one :class:`ConfigError` of one line each), for a job whose files need not be on
-    this machine: its datasets are not read, and when ``model.tokenizer_path`` holds no readable
-    tokenizer the model takes the flavor's own vocabulary (``model.vocab_size`` when set; a
-    checkpoint's for ``from_checkpoint``). Returns the plan and, in that case, one line saying so."""
-    errors = _dataset_config_errors(config)
-    note = None
-    try:
-        try:
-            plan = plan_job(config, world_size=world_size, local_world_size=local_world_size, device_type="cuda")
-        except DataError as exc:  # plan_job reads no file but the tokenizer
-            if config.model.tokenizer_path is None:
-                raise
-            planned, note = _without_tokenizer(config, exc)
-            plan = plan_job(planned, world_size=world_size, local_world_size=local_world_size, device_type="cuda")
-            note = f"{note}, {plan.model_args.vocab_size} ids"
-    except ConfigError as exc:
-        errors.append(str(exc))
-    if errors:
-        raise ConfigError("\n".join(errors))
-    # (the estimate is of a CUDA job, device memory, whatever this machine has)
-    return plan, note
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected an integer >= 1")
+        raise ValueError("expected an integer >= 1")
     return value
 
 
@@ -157,8 +101,45 @@ def _positive_float(text: str) -> float:
     except ValueError:
         value = -1.0
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}; expected a number > 0")
+        raise ValueError("expected a number > 0")
     return value
+
+
+def _device_type(text: str) -> str:
+    if text not in DEVICE_TYPES:
+        raise ValueError(f"expected one of {', '.join(DEVICE_TYPES)} (where the job will run)")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One of the command's own options: ``convert`` reads its value (raising ``ValueError`` with
+    what is allowed); None: a switch, which takes no value."""
+
+    convert: Callable[[str], Any] | None
+    metavar: str
+    help: str
+
+
+_OPTIONS: dict[str, _Option] = {
+    "--world_size": _Option(_positive_int, "N", "ranks of the job (required)"),
+    "--ranks_per_node": _Option(_positive_int, "M", "ranks per node, for data_parallel_replicate_degree = 0 (one "
+                                "replica per node); default: $LOCAL_WORLD_SIZE, else all N on one node"),
+    "--device_type": _Option(_device_type, "TYPE", f"where the job will run, one of {', '.join(DEVICE_TYPES)} "
+                             "(default cuda, whatever this machine has): the estimate holds what that device's "
+                             "kernels hold (CUDA's fused RMSNorm and attention; a CPU job's composite norm and "
+                             "gloo's all-gather buffers)"),
+    "--device_memory_gib": _Option(_positive_float, "G", "memory of one device in GiB, to say whether each mode "
+                                   "fits; default: this machine's first CUDA device for a CUDA job, else no verdict"),
+    "--host_memory_gib": _Option(_positive_float, "H", "host memory of one node in GiB, to say whether what the "
+                                 "job keeps there (CPU offload, activation offload) fits; default: this machine's "
+                                 "RAM when it has a CUDA device, else no verdict"),
+    "--json": _Option(str, "PATH", "also write every figure as JSON"),
+    "--longest_seq_len": _Option(None, "", "instead of the table: search the longest training.seq_len whose "
+                                 "configured mode fits the budget (parallelism.memory_budget_gib, else 90%% of the "
+                                 "device), from 1,024 tokens up or down to the shortest the job allows, in steps "
+                                 "that context and tensor parallel split, printing each estimate as it goes"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,121 +148,80 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's own options; every other ``--section.key`` goes to the job config."""
+    """The CLI's own options (for ``--help``; :func:`main` reads them with :func:`_own_options`);
+    every other ``--section.key`` goes to the job config."""
     parser = _Parser(prog="python -m torchtitan_lite.memory", description=_DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--world_size", type=_positive_int, required=True, metavar="N",
-                        help="ranks of the job (required)")
-    parser.add_argument("--ranks_per_node", type=_positive_int, default=None, metavar="M",
-                        help="ranks per node, for data_parallel_replicate_degree = 0 (one replica per node); "
-                             "default: $LOCAL_WORLD_SIZE, else all N on one node")
-    parser.add_argument("--device_memory_gib", type=_positive_float, default=None, metavar="G",
-                        help="memory of one device in GiB, to say whether each mode fits; default: this "
-                             "machine's first CUDA device, else no verdict")
-    parser.add_argument("--host_memory_gib", type=_positive_float, default=None, metavar="H",
-                        help="host memory of one node in GiB, to say whether what the job keeps there (CPU "
-                             "offload, activation offload) fits; default: this machine's RAM when it has a CUDA "
-                             "device, else no verdict")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON")
-    parser.add_argument("--longest_seq_len", action="store_true",
-                        help="instead of the table: search the longest training.seq_len whose configured mode fits "
-                             "the budget (parallelism.memory_budget_gib, else 90%% of the device), in steps that "
-                             "context parallel splits, printing each estimate as it goes")
+    for name, option in _OPTIONS.items():
+        if option.convert is None:
+            parser.add_argument(name, action="store_true", help=option.help)
+        else:
+            parser.add_argument(name, default=None, metavar=option.metavar, help=option.help)
     return parser
 
 
-def longest_seq_len(config: JobConfig, *, world_size: int, ranks_per_node: int, budget: float, cp: int = 1,
-                    progress: Any = print, host_budget: float | None = None,
-                    ) -> tuple[int | None, list[tuple[int, float]]]:
-    """The longest ``training.seq_len`` (a multiple of the step: 1,024 rounded up to a multiple of
-    ``2 × cp``, the chunks context parallel splits a sequence into) whose configured reshard mode's
-    estimated device peak stays within ``budget`` bytes (and, with ``host_budget``, what a node's
-    ranks keep in host memory within that), to 1/32 of itself; None when even one step does not
-    fit. Returns it and every ``(seq_len, peak)`` estimated, in order; ``progress`` gets one line
-    per estimate."""
-    from torchtitan_lite.memory.estimate import job_estimate_shape
-
-    step = 2 * cp * -(-1024 // (2 * cp))
-    tried: list[tuple[int, float]] = []
-
-    def fits(seq_len: int) -> bool:
-        training = dataclasses.replace(config.training, seq_len=seq_len)
-        job = dataclasses.replace(config, training=training,
-                                  validation=dataclasses.replace(config.validation, enable=False))
-        plan, _ = plan_without_files(job, world_size=world_size, local_world_size=ranks_per_node)
-        mode = plan.shape.reshard_after_forward_mode if plan.shape.reshard_after_forward_mode != "auto" else "default"
-        estimate = estimate_memory(plan.spec, plan.model_args, job_estimate_shape(plan),
-                                   reshard_after_forward_mode=mode)
-        peak, host = estimate.device_peak, host_bytes(estimate) * ranks_per_node
-        tried.append((seq_len, peak))
-        ok = peak <= budget and (host_budget is None or host <= host_budget)
-        held = f"; host {host / GIB:.1f} GiB per node" if host else ""
-        progress(f"seq_len {seq_len}: estimated peak {peak / GIB:.2f} GiB per rank{held}, "
-                 f"{'fits' if ok else 'does not fit'}")
-        return ok
-
-    start = max(step, config.training.seq_len // step * step)
-    if fits(start):
-        low, high = start, None
-        while high is None and low < 2**24:
-            if fits(low * 2):
-                low *= 2
-            else:
-                high = low * 2
-    else:
-        low, high = 0, start
-        while low == 0 and high > step:
-            candidate = max(step, high // 2 // step * step)
-            if fits(candidate):
-                low = candidate
-            else:
-                high = candidate
-        if low == 0:
-            return None, tried
-    while high is not None and high - low > max(step, low // 32):
-        middle = (low + high) // 2 // step * step
-        if middle in (low, high):
-            break
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low, tried
+def _unknown_option(name: str) -> tuple[str, str | None]:
+    """The line for an unknown option ``--name`` of this command's (not a ``--section.key``), and
+    the option it most likely meant: one of the command's own within a few edits (the config's
+    "did you mean"), else the one job setting of that name."""
+    close = _closest(name[2:], [own[2:] for own in _OPTIONS])
+    meant = None if close is None else f"--{close}"
+    if meant is None:
+        keys = [f"--{section}.{key}" for section, cls in SECTIONS.items() for key in field_types(cls)
+                if key == name[2:]]
+        meant = keys[0] if len(keys) == 1 else None
+    if meant is not None:
+        return f"unknown option {name!r}; did you mean {meant!r}?", meant
+    return (f"unknown option {name!r}; this command's own are {', '.join(_OPTIONS)} and every other is a job "
+            "setting, --section.key value (see --help)"), None
 
 
-def _print_longest(config: JobConfig, plan: JobPlan, *, world_size: int, ranks_per_node: int,
-                   device_bytes: float | None, device_source: str, host: tuple[float | None, str] = (None, "")) -> int:
-    """``--longest_seq_len``: search and print (exit 0)."""
-    from torchtitan_lite.memory.auto import auto_budget_bytes
-
-    if plan.memory_budget_gib is None and device_bytes is None:
-        raise _UsageError("--longest_seq_len: no budget: set parallelism.memory_budget_gib or --device_memory_gib "
-                          "(no CUDA device here)")
-    budget, source = auto_budget_bytes(plan.memory_budget_gib, device_bytes)
-    cp = plan.dims.cp
-    print(f"{config.model.name} {config.model.flavor} on {world_size} ranks (context parallel {cp}"
-          f"{', ' + plan.shape.context_parallel_method if cp > 1 else ''}); budget {budget / GIB:.1f} GiB per rank "
-          f"({source}); device {device_source}" + (f"; host {host[1]} per node" if host[0] else ""), flush=True)
-    start = time.perf_counter()
-    found, tried = longest_seq_len(config, world_size=world_size, ranks_per_node=ranks_per_node, budget=budget,
-                                   cp=cp, progress=lambda line: print(line, flush=True),
-                                   host_budget=None if host[0] is None else 0.9 * host[0])
-    took = time.perf_counter() - start
-    if found is None:
-        print(f"no seq_len fits: {tried[-1][0]} tokens already need {tried[-1][1] / GIB:.2f} GiB per rank "
-              f"({len(tried)} estimates in {took:.0f} s)")
-    else:
-        pair = ("" if plan.dpo is None else " for a row of packed pairs (a pair's two sequences together)"
-                if plan.dpo.packed else " for each of a pair's two sequences (prompt and answer)")
-        print(f"longest seq_len that fits: {found} tokens{pair} ({found // cp} per rank; {len(tried)} estimates in "
-              f"{took:.0f} s)")
-    return 0
-
-
-def host_bytes(estimate: MemoryEstimate) -> int:
-    """What one rank keeps in host memory at most: FSDP's CPU-offloaded state and the offloaded
-    activations (``activation_checkpoint.offload``)."""
-    return estimate.cpu_peak + estimate.activation_host
+def _own_options(argv: list[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The command's own options in ``argv`` (by name without dashes, read; None where not
+    given or bad, False for an absent switch), the rest (the job's ``--section.key`` overrides),
+    and one line per mistake: an unknown option (its value skipped, so one line for both), a bad
+    or missing value, a value given to a switch, ``--world_size`` not given (nor misspelt)."""
+    values: dict[str, Any] = {name[2:]: None if option.convert else False for name, option in _OPTIONS.items()}
+    rest: list[str] = []
+    errors: list[str] = []
+    given: set[str] = set()  # (each option given, well or not, or meant by a misspelt one)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, inline = arg.partition("=")
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        value_next = not eq and following is not None and not following.startswith("--")
+        if not arg.startswith("--") or "." in name:  # a job setting, its value, or a stray word (the config's)
+            rest.append(arg)
+            i += 1
+            continue
+        option = _OPTIONS.get(name)
+        if option is None:
+            line, meant = _unknown_option(name)
+            errors.append(line)
+            given.add(meant or name)
+            i += 2 if value_next else 1
+            continue
+        given.add(name)
+        if option.convert is None:  # a switch
+            if eq or value_next:
+                errors.append(f"{name}: takes no value (got {inline if eq else following!r}); give {name} alone")
+            values[name[2:]] = True
+            i += 2 if value_next else 1
+            continue
+        if not (eq or value_next):
+            errors.append(f"{name}: expects a value ({option.metavar})")
+            i += 1
+            continue
+        text = inline if eq else str(following)
+        try:
+            values[name[2:]] = option.convert(text)
+        except ValueError as exc:
+            errors.append(f"{name}: invalid value {text!r}; {exc}")
+        i += 1 if eq else 2
+    if "--world_size" not in given:
+        errors.append("--world_size: missing; expected the ranks of the job, an integer >= 1 (e.g. --world_size 8)")
+    return values, rest, errors
 
 
 def _host_memory(gib: float | None) -> tuple[float | None, str]:
@@ -295,10 +235,13 @@ def _host_memory(gib: float | None) -> tuple[float | None, str]:
     return None, "no --host_memory_gib (and no CUDA device here): no verdict"
 
 
-def _device_memory(gib: float | None) -> tuple[float | None, str]:
-    """Bytes of one device and where the figure comes from (``None``: no verdict)."""
+def _device_memory(gib: float | None, device_type: str = "cuda") -> tuple[float | None, str]:
+    """Bytes of one device and where the figure comes from (``None``: no verdict): this machine's
+    first CUDA device only for a CUDA job."""
     if gib is not None:
         return gib * GIB, f"{gib:g} GiB (--device_memory_gib)"
+    if device_type != "cuda":
+        return None, f"no --device_memory_gib for a {device_type.upper()} job: no verdict"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return float(props.total_memory), f"{props.total_memory / GIB:.1f} GiB ({props.name})"
@@ -336,23 +279,30 @@ def _table(estimates: list[MemoryEstimate], configured: str | int, device_bytes:
            unit: tuple[str, int]) -> str:
     name, scale = unit
     offload = any(any(e.cpu_offload) if isinstance(e.cpu_offload, tuple) else e.cpu_offload for e in estimates)
+    width = _where_width(estimates)
     head = (f"{'mode':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
-            + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':32} fits")
+            + (f" {'cpu':>8}" if offload else "") + f"  {'peak in':{width}} fits")
     lines = [f"estimated memory per rank in {name} (tensor bytes)", head]
     for est in estimates:
         mark = "*" if _label(est.reshard_after_forward_mode) == str(configured) else " "
-        lines.append(_row(_label(est.reshard_after_forward_mode) + mark, est, scale, device_bytes, offload))
+        lines.append(_row(_label(est.reshard_after_forward_mode) + mark, est, scale, device_bytes, offload, width))
     return "\n".join(lines)
 
 
-def _row(label: str, est: MemoryEstimate, scale: int, device_bytes: float | None, offload: bool) -> str:
+def _where_width(estimates: list[MemoryEstimate]) -> int:
+    """The "peak in" column's width: its longest entry, whole (module names are not cut)."""
+    return max([len("peak in"), *(len(where_text(e.device_peak_phase, e.device_peak_module)) for e in estimates)])
+
+
+def _row(label: str, est: MemoryEstimate, scale: int, device_bytes: float | None, offload: bool,
+         width: int) -> str:
     """One estimate's line of a table: its categories at the device peak, the peak, where, fits."""
     where = where_text(est.device_peak_phase, est.device_peak_module)
     fits = "-" if device_bytes is None else ("yes" if est.fits(device_bytes) else "NO")
     cells = [est.device_categories[category] for category, _ in _COLUMNS] + [est.device_peak]
     if offload:
         cells.append(est.cpu_peak)
-    return f"{label:9} " + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where[:32]:32} {fits}"
+    return f"{label:9} " + " ".join(f"{value / scale:8.2f}" for value in cells) + f"  {where:{width}} {fits}"
 
 
 def _pipeline_text(pipeline: PipelinePlan, local_batch_size: int) -> str:
@@ -376,10 +326,11 @@ def _stage_table(stages: list[MemoryEstimate], configured: str | int, device_byt
     """Each pipeline rank's estimate in the configured mode: its stages' parameters, its
     micro-batches in flight."""
     name, scale = unit
+    width = _where_width(stages)
     head = (f"{'pp rank':9} " + " ".join(f"{short:>8}" for _, short in _COLUMNS) + f" {'peak':>8}"
-            + f"  {'peak in':32} fits")
+            + f"  {'peak in':{width}} fits")
     lines = [f"per pipeline rank, reshard_after_forward_mode {configured!r}, in {name}", head]
-    lines += [_row(str(est.pipeline_rank), est, scale, device_bytes, offload=False) for est in stages]
+    lines += [_row(str(est.pipeline_rank), est, scale, device_bytes, offload=False, width=width) for est in stages]
     return "\n".join(lines)
 
 
@@ -408,27 +359,35 @@ class _Estimates:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: print the estimate table (exit 0), or one error line (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if "--help" in argv or "-h" in argv:
-        parser.print_help()
+        build_parser().print_help()
         return 0
     try:
-        own, rest = parser.parse_known_args(argv)
-        device_bytes, device_source = _device_memory(own.device_memory_gib)
-        host = _host_memory(own.host_memory_gib)
-        json_path = _json_path(own.json)
-        world_size = own.world_size
-        ranks_per_node = own.ranks_per_node
-        if ranks_per_node is None:
+        own, rest, errors = _own_options(argv)
+        device_type = own["device_type"] or "cuda"
+        world_size, ranks_per_node = own["world_size"], own["ranks_per_node"]
+        if ranks_per_node is None and world_size is not None:
             env = os.environ.get("LOCAL_WORLD_SIZE", "")
             ranks_per_node = int(env) if env.isdigit() and int(env) > 0 else world_size
-        if world_size % ranks_per_node:
-            raise _UsageError(f"--ranks_per_node: invalid value {ranks_per_node}; it must divide "
-                              f"--world_size {world_size}")
-        config = load_job_config(rest)
-        plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node)
-        if own.longest_seq_len:
-            return _print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
+        if world_size is not None and ranks_per_node is not None and world_size % ranks_per_node:
+            errors.append(f"--ranks_per_node: invalid value {ranks_per_node}; it must divide --world_size {world_size}")
+        json_path = None
+        try:
+            json_path = _json_path(own["json"])
+        except _UsageError as exc:
+            errors.append(str(exc))
+        try:
+            config = load_job_config(rest)
+        except ConfigError as exc:
+            errors += str(exc).splitlines()
+        if errors:  # every mistake of the command line at once, before any estimate
+            raise _UsageError("\n".join(dict.fromkeys(errors)))
+        device_bytes, device_source = _device_memory(own["device_memory_gib"], device_type)
+        host = _host_memory(own["host_memory_gib"])
+        plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node,
+                                              device_type=device_type)
+        if own["longest_seq_len"]:
+            return print_longest(config, plan, world_size=world_size, ranks_per_node=ranks_per_node,
                                   device_bytes=device_bytes, device_source=device_source, host=host)
         log_to_stderr()
         done = _estimate_job(config, plan, world_size=world_size, device_bytes=device_bytes)
@@ -518,7 +477,8 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
     for note in plan.notes:
         print(f"note: {note}")
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
-          f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node): dp_replicate "
+          f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node) "
+          f"{_DEVICE_TEXT[plan.shape.device_type]}: dp_replicate "
           f"{dims.dp_replicate} × dp_shard {dims.dp_shard}"
           + (f" × context parallel {dims.cp} ({plan.shape.context_parallel_method}: each rank holds "
              f"{plan.shape.seq_len // dims.cp} tokens of every sequence)" if dims.cp > 1 else "")
@@ -535,9 +495,7 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         print(vocab_note)
     for absent in _data_not_here(config):
         print(absent)
-    batch = (f"{t.local_batch_size} rows of packed pairs" if plan.dpo is not None and plan.dpo.packed
-             else f"{t.local_batch_size} pairs ({2 * t.local_batch_size} rows)" if plan.dpo is not None
-             else f"{t.local_batch_size} completions" if plan.grpo is not None else f"{t.local_batch_size}")
+    batch = plan.objective.entry.batch_text(plan.objective, t.local_batch_size)
     accum = plan.shape.grad_accum_steps
     print(f"local batch {batch} × seq_len {t.seq_len}, {accum} micro-batch"
           f"{'es' if accum > 1 else ''} per step; params {t.mixed_precision_param}, reduce "
@@ -552,33 +510,8 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         lo = plan.shape.lora
         print(f"LoRA rank {lo.rank} on {len(lo.linears)} linears ({', '.join(lo.target_modules)}): gradients and "
               "optimizer state for the adapters only, the base weights frozen")
-    if plan.dpo is not None:
-        rows = ("its rows of whole pairs (block-causal)" if plan.dpo.packed
-                else "each pair's chosen and rejected rows")
-        print(f"DPO ({plan.dpo.loss_type}): {rows} in one forward, after the "
-              "reference's forward without gradients; the reference is "
-              + ("the same weights with the LoRA adapters off (no second copy)" if plan.dpo.reference == "adapters_off"
-                 else "a frozen copy sharded like the model (its shards counted as sharded params)"))
-
-    if plan.grpo is not None:
-        print(_grpo_text(plan))
-
-
-def _grpo_text(plan: JobPlan) -> str:
-    """The line describing an online RL job's step, as the estimate runs it."""
-    g, r = plan.grpo, plan.shape.rollout
-    assert g is not None and r is not None
-    made = ("its completions given (grpo.rollouts_path: nothing generated)" if not r.generation_rows else
-            f"{r.generation_rows} completions generated at once per rank on the training model, through a KV cache "
-            f"of {r.prompt_len} + {r.new_tokens} positions (the longest prompt: training.seq_len − "
-            "grpo.max_completion_length)")
-    kept = [name for name, on in (("the sampling policy's", r.old_logps), ("the reference's", bool(r.reference))) if on]
-    reference = {"copy": "; the reference is a frozen copy sharded like the model (its shards counted as sharded "
-                         "params)", "adapters_off": "; the reference is the policy with its LoRA adapters off"}
-    return (f"online RL (GRPO, {g.loss_type}): {made}"
-            + (f"; {' and '.join(kept)} log-probabilities of them kept for the step" if kept else "")
-            + reference.get(r.reference or "", "")
-            + "; then the policy step, each row's log-softmax at the sampling temperature")
+    for line in plan.objective.entry.step_lines(plan.objective):  # how the estimate runs its step
+        print(line)
 
 
 def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: str, *,
@@ -599,14 +532,16 @@ def _notes(config: JobConfig, plan: JobPlan, done: _Estimates, device_source: st
         notes.append(f"host memory: {size_text(configured.activation_host)} of offloaded activations "
                      f"(activation_checkpoint.offload) + {size_text(configured.cpu_peak)} of CPU-offloaded state per "
                      f"rank at most (configured mode), {size_text(node)} per node of {ranks_per_node} ranks{verdict}")
-    if plan.shape.rollout is not None and plan.shape.rollout.generation_rows:
+    if plan.shape.objective_shape.rollout is not None and plan.shape.objective_shape.rollout.generation_rows:
         notes.append(f"online RL: the KV cache of a generation batch is {size_text(configured.kv_cache)} per rank; "
                      f"generation peaks at {size_text(configured.generation_peak)} (configured mode), in the peaks "
                      "above where it is the highest ('generation' in the where column: a smaller "
                      "grpo.generation_batch_size lowers it, resharding and checkpointing do not)")
     notes += not_modelled(config, plan)
-    notes.append(f"device memory: {device_source}; allocator overhead, CUDA context and "
-                 "communication buffers are not included")
+    notes.append(_DEVICE_NOTE[plan.shape.device_type])
+    notes.append(f"device memory: {device_source}; allocator overhead, "
+                 + ("CUDA context and " if plan.shape.device_type == "cuda" else "") + "communication buffers are "
+                 "not included")
     if done.plan_auto is not None and done.auto:
         notes += [f"{chosen.summary()} (budget: {done.budget_source}; the fits column is against the whole device)"
                   for chosen in done.rank_plans]
@@ -634,6 +569,7 @@ def _json_record(config: JobConfig, plan: JobPlan, done: _Estimates, vocab_note:
         "vocab_note": vocab_note,
         "not_modelled": not_modelled(config, plan),
         "configured_mode": configured,
+        "device_type": plan.shape.device_type,
         "device_memory_bytes": device_bytes,
         "estimates": [
             {

@@ -45,14 +45,12 @@ from torchtitan_lite.config.schema import Optimizer as OptimizerConfig
 from torchtitan_lite.distributed.context_parallel import context_parallel_problem
 from torchtitan_lite.distributed.expert_parallel import expert_parallel_problem
 from torchtitan_lite.distributed.fsdp import (
-    AllGatherComm,
     ReshardMode,
     gathered_through_step,
-    set_custom_all_gather,
     unit_offload,
     validate_reshard_after_forward_mode,
 )
-from torchtitan_lite.distributed.job_shape import JobShape, RolloutShape
+from torchtitan_lite.distributed.job_shape import JobShape
 from torchtitan_lite.distributed.mesh import build_mesh
 from torchtitan_lite.distributed.parallel_dims import ParallelDims
 from torchtitan_lite.distributed.parallelize import parallelize
@@ -63,14 +61,24 @@ from torchtitan_lite.distributed.pipeline_parallel import (
     rank_actions,
 )
 from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
-from torchtitan_lite.dpo import as_reference
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
-from torchtitan_lite.memory.measure import CATEGORIES, by_category
+from torchtitan_lite.memory.fake_step import (
+    _as_sharded_params,
+    _fake_world,
+    _gloo_all_gathers,
+    _local,
+    _LocalOptimizer,
+    _make_tracker,
+    _nbytes,
+    _OffloadedBytes,
+)
+from torchtitan_lite.memory.measure import CATEGORIES
 from torchtitan_lite.models.decoder import kernels_as_on_cuda
 from torchtitan_lite.models.nf4 import allocate_constants, is_nf4
 from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.objectives.reference import as_reference
 from torchtitan_lite.optim import build_optimizer
 
 if TYPE_CHECKING:
@@ -336,8 +344,8 @@ def check_arguments(shape: JobShape, args: Any) -> None:
     # The axes' own rules, as the plan checks them (one place each).
     problems = {
         "tensor_parallel": tensor_parallel_problem(args, tensor_parallel),
-        "expert_parallel": expert_parallel_problem(getattr(args, "num_experts", 0), shape.expert_parallel)
-        if getattr(args, "num_experts", 0) else None,
+        "expert_parallel": expert_parallel_problem(args.num_experts, shape.expert_parallel)
+        if args.num_experts else None,
         "context_parallel": context_parallel_problem(
             seq_len=seq_len, degree=shape.context_parallel, method=shape.context_parallel_method,
             n_heads=args.n_heads, kv_heads=args.kv_heads, tensor_parallel=tensor_parallel),
@@ -352,197 +360,8 @@ def check_arguments(shape: JobShape, args: Any) -> None:
                          "expected 'foreach', 'fused' or 'for-loop'")
 
 
-@contextlib.contextmanager
-def _fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """A default process group of ``world_size`` fake ranks (this process is ``rank``)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-class _OffloadedBytes:
-    """The bytes of the offloaded units' state at any moment of the step: their sharded
-    parameters and optimizer state (there all along) and their sharded gradients (from their
-    reduce-scatter to ``zero_grad``), read from the tensors themselves."""
-
-    def __init__(self, params: list[torch.nn.Parameter], optimizer: _LocalOptimizer) -> None:
-        self.params = params
-        locals_ = {id(param): local for param, local in optimizer.pairs}
-        state = optimizer.optimizer.state
-        self.static = sum(_nbytes(_local(p)) for p in params) + sum(
-            _nbytes(value) for p in params if id(p) in locals_
-            for value in state.get(locals_[id(p)], {}).values() if isinstance(value, torch.Tensor))
-
-    def now(self) -> int:
-        """Bytes on CPU now."""
-        return self.static + sum(_nbytes(_local(p.grad)) for p in self.params if p.grad is not None)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """A tensor's own bytes (a gradient shard is a view into its unit's reduce-scatter output:
-    the storage would count the whole unit once per parameter)."""
-    return tensor.numel() * tensor.element_size()
-
-
-def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  offloaded: _OffloadedBytes | None) -> Any:
-    """An ``FSDPMemTracker`` that also records the phase of the peak and, with CPU offload, the
-    device peak (total minus the offloaded units' state) and the CPU peak separately."""
-    from torch.distributed._tools.fsdp2_mem_tracker import _TOTAL_KEY, FSDPMemTracker, _FSDPRefType
-
-    grads_key = _FSDPRefType("Sharded Grad")
-
-    class _Tracker(FSDPMemTracker):
-        def __init__(self) -> None:
-            super().__init__(model, optimizer)
-            self.total_peak = (-1, "", "", {})  # bytes, phase, module, categories
-            self.device_peak = (-1, "", "", {})
-            self.cpu_peak = 0
-            self.grads_seen = -1  # the sharded-gradient total when the offloaded bytes were last read
-            self.on_cpu = 0
-            self.generating = False  # (online RL: its completions are being generated)
-            self.generation_peak = 0
-
-        def where(self) -> tuple[str, str]:
-            # Module names are qualified by the root's class name: "Transformer.layers.3.attention".
-            active = [name for name in self._mod_tracker.parents if name != "Global"]
-            innermost = max(active, key=lambda name: name.count("."), default="")
-            module = innermost.partition(".")[2]
-            if self._in_opt:
-                return "optimizer", ""
-            if self.generating:
-                return "generation", module
-            if self._mod_tracker.is_bw:
-                # Inside no block and no unit (at most the root): the loss's and logits' backward.
-                return "backward", module or "loss"
-            return ("forward" if active else "loss"), module or ("model" if active else "")
-
-        def categories(self) -> dict[str, int]:
-            return _by_category(self._curr_mem_snap)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # Called after every op: only totals here, the breakdown when a peak is exceeded.
-            snapshot = self._curr_mem_snap
-            total = sum(per_device[_TOTAL_KEY] for per_device in snapshot.values())
-            if offloaded is not None:
-                grads = sum(per_device.get(grads_key, 0) for per_device in snapshot.values())
-                if grads != self.grads_seen:  # only a gradient's arrival or release changes it
-                    self.grads_seen, self.on_cpu = grads, offloaded.now()
-            on_cpu = self.on_cpu
-            if total > self.total_peak[0]:
-                self.total_peak = (total, *self.where(), self.categories())
-            if self.generating:
-                self.generation_peak = max(self.generation_peak, total - on_cpu)
-            if total - on_cpu > self.device_peak[0]:
-                self.device_peak = (total - on_cpu, *self.where(), self.categories())
-            self.cpu_peak = max(self.cpu_peak, on_cpu)
-
-    return _Tracker()
-
-
-class _LocalOptimizer:
-    """The trainer's optimizer, stepping the shards' local tensors, with its state already made.
-
-    - State: Adam's ``step``, ``exp_avg`` and ``exp_avg_sq`` exist before the tracked step, as
-      after a real first step, so the one tracked step is a steady-state one (a real run's
-      first step holds less: no optimizer state during its forward and backward).
-    - Local tensors: an optimizer step on DTensors dispatches each foreach op to the same op on
-      the local shards; the first time, DTensor also works out the op's sharding and output
-      shapes over every parameter, which on fake tensors takes seconds and allocates nothing.
-      This twin (same class, parameter groups and hyperparameters; parameters and gradients
-      alias the DTensors' local storage) runs the local ops directly: the same temporaries.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        groups = []
-        for group in optimizer.param_groups:
-            params = []
-            for param in group["params"]:
-                local = _local(param).detach()
-                self.pairs.append((param, local))
-                params.append(local)
-            groups.append({**group, "params": params})
-        eight_bit = type(optimizer).__name__ == "AdamW8bit"
-        self.optimizer = _EightBitTwin(groups) if eight_bit else type(optimizer)(groups)
-        for group in self.optimizer.param_groups:
-            on_device = group.get("fused") or group.get("capturable")
-            for local in group["params"]:
-                self.optimizer.state[local] = {
-                    # A literal, as Adam makes it: fake tensors keep its value for ``step.item()``.
-                    "step": torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu"),
-                    **_moment(local, "exp_avg", eight_bit), **_moment(local, "exp_avg_sq", eight_bit),
-                }
-
-    def step(self) -> None:
-        """One step on the gradients the DTensor parameters hold now."""
-        for param, local in self.pairs:
-            local.grad = None if param.grad is None else _local(param.grad)
-        self.optimizer.step()
-        for _, local in self.pairs:
-            local.grad = None
-
-
-EIGHT_BIT_BLOCK = 256
-"""torchao's 8-bit optimizer state: values per block (each block one fp32 scale)."""
-
-
-def _moment(local: torch.Tensor, name: str, eight_bit: bool) -> dict[str, torch.Tensor]:
-    """One Adam moment of the local parameter ``local``, by state name: its fp32 copy, or as
-    torchao's AdamW8bit keeps it (a tensor of 4,096 values or more that divides into blocks: one
-    byte a value and an fp32 scale a block; a smaller one in fp32, as bitsandbytes does)."""
-    if eight_bit and local.numel() >= 4096 and local.numel() % EIGHT_BIT_BLOCK == 0:
-        return {name: torch.empty(local.numel(), dtype=torch.int8, device=local.device),
-                f"{name}_scale": torch.empty(local.numel() // EIGHT_BIT_BLOCK, dtype=torch.float32,
-                                             device=local.device)}
-    return {name: torch.zeros_like(local, memory_format=torch.preserve_format)}
-
-
-class _EightBitTwin(torch.optim.Optimizer):
-    """torchao's AdamW8bit as the estimate's fake tensors see it: its compiled step, one parameter
-    at a time, dequantizes the parameter's two moments to fp32, updates and requantizes them; the
-    fp32 copies of one parameter's moments are its temporaries."""
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        super().__init__(groups, {})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    moments = [torch.empty(param.shape, dtype=torch.float32, device=param.device) for _ in range(2)]
-                    del moments
-
-
-def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
-    """``categories`` with ``nbytes`` moved from the activations to the sharded parameters (where
-    the activations hold them)."""
-    if categories.get("activations", 0) < nbytes:
-        return categories
-    return {**categories, "activations": categories["activations"] - nbytes,
-            "sharded_params": categories["sharded_params"] + nbytes}
-
-
-def _local(tensor: Any) -> Any:
-    """A DTensor's local shard (sharing its storage); anything else as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
-    """A tracker snapshot summed over devices, keyed by our category names (no total)."""
-    return {k: v for k, v in by_category(snapshot).items() if k != "total"}
-
-
-_CACHE: dict[Any, MemoryEstimate] = {}
 _CACHE_SIZE = 128
+_CACHE: dict[Any, MemoryEstimate] = {}
 
 
 def estimate_here(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int = 0) -> MemoryEstimate:
@@ -584,12 +403,13 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         unit_list = built.units
         if shape.device_type == "cpu":
             _gloo_all_gathers(model)
-        # DPO: every sample is a pair of rows (with packing, a row of pairs); DPO's or online RL's
-        # frozen reference copy is built like the model.
-        rows = local_batch_size * (2 if shape.dpo_reference is not None and not shape.dpo_packed else 1)
-        rollout = shape.rollout
+        # The objective's rows per sample (a pair in two rows …) and its frozen reference copy,
+        # built like the model.
+        objective = shape.objective_shape
+        rows = local_batch_size * objective.rows_per_sample
+        rollout = objective.rollout
         reference = None
-        if (shape.dpo_reference or (rollout.reference if rollout is not None else None)) == "copy":
+        if objective.reference == "copy":
             reference = spec.meta_model(args)
             parallelize(spec, reference, mesh, shape, device=device)
             reference.requires_grad_(False)
@@ -641,9 +461,10 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                                    documents=shape.block_causal and shape.device_type != "cuda")
                 kv_cache = 0
                 if rollout is not None and pipeline is None:  # (with a pipeline: its token step's)
-                    kv_cache = _rollout_step(model, reference, rollout, tracker, rows=rows, seq_len=seq_len,
-                                             micro_batches=micro_batches, grad_accum_steps=grad_accum_steps,
-                                             device=device, context_parallel=built.context_parallel)
+                    assert objective.step is not None, "an objective that generates gives its step's estimate"
+                    kv_cache = objective.step(model, reference, objective, tracker, rows=rows, seq_len=seq_len,
+                                              micro_batches=micro_batches, grad_accum_steps=grad_accum_steps,
+                                              device=device, context_parallel=built.context_parallel)
                 # (CUDA: a FlexAttention BlockMask, packed documents' or context parallel's, for each
                 # forward: its block tables, held until its backward)
                 flex = shape.device_type == "cuda" and (shape.block_causal or dims.cp > 1)
@@ -656,7 +477,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                     # (block-causal off CUDA: the document ids, and the tiles of attention they make)
                     docs = (inputs,) if shape.block_causal and shape.device_type != "cuda" else ()
                     tracker.track_inputs((inputs, labels))
-                    if shape.dpo_reference is not None:  # the reference's forward first, as DPO's step runs it
+                    if objective.reference_forward:  # the reference's forward first, as the objective's step runs it
                         with torch.no_grad(), as_reference(model, reference) as ref, output_labels(ref, labels):
                             token_loss_sum(ref(inputs, *docs), labels)
                     with output_labels(model, labels):  # (training.tiled_loss: each label's loss, tiled)
@@ -700,110 +521,16 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
     )
 
 
-def _rollout_step(model: torch.nn.Module, reference: torch.nn.Module | None, rollout: RolloutShape, tracker: Any, *,
-                  rows: int, seq_len: int, micro_batches: int, grad_accum_steps: int, device: torch.device,
-                  context_parallel: Any = None) -> int:
-    """The forwards and backwards of an online RL step (:class:`~torchtitan_lite.rl.grpo.GRPOObjective`'s,
-    generating its completions) on fake tensors, through the functions the step runs:
-
-    - the last batch's rollouts (its rows and kept log-probabilities) are held until the new ones
-      replace them;
-    - generation (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`): the prefill of
-      ``generation_rows`` prompts of ``prompt_len`` tokens into a KV cache with room for
-      ``new_tokens`` more, a draw of the next tokens, one decode step (every later step holds the
-      same: the cache is allocated whole at its first write);
-    - without gradients, the sampling policy's and the reference's log-probabilities of the
-      completions (:func:`~torchtitan_lite.rl.grpo.rows_logps`), kept for the step;
-    - the policy step (:func:`~torchtitan_lite.rl.grpo.policy_backward`): per micro-batch of
-      ``rows`` completions, the per-row log-softmax of the logits at the sampling temperature,
-      the clipped objective and its backward.
-
-    At most ``micro_batches`` (two) of the ``grad_accum_steps`` micro-batches run; the rollouts
-    held are the whole step's. Returns the KV cache's bytes."""
-    from torchtitan_lite.rl.grpo import GRPOSetup, Rollouts, policy_backward, rows_logps
-    from torchtitan_lite.rl.rollout import DecoderRollouts, SamplingParams, generation_mode, sample_tokens
-    from torchtitan_lite.training.runner import MicroBatchRunner
-
-    completions, run = rows * grad_accum_steps, rows * micro_batches
-    setup = GRPOSetup(max_completion_length=rollout.new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-                      top_k=rollout.top_k, beta=0.04 if rollout.reference else 0.0, reference=rollout.reference)
-    runner = MicroBatchRunner(model, device=device, context_parallel=context_parallel)
-
-    def held(old: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> Rollouts:
-        tokens = torch.zeros(completions, seq_len, dtype=torch.long, device=device)
-        return Rollouts(tokens, torch.zeros_like(tokens), torch.zeros(completions, device=device), old, ref)
-
-    def logps(model_: torch.nn.Module | None, rollouts: Rollouts) -> torch.Tensor:
-        part = rows_logps(runner, rollouts.inputs[:run], rollouts.labels[:run], local_batch_size=rows,
-                          temperature=setup.logit_temperature, model=model_)
-        return torch.cat([part, part.new_zeros(completions - run, seq_len)])
-
-    kept = (completions, seq_len)
-    previous = held(torch.zeros(kept, device=device) if rollout.old_logps else None,
-                    torch.zeros(kept, device=device) if rollout.reference else None)
-    kv_cache = 0
-    if rollout.generation_rows:
-        params = SamplingParams(max_new_tokens=rollout.new_tokens, temperature=rollout.temperature,
-                                top_p=rollout.top_p, top_k=rollout.top_k)
-        engine = DecoderRollouts(model, device=device, pad_id=0)
-        tracker.generating = True
-        with generation_mode(model):
-            logits, cache = engine.prefill([[0] * rollout.prompt_len] * rollout.generation_rows, rollout.new_tokens)
-            tokens, _ = sample_tokens(logits, params, None)
-            engine.next_logits(tokens[:, None], cache)
-            kv_cache = cache.nbytes
-            del logits, cache, tokens
-        tracker.generating = False
-    rollouts = held()
-    with torch.no_grad():
-        if rollout.old_logps:
-            rollouts.old = logps(None, rollouts)
-        if rollout.reference:
-            with as_reference(model, reference) as ref:
-                rollouts.ref = logps(ref, rollouts)
-    del previous
-    part = Rollouts(*(t if t is None else t[:run] for t in (rollouts.inputs, rollouts.labels, rollouts.advantages,
-                                                            rollouts.old, rollouts.ref)))
-    policy_backward(runner, part, setup, completions=completions, tokens=float(run * seq_len), local_batch_size=rows,
-                    ranks=1)
-    del part, rollouts
-    return kv_cache
-
-
-class _GlooAllGather(AllGatherComm):
-    """FSDP2's all-gather as gloo runs it: gloo gathers into a buffer of its own the size of
-    the output (on its worker thread), then copies it into FSDP's output and frees it. Seen in
-    the allocator's trace of a pipeline rank's backward at data parallel 2 (the step's peak, one
-    unit's bytes above FSDP's own buffers); NCCL gathers into FSDP's output directly."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> Any:
-        import torch.distributed as dist
-
-        scratch = torch.empty_like(output_tensor) if dist.get_world_size(group) > 1 else None
-        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        del scratch
-        return work
-
-
-def _gloo_all_gathers(model: torch.nn.Module) -> None:
-    """Every FSDP unit of ``model`` gathers as gloo does (:class:`_GlooAllGather`)."""
-    set_custom_all_gather(model, _GlooAllGather())
-
-
 def _forward_only_models(model: torch.nn.Module, reference: torch.nn.Module | None,
                          shape: JobShape) -> list[Callable[[], contextlib.AbstractContextManager[Any]]]:
-    """The models a DPO or online RL step runs forward only before its training forward (see
+    """The models an objective's step runs forward only before its training forward (see
     :func:`_pipeline_step`): the reference (``reference``, the frozen copy, or the policy with its
     adapters off), and online RL's sampling policy when its log-probabilities are kept."""
-    rollout = shape.rollout
+    rollout = shape.objective_shape.rollout
     runs: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
     if rollout is not None and rollout.old_logps:
         runs.append(lambda: contextlib.nullcontext(model))
-    if shape.dpo_reference is not None or (rollout is not None and rollout.reference is not None):
+    if shape.objective_shape.reference is not None:
         runs.append(lambda: as_reference(model, reference))
     return runs
 

@@ -14,7 +14,7 @@ from torchtitan_lite.models.llama3 import LLAMA3_SPEC
 from torchtitan_lite.models.qwen2 import QWEN2_SPEC
 from torchtitan_lite.models.qwen3 import QWEN3_SPEC
 from torchtitan_lite.models.qwen3_moe import QWEN3_MOE_SPEC
-from torchtitan_lite.models.spec import ModelSpec
+from torchtitan_lite.models.spec import DecoderArgs, ModelSpec
 
 __all__ = ["MODEL_SPECS", "ModelSpec", "family_hint", "family_of", "get_model_spec", "register_model_spec"]
 
@@ -37,6 +37,9 @@ def _problems(spec: object) -> list[str]:
     args_cls = spec.args_cls
     if not (isinstance(args_cls, type) and dataclasses.is_dataclass(args_cls)):
         problems.append(f"args_cls {getattr(args_cls, '__name__', repr(args_cls))} must be a dataclass")
+    elif not issubclass(args_cls, DecoderArgs):
+        problems.append(f"args_cls {args_cls.__name__} must derive from torchtitan_lite.models.spec.DecoderArgs "
+                        "(what every family declares: num_experts, tie_word_embeddings)")
     else:
         fields = {f.name for f in dataclasses.fields(args_cls)}
         missing = [name for name in ("vocab_size", "max_seq_len") if name not in fields]

@@ -388,7 +388,7 @@ class TransformerBlock(nn.Module):
 def is_moe_layer(args: Any, layer_id: int) -> bool:
     """Whether layer ``layer_id`` of a model with ``args`` is a mixture of experts: args with
     ``num_experts`` > 0 say which layers with ``moe_layer(layer_id)``."""
-    return bool(getattr(args, "num_experts", 0)) and bool(args.moe_layer(layer_id))
+    return bool(args.num_experts) and bool(args.moe_layer(layer_id))
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -670,7 +670,7 @@ class Decoder(nn.Module):
         self.freqs_cis = precompute_freqs_cis(
             self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=device, args=self.args
         )
-        if getattr(self.args, "num_experts", 0):  # whether grouped products run here (read under compile)
+        if self.args.num_experts:  # whether grouped products run here (read under compile)
             for dtype in (torch.float32, torch.bfloat16):
                 grouped_mm_available(device.type, dtype)
 

@@ -30,7 +30,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["FSDPLayout", "HFAdapter", "ModelSpec"]
+__all__ = ["DecoderArgs", "FSDPLayout", "HFAdapter", "ModelSpec"]
+
+
+class DecoderArgs:
+    """What every family's args (a frozen dataclass deriving from this) declare, so that the rest
+    of the package reads them without asking whether a family has them: a dense family has no
+    experts, and unless it says otherwise its output layer is its own."""
+
+    num_experts: int = 0
+    """Routed experts of the mixture-of-experts layers; 0: a dense model."""
+    tie_word_embeddings: bool = False
+    """The output projection is the token embedding's weight (one parameter)."""
 
 
 class FSDPLayout(dict):

@@ -16,7 +16,7 @@ a second job naming that folder by an absolute path is not refused (it locks onl
 itself).
 
 A torchrun worker whose launcher died ends itself within ``LAUNCHER_GONE_BOUND_S``
-(:mod:`torchtitan_lite.launcher_watch`), and the operating system then releases its lock. A job
+(:mod:`torchtitan_lite.run.launcher_watch`), and the operating system then releases its lock. A job
 relaunched at once may find the lock still held by such a worker: the holder records its
 launcher, and a holder on this machine that has lost it (its parent is another process now) is
 waited for, at most ``LAUNCHER_GONE_BOUND_S``, before the job is refused.
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchtitan_lite.errors import ConfigError
-from torchtitan_lite.launcher_watch import LAUNCHER_GONE_BOUND_S, launcher_pid, orphaned
+from torchtitan_lite.run.launcher_watch import LAUNCHER_GONE_BOUND_S, launcher_pid, orphaned
 
 __all__ = ["LOCK_FILE", "DumpFolderLock"]
 

@@ -9,7 +9,7 @@ holding the job's locks and its memory. :func:`exit_with_launcher` ends such a w
 This module imports only the standard library, so that ``torchtitan_lite/train.py`` can arm the
 watch as its first statement, before the seconds that ``import torch`` and the rest take;
 :func:`~torchtitan_lite.distributed.process_group.init_distributed` arms it too (for workers that
-enter through their own script), and :mod:`torchtitan_lite.dump_lock` records the launcher beside
+enter through their own script), and :mod:`torchtitan_lite.run.dump_lock` records the launcher beside
 the lock's holder (:func:`launcher_pid`).
 """
 
@@ -42,7 +42,7 @@ LAUNCHER_GONE_BOUND_S = 2.0
 """The stated bound on how long a worker outlives its launcher (the poll, and the time to write
 one line and exit, with room for a loaded machine and for C++ code such as ``import torch``'s
 that holds the interpreter for a few tenths of a second); the tests hold it at 5 s. A new job
-into the folder of such a worker waits for its lock as long (:mod:`torchtitan_lite.dump_lock`)."""
+into the folder of such a worker waits for its lock as long (:mod:`torchtitan_lite.run.dump_lock`)."""
 
 _LAUNCHER_SIGNAL = "SIGUSR2"  # not SIGTERM/SIGUSR1/SIGINT: those are checkpoint.save_on_signals'
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

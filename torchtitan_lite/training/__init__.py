@@ -1,7 +1,7 @@
-"""A training step's parts: the runner of a micro-batch (:mod:`.runner`) and the objectives
-that run their micro-batches through it (:mod:`.objectives`; DPO's in :mod:`torchtitan_lite.dpo`)."""
+"""A training step's runner: a micro-batch (or rows with a loss of one's own) to the device,
+context parallel's share, the pipeline's schedule or the plain forward (:mod:`.runner`). The
+objectives that run their micro-batches through it are :mod:`torchtitan_lite.objectives`."""
 
-from torchtitan_lite.training.objectives import Objective, StepResult, TokenObjective
-from torchtitan_lite.training.runner import LossFn, MicroBatch, MicroBatchRunner
+from torchtitan_lite.training.runner import LossFn, MicroBatch, MicroBatchRunner, RowsLoss
 
-__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "Objective", "StepResult", "TokenObjective"]
+__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "RowsLoss"]

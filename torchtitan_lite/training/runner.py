@@ -2,28 +2,38 @@
 schedule or the plain forward, with a mixture of experts' router losses added to the loss.
 
 Every objective (:mod:`torchtitan_lite.training.objectives`, DPO's in :mod:`torchtitan_lite.dpo`)
-and validation (:mod:`torchtitan_lite.validate`) run their micro-batches through a
+and validation (:mod:`torchtitan_lite.training.validate`) run their micro-batches through a
 :class:`MicroBatchRunner`; none of them moves a batch, shards it or branches on the layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from torchtitan_lite.data.loader import MicroBatch
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.context_parallel import ContextParallel
 from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, RowsFn
-from torchtitan_lite.loss import loss_sums, output_labels
+from torchtitan_lite.loss import loss_sums, output_labels, token_logps
 from torchtitan_lite.models.moe.balance import RouterBalance
 
-__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "sequence_tokens"]
+__all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "RowsLoss", "sequence_tokens"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(logits, labels)``: a micro-batch's summed loss (a scalar)."""
+
+
+RowsLoss = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(part, logp, entropy, labels)``: rows ``part``'s share of the step's loss (a scalar),
+from their label log-probabilities (with gradient), entropies and labels ``(rows, seq)``."""
+
+
+def _row_parts(rows: int, local_batch_size: int) -> list[slice]:
+    return [slice(i, min(i + local_batch_size, rows)) for i in range(0, rows, local_batch_size)]
 
 
 def sequence_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -34,18 +44,6 @@ def sequence_tokens(labels: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(labels.shape[1], device=labels.device)
     last = torch.where(labels != IGNORE_INDEX, positions, -1).amax(dim=1)
     return positions[None, :] <= (last + 1)[:, None]
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch as the loader gives it: ``inputs`` and ``labels`` ``(rows, seq)``, the
-    document ids of packed rows (block-causal attention; None: causal), and each row's source in a
-    mixture (rows of one source next to each other; None: one source or no per-source metrics)."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    documents: torch.Tensor | None = None
-    sources: list[int] | None = None
 
 
 class MicroBatchRunner:
@@ -229,6 +227,56 @@ class MicroBatchRunner:
         for row, source in enumerate(batch.sources or []):
             counts[1 + source] += rows[row]
         return counts
+
+    # -- rows through the model with a loss of one's own (online RL, the engine) ---------------------
+
+    def rows_logps(self, inputs: torch.Tensor, labels: torch.Tensor, *, local_batch_size: int,
+                   temperature: float = 1.0, model: nn.Module | None = None) -> torch.Tensor:
+        """Each label's log-probability ``(rows, seq)`` (0 where ignored) under ``model`` (default the
+        runner's policy; e.g. a reference) at ``temperature``, ``local_batch_size`` rows per forward,
+        without gradient; whole rows on every rank (with context parallel, gathered from the ranks'
+        shares)."""
+        out = []
+        with torch.no_grad():
+            for part in _row_parts(inputs.shape[0], local_batch_size):
+                placed = self.place(MicroBatch(inputs[part], labels[part]))
+                chunks: dict[int, torch.Tensor] = {}
+
+                def keep(i: int, logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
+                         chunks: dict[int, torch.Tensor] = chunks) -> torch.Tensor:
+                    logp, _ = token_logps(logits, labels, temperature=temperature)
+                    chunks[i] = self.whole(logp.detach())
+                    return logp.sum()
+
+                self.rows_forward(placed, keep, model)  # (with a pipeline: on the last stage's ranks)
+                rows = torch.cat([chunks[i] for i in sorted(chunks)]) if chunks else torch.zeros(
+                    part.stop - part.start, inputs.shape[1], device=self.device)
+                out.append(self.stages_sum(rows))
+        return torch.cat(out)
+
+    def rows_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: RowsLoss, *,
+                      local_batch_size: int, ranks: int, temperature: float = 1.0) -> torch.Tensor:
+        """Forward and backward of this rank's rows, ``local_batch_size`` at a time: each part's label
+        log-probabilities at ``temperature`` go to ``loss_fn``, whose value's gradient accumulates
+        (times ``ranks``: FSDP averages over the data-parallel ranks, and the parts of all ranks add
+        up to the step's loss). Returns the detached sum of the parts, fp64 ``(1,)``."""
+        parts = _row_parts(inputs.shape[0], local_batch_size)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for part in parts:
+            placed = self.place(MicroBatch(inputs[part], labels[part]))
+
+            def part_loss(i: int, logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None,
+                          first: int = part.start) -> torch.Tensor:
+                # (rows i·k … of the part, k = the rows the layout runs at once: all, or a pipeline micro-batch's)
+                rows = slice(first + i * logits.shape[0], first + (i + 1) * logits.shape[0])
+                logp, entropy = token_logps(logits, labels, temperature=temperature, entropy=True)
+                assert entropy is not None
+                loss = loss_fn(rows, logp, entropy, labels)
+                total.add_(loss.detach().double())
+                return loss * ranks
+
+            self.rows_forward_backward(placed, part_loss, accumulation=len(parts), labels=labels[part])
+        return self.stages_sum(total)
 
     def _widen(self, sums: torch.Tensor) -> torch.Tensor:
         """Sums of ``(1,)`` (no sources given) to ``(1 + num_sources,)``."""

@@ -1,5 +1,5 @@
-"""Validation loss: no gradients, every rank its own windows, one reduction at the end (of
-preference pairs: DPO's loss and reward metrics)."""
+"""Validation loss: no gradients, every rank its own windows, one reduction at the end (of pairs:
+the objective's pair loss and its metrics)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from torchtitan_lite.data.windows import (
     padded_batch,
 )
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.dpo import METRICS, PreferenceObjective
 from torchtitan_lite.loss import token_loss_sum
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
@@ -37,10 +36,10 @@ class Validator:
     every rank runs the same number of forward passes (FSDP's all-gathers need every rank) and
     the loss is the exact mean over those windows.
 
-    Preference pairs (:class:`~torchtitan_lite.data.preference.PairWindows`, a window per pair,
-    or :class:`~torchtitan_lite.data.preference.PackedPairWindows`) need ``preference``, the job's
-    DPO objective: the loss is then the mean pair loss, with the means of
-    :data:`~torchtitan_lite.dpo.METRICS` as ``validation/dpo/…``.
+    Pairs (:class:`~torchtitan_lite.data.preference.PairWindows`, a window per pair, or
+    :class:`~torchtitan_lite.data.preference.PackedPairWindows`) need ``pairs``, the objective that
+    scores them (its ``evaluate(runner, batch, pairs)`` and the names of its ``metrics``): the
+    loss is then the mean pair loss, with the means of its metrics as ``validation/NAME``.
 
     Micro-batches run through ``runner`` (:class:`~torchtitan_lite.training.runner.MicroBatchRunner`:
     context parallel's share, the pipeline's forward-only schedule); the sums are reduced over
@@ -59,13 +58,13 @@ class Validator:
         steps: int,
         documents: Documents | None = None,
         group: Any = None,
-        preference: PreferenceObjective | None = None,
+        pairs: Any = None,
     ) -> None:
-        if isinstance(windows, PairWindows | PackedPairWindows) and preference is None:
-            raise ValueError("Validator: preference pairs are scored by a DPO objective: give preference")
+        if isinstance(windows, PairWindows | PackedPairWindows) and pairs is None:
+            raise ValueError("Validator: pairs are scored by the objective that trains on them: give pairs")
         self.windows = windows
         self.documents = documents  # block-causal attention over plain windows: the tokenizer's BOS/EOS
-        self.runner, self.group, self.preference = runner, group, preference
+        self.runner, self.group, self.pairs = runner, group, pairs
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -86,19 +85,20 @@ class Validator:
         was_training = model.training
         model.eval()
         pairs = isinstance(self.windows, PairWindows | PackedPairWindows)
-        totals = torch.zeros(2 + len(METRICS) if pairs else 2, dtype=torch.float64, device=device)
+        names: tuple[str, ...] = tuple(self.pairs.metrics) if pairs else ()
+        totals = torch.zeros(2 + len(names), dtype=torch.float64, device=device)
         try:
             for forward_pass in range(self.passes):
                 indices = self.rank_indices(forward_pass)
                 if pairs:  # padding pairs (or rows): every label ignored, left out of the sums
-                    assert self.preference is not None
+                    assert self.pairs is not None
                     if isinstance(self.windows, PackedPairWindows):
                         batch = MicroBatch(*padded_batch(self.windows, indices, self.local_batch_size, (None, None)))
                     else:
                         rows = [self.windows[i] for i in indices]
                         rows += [np.zeros_like(self.windows[0])] * (self.local_batch_size - len(indices))
                         batch = MicroBatch(*pair_batch(np.stack(rows)))
-                    sums, counted = self.preference.evaluate(self.runner, batch, len(indices))
+                    sums, counted = self.pairs.evaluate(self.runner, batch, len(indices))
                     totals[:-1] += sums
                     totals[-1] += counted
                     continue
@@ -116,7 +116,7 @@ class Validator:
             means = (totals[:-1] / max(counted, 1)).tolist()
             return {"validation_loss": means[0], "validation_perplexity": None,
                     "validation_pairs": counted,
-                    **{f"validation/{name}": value for name, value in zip(METRICS, means[1:], strict=True)},
+                    **{f"validation/{name}": value for name, value in zip(names, means[1:], strict=True)},
                     "validation_time_s": time.perf_counter() - start}
         loss = float(totals[0] / totals[1])
         return {

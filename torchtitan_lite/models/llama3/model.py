@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_lite.models.decoder import Decoder, apply_rotary_emb, precompute_freqs_cis, rope_bits
+from torchtitan_lite.models.spec import DecoderArgs
 
 Transformer = Decoder
 """The Llama model: the shared decoder (``Transformer`` is the name Llama code uses)."""
@@ -24,7 +25,7 @@ __all__ = ["LLAMA3_FLAVORS", "ROPE_SCALINGS", "ModelArgs", "Transformer", "apply
 
 
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(DecoderArgs):
     """Shape of a Llama-3-style model."""
 
     dim: int = 4096

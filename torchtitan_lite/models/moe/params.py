@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from torchtitan_lite.models.spec import DecoderArgs
+
 __all__ = ["MoEParams"]
 
 
-class MoEParams:
+class MoEParams(DecoderArgs):
     """Parameter counts of a decoder whose args have MoE layers (mixed into a family's args):
     ``num_params`` counts every expert, ``active_params`` the ``top_k`` routed experts a token
     goes through (what its FLOPs follow)."""

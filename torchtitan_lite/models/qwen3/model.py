@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_lite.models.decoder import Decoder
+from torchtitan_lite.models.spec import DecoderArgs
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3", "Qwen3Args", "QwenArgs"]
 
@@ -19,7 +20,7 @@ Qwen3 = Decoder
 
 
 @dataclass(frozen=True)
-class QwenArgs:
+class QwenArgs(DecoderArgs):
     """Fields and counts a Qwen shape shares; a family sets ``head_dim`` and the class constants
     ``qk_norm`` (q/k RMSNorms) and ``qkv_bias`` (q/k/v biases)."""
 

@@ -18,8 +18,6 @@ At the first step, when the policy is the reference, every score is 0: the sigmo
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,14 +26,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.data.windows import IGNORE_INDEX
-from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.distributed.lora import adapters_disabled
+from torchtitan_lite.distributed.job_shape import ObjectiveShape
+from torchtitan_lite.errors import ConfigError, Problems
 from torchtitan_lite.loss import token_losses
-from torchtitan_lite.training.objectives import StepResult
+from torchtitan_lite.objectives.base import StepResult
+from torchtitan_lite.objectives.reference import add_reference_schedules, as_reference, build_reference, reference_kind
+from torchtitan_lite.objectives.registry import ObjectiveEntry, ObjectiveParts, ObjectivePlan, PlanContext, register
 from torchtitan_lite.training.runner import MicroBatch, MicroBatchRunner
 
-__all__ = ["LOSS_TYPES", "METRICS", "DPOSetup", "PairLosses", "PreferenceObjective", "as_reference",
+__all__ = ["DPO", "LOSS_TYPES", "METRICS", "DPOEntry", "DPOSetup", "PairLosses", "PreferenceObjective",
            "counted_tokens", "dpo_losses", "packed_sequences", "per_sequence", "sequence_logps"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -116,23 +117,6 @@ def dpo_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_cho
     return PairLosses(loss, beta * chosen_scores.detach(), beta * rejected_scores.detach())
 
 
-@contextlib.contextmanager
-def as_reference(model: nn.Module, reference: nn.Module | None) -> Iterator[nn.Module]:
-    """DPO's reference model: the frozen copy ``reference``, or (None) ``model`` itself with its
-    LoRA adapters switched off for the duration. The copy's FSDP units are resharded on the way
-    out: a forward without a backward would leave some gathered (the root's, and every unit's
-    under ``reshard never``) for the rest of the step, and the copy is not needed again until the
-    next micro-batch."""
-    if reference is not None:
-        try:
-            yield reference
-        finally:
-            reshard_all(reference)
-        return
-    with adapters_disabled(model):
-        yield model
-
-
 @dataclass(frozen=True)
 class DPOSetup:
     """A job's preference tuning (``[dpo]`` on ``training.dataset = "preference"``), resolved by the plan."""
@@ -153,12 +137,15 @@ METRICS = ("dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/accuracy", "dpo/ma
 
 
 class PreferenceObjective:
-    """DPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`): every micro-batch's
+    """DPO's objective (:class:`~torchtitan_lite.objectives.base.Objective`): every micro-batch's
     chosen and rejected sequences through the policy (one forward) and through the reference (no
     gradient), the loss of each pair, its gradient scaled to the mean over the global batch's
     pairs (``global_pairs``; with packed pairs counted at each step over ``group``; FSDP averages
     gradients over the ``ranks``), and the means of :data:`METRICS` over them (summed over
     ``group``). ``loader``: a mixture's per-source counts (None: no per-source metrics)."""
+
+    metrics = METRICS
+    """What :meth:`evaluate` sums besides the loss (validation's ``validation/NAME``)."""
 
     def __init__(self, setup: DPOSetup, *, reference: nn.Module | None, ranks: int, global_pairs: int,
                  group: Any = None, loader: Any = None) -> None:
@@ -318,3 +305,93 @@ class PreferenceObjective:
             return per_pair.sum(dim=0), per_pair.shape[0]
         keep = (torch.arange(per_pair.shape[0], device=runner.device) < pairs).double()
         return (per_pair * keep[:, None]).sum(dim=0), pairs
+
+
+class DPOEntry(ObjectiveEntry):
+    """DPO's entry: on preference pairs (``[dpo]``)."""
+
+    name = "dpo"
+    section = "dpo"
+    data_kinds = frozenset({"preference"})
+
+    def check_idle(self, config: JobConfig, problems: Problems) -> None:
+        super().check_idle(config, problems)
+        v = config.validation
+        kinds = ([s.dataset for s in v.datasets] or [v.dataset]) if v.enable else []
+        problems.require("preference" not in kinds, "validation.datasets" if v.datasets else "validation.dataset",
+                         kinds, "preference pairs are validated by a DPO job (training.dataset = 'preference'); "
+                         "expected a text, token or chat source")
+
+    def plan(self, config: JobConfig, context: PlanContext) -> ObjectivePlan:
+        d, t, v = config.dpo, config.training, config.validation
+        train_kinds = [s.dataset for s in t.datasets] or [t.dataset]
+        val_kinds = ([s.dataset for s in v.datasets] or [v.dataset]) if v.enable else []
+        problems = Problems()
+        problems.require(set(train_kinds) == {"preference"}, "training.datasets" if t.datasets else "training.dataset",
+                         train_kinds, "a DPO mixture is of preference sources only: expected every dataset = "
+                         "'preference'")
+        problems.require(set(val_kinds) <= {"preference"}, "validation.datasets" if v.datasets else
+                         "validation.dataset", val_kinds, "a DPO job validates on preference pairs: expected dataset "
+                         "= 'preference'")
+        try:
+            reference = reference_kind(d.reference, lora=context.lora is not None, key="dpo.reference")
+        except ConfigError as exc:
+            problems.add(exc)
+            reference = "copy"
+        problems.require(not d.packing or config.model.attention_mask == "block_causal", "dpo.packing", d.packing,
+                         f"packed pairs attend each to itself only: needs model.attention_mask = 'block_causal' "
+                         f"(this job's is {config.model.attention_mask!r}), or expected false")
+        problems.raise_all()
+        setup = DPOSetup(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing, reference=reference,
+                         packed=d.packing)
+        # (each sample a pair of rows, chosen and rejected, or with packing a row of pairs; the
+        # reference's forward of a micro-batch before the policy's)
+        shape = ObjectiveShape(rows_per_sample=1 if d.packing else 2, reference=reference, reference_forward=True)
+        return ObjectivePlan(self, setup, shape)
+
+    def build(self, parts: ObjectiveParts) -> PreferenceObjective:
+        plan, setup = parts.plan, parts.plan.objective.setup
+        reference = build_reference(parts.config, plan, setup.reference, mesh=parts.mesh, device=parts.device,
+                                    reshard_plan=parts.reshard_plan)
+        return PreferenceObjective(setup, reference=reference, ranks=plan.token_ranks,
+                                   global_pairs=plan.global_batch_size, group=parts.mesh.tokens,
+                                   loader=parts.loader if parts.loader.named else None)
+
+    def add_forward_schedules(self, objective: Any, runner: MicroBatchRunner, parts: ObjectiveParts, *,
+                              local_batch_size: int) -> None:
+        add_reference_schedules(objective.reference, runner, parts, local_batch_size=local_batch_size)
+
+    def pair_scorer(self, objective: Any) -> PreferenceObjective:
+        return objective
+
+    def batch_text(self, plan: ObjectivePlan, local_batch_size: int) -> str:
+        return (f"{local_batch_size} rows of packed pairs" if plan.setup.packed
+                else f"{local_batch_size} pairs ({2 * local_batch_size} rows)")
+
+    def sequence_text(self, plan: ObjectivePlan) -> str:
+        return (" for a row of packed pairs (a pair's two sequences together)" if plan.setup.packed
+                else " for each of a pair's two sequences (prompt and answer)")
+
+    def step_lines(self, plan: ObjectivePlan) -> list[str]:
+        setup = plan.setup
+        rows = "its rows of whole pairs (block-causal)" if setup.packed else "each pair's chosen and rejected rows"
+        return [f"DPO ({setup.loss_type}): {rows} in one forward, after the reference's forward without gradients; "
+                "the reference is " + ("the same weights with the LoRA adapters off (no second copy)"
+                                       if setup.reference == "adapters_off" else
+                                       "a frozen copy sharded like the model (its shards counted as sharded params)")]
+
+    def console(self, record: dict[str, Any]) -> list[str]:
+        """TRL's reward metrics: accuracy, margin, the two rewards."""
+        if record.get("dpo/accuracy") is None:
+            return []
+        return [f"acc {record['dpo/accuracy']:.2f}  margin {record['dpo/margin']:.4f}  rewards "
+                f"{record['dpo/rewards_chosen']:.4f} / {record['dpo/rewards_rejected']:.4f}"]
+
+    def validation_console(self, record: dict[str, Any]) -> str | None:
+        """Preference pairs: the reward accuracy, not a perplexity."""
+        if record.get("validation/dpo/accuracy") is None:
+            return None
+        return f"val_loss {record['validation_loss']:8.4f} val_acc {record['validation/dpo/accuracy']:.2f}"
+
+
+DPO = register(DPOEntry())
