@@ -110,7 +110,7 @@ def test_the_build_order_is_written_once_and_the_pages_draw_it() -> None:
 
 
 _PATH = re.compile(r"[A-Za-z0-9_./-]+\.(?:py|toml|md|json|sh|slurm|jsonl|yaml|jinja)")
-_GENERATED = ("outputs/", "artifacts/", "data/", "assets/", "my_", "research_", "z_loss_")  # made by the examples
+_GENERATED = ("outputs/", "artifacts/", "data/", "assets/", "my_")  # made by the examples
 
 
 def _package_classes() -> dict[str, list[type]]:

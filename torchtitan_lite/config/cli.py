@@ -38,7 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["format_help", "load_job_config"]
+__all__ = ["closest_name", "format_help", "load_job_config"]
 
 
 def _edit_distance(a: str, b: str) -> int:
@@ -56,7 +56,7 @@ def _edit_distance(a: str, b: str) -> int:
     return prev[-1]
 
 
-def _close(name: str, choices: list[str]) -> str | None:
+def closest_name(name: str, choices: list[str]) -> str | None:
     """The one choice a typo of ``name`` most likely meant: at most 1 edit in names up to 11
     characters, 2 up to 17, 3 beyond; None when there is no such choice or two tie."""
     limit = 1 if len(name) <= 11 else 2 if len(name) <= 17 else 3
@@ -91,7 +91,7 @@ def _hint(name: str) -> str:
     between sections (``training.seed`` → ``debug.seed``); nothing when there are two."""
     section, _, key = name.partition(".")
     if section in _sections():
-        close = _close(key, [k.split(".", 1)[1] for k in _keys_of(section)])
+        close = closest_name(key, [k.split(".", 1)[1] for k in _keys_of(section)])
         if close is not None:
             return f"; did you mean '{section}.{close}'?"
     last = name.rsplit(".", 1)[-1]
@@ -103,7 +103,7 @@ def _hint(name: str) -> str:
         return f"; did you mean '{settings.pop()}'?"
     if section in _sections():
         return ""
-    close_section = _close(section, _sections())
+    close_section = closest_name(section, _sections())
     if close_section is not None:
         candidate = f"{close_section}.{key}"
         if candidate in _keys_of(close_section):

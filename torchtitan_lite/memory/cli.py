@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchtitan_lite.config import load_job_config
-from torchtitan_lite.config.cli import _close as _closest  # (the config's own "did you mean")
+from torchtitan_lite.config.cli import closest_name as _closest  # (the config's own "did you mean")
 from torchtitan_lite.config.schema import SECTIONS, JobConfig, field_types
 from torchtitan_lite.distributed.activation_checkpoint import describe as describe_ac
 from torchtitan_lite.distributed.fsdp import RESHARD_MODES, ReshardMode
