@@ -445,7 +445,7 @@ def test_the_cache_checks_its_steps_and_sequence_parallel_shapes(llama: torch.nn
     """The prefill takes the prompts' length, then one token per row, up to the capacity; under
     sequence parallel over 2 ranks a step of an odd number of rows (or prompt positions) is refused
     before the cache changes."""
-    from torchtitan_lite.models.decoder import KVCache
+    from torchtitan_lite.models.kv_cache import KVCache
 
     cache = KVCache(torch.ones(3, 4, dtype=torch.bool), 5)
     with pytest.raises(ValueError, match=r"the first forward takes the 4 prompt positions, got 2$"):

@@ -2,7 +2,7 @@
 
 :class:`RolloutEngine` is what an online RL objective (GRPO) asks for completions; :class:`DecoderRollouts`
 answers it with the training model itself (:meth:`~torchtitan_lite.models.decoder.Decoder.forward` with a
-:class:`~torchtitan_lite.models.decoder.KVCache`), and an inference engine (vLLM, SGLang) may take its
+:class:`~torchtitan_lite.models.kv_cache.KVCache`), and an inference engine (vLLM, SGLang) may take its
 place behind the same two methods.
 
 How a batch runs (``docs/rollouts.md``): the prompts are left-padded, each row's RoPE positions start at
@@ -52,7 +52,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.distributed.fsdp import reshard_all
-from torchtitan_lite.models.decoder import KVCache
+from torchtitan_lite.models.kv_cache import KVCache
 
 __all__ = ["Completion", "DecoderRollouts", "RolloutEngine", "SamplingParams", "filter_logits", "generation_mode",
            "sample_tokens"]

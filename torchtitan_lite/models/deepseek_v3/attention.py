@@ -39,7 +39,7 @@ things, handled as follows:
 :func:`yarn_parameters` gives the last two from the args. Parameters are created empty and
 filled by :meth:`MLAttention.init_weights`, as in :mod:`torchtitan_lite.models.decoder`.
 
-Generation: with a :class:`~torchtitan_lite.models.decoder.KVCache`, the mask :class:`MLAttention`
+Generation: with a :class:`~torchtitan_lite.models.kv_cache.KVCache`, the mask :class:`MLAttention`
 receives is a :class:`~torchtitan_lite.models.decoder.CachedAttention`, and :func:`attend` caches each
 head's expanded key (``qk_nope_head_dim + qk_rope_head_dim``, the shared rotary part repeated) and
 value (``v_head_dim``): the forward is the training one, step for step. (DeepSeek's inference code
