@@ -87,3 +87,24 @@ def test_an_objective_of_ones_own_registers_and_runs_through_the_command_line(tm
     assert weighted[0]["z_loss"] == pytest.approx(zero[0]["z_loss"], rel=1e-9)
     assert weighted[0]["loss"] == pytest.approx(token[0]["loss"] + 1e-2 * zero[0]["z_loss"], rel=1e-6)
     assert weighted[-1]["loss"] != token[-1]["loss"]
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--training.objective", "token"], "error: training.objective: invalid value 'token'; training.dataset = "
+                                        "'preference' is read by the 'dpo' objective: expected 'auto' or 'dpo'"),
+    (["--training.objective", "nope"], "error: training.objective: invalid value 'nope'; expected one of 'auto', "),
+    (["--training.objective", "json.nope"], "error: training.objective: invalid value 'json.nope'; module 'json' has "
+                                            "no objective entry 'nope' (an ObjectiveEntry instance)"),
+    (["--training.objective", "no_such_module.ENTRY"], "error: training.objective: invalid value "
+                                                       "'no_such_module.ENTRY'; its module 'no_such_module' does "
+                                                       "not import"),
+])
+def test_an_objective_that_cannot_run_the_job_is_one_line(tmp_path, capsys, extra: list[str], line: str) -> None:
+    """The shipped DPO toy with another objective named: one line, exit 2, before any process group."""
+    from tests.dist_utils import refused_lines
+
+    argv = ["--job.config_file", str(REPO_ROOT / "train_configs" / "dpo_toy.toml"), "--model.tokenizer_path",
+            str(REPO_ROOT / "tests" / "assets" / "toy_rl"), "--training.dataset_path",
+            str(REPO_ROOT / "tests" / "assets" / "toy_rl" / "pairs.jsonl"), "--job.dump_folder", str(tmp_path), *extra]
+    lines = refused_lines(argv, capsys)
+    assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -214,8 +214,16 @@ def plan_objective(config: JobConfig, context: PlanContext) -> ObjectivePlan:
     :class:`ConfigError`."""
     running = objective_for(config)
     problems = Problems()
+    t = config.training
+    kinds = {s.dataset for s in t.datasets or [t]}
     for entry in OBJECTIVES.values():
-        if entry is not running:
-            entry.check_idle(config, problems)
+        if entry is running:
+            continue
+        # (data only another objective reads: its rows are not the running objective's)
+        others = sorted((entry.data_kinds & kinds) - running.data_kinds)
+        problems.require(not others, "training.objective", t.objective,
+                         f"training.dataset = {others[0]!r} is read by the {entry.name!r} objective: expected "
+                         f"{AUTO!r} or {entry.name!r}" if others else "")
+        entry.check_idle(config, problems)
     problems.raise_all()
     return running.plan(config, context)
