@@ -468,3 +468,14 @@ def test_a_config_built_in_code_reports_its_types_and_its_rules_together() -> No
         validate_config(config)
     assert [line.split(":")[0] for line in str(refused.value).splitlines()] == ["grpo.loss_type", "grpo.temperature"]
     assert config.grpo.loss_type == "dapoo"  # (the config itself is left as it was)
+
+
+def test_a_config_file_that_fails_as_a_whole_is_its_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             ) -> None:
+    """A missing or unreadable TOML file is one line: the rules between values are not judged on
+    the defaults its values would have replaced (a total_steps below the default steps, here)."""
+    from torchtitan_lite.train import main
+
+    assert main(["--job.config_file", str(tmp_path / "nope.toml"), "--lr_scheduler.total_steps", "5"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"error: job.config_file: file not found: {str(tmp_path / 'nope.toml')!r}"], lines

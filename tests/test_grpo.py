@@ -363,6 +363,30 @@ def test_every_reward_name_that_does_not_resolve_is_a_line_with_the_plans_other_
         "error: grpo.reward_functions: invalid value 'json.no_such_function'"], lines
 
 
+def test_a_config_built_in_code_gets_the_ranges_of_its_objective_from_the_plan(tmp_path: Path) -> None:
+    """``plan_job`` on a config built in code (no ``load_job_config``, so no schema checks): the
+    GRPO plan still refuses a group of one completion, and the DPO plan a beta of 0, in one line."""
+    from torchtitan_lite.config import JobConfig
+    from torchtitan_lite.errors import ConfigError
+    from torchtitan_lite.job import plan_job
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    write_chat_tokenizer(tmp_path / "tok", "llama3")
+    config = JobConfig()
+    config.model.flavor, config.model.tokenizer_path = "tiny", str(tmp_path / "tok")
+    config.training.dataset, config.training.dataset_path = "prompts", str(prompts)
+    config.training.seq_len, config.training.local_batch_size = 64, 4
+    config.grpo.num_generations, config.grpo.max_completion_length = 1, 16
+    with pytest.raises(ConfigError, match=r"^grpo.num_generations: invalid value 1; a group needs at least 2 "):
+        plan_job(config, world_size=1)
+    from torchtitan_lite.config.schema import GRPO
+
+    config.training.dataset, config.grpo, config.dpo.beta = "preference", GRPO(), 0.0
+    with pytest.raises(ConfigError, match=r"^dpo.beta: invalid value 0.0; expected a number > 0"):
+        plan_job(config, world_size=1)
+
+
 def test_generating_under_context_parallel_is_one_line(tmp_path: Path) -> None:
     """Rollouts are generated on the training model, which context parallel splits: at context
     parallel 2 a job on prompts is refused in one line naming the key and what works (given

@@ -1,4 +1,4 @@
-"""The memory of an online RL step (``torchtitan_lite/memory/estimate.py``'s ``_rollout_step``,
+"""The memory of an online RL step (``torchtitan_lite/objectives/grpo.py``'s ``estimate_step``,
 docs/rl.md "Memory"): generation's KV cache, the log-probabilities a step keeps, the reference,
 ``auto`` and the CLI; and the estimate against the allocator's peak of real GRPO trainer steps."""
 

@@ -242,9 +242,13 @@ def objective_parts(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh:
                     reshard_plan: AutoReshardPlan | None = None,
                     rollout_engine: Callable[[], Any] | None = None) -> ObjectiveParts:
     """The parts an objective is built from (:class:`~torchtitan_lite.objectives.ObjectiveParts`):
-    these, and with a pipeline the maker of forward-only schedules over a model's stages."""
+    these, and with a pipeline the maker of forward-only schedules over a model's stages.
+    ``rollout_engine``: what gives the job's rollout engine (default: one made on ``model``, its
+    layout's, on first use)."""
     forward = None if plan.shape.pipeline is None else functools.partial(_forward_schedule, config, plan,
                                                                          mesh=mesh, device=device)
+    if rollout_engine is None:
+        rollout_engine = functools.partial(_rollout_engine, plan, model, device)
     return ObjectiveParts(config=config, plan=plan, model=model, mesh=mesh, device=device, loader=loader,
                           loss_fn=loss_fn, reshard_plan=reshard_plan, rollout_engine=rollout_engine,
                           forward_schedule=forward)
@@ -260,6 +264,15 @@ def build_objective(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh:
     return plan.objective.entry.build(objective_parts(config, plan, model, mesh=mesh, device=device, loader=loader,
                                                       loss_fn=loss_fn, reshard_plan=reshard_plan,
                                                       rollout_engine=rollout_engine))
+
+
+def _rollout_engine(plan: JobPlan, model: nn.Module, device: torch.device) -> Any:
+    """A rollout engine on ``model`` (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`)."""
+    from torchtitan_lite.rl.rollout import DecoderRollouts
+
+    tokenizer = plan.tokenizer
+    return DecoderRollouts(model, device=device, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
+                           decode=tokenizer.decode, max_batch=plan.objective.generation_batch_size or None)
 
 
 def _forward_schedule(config: JobConfig, plan: JobPlan, stages: nn.Module, local_batch_size: int, *,

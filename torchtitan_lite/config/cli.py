@@ -344,8 +344,10 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
         notes.append("float8.precompute_float8_dynamic_scale_for_fsdp has no effect without "
                      "float8.enable_fsdp_float8_all_gather")
     notes[:] = list(dict.fromkeys(notes))
+    whole_file = any(e.startswith(("job.config_file:", "unknown section")) for e in errors)
     try:
-        validate_config(config, given=given)
+        if not whole_file:  # (a file that failed as a whole: its values are missing, the rules would judge defaults)
+            validate_config(config, given=given)
     except ConfigError as exc:
         # A rule that names a key whose value was refused compared that key's default: left out.
         errors += unrelated(str(exc).splitlines(), [*toml.refused, *cli.refused])

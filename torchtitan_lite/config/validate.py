@@ -22,7 +22,7 @@ from torchtitan_lite.config.sections import (
 from torchtitan_lite.config.types import SECTIONS, coerce, field_types
 from torchtitan_lite.errors import ConfigError
 
-__all__ = ["CHAT_TEMPLATE_RESERVED", "unrelated", "validate_config"]
+__all__ = ["CHAT_TEMPLATE_RESERVED", "objective_ranges", "unrelated", "validate_config"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
     for key in ("init_timeout_seconds", "train_timeout_seconds"):
         _require(getattr(c.comm, key) >= 1, f"comm.{key}", getattr(c.comm, key), "expected an integer >= 1")
     _require(0 <= c.debug.seed < 2**63, "debug.seed", c.debug.seed, "expected 0 <= seed < 2**63")
-    _objective_ranges(c, _require)
+    objective_ranges(c, _require)
     problems[typed:] = unrelated(problems[typed:], wrong)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -256,14 +256,22 @@ def _default(cls: type, name: str) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def _objective_ranges(c: JobConfig, require: Any) -> None:
-    """The ranges of ``[dpo]`` and ``[grpo]``'s values, which need nothing but the config (what
-    needs the world size, the batch or LoRA is the job plan's)."""
+def objective_ranges(c: JobConfig, require: Any, *, sections: tuple[str, ...] = ("dpo", "grpo")) -> None:
+    """The ranges of ``[dpo]`` and ``[grpo]``'s values (``sections``), which need nothing but the
+    config (what needs the world size, the batch or LoRA is the objective's plan's, which runs
+    these too for a config built in code): ``require(ok, key, value, allowed)`` for each."""
+    if "dpo" not in sections:
+        return _grpo_ranges(c, require)
     d = c.dpo
     require(d.beta > 0, "dpo.beta", d.beta, "expected a number > 0")
     require(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", d.label_smoothing, "expected 0 <= value < 0.5")
     require(d.label_smoothing == 0 or d.loss_type == "sigmoid", "dpo.label_smoothing", d.label_smoothing,
             f"conservative DPO is a sigmoid loss (dpo.loss_type is {d.loss_type!r}): expected 0")
+    if "grpo" in sections:
+        _grpo_ranges(c, require)
+
+
+def _grpo_ranges(c: JobConfig, require: Any) -> None:
     g = c.grpo
     require(g.num_generations >= 2, "grpo.num_generations", g.num_generations,
             "a group needs at least 2 completions to compare: expected 2 or more")

@@ -38,6 +38,7 @@ class Reader(Protocol):
 
     samples_per_epoch: int | None
     packed: bool  # windows of (tokens, counted, samples) rather than plain tokens
+    unit: str  # what a sample is, in log lines (windows, pairs, prompts)
 
     def window(self, n: int, lane: int) -> np.ndarray: ...
     def positions(self) -> dict[int, list[int]]: ...

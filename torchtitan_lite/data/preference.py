@@ -1,5 +1,5 @@
 """The ``preference`` source: pairs of answers to one prompt, the chosen one preferred over the
-rejected one, for preference tuning (DPO, :mod:`torchtitan_lite.dpo`).
+rejected one, for preference tuning (DPO, :mod:`torchtitan_lite.objectives.preference`).
 
 Rows (JSON lines or Parquet, as the ``chat`` source reads them) are in TRL's preference format:
 
@@ -264,6 +264,9 @@ class PackedPairWindows(PackedWindows):
     in each, pair after pair, its chosen sequence then its rejected one, numbered as samples
     ``2k`` and ``2k + 1`` of the window (:class:`PackedWindows`' layout; the padding after them
     is sample ``2·pairs``), for block-causal attention."""
+
+    unit = "windows of pairs"
+    """What a sample of this source is, in log lines."""
 
     def __init__(self, source: PackedPairs, windows: list[list[int]], *, seq_len: int, truncation: str, cut: int,
                  dropped: int, skipped: int) -> None:

@@ -12,7 +12,7 @@ until the next all-gather), autograd saves exactly what it saves, and the loss i
 the trainer computes it (fp32 cross-entropy summed over the tokens). The figures are rank 0's;
 every rank holds the same padded shard sizes. One steady-state step is run: the optimizer
 state exists from the start, and the optimizer step runs on the shards' local tensors (see
-:class:`_LocalOptimizer`). An 8B model at 64 ranks takes a few seconds per mode.
+:class:`~torchtitan_lite.memory.fake_step.LocalOptimizer`). An 8B model at 64 ranks takes a few seconds per mode.
 
 Not modelled: the allocator (caching, fragmentation: real reserved memory is higher), the CUDA
 context and NCCL buffers; GPU kernels that save other tensors than the CPU kernels run here
@@ -65,14 +65,14 @@ from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
 from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
 from torchtitan_lite.memory.fake_step import (
-    _as_sharded_params,
-    _fake_world,
-    _gloo_all_gathers,
-    _local,
-    _LocalOptimizer,
-    _make_tracker,
-    _nbytes,
-    _OffloadedBytes,
+    LocalOptimizer,
+    OffloadedBytes,
+    as_sharded_params,
+    fake_world,
+    gloo_all_gathers,
+    local_part,
+    make_tracker,
+    nbytes,
 )
 from torchtitan_lite.memory.measure import CATEGORIES
 from torchtitan_lite.models.decoder import kernels_as_on_cuda
@@ -393,7 +393,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
     local_len = seq_len // dims.cp  # context parallel: this rank's share of each sequence
     device = torch.device("cpu")
     # (pp is the mesh's outermost dimension: this rank is the first of pipeline rank pp_rank's)
-    with _fake_world(world_size, rank=pp_rank * (world_size // dims.pp)):
+    with fake_world(world_size, rank=pp_rank * (world_size // dims.pp)):
         mesh = build_mesh(device, dims)
         # Sharding meta parameters needs no fake mode (and is much faster without it). The
         # family's own parallelize steps, as the trainer runs them (LoRA: a frozen base, only the
@@ -402,7 +402,7 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
         built = parallelize(spec, model, mesh, shape, device=device)
         unit_list = built.units
         if shape.device_type == "cpu":
-            _gloo_all_gathers(model)
+            gloo_all_gathers(model)
         # The objective's rows per sample (a pair in two rows …) and its frozen reference copy,
         # built like the model.
         objective = shape.objective_shape
@@ -428,27 +428,27 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
             if reference is not None:
                 reference.to_empty(device=device)
                 allocate_constants(reference)
-                reference_bytes = sum(_nbytes(_local(p)) for p in reference.parameters())
+                reference_bytes = sum(nbytes(local_part(p)) for p in reference.parameters())
             opt = build_optimizer(model, OptimizerConfig(name=optimizer, implementation=optimizer_implementation))
-            local_opt = _LocalOptimizer(opt)
+            local_opt = LocalOptimizer(opt)
             micro_batches = min(grad_accum_steps, 2)
             tokens_this_rank = rows * local_len * grad_accum_steps
-            offloaded = _OffloadedBytes([p for name, p in model.named_parameters() if name in offloaded_names],
+            offloaded = OffloadedBytes([p for name, p in model.named_parameters() if name in offloaded_names],
                                         local_opt) if offloaded_names else None
-            tracker = _make_tracker(model, local_opt.optimizer, offloaded)
+            tracker = make_tracker(model, local_opt.optimizer, offloaded)
             # No automatic collection inside (as in the trainer); only the young generation is
             # collected first: fake tensors hold no memory, and a full collection before each of
             # auto's estimates was a sixth of their time (the estimates are the same).
             kernels = kernels_as_on_cuda() if shape.device_type == "cuda" else contextlib.nullcontext()
             # QLoRA's 4-bit weights that FSDP leaves plain (on one rank) are not the tracker's
             # parameters: counted from the step's start like the reference copy, reported as sharded.
-            plain_nf4 = [inner for param in model.parameters() if is_nf4(param) and _local(param) is param
+            plain_nf4 = [inner for param in model.parameters() if is_nf4(param) and local_part(param) is param
                          for inner in (param.quantized_data, param.quantized_scalers, param.quantization_factor)]
-            plain_nf4_bytes = sum(_nbytes(t) for t in plain_nf4)
+            plain_nf4_bytes = sum(nbytes(t) for t in plain_nf4)
             with GarbageCollection(generation=0), tracker, kernels:
                 if reference is not None:  # (the tracker counts a tensor from the first op on it: the
                     for param in reference.parameters():  # copy's shards from the step's start)
-                        _local(param).view(-1)
+                        local_part(param).view(-1)
                 for inner in plain_nf4:
                     inner.view(-1)
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -501,10 +501,10 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                 # The tracker counts the copy's shards from its first forward on, among the
                 # activations (they are not the tracked model's): reported as sharded parameters.
                 state["reference_params"] = reference_bytes
-                categories, device_categories = (_as_sharded_params(c, reference_bytes)
+                categories, device_categories = (as_sharded_params(c, reference_bytes)
                                                  for c in (categories, device_categories))
             if plain_nf4_bytes:
-                categories, device_categories = (_as_sharded_params(c, plain_nf4_bytes)
+                categories, device_categories = (as_sharded_params(c, plain_nf4_bytes)
                                                  for c in (categories, device_categories))
             del tracker, local_opt, opt, model, reference
     return MemoryEstimate(

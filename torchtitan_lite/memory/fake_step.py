@@ -1,5 +1,5 @@
 """A training step on fake tensors, as the memory estimate runs it: a fake process group of any
-size (:func:`_fake_world`), FSDP's memory tracker with what it leaves out counted (CPU-offloaded
+size (:func:`fake_world`), FSDP's memory tracker with what it leaves out counted (CPU-offloaded
 state, optimizer state made lazily), the optimizer's twin that allocates its state before the step,
 and FSDP's all-gather as gloo runs it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,15 +17,12 @@ from torchtitan_lite.distributed.fsdp import (
 )
 from torchtitan_lite.memory.measure import by_category
 
-if TYPE_CHECKING:
-    pass
-
-
-__all__ = ["EIGHT_BIT_BLOCK"]
+__all__ = ["EIGHT_BIT_BLOCK", "EightBitTwin", "GlooAllGather", "LocalOptimizer", "OffloadedBytes", "as_sharded_params",
+           "fake_world", "gloo_all_gathers", "local_part", "make_tracker", "nbytes"]
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """A default process group of ``world_size`` fake ranks (this process is ``rank``)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -37,32 +34,32 @@ def _fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-class _OffloadedBytes:
+class OffloadedBytes:
     """The bytes of the offloaded units' state at any moment of the step: their sharded
     parameters and optimizer state (there all along) and their sharded gradients (from their
     reduce-scatter to ``zero_grad``), read from the tensors themselves."""
 
-    def __init__(self, params: list[torch.nn.Parameter], optimizer: _LocalOptimizer) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: LocalOptimizer) -> None:
         self.params = params
         locals_ = {id(param): local for param, local in optimizer.pairs}
         state = optimizer.optimizer.state
-        self.static = sum(_nbytes(_local(p)) for p in params) + sum(
-            _nbytes(value) for p in params if id(p) in locals_
+        self.static = sum(nbytes(local_part(p)) for p in params) + sum(
+            nbytes(value) for p in params if id(p) in locals_
             for value in state.get(locals_[id(p)], {}).values() if isinstance(value, torch.Tensor))
 
     def now(self) -> int:
         """Bytes on CPU now."""
-        return self.static + sum(_nbytes(_local(p.grad)) for p in self.params if p.grad is not None)
+        return self.static + sum(nbytes(local_part(p.grad)) for p in self.params if p.grad is not None)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     """A tensor's own bytes (a gradient shard is a view into its unit's reduce-scatter output:
     the storage would count the whole unit once per parameter)."""
     return tensor.numel() * tensor.element_size()
 
 
-def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  offloaded: _OffloadedBytes | None) -> Any:
+def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  offloaded: OffloadedBytes | None) -> Any:
     """An ``FSDPMemTracker`` that also records the phase of the peak and, with CPU offload, the
     device peak (total minus the offloaded units' state) and the CPU peak separately."""
     from torch.distributed._tools.fsdp2_mem_tracker import _TOTAL_KEY, FSDPMemTracker, _FSDPRefType
@@ -117,7 +114,7 @@ def _make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return _Tracker()
 
 
-class _LocalOptimizer:
+class LocalOptimizer:
     """The trainer's optimizer, stepping the shards' local tensors, with its state already made.
 
     - State: Adam's ``step``, ``exp_avg`` and ``exp_avg_sq`` exist before the tracked step, as
@@ -136,12 +133,12 @@ class _LocalOptimizer:
         for group in optimizer.param_groups:
             params = []
             for param in group["params"]:
-                local = _local(param).detach()
+                local = local_part(param).detach()
                 self.pairs.append((param, local))
                 params.append(local)
             groups.append({**group, "params": params})
         eight_bit = type(optimizer).__name__ == "AdamW8bit"
-        self.optimizer = _EightBitTwin(groups) if eight_bit else type(optimizer)(groups)
+        self.optimizer = EightBitTwin(groups) if eight_bit else type(optimizer)(groups)
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
             for local in group["params"]:
@@ -154,7 +151,7 @@ class _LocalOptimizer:
     def step(self) -> None:
         """One step on the gradients the DTensor parameters hold now."""
         for param, local in self.pairs:
-            local.grad = None if param.grad is None else _local(param.grad)
+            local.grad = None if param.grad is None else local_part(param.grad)
         self.optimizer.step()
         for _, local in self.pairs:
             local.grad = None
@@ -175,7 +172,7 @@ def _moment(local: torch.Tensor, name: str, eight_bit: bool) -> dict[str, torch.
     return {name: torch.zeros_like(local, memory_format=torch.preserve_format)}
 
 
-class _EightBitTwin(torch.optim.Optimizer):
+class EightBitTwin(torch.optim.Optimizer):
     """torchao's AdamW8bit as the estimate's fake tensors see it: its compiled step, one parameter
     at a time, dequantizes the parameter's two moments to fp32, updates and requantizes them; the
     fp32 copies of one parameter's moments are its temporaries."""
@@ -192,7 +189,7 @@ class _EightBitTwin(torch.optim.Optimizer):
                     del moments
 
 
-def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
+def as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int]:
     """``categories`` with ``nbytes`` moved from the activations to the sharded parameters (where
     the activations hold them)."""
     if categories.get("activations", 0) < nbytes:
@@ -201,7 +198,7 @@ def _as_sharded_params(categories: dict[str, int], nbytes: int) -> dict[str, int
             "sharded_params": categories["sharded_params"] + nbytes}
 
 
-def _local(tensor: Any) -> Any:
+def local_part(tensor: Any) -> Any:
     """A DTensor's local shard (sharing its storage); anything else as it is."""
     from torch.distributed.tensor import DTensor
 
@@ -213,7 +210,7 @@ def _by_category(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     return {k: v for k, v in by_category(snapshot).items() if k != "total"}
 
 
-class _GlooAllGather(AllGatherComm):
+class GlooAllGather(AllGatherComm):
     """FSDP2's all-gather as gloo runs it: gloo gathers into a buffer of its own the size of
     the output (on its worker thread), then copies it into FSDP's output and frees it. Seen in
     the allocator's trace of a pipeline rank's backward at data parallel 2 (the step's peak, one
@@ -234,6 +231,6 @@ class _GlooAllGather(AllGatherComm):
         return work
 
 
-def _gloo_all_gathers(model: torch.nn.Module) -> None:
-    """Every FSDP unit of ``model`` gathers as gloo does (:class:`_GlooAllGather`)."""
-    set_custom_all_gather(model, _GlooAllGather())
+def gloo_all_gathers(model: torch.nn.Module) -> None:
+    """Every FSDP unit of ``model`` gathers as gloo does (:class:`GlooAllGather`)."""
+    set_custom_all_gather(model, GlooAllGather())

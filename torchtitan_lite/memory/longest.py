@@ -8,7 +8,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.errors import ConfigError
@@ -20,9 +20,6 @@ from torchtitan_lite.memory.estimate import (
     job_estimate_shape,
 )
 from torchtitan_lite.memory.job_plans import DEVICE_TEXT, UsageError, plan_without_files
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["host_bytes", "longest_seq_len", "print_longest"]
 

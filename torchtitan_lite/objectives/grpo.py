@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.config.schema import JobConfig, objective_ranges
 from torchtitan_lite.data.prompts import PromptRow
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.job_shape import ObjectiveShape, RolloutShape
@@ -22,7 +22,7 @@ from torchtitan_lite.objectives.base import StepResult
 from torchtitan_lite.objectives.reference import add_reference_schedules, as_reference, build_reference, reference_kind
 from torchtitan_lite.objectives.registry import ObjectiveEntry, ObjectiveParts, ObjectivePlan, PlanContext, register
 from torchtitan_lite.rl.losses import GRPOSetup, aggregate, group_advantages, nanstd, policy_losses, sampling_weights
-from torchtitan_lite.rl.rewards import RewardFunction, metric_names
+from torchtitan_lite.rl.rewards import RewardFunction, metric_names, resolve_reward_functions
 from torchtitan_lite.rl.rollouts import (
     Rollouts,
     completion_rows,
@@ -74,7 +74,7 @@ def policy_backward(runner: MicroBatchRunner, rollouts: Rollouts, setup: GRPOSet
 
 
 class GRPOObjective:
-    """GRPO's objective (:class:`~torchtitan_lite.training.objectives.Objective`) over prompts.
+    """GRPO's objective (:class:`~torchtitan_lite.objectives.base.Objective`) over prompts.
 
     Each batch of prompts (this rank's: a list of :class:`~torchtitan_lite.data.prompts.PromptRow`)
     is answered by ``engine`` (a :class:`~torchtitan_lite.rl.rollout.RolloutEngine`) or, with given
@@ -383,15 +383,16 @@ class GRPOEntry(ObjectiveEntry):
         return super().selected(config) or config.grpo.rollouts_path is not None
 
     def plan(self, config: JobConfig, context: PlanContext) -> ObjectivePlan:
-        from torchtitan_lite.rl.rewards import resolve_reward_functions
-
         g, t, v = config.grpo, config.training, config.validation
         dims, global_batch = context.dims, context.global_batch
         kinds = [s.dataset for s in t.datasets] or [t.dataset]
         check = Problems()
+        objective_ranges(config, check.require, sections=("grpo",))  # (a config built in code: checked here)
+        check.raise_all()  # (the checks below divide by num_generations)
         check.require(set(kinds) == {"prompts"} or g.rollouts_path is not None,
-                      "training.datasets" if t.datasets else "training.dataset", kinds,
-                      "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'")
+                      "training.datasets" if t.datasets else "training.dataset", kinds if t.datasets else t.dataset,
+                      "an online RL mixture is of prompt sources only: expected every dataset = 'prompts'"
+                      if t.datasets else "online RL reads prompts: expected 'prompts', or grpo.rollouts_path")
         val_kinds = [s.dataset for s in v.datasets] or [v.dataset]
         check.require(not v.enable, "validation.enable", True,
                       f"an online RL job has no validation loss yet (its rewards in the metrics measure the policy; a "
@@ -456,11 +457,11 @@ class GRPOEntry(ObjectiveEntry):
     def build(self, parts: ObjectiveParts) -> GRPOObjective:
         """Rollouts on the model itself (the trainer's rollout engine; none with given rollouts), the
         reward functions, the reference with ``beta`` > 0."""
-        from torchtitan_lite.rl.rewards import resolve_reward_functions
-
         plan, config = parts.plan, parts.config
         setup: GRPOSetup = plan.objective.setup
         tokenizer = plan.tokenizer
+        if not setup.given and parts.rollout_engine is None:
+            raise ValueError("GRPOEntry.build: the job generates its rollouts; give parts.rollout_engine")
         engine = None if setup.given or parts.rollout_engine is None else parts.rollout_engine()
         reference = build_reference(config, plan, setup.reference, mesh=parts.mesh, device=parts.device,
                                     reshard_plan=parts.reshard_plan)

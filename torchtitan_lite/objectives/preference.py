@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_lite.config.schema import JobConfig
+from torchtitan_lite.config.schema import JobConfig, objective_ranges
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.job_shape import ObjectiveShape
 from torchtitan_lite.errors import ConfigError, Problems
@@ -327,9 +327,11 @@ class DPOEntry(ObjectiveEntry):
         train_kinds = [s.dataset for s in t.datasets] or [t.dataset]
         val_kinds = ([s.dataset for s in v.datasets] or [v.dataset]) if v.enable else []
         problems = Problems()
+        objective_ranges(config, problems.require, sections=("dpo",))  # (a config built in code: checked here)
         problems.require(set(train_kinds) == {"preference"}, "training.datasets" if t.datasets else "training.dataset",
-                         train_kinds, "a DPO mixture is of preference sources only: expected every dataset = "
-                         "'preference'")
+                         train_kinds if t.datasets else t.dataset,
+                         "a DPO mixture is of preference sources only: expected every dataset = 'preference'"
+                         if t.datasets else "DPO reads preference pairs: expected 'preference'")
         problems.require(set(val_kinds) <= {"preference"}, "validation.datasets" if v.datasets else
                          "validation.dataset", val_kinds, "a DPO job validates on preference pairs: expected dataset "
                          "= 'preference'")

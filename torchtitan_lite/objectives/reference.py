@@ -16,6 +16,7 @@ from torchtitan_lite.distributed import ParallelMesh
 from torchtitan_lite.distributed.fsdp import reshard_all
 from torchtitan_lite.distributed.lora import adapters_disabled
 from torchtitan_lite.distributed.parallelize import build_parallelized
+from torchtitan_lite.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +34,6 @@ for a LoRA job and ``copy`` otherwise."""
 def reference_kind(setting: str, *, lora: bool, key: str) -> str:
     """``setting`` (:data:`REFERENCES`) resolved for a job with or without LoRA; one
     :class:`~torchtitan_lite.errors.ConfigError` line naming ``key`` for ``adapters_off`` without it."""
-    from torchtitan_lite.errors import ConfigError
-
     if setting == "auto":
         return "adapters_off" if lora else "copy"
     if setting == "adapters_off" and not lora:
@@ -45,11 +44,11 @@ def reference_kind(setting: str, *, lora: bool, key: str) -> str:
 
 @contextlib.contextmanager
 def as_reference(model: nn.Module, reference: nn.Module | None) -> Iterator[nn.Module]:
-    """DPO's reference model: the frozen copy ``reference``, or (None) ``model`` itself with its
-    LoRA adapters switched off for the duration. The copy's FSDP units are resharded on the way
-    out: a forward without a backward would leave some gathered (the root's, and every unit's
-    under ``reshard never``) for the rest of the step, and the copy is not needed again until the
-    next micro-batch."""
+    """An objective's reference model (DPO's, online RL's KL term): the frozen copy ``reference``,
+    or (None) ``model`` itself with its LoRA adapters switched off for the duration. The copy's
+    FSDP units are resharded on the way out: a forward without a backward would leave some
+    gathered (the root's, and every unit's under ``reshard never``) for the rest of the step, and
+    the copy is not needed again until the next micro-batch."""
     if reference is not None:
         try:
             yield reference

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtitan_lite.config.schema import JobConfig
 from torchtitan_lite.distributed.job_shape import ObjectiveShape
-from torchtitan_lite.errors import ConfigError, Problems
+from torchtitan_lite.errors import ConfigError, Problems, UserCodeError
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +123,9 @@ class ObjectiveEntry:
         if changed:
             kinds = " or ".join(map(repr, sorted(self.data_kinds)))
             problems.require(False, f"{self.section}.{changed[0]}", getattr(values, changed[0]),
+                             f"[{self.section}] applies to the {self.name!r} objective, on training.dataset = "
+                             f"{kinds} (this job's is {config.training.dataset!r})"
+                             if self.selected(config) else
                              f"[{self.section}] applies to training.dataset = {kinds} (this job's is "
                              f"{config.training.dataset!r})")
 
@@ -192,10 +195,17 @@ def _resolve(name: str) -> ObjectiveEntry:
     except ImportError as exc:
         raise ConfigError(f"training.objective: invalid value {name!r}; its module {module_name!r} does not "
                           f"import ({exc})") from None
+    except Exception as exc:  # (the user's code: any error is reported as its own)
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise UserCodeError(f"training.objective: importing {module_name!r} raised {type(exc).__name__}: "
+                            f"{first}") from exc
     if not isinstance(entry, ObjectiveEntry):
         raise ConfigError(f"training.objective: invalid value {name!r}; module {module_name!r} has no objective "
                           f"entry {attribute!r} (an ObjectiveEntry instance); registered: {known}")
-    return register(entry)
+    try:
+        return register(entry)
+    except ValueError as exc:
+        raise ConfigError(f"training.objective: invalid value {name!r}; {exc}") from None
 
 
 def objective_for(config: JobConfig) -> ObjectiveEntry:
@@ -221,9 +231,20 @@ def plan_objective(config: JobConfig, context: PlanContext) -> ObjectivePlan:
             continue
         # (data only another objective reads: its rows are not the running objective's)
         others = sorted((entry.data_kinds & kinds) - running.data_kinds)
-        problems.require(not others, "training.objective", t.objective,
-                         f"training.dataset = {others[0]!r} is read by the {entry.name!r} objective: expected "
-                         f"{AUTO!r} or {entry.name!r}" if others else "")
-        entry.check_idle(config, problems)
+        if others and t.objective == AUTO:  # (data of two objectives: the mixture is the mistake)
+            problems.require(False, "training.datasets" if t.datasets else "training.dataset",
+                             sorted(kinds) if t.datasets else t.dataset,
+                             f"{others[0]!r} is read by the {entry.name!r} objective and the rest by the "
+                             f"{running.name!r} one: expected sources of one objective")
+        elif others:
+            problems.require(False, "training.objective", t.objective,
+                             f"training.dataset = {others[0]!r} is read by the {entry.name!r} objective: expected "
+                             f"{AUTO!r} or {entry.name!r}")
+        else:
+            entry.check_idle(config, problems)
+    try:
+        planned = running.plan(config, context)
+    except ConfigError as exc:  # (with the others' problems: one report)
+        problems.add(exc)
     problems.raise_all()
-    return running.plan(config, context)
+    return planned

@@ -1,7 +1,7 @@
 """The one runner of a micro-batch: to the device, context parallel's share, then the pipeline's
 schedule or the plain forward, with a mixture of experts' router losses added to the loss.
 
-Every objective (:mod:`torchtitan_lite.training.objectives`, DPO's in :mod:`torchtitan_lite.dpo`)
+Every objective (:mod:`torchtitan_lite.objectives`)
 and validation (:mod:`torchtitan_lite.training.validate`) run their micro-batches through a
 :class:`MicroBatchRunner`; none of them moves a batch, shards it or branches on the layout.
 """
