@@ -52,6 +52,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from torchtitan_lite.distributed.fsdp import reshard_all
+from torchtitan_lite.models.decoder import Decoder
 from torchtitan_lite.models.kv_cache import KVCache
 
 __all__ = ["Completion", "DecoderRollouts", "RolloutEngine", "SamplingParams", "filter_logits", "generation_mode",
@@ -183,15 +184,15 @@ class DecoderRollouts:
 
     def __init__(self, model: nn.Module, *, device: torch.device, pad_id: int, group: ProcessGroup | None = None,
                  decode: Callable[[list[int]], str] | None = None, max_batch: int | None = None) -> None:
-        if getattr(model, "context_parallel", None) is not None:
+        if not isinstance(model, Decoder):  # (what it reads below, the Decoder declares)
+            raise ValueError(f"DecoderRollouts: {type(model).__name__} is not a Decoder (no forward with a KV cache)")
+        if model.context_parallel is not None:
             raise ValueError("DecoderRollouts: the model is context parallel, which generation does not support; "
                              "build the rollout model with context_parallel_degree = 1")
-        if getattr(model, "pipeline_stages", None) is not None:
+        if model.pipeline_stages is not None:
             raise ValueError("DecoderRollouts: the model is split into pipeline stages, which generation does not "
                              "support; build the rollout model with pipeline_parallel_degree = 1")
-        args = getattr(model, "args", None)
-        if args is None or not hasattr(model, "forward_cached"):
-            raise ValueError(f"DecoderRollouts: {type(model).__name__} is not a Decoder (no forward with a KV cache)")
+        args = model.args
         if not 0 <= pad_id < args.vocab_size:
             raise ValueError(f"DecoderRollouts: pad_id={pad_id} is not a token of the {args.vocab_size}-token "
                              "vocabulary")
@@ -205,7 +206,7 @@ class DecoderRollouts:
         self.group = group
         self.decode = decode
         self.max_batch = max_batch
-        self.shards = int(getattr(model, "sequence_shards", 1))
+        self.shards = model.sequence_shards
         """The ranks sequence parallel splits a step over: rows and prompt positions are padded to a multiple."""
 
     @classmethod
