@@ -17,10 +17,8 @@ is ``F.cross_entropy``, which inductor fuses itself.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,8 +27,8 @@ from torch import nn
 
 from torchtitan_lite.data.windows import IGNORE_INDEX
 
-__all__ = ["is_token_losses", "linear_token_losses", "loss_sums", "output_labels", "tile_output", "token_logps",
-           "token_loss_sum", "token_losses"]
+__all__ = ["is_token_losses", "linear_token_losses", "loss_sums", "tile_output", "token_logps", "token_loss_sum",
+           "token_losses"]
 
 _CHUNK_ELEMENTS = 1 << 20
 """Elements of one chunk of rows on a CPU (4 MiB in fp32): its temporaries stay in cache."""
@@ -276,8 +274,7 @@ def is_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> bool:
 
 @functools.cache
 def _tiled_output_class(cls: type[nn.Module]) -> type[nn.Module]:
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        labels = self._tiled_labels
+    def forward(self: nn.Module, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:  # (no labels given: the logits, e.g. for generation)
             return super(subclass, self).forward(x)
         return linear_token_losses(x, self.weight, labels)
@@ -288,29 +285,13 @@ def _tiled_output_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 def tile_output(model: nn.Module) -> None:
     """``training.tiled_loss``: ``model.output`` (a bias-free linear) returns each label's loss
-    (:func:`linear_token_losses`) in place of the logits while :func:`output_labels` gives it the
-    labels; in place (the class is swapped: names, state dict and FSDP's hooks unchanged), before
-    ``fully_shard``."""
+    (:func:`linear_token_losses`) in place of the logits when it is given the labels as an argument
+    (the decoder's ``forward(..., labels=...)`` hands them to it); in place (the class is swapped:
+    names, state dict and FSDP's hooks unchanged), before ``fully_shard``."""
     output = getattr(model, "output", None)
     if not isinstance(output, nn.Linear) or output.bias is not None:
         raise ValueError(f"tiled loss: {type(model).__name__}.output is not a bias-free nn.Linear")
     output.__class__ = _tiled_output_class(type(output))
-    output._tiled_labels = None
-
-
-@contextlib.contextmanager
-def output_labels(model: nn.Module, labels: torch.Tensor | None) -> Iterator[None]:
-    """Within: a model whose output layer :func:`tile_output` tiled returns each of ``labels``'
-    losses in place of logits (nothing changes for another model, or for ``labels`` None)."""
-    output = getattr(model, "output", None)
-    if not hasattr(output, "_tiled_labels") or labels is None:
-        yield
-        return
-    output._tiled_labels = labels
-    try:
-        yield
-    finally:
-        output._tiled_labels = None
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,

@@ -294,7 +294,8 @@ def build_runner(config: JobConfig, plan: JobPlan, built: Parallelized, *, mesh:
                               balance=None if forward_only else balance)
     return MicroBatchRunner(built.model, device=device, context_parallel=built.context_parallel,
                             pipeline=None if forward_only else pipeline, evaluation=pipeline if forward_only else None,
-                            router_balance=None if forward_only else balance, num_sources=num_sources)
+                            router_balance=None if forward_only else balance, num_sources=num_sources,
+                            tiled_loss=plan.shape.tiled_loss)
 
 
 def build_pipeline(config: JobConfig, plan: JobPlan, model: nn.Module, *, mesh: ParallelMesh, device: torch.device,

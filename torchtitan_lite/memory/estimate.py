@@ -63,7 +63,7 @@ from torchtitan_lite.distributed.pipeline_parallel import (
 from torchtitan_lite.distributed.tensor_parallel import tensor_parallel_problem
 from torchtitan_lite.dtypes import dtype_name
 from torchtitan_lite.gc_control import GarbageCollection
-from torchtitan_lite.loss import output_labels, token_loss_sum, token_losses
+from torchtitan_lite.loss import token_loss_sum, token_losses
 from torchtitan_lite.memory.fake_step import (
     LocalOptimizer,
     OffloadedBytes,
@@ -477,11 +477,11 @@ def _estimate_uncached(spec: ModelSpec, args: Any, shape: JobShape, pp_rank: int
                     # (block-causal off CUDA: the document ids, and the tiles of attention they make)
                     docs = (inputs,) if shape.block_causal and shape.device_type != "cuda" else ()
                     tracker.track_inputs((inputs, labels))
+                    tiled = {"labels": labels} if shape.tiled_loss else {}  # (each label's loss, tiled)
                     if objective.reference_forward:  # the reference's forward first, as the objective's step runs it
-                        with torch.no_grad(), as_reference(model, reference) as ref, output_labels(ref, labels):
-                            token_loss_sum(ref(inputs, *docs), labels)
-                    with output_labels(model, labels):  # (training.tiled_loss: each label's loss, tiled)
-                        token_loss = token_loss_sum(model(inputs, *docs), labels)
+                        with torch.no_grad(), as_reference(model, reference) as ref:
+                            token_loss_sum(ref(inputs, *docs, **tiled), labels)
+                    token_loss = token_loss_sum(model(inputs, *docs, **tiled), labels)
                     (token_loss / tokens_this_rank).backward()
                     loss_sum += token_loss.detach().double()
                     del inputs, labels, token_loss, tables

@@ -467,10 +467,13 @@ class Decoder(nn.Module):
                 self.tok_embeddings.weight = self.output.weight
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, *,
-                stage: int | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                stage: int | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens``; with ``stage`` (pipeline parallel) that stage's part only: from
         the tokens, or the hidden states of the stage before, to the logits, or the hidden states
-        the next stage takes. With ``cache`` (generation): see :meth:`forward_cached`."""
+        the next stage takes. With ``cache`` (generation): see :meth:`forward_cached`. ``labels``:
+        handed to the output layer, for one that computes each label's loss in place of the logits
+        (``training.tiled_loss``: the output layer tiled by the loss's ``tile_output``)."""
         if cache is not None:
             return self.forward_cached(tokens, cache)
         cp = self.context_parallel
@@ -494,7 +497,7 @@ class Decoder(nn.Module):
             h = layer(h, rope, mask)
         if part is not None and not part.last:
             return h
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if labels is None else self.output(self.norm(h), labels)
 
     def forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One step of generation through ``cache`` (a :class:`KVCache`): ``tokens`` the

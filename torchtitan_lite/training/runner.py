@@ -18,7 +18,7 @@ from torchtitan_lite.data.loader import MicroBatch
 from torchtitan_lite.data.windows import IGNORE_INDEX
 from torchtitan_lite.distributed.context_parallel import ContextParallel
 from torchtitan_lite.distributed.pipeline_parallel import PipelineRunner, RowsFn
-from torchtitan_lite.loss import loss_sums, output_labels, token_logps
+from torchtitan_lite.loss import loss_sums, token_logps
 from torchtitan_lite.models.moe.balance import RouterBalance
 
 __all__ = ["LossFn", "MicroBatch", "MicroBatchRunner", "RowsLoss", "sequence_tokens"]
@@ -56,9 +56,11 @@ class MicroBatchRunner:
 
     def __init__(self, model: nn.Module, *, device: torch.device, context_parallel: ContextParallel | None = None,
                  pipeline: PipelineRunner | None = None, evaluation: PipelineRunner | None = None,
-                 router_balance: RouterBalance | None = None, num_sources: int = 0) -> None:
-        """``num_sources``: the sources of a mixture, for the per-source sums (0: none)."""
-        self.model, self.device = model, device
+                 router_balance: RouterBalance | None = None, num_sources: int = 0, tiled_loss: bool = False) -> None:
+        """``num_sources``: the sources of a mixture, for the per-source sums (0: none);
+        ``tiled_loss``: the model's output layer takes the labels and returns each one's loss
+        (``training.tiled_loss``), so the labels go with the inputs."""
+        self.model, self.device, self.tiled_loss = model, device, tiled_loss
         self.context_parallel, self.pipeline, self.evaluation = context_parallel, pipeline, evaluation
         self.reference: tuple[nn.Module, PipelineRunner] | None = None
         """With a pipeline, another model's stages (a frozen reference copy) and their forward-only
@@ -111,13 +113,14 @@ class MicroBatchRunner:
     def logits(self, batch: MicroBatch, model: nn.Module | None = None) -> torch.Tensor:
         """The logits of a placed ``batch`` (:meth:`place`) by ``model`` (default: the runner's;
         e.g. a frozen reference), without a pipeline (its stages hold parts of the model); with
-        ``training.tiled_loss``, each label's loss in their place (``loss.output_labels``)."""
+        ``training.tiled_loss``, each label's loss in their place (the labels handed to it)."""
         if self.pipeline is not None or self.evaluation is not None:
             raise ValueError("MicroBatchRunner.logits: the pipeline's stages hold parts of the model; "
                              "run micro-batches through forward_backward or evaluate")
         model = self.model if model is None else model
-        with output_labels(model, batch.labels):  # (training.tiled_loss: each label's loss, not the logits)
-            return model(batch.inputs) if batch.documents is None else model(batch.inputs, batch.documents)
+        given = {"labels": batch.labels} if self.tiled_loss else {}
+        return model(batch.inputs, **given) if batch.documents is None else model(batch.inputs, batch.documents,
+                                                                                   **given)
 
     def add_forward_schedules(self, *, evaluation: PipelineRunner | None,
                               reference: tuple[nn.Module, PipelineRunner] | None) -> None:
