@@ -109,7 +109,8 @@ def _stub_estimates(monkeypatch: pytest.MonkeyPatch, peak_of: Any) -> list[int]:
         estimated.append(shape.seq_len)
         return _estimate(peak=int(peak_of(shape.seq_len)))
 
-    monkeypatch.setattr(longest, "estimate_memory", stub)
+    monkeypatch.setattr(longest, "estimate_memory", stub)  # (the search's)
+    monkeypatch.setattr(cli, "estimate_memory", stub)  # (the table's)
     return estimated
 
 
