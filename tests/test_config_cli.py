@@ -479,3 +479,12 @@ def test_a_config_file_that_fails_as_a_whole_is_its_one_line(tmp_path: Path, cap
     assert main(["--job.config_file", str(tmp_path / "nope.toml"), "--lr_scheduler.total_steps", "5"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"error: job.config_file: file not found: {str(tmp_path / 'nope.toml')!r}"], lines
+
+
+def test_help_says_which_sources_on_bad_row_covers() -> None:
+    """``training.on_bad_row`` covers every row source and names the line that is not JSON."""
+    from torchtitan_lite.config import format_help
+
+    text = " ".join(format_help().split())
+    assert "For chat, preference and prompts data (and grpo.rollouts_path): a row that cannot be used (a line that " \
+           "is not JSON" in text
