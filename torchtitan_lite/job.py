@@ -301,8 +301,7 @@ def plan_job(config: JobConfig, *, world_size: int, local_world_size: int | None
     offload = "all" if t.enable_cpu_offload else p.cpu_offload
     sharded = world_size > 1 or offload != "none"  # (FSDP shards the model; else the plain model)
     lora = _lora_plan(config, spec, model_args, dims, sharded=sharded, reshard_mode=reshard_mode)
-    objective = plan_objective(config, PlanContext(dims=dims, lora=lora, global_batch=global_batch,
-                                                   seq_len=t.seq_len))
+    objective = plan_objective(config, PlanContext(dims=dims, lora=lora, global_batch=global_batch))
     notes += objective.notes
     pipeline = _pipeline_plan(config, dims, model_args, lora=lora)
     if pipeline is not None and pipeline.splits_backward:

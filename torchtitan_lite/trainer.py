@@ -490,14 +490,9 @@ class Trainer:
     @property
     def rollout_engine(self) -> Any:
         """The job's rollout engine (:class:`~torchtitan_lite.rl.rollout.DecoderRollouts`): the model
-        as it trains generates on its own layout, the runner's; built once, on first use."""
+        the runner runs generates on its own layout; built once, on first use."""
         if self._rollout_engine is None:
-            from torchtitan_lite.rl.rollout import DecoderRollouts
-
-            tokenizer = self.plan.tokenizer
-            self._rollout_engine = DecoderRollouts.from_runner(
-                self.runner, pad_id=tokenizer.eos_id if tokenizer.eos_id is not None else 0,
-                decode=tokenizer.decode, max_batch=self.plan.objective.generation_batch_size or None)
+            self._rollout_engine = _rollout_engine(self.plan, self.runner.model, self.device)
         return self._rollout_engine
 
     def train_step(self) -> dict[str, float]:

@@ -137,6 +137,7 @@ class _Layer:
     values: dict[str, tuple[str, Any]] = field(default_factory=dict)  # our key -> (name as given, value)
     hf_assets: str | None = None  # TorchTitan's model.hf_assets_path, as given
     refused: list[str] = field(default_factory=list)  # the names whose value (or name) was refused
+    incomplete: bool = False  # the file or one of its sections was not read: values are missing
 
     def read(self, name: str, raw: Any, *, from_cli: bool, errors: list[str], notes: list[str]) -> None:
         """Check ``name = raw`` and record what it sets; problems go to ``errors`` (and the name to
@@ -344,9 +345,8 @@ def load_job_config(argv: list[str] | None = None, *, notes: list[str] | None = 
         notes.append("float8.precompute_float8_dynamic_scale_for_fsdp has no effect without "
                      "float8.enable_fsdp_float8_all_gather")
     notes[:] = list(dict.fromkeys(notes))
-    whole_file = any(e.startswith(("job.config_file:", "unknown section")) for e in errors)
     try:
-        if not whole_file:  # (a file that failed as a whole: its values are missing, the rules would judge defaults)
+        if not toml.incomplete:  # (values of the file are missing: the rules would judge defaults)
             validate_config(config, given=given)
     except ConfigError as exc:
         # A rule that names a key whose value was refused compared that key's default: left out.
@@ -378,6 +378,7 @@ def _flatten(table: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
 def _read_toml(path: Path, errors: list[str], notes: list[str]) -> _Layer:
     where = f"'{path}'"
     layer = _Layer(where)
+    layer.incomplete = True  # (until the file is read)
     if not path.is_file():
         errors.append(f"job.config_file: file not found: {str(path)!r}")
         return layer
@@ -386,10 +387,12 @@ def _read_toml(path: Path, errors: list[str], notes: list[str]) -> _Layer:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         errors.append(f"job.config_file: {str(path)!r} is not valid TOML: {exc}")
         return layer
+    layer.incomplete = False
     for section, values in data.items():
         if section not in _sections():
             errors.append(f"unknown section [{section}] in {where}{_hint(section + '.')} "
                           f"(sections: {', '.join(SECTIONS)})")
+            layer.incomplete = True
             continue
         if not isinstance(values, dict):
             errors.append(f"{where}: '{section}' must be a [section] table, got {values!r}")

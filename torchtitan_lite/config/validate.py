@@ -20,7 +20,7 @@ from torchtitan_lite.config.sections import (
     lora_settings_problem,
 )
 from torchtitan_lite.config.types import SECTIONS, coerce, field_types
-from torchtitan_lite.errors import ConfigError
+from torchtitan_lite.errors import ConfigError, Problems
 
 __all__ = ["CHAT_TEMPLATE_RESERVED", "objective_ranges", "unrelated", "validate_config"]
 
@@ -71,11 +71,8 @@ def validate_config(c: JobConfig, *, given: Collection[str] = ()) -> None:
     """Raise :class:`ConfigError` for every value or combination that is not allowed: one line
     each, naming the key. Reads the config only; never changes it. ``given``: the keys
     (``section.key``) a file or the command line set, which count as set even at their default."""
-    problems: list[str] = []
-
-    def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-        if not ok:
-            problems.append(f"{key}: invalid value {value!r}; {allowed}")
+    check = Problems()
+    problems, _require = check.lines, check.require
 
     # Types and enums already ran on load; run them again for configs built in code. A value of
     # the wrong type is reported, and the rules below (which compare values of the right types)

@@ -49,10 +49,7 @@ from torchtitan_lite.memory.estimate import (
     size_text,
     where_text,
 )
-from torchtitan_lite.memory.job_plans import DEVICE_TEXT as _DEVICE_TEXT
-from torchtitan_lite.memory.job_plans import DEVICE_TYPES, plan_without_files
-from torchtitan_lite.memory.job_plans import UsageError as _UsageError
-from torchtitan_lite.memory.job_plans import data_not_here as _data_not_here
+from torchtitan_lite.memory.job_plans import DEVICE_TEXT, DEVICE_TYPES, UsageError, data_not_here, plan_without_files
 from torchtitan_lite.memory.longest import host_bytes, print_longest
 from torchtitan_lite.progress import Progress, log_to_stderr
 
@@ -144,7 +141,7 @@ _OPTIONS: dict[str, _Option] = {
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit 2 through main()
-        raise _UsageError(message)
+        raise UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,9 +253,9 @@ def _json_path(text: str | None) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise _UsageError(f"--json: cannot create the folder of {text!r}: {exc.strerror or exc}") from None
+        raise UsageError(f"--json: cannot create the folder of {text!r}: {exc.strerror or exc}") from None
     if path.is_dir() or not os.access(path.parent, os.W_OK):
-        raise _UsageError(f"--json: cannot write {text!r}")
+        raise UsageError(f"--json: cannot write {text!r}")
     return path
 
 
@@ -374,14 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         json_path = None
         try:
             json_path = _json_path(own["json"])
-        except _UsageError as exc:
+        except UsageError as exc:
             errors.append(str(exc))
         try:
             config = load_job_config(rest)
         except ConfigError as exc:
             errors += str(exc).splitlines()
         if errors:  # every mistake of the command line at once, before any estimate
-            raise _UsageError("\n".join(dict.fromkeys(errors)))
+            raise UsageError("\n".join(dict.fromkeys(errors)))
         device_bytes, device_source = _device_memory(own["device_memory_gib"], device_type)
         host = _host_memory(own["host_memory_gib"])
         plan, vocab_note = plan_without_files(config, world_size=world_size, local_world_size=ranks_per_node,
@@ -478,7 +475,7 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         print(f"note: {note}")
     print(f"{config.model.name} {config.model.flavor}: {model_args.num_params() / 1e9:.2f}B parameters, "
           f"vocab {model_args.vocab_size}; {world_size} ranks ({ranks_per_node} per node) "
-          f"{_DEVICE_TEXT[plan.shape.device_type]}: dp_replicate "
+          f"{DEVICE_TEXT[plan.shape.device_type]}: dp_replicate "
           f"{dims.dp_replicate} × dp_shard {dims.dp_shard}"
           + (f" × context parallel {dims.cp} ({plan.shape.context_parallel_method}: each rank holds "
              f"{plan.shape.seq_len // dims.cp} tokens of every sequence)" if dims.cp > 1 else "")
@@ -493,7 +490,7 @@ def _print_job(config: JobConfig, plan: JobPlan, vocab_note: str | None, *, worl
         print(_pipeline_text(plan.shape.pipeline, t.local_batch_size))
     if vocab_note is not None:
         print(vocab_note)
-    for absent in _data_not_here(config):
+    for absent in data_not_here(config):
         print(absent)
     batch = plan.objective.entry.batch_text(plan.objective, t.local_batch_size)
     accum = plan.shape.grad_accum_steps

@@ -93,6 +93,7 @@ class GRPOObjective:
         self.local_batch_size, self.seq_len, self.pad_id, self.stop_ids = local_batch_size, seq_len, pad_id, stop_ids
         self.vocab_size = vocab_size
         self.decode, self.seed, self.dp_rank = decode, seed, dp_rank
+        self.reward_names = metric_names(rewards)  # (their metrics' names, TRL's)
         self.rollouts: Rollouts | None = None
         self.batches_made = 0  # rollout batches made (the generation seed of the next)
         self.alike_batches = 0  # batches in a row whose every group scored its completions alike
@@ -139,7 +140,7 @@ class GRPOObjective:
                                 dtype=torch.float32), names
         return score_completions(self.rewards, prompts, completions, num_generations=s.num_generations,
                                  decode=self.decode, max_completion_length=s.max_completion_length), \
-            metric_names(self.rewards)
+            self.reward_names
 
     def _gather(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``x`` of every data-parallel rank, concatenated in rank order (equal shapes)."""

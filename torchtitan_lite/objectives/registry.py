@@ -46,13 +46,12 @@ DPO; prompts: GRPO), else the token loss."""
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What an objective's plan may read besides the config: the job's degrees, its LoRA, the
-    global batch (samples over all ranks) and its sequences' length."""
+    """What an objective's plan may read besides the config: the job's degrees, its LoRA and the
+    global batch (samples over all ranks)."""
 
     dims: ParallelDims
     lora: LoRASetup | None
     global_batch: int
-    seq_len: int
 
 
 @dataclass(frozen=True)

@@ -209,17 +209,6 @@ class DecoderRollouts:
         self.shards = model.sequence_shards
         """The ranks sequence parallel splits a step over: rows and prompt positions are padded to a multiple."""
 
-    @classmethod
-    def from_runner(cls, runner: Any, *, pad_id: int, decode: Callable[[list[int]], str] | None = None,
-                    max_batch: int | None = None) -> DecoderRollouts:
-        """The engine of a job's :class:`~torchtitan_lite.training.runner.MicroBatchRunner`: its
-        model on its device and layout (a runner that splits sequences over context-parallel ranks,
-        or the model over pipeline stages, generates nothing: a ``ValueError``)."""
-        if runner.context_parallel is not None or runner.pipeline is not None:
-            raise ValueError("DecoderRollouts: the job's model is split over context-parallel ranks or pipeline "
-                             "stages, which generation does not support")
-        return cls(runner.model, device=runner.device, pad_id=pad_id, decode=decode, max_batch=max_batch)
-
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing: this engine generates with the training model, whose weights are the new ones."""
 
